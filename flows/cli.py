@@ -1,0 +1,203 @@
+"""The `kiln` command line: run the pipeline or one stage, inspect config, keys and the store.
+
+Config and environment are resolved before Prefect is imported, because Prefect reads
+`PREFECT_HOME` at import time and Kiln keeps it inside the run's working directory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import yaml
+
+from tasks.config import KilnConfig, load_config
+from tasks.errors import KilnError
+
+DEFAULT_CONFIG = "configs/default.yaml"
+
+_EPILOG = """\
+examples:
+  kiln run                                   the default tiny pipeline (configs/default.yaml) on CPU
+  kiln run configs/default.yaml train.run.steps=500 sweep.lrs=[1e-3,3e-3]
+  kiln run --until tokenize                  only the data stages
+  kiln stage train                           one stage (its inputs must be complete)
+  kiln status                                which stages are complete for this config
+  kiln config --keys                         the resolved config and every stage key
+  kiln ui                                    how to open the MLflow and Prefect UIs
+
+Overrides are dotted keys (section.key=value, YAML values). Every output lands in the
+working directory (work_dir, default ./kiln-work): the store, MLflow's database and
+artifacts, and PREFECT_HOME.
+"""
+
+
+def _split_args(args: list[str]) -> tuple[str | None, list[str]]:
+    config = None
+    overrides = []
+    for arg in args:
+        if "=" not in arg and config is None and arg.endswith((".yaml", ".yml")):
+            config = arg
+        elif "=" in arg:
+            overrides.append(arg)
+        else:
+            raise KilnError(f"argument {arg!r} is neither a config file (*.yaml) nor an override (key=value)")
+    if config is None and Path(DEFAULT_CONFIG).is_file():
+        config = DEFAULT_CONFIG
+    return config, overrides
+
+
+def _load(ns: argparse.Namespace) -> tuple[KilnConfig, str | None, list[str]]:
+    config_path, overrides = _split_args(ns.args)
+    if getattr(ns, "work_dir", None):
+        overrides.append(f"work_dir={ns.work_dir}")
+    return load_config(config_path, overrides), config_path, overrides
+
+
+def _prefect_quiet():
+    from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
+
+    # Heartbeats detect crashed runs under a worker; local runs would spend ~1 s per subflow joining them.
+    return temporary_settings({PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None})
+
+
+def _ui_hint(cfg: KilnConfig) -> str:
+    work = Path(cfg.work_dir).resolve()
+    return (
+        "where to look next:\n"
+        f"  outputs    {cfg.store_root.resolve()}/<stage>/<key>/  (kiln status lists them)\n"
+        f"  MLflow UI  mlflow ui --backend-store-uri {cfg.tracking_uri} --port 5000   → http://127.0.0.1:5000\n"
+        f"  Prefect UI PREFECT_HOME={work / 'prefect'} prefect server start --host 127.0.0.1   → http://127.0.0.1:4200\n"
+        f"  plots      {cfg.store_root.resolve()}/fit/*/scaling.png, validate/*/scaling.png"
+    )
+
+
+def cmd_run(ns: argparse.Namespace) -> int:
+    cfg, config_path, overrides = _load(ns)
+    from flows.environment import prepare_environment
+
+    prepare_environment(cfg)
+    from flows.pipeline import pipeline, summary_table
+
+    started = time.perf_counter()
+    print(f"kiln: running {config_path or 'defaults'} in {Path(cfg.work_dir).resolve()}", file=sys.stderr)
+    with _prefect_quiet():
+        outcomes = pipeline(config_path, overrides, ns.until)
+    print(summary_table(outcomes))
+    cached = sum(o["status"] == "cached" for o in outcomes)
+    print(f"\n{len(outcomes)} stages ({cached} cached) in {time.perf_counter() - started:.1f}s\n")
+    print(_ui_hint(cfg))
+    return 0
+
+
+def cmd_stage(ns: argparse.Namespace) -> int:
+    cfg, config_path, overrides = _load(ns)
+    from flows.environment import prepare_environment
+
+    prepare_environment(cfg)
+    from flows.pipeline import summary_table
+    from flows.stages import STAGE_FLOWS
+
+    if ns.name not in STAGE_FLOWS:
+        raise KilnError(f"unknown stage {ns.name!r}; stages are: {', '.join(STAGE_FLOWS)}")
+    with _prefect_quiet():
+        outcome = STAGE_FLOWS[ns.name](config_path, overrides)
+    print(summary_table([outcome]))
+    return 0
+
+
+def cmd_config(ns: argparse.Namespace) -> int:
+    cfg, _, _ = _load(ns)
+    print(yaml.safe_dump(cfg.to_dict(), sort_keys=False, allow_unicode=True), end="")
+    if ns.keys:
+        from tasks.graph import stage_keys
+
+        print("\n# stage keys")
+        print(yaml.safe_dump(stage_keys(cfg), sort_keys=False), end="")
+    return 0
+
+
+def cmd_status(ns: argparse.Namespace) -> int:
+    cfg, _, _ = _load(ns)
+    from tasks.graph import STAGES, stage_keys
+    from tasks.store import Store
+
+    store = Store(cfg.store_root)
+    keys = stage_keys(cfg)
+    print(f"store: {store.root.resolve()}")
+    for spec in STAGES:
+        key = keys[spec.name]
+        if store.is_complete(spec.name, key):
+            manifest = store.manifest(spec.name, key)
+            headline = ", ".join(f"{k}={v}" for k, v in manifest["stats"].get("headline", {}).items())
+            state = f"complete  {manifest['wall_s']:6.1f}s  {headline}"
+        elif store.partial_path(spec.name, key).exists():
+            state = "partial (an attempt crashed or is running; the next run resumes or redoes it)"
+        else:
+            state = "missing"
+        print(f"  {spec.name:<14} {key}  {state}")
+    if ns.json:
+        print(json.dumps(keys, indent=2))
+    return 0
+
+
+def cmd_ui(ns: argparse.Namespace) -> int:
+    cfg, _, _ = _load(ns)
+    print(_ui_hint(cfg))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kiln", formatter_class=argparse.RawDescriptionHelpFormatter, epilog=_EPILOG,
+        description="Kiln: an end-to-end LLM pretraining pipeline (collect → clean → dedup → decontaminate → "
+                    "tokenize → sweep → fit → mix → validate → train → anneal → evaluate) on Prefect and MLflow.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def add(name: str, help_text: str, func, first: tuple[str, str] | None = None) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=help_text, description=help_text,
+                           formatter_class=argparse.RawDescriptionHelpFormatter, epilog=_EPILOG)
+        if first:
+            p.add_argument(first[0], help=first[1])
+        p.add_argument("args", nargs="*", metavar="[CONFIG.yaml] [key=value ...]",
+                       help=f"a config file (default {DEFAULT_CONFIG}) and dotted overrides, e.g. train.run.steps=100")
+        p.add_argument("--work-dir", help="working directory for the store, MLflow and Prefect (overrides work_dir)")
+        p.set_defaults(func=func)
+        return p
+
+    run = add("run", "Run the pipeline; stages whose outputs are complete are reused (cached).", cmd_run)
+    run.add_argument("--until", metavar="STAGE", help="stop after this stage (e.g. tokenize)")
+    add("stage", "Run one stage as its own Prefect flow; its inputs must already be complete.", cmd_stage,
+        first=("name", "the stage name (kiln status lists them)"))
+    config = add("config", "Print the resolved config (file + overrides + defaults).", cmd_config)
+    config.add_argument("--keys", action="store_true", help="also print every stage's key")
+    status = add("status", "Show each stage's key and whether its output is complete in the store.", cmd_status)
+    status.add_argument("--json", action="store_true", help="also print the keys as JSON")
+    add("ui", "Print the commands that open the MLflow and Prefect UIs on this run's stores.", cmd_ui)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    ns = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        return ns.func(ns)
+    except KilnError as error:
+        print(f"kiln: error: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("kiln: interrupted; completed stages are kept and the next run resumes after them", file=sys.stderr)
+        return 130
+    except Exception:
+        traceback.print_exc()
+        print("kiln: failed (traceback above). Completed stages are kept; fix the cause and rerun.", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,47 @@
+"""The base class of every config section, and the marker for runtime-only fields.
+
+A section's *identity* (what goes into a stage key) is every field except those marked
+`runtime_field`: settings like worker counts or log levels change how a stage runs,
+never what it produces, so they must never change an output's address.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+_RUNTIME = "kiln_runtime"
+
+
+class Section(BaseModel):
+    """A frozen config section that rejects unknown keys."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    def identity(self) -> dict[str, Any]:
+        """The fields that define this section's outputs (runtime fields dropped), recursively."""
+        out: dict[str, Any] = {}
+        for name, field in type(self).model_fields.items():
+            extra = field.json_schema_extra
+            if isinstance(extra, dict) and extra.get(_RUNTIME):
+                continue
+            out[name] = _identity_of(getattr(self, name))
+        return out
+
+
+def _identity_of(value: Any) -> Any:
+    if isinstance(value, Section):
+        return value.identity()
+    if isinstance(value, BaseModel):
+        return value.model_dump(mode="json")
+    if isinstance(value, (list, tuple)):
+        return [_identity_of(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): _identity_of(v) for k, v in value.items()}
+    return value
+
+
+def runtime_field(default: Any = ..., **kwargs: Any) -> Any:
+    """A field that changes how a stage runs but not what it outputs: excluded from keys."""
+    return Field(default, json_schema_extra={_RUNTIME: True}, **kwargs)

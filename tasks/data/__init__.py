@@ -1,0 +1,1 @@
+"""Kiln data work: plain functions, no orchestration."""

@@ -1,0 +1,84 @@
+"""The document record every data stage reads and writes, as JSON lines.
+
+One record per line: `{"id", "text", "source", "domain", "licence", "metadata"}`. Stages
+stream these files rather than holding a corpus in memory, and write removed or
+quarantined records beside their output with a `reason`, so nothing is lost silently.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, TextIO
+
+DOCUMENTS_FILE = "documents.jsonl"
+REMOVED_FILE = "removed.jsonl"
+QUARANTINE_FILE = "quarantine.jsonl"
+
+
+@dataclass
+class Document:
+    id: str
+    text: str
+    source: str
+    domain: str
+    licence: str
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), ensure_ascii=False)
+
+    @classmethod
+    def from_dict(cls, record: dict[str, Any]) -> Document:
+        return cls(
+            id=str(record["id"]),
+            text=record["text"],
+            source=record["source"],
+            domain=record["domain"],
+            licence=record["licence"],
+            metadata=dict(record.get("metadata") or {}),
+        )
+
+
+def read_documents(path: Path) -> Iterator[Document]:
+    """Stream documents written by a previous Kiln stage (trusted format: errors are bugs)."""
+    with open(path, encoding="utf-8") as handle:
+        for line in handle:
+            if line.strip():
+                yield Document.from_dict(json.loads(line))
+
+
+def write_documents(path: Path, documents: Iterable[Document]) -> int:
+    """Write documents as JSON lines; returns how many were written."""
+    count = 0
+    with open(path, "w", encoding="utf-8") as handle:
+        for doc in documents:
+            handle.write(doc.to_json() + "\n")
+            count += 1
+    return count
+
+
+class ReasonLog:
+    """Appends records that left the stream (removed or quarantined) with the reason why."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self._handle: TextIO | None = None
+
+    def add(self, reason: str, record: dict[str, Any]) -> None:
+        if self._handle is None:
+            self._handle = open(self.path, "w", encoding="utf-8")
+        self._handle.write(json.dumps({"reason": reason, **record}, ensure_ascii=False) + "\n")
+
+    def close(self) -> None:
+        if self._handle is not None:
+            self._handle.close()
+            self._handle = None
+
+    def __enter__(self) -> ReasonLog:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,1 @@
+"""Kiln evals work: plain functions, no orchestration."""

@@ -1,0 +1,61 @@
+"""What produced a run: code version, package versions and hardware, for manifests and MLflow."""
+
+from __future__ import annotations
+
+import os
+import platform
+import subprocess
+from functools import lru_cache
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+_PACKAGES = ("kiln", "torch", "prefect", "mlflow", "datatrove", "datasketch", "fasttext-numpy2-wheel",
+             "lm-eval", "tokenizers", "numpy")
+_REPO = Path(__file__).resolve().parent.parent
+
+
+def _git(*args: str) -> str | None:
+    try:
+        result = subprocess.run(["git", *args], cwd=_REPO, capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return result.stdout.strip() if result.returncode == 0 else None
+
+
+@lru_cache(maxsize=1)
+def code_version() -> dict[str, Any]:
+    """The git SHA and whether the working tree has uncommitted changes ('unknown' outside git)."""
+    sha = _git("rev-parse", "HEAD")
+    status = _git("status", "--porcelain", "--untracked-files=no")
+    return {"git_sha": sha or "unknown", "git_dirty": bool(status) if status is not None else None}
+
+
+@lru_cache(maxsize=1)
+def package_versions() -> dict[str, str]:
+    versions = {}
+    for name in _PACKAGES:
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            versions[name] = "not installed"
+    return versions
+
+
+@lru_cache(maxsize=1)
+def hardware() -> dict[str, Any]:
+    import torch
+
+    info: dict[str, Any] = {
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "cpu_count": os.cpu_count(),
+        "cuda_devices": torch.cuda.device_count(),
+    }
+    if torch.cuda.is_available():
+        info["cuda_device_name"] = torch.cuda.get_device_name(0)
+    return info
+
+
+def provenance() -> dict[str, Any]:
+    return {"code": code_version(), "packages": package_versions(), "hardware": hardware()}

@@ -1,0 +1,1 @@
+"""Kiln scaling work: plain functions, no orchestration."""

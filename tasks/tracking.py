@@ -1,0 +1,101 @@
+"""MLflow tracking for Kiln: the only module that imports mlflow.
+
+One run per stage run (a child of the pipeline's run), one grandchild per proxy run. Runs are
+addressed by id through `MlflowClient` rather than MLflow's thread-local "active run", so
+Prefect may run stages in any thread without runs leaking into each other.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import mlflow
+from mlflow.data.filesystem_dataset_source import FileSystemDatasetSource
+from mlflow.data.meta_dataset import MetaDataset
+from mlflow.entities import DatasetInput, InputTag, Metric, Param, RunTag
+from mlflow.tracking import MlflowClient
+
+_MAX_PARAM_VALUE = 6000
+_BATCH = 1000
+
+
+def flatten(data: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
+    """Nested config → `a.b.c: value` strings (lists as JSON), as MLflow params."""
+    flat: dict[str, str] = {}
+    for key, value in data.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping) and value:
+            flat.update(flatten(value, name + "."))
+        else:
+            text = value if isinstance(value, str) else json.dumps(value, sort_keys=True, default=str)
+            flat[name] = text[:_MAX_PARAM_VALUE]
+    return flat
+
+
+class Tracker:
+    """Creates and records runs in one MLflow experiment at `uri`."""
+
+    def __init__(self, uri: str, experiment: str, artifact_root: Path | None = None):
+        self.uri = uri
+        self.client = MlflowClient(tracking_uri=uri)
+        found = self.client.get_experiment_by_name(experiment)
+        if found is None:
+            location = artifact_root.resolve().as_uri() if artifact_root else None
+            self.experiment_id = self.client.create_experiment(experiment, artifact_location=location)
+        else:
+            self.experiment_id = found.experiment_id
+
+    def start_run(self, name: str, *, parent_id: str | None = None, tags: Mapping[str, Any] | None = None,
+                  params: Mapping[str, Any] | None = None) -> str:
+        run_tags = {k: str(v) for k, v in (tags or {}).items()}
+        if parent_id:
+            run_tags["mlflow.parentRunId"] = parent_id
+        run = self.client.create_run(self.experiment_id, run_name=name, tags=run_tags)
+        if params:
+            self.log_params(run.info.run_id, params)
+        return run.info.run_id
+
+    def end_run(self, run_id: str, *, failed: bool = False) -> None:
+        self.client.set_terminated(run_id, "FAILED" if failed else "FINISHED")
+
+    def log_params(self, run_id: str, params: Mapping[str, Any]) -> None:
+        items = [Param(k, v) for k, v in flatten(params).items()]
+        for start in range(0, len(items), 100):
+            self.client.log_batch(run_id, params=items[start:start + 100])
+
+    def set_tags(self, run_id: str, tags: Mapping[str, Any]) -> None:
+        self.client.log_batch(run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()])
+
+    def log_metrics(self, run_id: str, metrics: Mapping[str, float], step: int | None = None) -> None:
+        now = int(time.time() * 1000)
+        items = [Metric(k.replace("/", "."), float(v), now, step or 0) for k, v in metrics.items()
+                 if isinstance(v, (int, float)) and not isinstance(v, bool)]
+        for start in range(0, len(items), _BATCH):
+            self.client.log_batch(run_id, metrics=items[start:start + _BATCH])
+
+    def log_input(self, run_id: str, name: str, digest: str, uri: Path, context: str = "input") -> None:
+        """Record a stage input as an MLflow dataset whose digest is the input stage's key."""
+        dataset = MetaDataset(source=FileSystemDatasetSource(uri.resolve().as_uri()), name=name, digest=digest)
+        entry = DatasetInput(dataset._to_mlflow_entity(), tags=[InputTag("mlflow.data.context", context)])
+        self.client.log_inputs(run_id, datasets=[entry])
+
+    def log_artifact(self, run_id: str, path: Path, artifact_path: str | None = None) -> None:
+        if path.is_dir():
+            self.client.log_artifacts(run_id, str(path), artifact_path)
+        elif path.is_file():
+            self.client.log_artifact(run_id, str(path), artifact_path)
+
+    def log_dict(self, run_id: str, data: dict[str, Any], artifact_file: str) -> None:
+        self.client.log_dict(run_id, data, artifact_file)
+
+    def run_url_hint(self, run_id: str) -> str:
+        return f"experiment {self.experiment_id}, run {run_id}"
+
+
+def configure_default(uri: str) -> None:
+    """Point MLflow's process-wide default at Kiln's store (never the library's cwd default)."""
+    mlflow.set_tracking_uri(uri)

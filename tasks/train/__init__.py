@@ -1,0 +1,1 @@
+"""Kiln train work: plain functions, no orchestration."""

@@ -1,0 +1,68 @@
+"""Which config changes move which stage keys: outputs are addressed by what made them."""
+
+import pytest
+
+from tasks.config import load_config
+from tasks.graph import STAGE_NAMES, downstream_of, stage_keys
+
+
+@pytest.fixture(scope="module")
+def base_keys():
+    return stage_keys(load_config("configs/default.yaml"))
+
+
+def changed(base_keys, *overrides):
+    keys = stage_keys(load_config("configs/default.yaml", list(overrides)))
+    return [s for s in STAGE_NAMES if keys[s] != base_keys[s]]
+
+
+def test_keys_are_deterministic(base_keys):
+    assert stage_keys(load_config("configs/default.yaml")) == base_keys
+
+
+def test_minhash_threshold_moves_dedup_and_everything_downstream(base_keys):
+    assert changed(base_keys, "dedup.threshold=0.7") == downstream_of("dedup")
+    assert downstream_of("dedup")[:3] == ["dedup", "decontaminate", "tokenize"]
+    assert "collect" not in downstream_of("dedup") and "clean" not in downstream_of("dedup")
+
+
+@pytest.mark.parametrize("override", [
+    "clean.num_workers=7", "dedup.num_workers=3", "sweep.num_workers=1", "tracking.uri=sqlite:///elsewhere.db",
+    "log_level=DEBUG", "work_dir=/tmp/other", "train.run.checkpoint_every=7", "train.run.log_every=1",
+    "evaluate.batch_size=2", "cluster.executor=slurm", "store.root=/tmp/store",
+])
+def test_runtime_settings_move_no_key(base_keys, override):
+    assert changed(base_keys, override) == []
+
+
+@pytest.mark.parametrize("override,first", [
+    ("clean.language_threshold=0.5", "clean"),
+    ("tokenize.vocab_size=2048", "tokenize"),
+    ("sweep.lrs=[0.002]", "sweep"),
+    ("train.run.steps=301", "mix"),
+    ("train.optim.weight_decay=0.0", "train"),
+    ("anneal.steps=10", "anneal"),
+    ("evaluate.limit=5", "evaluate"),
+])
+def test_identity_settings_move_their_stage_and_downstream(base_keys, override, first):
+    moved = changed(base_keys, override)
+    assert moved[0] == first
+    assert set(moved) <= set(downstream_of(first))
+
+
+def test_eval_suite_moves_decontamination(base_keys, tmp_path):
+    other = tmp_path / "eval.jsonl"
+    other.write_text('{"text": "a different benchmark"}\n')
+    moved = changed(base_keys, f"evaluate.eval_files=[{other}]")
+    assert moved[0] == "decontaminate" and "evaluate" in moved
+
+
+def test_source_content_moves_collect(base_keys, tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.txt").write_text("one text")
+    override = f"collect.sources=[{{name: s, path: {src}, format: txt, domain: prose, licence: MIT}}]"
+    first = stage_keys(load_config("configs/default.yaml", [override]))
+    (src / "a.txt").write_text("another text")
+    second = stage_keys(load_config("configs/default.yaml", [override]))
+    assert first["collect"] != second["collect"] and first["clean"] != second["clean"]

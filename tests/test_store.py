@@ -1,0 +1,34 @@
+"""The store: atomic commits, incomplete folders never read, resumable partials."""
+
+import json
+
+from tasks.store import MANIFEST_FILE, Store, stage_key
+
+
+def test_commit_is_atomic_and_manifest_last(tmp_path):
+    store = Store(tmp_path)
+    out = store.begin("clean", "abc")
+    (out / "documents.jsonl").write_text("{}\n")
+    assert not store.is_complete("clean", "abc")
+    assert not store.path("clean", "abc").exists()  # nothing visible before commit
+    final = store.commit("clean", "abc", {"stats": {"num_in": 1}})
+    assert store.is_complete("clean", "abc")
+    assert (final / "documents.jsonl").read_text() == "{}\n"
+    assert json.loads((final / MANIFEST_FILE).read_text())["stats"] == {"num_in": 1}
+    assert not store.partial_path("clean", "abc").exists()
+
+
+def test_crashed_attempt_is_cleared_unless_resumable(tmp_path):
+    store = Store(tmp_path)
+    (store.begin("clean", "k") / "half.jsonl").write_text("partial")
+    assert not (store.begin("clean", "k") / "half.jsonl").exists()  # a non-resumable stage starts clean
+    (store.begin("train", "k", resumable=True) / "checkpoints").mkdir()
+    assert (store.begin("train", "k", resumable=True) / "checkpoints").is_dir()  # training keeps its checkpoints
+
+
+def test_key_depends_on_identity_inputs_and_version():
+    base = stage_key("dedup", {"threshold": 0.8}, {"clean": "aaa"}, 1)
+    assert base == stage_key("dedup", {"threshold": 0.8}, {"clean": "aaa"}, 1)
+    assert base != stage_key("dedup", {"threshold": 0.7}, {"clean": "aaa"}, 1)
+    assert base != stage_key("dedup", {"threshold": 0.8}, {"clean": "bbb"}, 1)
+    assert base != stage_key("dedup", {"threshold": 0.8}, {"clean": "aaa"}, 2)
