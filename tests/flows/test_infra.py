@@ -1,0 +1,32 @@
+"""Launch files render and point at real flows: every stage and the pipeline has a deployment."""
+
+import importlib
+from pathlib import Path
+
+import yaml
+from prefect import Flow
+
+from tasks.graph import STAGE_NAMES
+
+INFRA = Path(__file__).resolve().parents[2] / "infra"
+
+
+def test_every_stage_and_the_pipeline_is_deployable():
+    spec = yaml.safe_load((INFRA / "prefect.yaml").read_text())
+    deployments = {d["name"]: d for d in spec["deployments"]}
+    assert set(deployments) == {"pipeline", *STAGE_NAMES}
+    for name, deployment in deployments.items():
+        module, attr = deployment["entrypoint"].split(":")
+        target = getattr(importlib.import_module(module.removesuffix(".py").replace("/", ".")), attr)
+        assert isinstance(target, Flow), f"{name}: {deployment['entrypoint']} is not a Prefect flow"
+        assert deployment["work_pool"]["name"] == "kiln-process"
+        assert set(deployment["parameters"]) <= set(target.parameters.properties)
+
+
+def test_compose_services_share_the_database():
+    compose = yaml.safe_load((INFRA / "compose.yaml").read_text())
+    assert set(compose["services"]) == {"postgres", "prefect", "mlflow"}
+    prefect_db = compose["services"]["prefect"]["environment"]["PREFECT_API_DATABASE_CONNECTION_URL"]
+    assert prefect_db.startswith("postgresql+asyncpg://") and "@postgres:5432/" in prefect_db
+    assert "postgresql://" in compose["services"]["mlflow"]["command"]
+    assert "CREATE DATABASE mlflow" in (INFRA / "postgres-init.sql").read_text()
