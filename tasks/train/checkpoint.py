@@ -1,0 +1,89 @@
+"""Training checkpoints on local disk: atomic writes, verified reads, pruning.
+
+A checkpoint is `checkpoints/step_{step:07d}/` holding `state.pt` and a `COMPLETE` marker that
+records the state file's SHA-256. It is written under a temporary name, the marker last, and
+then renamed into place, so a crash never leaves a directory that looks complete. On reading,
+a checkpoint without a marker or whose bytes no longer match it is skipped for the one before.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+
+STATE_FILE = "state.pt"
+MARKER = "COMPLETE"
+PREFIX = "step_"
+TMP_PREFIX = ".tmp_"
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def checkpoint_dir(root: Path, step: int) -> Path:
+    return root / f"{PREFIX}{step:07d}"
+
+
+def _steps_on_disk(root: Path) -> list[int]:
+    """Steps of every step_* directory under root, newest first (complete or not)."""
+    if not root.is_dir():
+        return []
+    steps = [int(p.name[len(PREFIX) :]) for p in root.iterdir() if p.is_dir() and p.name.startswith(PREFIX)]
+    return sorted(steps, reverse=True)
+
+
+def save_checkpoint(root: Path, step: int, state: dict[str, Any], keep: int) -> Path:
+    """Write `state` as the checkpoint for `step`, then delete all but the newest `keep`."""
+    root.mkdir(parents=True, exist_ok=True)
+    final = checkpoint_dir(root, step)
+    tmp = root / f"{TMP_PREFIX}{final.name}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    torch.save(state, tmp / STATE_FILE)
+    marker = {"step": step, "sha256": {STATE_FILE: _sha256(tmp / STATE_FILE)}}
+    with (tmp / MARKER).open("w") as f:
+        json.dump(marker, f)
+        f.flush()
+        os.fsync(f.fileno())
+    if final.exists():
+        # a corrupt checkpoint for this step was skipped on resume; this one replaces it
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    for old in _steps_on_disk(root)[keep:]:
+        shutil.rmtree(checkpoint_dir(root, old))
+    return final
+
+
+def _verified(path: Path) -> bool:
+    marker = path / MARKER
+    if not marker.is_file():
+        return False
+    try:
+        expected = json.loads(marker.read_text())["sha256"]
+    except (json.JSONDecodeError, KeyError, TypeError):
+        return False
+    return all((path / name).is_file() and _sha256(path / name) == digest for name, digest in expected.items())
+
+
+def load_latest_checkpoint(root: Path) -> tuple[int, dict[str, Any]] | None:
+    """(step, state) of the newest intact checkpoint under root, or None when there is none."""
+    for step in _steps_on_disk(root):
+        path = checkpoint_dir(root, step)
+        if not _verified(path):
+            warnings.warn(f"checkpoint {path} is incomplete or corrupt; trying an earlier one", stacklevel=2)
+            continue
+        return step, torch.load(path / STATE_FILE, map_location="cpu", weights_only=True)
+    return None

@@ -1,0 +1,105 @@
+"""Config sections for training: the model's shape, the optimizer and schedule, and one run's budget.
+
+`vocab_size` is deliberately absent from `ModelConfig`: it belongs to the tokenizer, so it is
+read from the mixture manifest and passed to `build_model` alongside the config.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal, TypeVar
+
+from pydantic import Field, model_validator
+
+from tasks.configbase import Section, runtime_field
+
+FFN_MULTIPLE = 32  # SwiGLU hidden width is rounded up to this, for matmul-friendly shapes
+
+S = TypeVar("S", bound=Section)
+
+
+def revalidated(section: S) -> S:
+    """`section` checked again: `model_copy(update=...)` (how sweeps vary a setting) skips validation."""
+    return type(section).model_validate(section.model_dump())
+
+
+class ModelConfig(Section):
+    """A decoder-only transformer's shape (Llama-style: RMSNorm, RoPE, SwiGLU)."""
+
+    d_model: int = Field(128, gt=0)
+    n_layers: int = Field(4, gt=0)
+    n_heads: int = Field(4, gt=0)
+    ffn_multiplier: float = Field(8 / 3, gt=0)
+    max_seq_len: int = Field(256, gt=0)
+    rope_theta: float = Field(10000.0, gt=0)
+    tie_embeddings: bool = True
+    qk_norm: bool = False
+    norm_eps: float = Field(1e-5, gt=0)
+
+    @model_validator(mode="after")
+    def _check_heads(self) -> ModelConfig:
+        if self.d_model % self.n_heads:
+            raise ValueError(
+                f"model.d_model={self.d_model} is not divisible by model.n_heads={self.n_heads}: "
+                "choose n_heads that divides d_model (each head gets d_model // n_heads dims)"
+            )
+        if self.head_dim % 2:
+            raise ValueError(
+                f"model.d_model // model.n_heads = {self.head_dim} is odd: RoPE rotates dimension "
+                "pairs, so pick d_model and n_heads giving an even head size"
+            )
+        return self
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    @property
+    def ffn_hidden(self) -> int:
+        """SwiGLU hidden width: ffn_multiplier * d_model rounded up to a multiple of 32."""
+        # round() first so float noise (8/3 * 96 = 255.99999...) cannot bump a whole multiple
+        raw = round(self.ffn_multiplier * self.d_model, 6)
+        return max(FFN_MULTIPLE, math.ceil(raw / FFN_MULTIPLE) * FFN_MULTIPLE)
+
+
+class OptimConfig(Section):
+    """AdamW and the learning-rate schedule (see `tasks.train.schedule`)."""
+
+    lr: float = Field(3e-3, gt=0)
+    weight_decay: float = Field(0.1, ge=0)
+    beta1: float = Field(0.9, ge=0, lt=1)
+    beta2: float = Field(0.95, ge=0, lt=1)
+    eps: float = Field(1e-8, gt=0)
+    grad_clip: float = Field(1.0, ge=0)  # 0 disables clipping (the norm is still reported)
+    schedule: Literal["cosine", "wsd", "linear", "constant"] = "cosine"
+    warmup_steps: int = Field(10, ge=0)
+    min_lr_ratio: float = Field(0.1, ge=0, le=1)
+    decay_fraction: float = Field(0.2, ge=0, le=1)  # wsd: last fraction of steps decays to min_lr
+
+
+class TrainRunConfig(Section):
+    """One training run's budget and runtime settings.
+
+    `batch_size` is the micro-batch (rows per forward pass); one optimizer step sees
+    `batch_size * grad_accum` rows of `seq_len` tokens per rank.
+    """
+
+    steps: int = Field(200, gt=0)
+    batch_size: int = Field(16, gt=0)
+    seq_len: int = Field(128, gt=0)
+    grad_accum: int = Field(1, gt=0)
+    seed: int = Field(0, ge=0)
+    eval_batches: int = Field(8, gt=0)  # fixed validation windows per domain
+    checkpoint_every: int = runtime_field(100, gt=0)
+    keep_checkpoints: int = runtime_field(2, gt=0)
+    log_every: int = runtime_field(10, gt=0)
+    device: str = runtime_field("cpu")
+    num_threads: int | None = runtime_field(None, gt=0)
+
+    def check_fits(self, model: ModelConfig) -> None:
+        """Raise ValueError when this run's sequences are longer than the model supports."""
+        if self.seq_len > model.max_seq_len:
+            raise ValueError(
+                f"train.seq_len={self.seq_len} exceeds model.max_seq_len={model.max_seq_len}: "
+                "lower seq_len or raise max_seq_len"
+            )

@@ -1,0 +1,204 @@
+"""Training and validation batches drawn from a mixture manifest's memory-mapped token shards.
+
+A shard is a raw little-endian array of token ids (documents concatenated, each followed by
+`eos_id`). A domain's shards are read as one concatenated stream. Training batches are a pure
+function of (seed, step, row): each global row gets its own numpy Generator, so a resumed run
+sees exactly the data it would have seen, and the same global batch is produced whatever the
+world size (rank r of w owns rows r*B .. r*B+B-1).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from tasks.errors import InputError
+
+MANIFEST_FORMAT = 1
+WEIGHT_TOLERANCE = 1e-6
+
+
+@dataclass(frozen=True)
+class DomainSource:
+    """One domain's sampling weight and its train / validation shard files."""
+
+    weight: float
+    train: tuple[Path, ...]
+    val: tuple[Path, ...]
+
+
+@dataclass(frozen=True)
+class Mixture:
+    """Domains to sample from, with the token dtype and vocabulary they were written with."""
+
+    domains: dict[str, DomainSource]
+    dtype: str
+    vocab_size: int
+    eos_id: int
+
+    @classmethod
+    def from_manifest(cls, manifest_path: Path, root: Path) -> Mixture:
+        """Read a mix manifest; shard paths in it are relative to `root`."""
+        try:
+            raw = json.loads(manifest_path.read_text())
+        except FileNotFoundError:
+            raise InputError(f"{manifest_path}: mixture manifest not found; run the mix stage first") from None
+        except json.JSONDecodeError as e:
+            raise InputError(f"{manifest_path}: not valid JSON ({e}); re-run the mix stage") from None
+
+        def need(obj: dict, key: str, where: str) -> object:
+            if key not in obj:
+                raise InputError(f"{manifest_path}: missing key {where}{key!r}; re-run the mix stage")
+            return obj[key]
+
+        if need(raw, "format", "") != MANIFEST_FORMAT:
+            raise InputError(
+                f"{manifest_path}: manifest format {raw['format']!r} is not {MANIFEST_FORMAT}; "
+                "re-run the mix stage with this version of Kiln"
+            )
+        dtype = str(need(raw, "dtype", ""))
+        try:
+            np.dtype(dtype)
+        except TypeError:
+            raise InputError(f"{manifest_path}: 'dtype' {dtype!r} is not a numpy dtype") from None
+        domains_raw = need(raw, "domains", "")
+        if not isinstance(domains_raw, dict) or not domains_raw:
+            raise InputError(f"{manifest_path}: 'domains' must be a non-empty mapping of domain -> shards")
+
+        domains: dict[str, DomainSource] = {}
+        for name, d in domains_raw.items():
+            where = f"domains.{name}."
+            weight = float(need(d, "weight", where))
+            if weight < 0:
+                raise InputError(f"{manifest_path}: {where}weight is {weight}; weights must be >= 0")
+            shards = {}
+            for split in ("train", "val"):
+                paths = tuple(root / p for p in need(d, split, where))
+                for p in paths:
+                    if not p.is_file():
+                        raise InputError(
+                            f"{manifest_path}: {where}{split} shard {p} does not exist "
+                            f"(paths are relative to {root}); re-run the tokenize stage or fix the root"
+                        )
+                shards[split] = paths
+            if weight > 0 and not shards["train"]:
+                raise InputError(f"{manifest_path}: {where}train is empty but the domain has weight {weight}")
+            domains[name] = DomainSource(weight=weight, train=shards["train"], val=shards["val"])
+
+        total = sum(d.weight for d in domains.values())
+        if abs(total - 1.0) > WEIGHT_TOLERANCE:
+            weights = ", ".join(f"{n}={d.weight}" for n, d in domains.items())
+            raise InputError(f"{manifest_path}: domain weights sum to {total:.6g}, not 1 ({weights}); fix the mix")
+        return cls(
+            domains=domains,
+            dtype=dtype,
+            vocab_size=int(need(raw, "vocab_size", "")),
+            eos_id=int(need(raw, "eos_id", "")),
+        )
+
+
+@lru_cache(maxsize=512)
+def _memmap(path: str, dtype: str, size: int, mtime_ns: int) -> np.ndarray:
+    # size and mtime are part of the cache key so a rewritten file is never served stale
+    if size == 0:
+        return np.zeros(0, dtype=dtype)
+    return np.memmap(path, dtype=dtype, mode="r")
+
+
+class _Stream:
+    """A domain's shards read as one concatenated token array, without copying."""
+
+    def __init__(self, paths: tuple[Path, ...], dtype: str) -> None:
+        self.parts = []
+        for p in paths:
+            st = os.stat(p)
+            if st.st_size % np.dtype(dtype).itemsize:
+                raise InputError(f"{p}: size {st.st_size} bytes is not a whole number of {dtype} tokens")
+            self.parts.append(_memmap(str(p), dtype, st.st_size, st.st_mtime_ns))
+        self.ends = np.cumsum([len(a) for a in self.parts], dtype=np.int64)
+        self.num_tokens = int(self.ends[-1]) if self.parts else 0
+
+    def window(self, start: int, length: int) -> np.ndarray:
+        """Tokens [start, start + length) of the stream, as int64."""
+        i = int(np.searchsorted(self.ends, start, side="right"))
+        begin = start - (int(self.ends[i - 1]) if i else 0)
+        first = self.parts[i][begin : begin + length]
+        if len(first) == length:
+            return first.astype(np.int64)
+        pieces, have = [first], len(first)
+        while have < length:  # the window runs across a shard boundary
+            i += 1
+            piece = self.parts[i][: length - have]
+            pieces.append(piece)
+            have += len(piece)
+        return np.concatenate(pieces).astype(np.int64)
+
+
+def _train_streams(mixture: Mixture) -> tuple[list[str], np.ndarray, list[_Stream]]:
+    names = [n for n, d in mixture.domains.items() if d.weight > 0]
+    weights = np.array([mixture.domains[n].weight for n in names], dtype=np.float64)
+    cdf = np.cumsum(weights) / weights.sum()
+    return names, cdf, [_Stream(mixture.domains[n].train, mixture.dtype) for n in names]
+
+
+def batch_for_step(
+    mixture: Mixture, seed: int, step: int, rank: int, world_size: int, batch_size: int, seq_len: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inputs and next-token targets, each LongTensor [batch_size, seq_len], for one rank at one step.
+
+    Pure: depends only on the arguments and the shard contents. Each row picks a domain by weight
+    (zero-weight domains never), then a uniformly random window of seq_len + 1 tokens in it.
+    """
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is outside world_size {world_size}")
+    names, cdf, streams = _train_streams(mixture)
+    for name, stream in zip(names, streams):
+        if stream.num_tokens < seq_len + 1:
+            raise InputError(
+                f"domain {name!r} has {stream.num_tokens} train tokens, fewer than one window of "
+                f"seq_len + 1 = {seq_len + 1}; give it weight 0 or more data"
+            )
+    rows = np.empty((batch_size, seq_len + 1), dtype=np.int64)
+    first_row = rank * batch_size
+    for r in range(batch_size):
+        rng = np.random.default_rng((seed, step, first_row + r))
+        d = min(int(np.searchsorted(cdf, rng.random(), side="right")), len(streams) - 1)
+        start = int(rng.integers(0, streams[d].num_tokens - seq_len))
+        rows[r] = streams[d].window(start, seq_len + 1)
+    t = torch.from_numpy(rows)
+    return t[:, :-1].contiguous(), t[:, 1:].contiguous()
+
+
+def validation_batches(
+    mixture: Mixture, seq_len: int, eval_batches: int, batch_size: int
+) -> dict[str, list[tuple[torch.Tensor, torch.Tensor]]]:
+    """Fixed, evenly spaced windows of every domain's val shards, as `eval_batches` batches each.
+
+    Every domain is included whatever its weight; one too short for a single window is skipped
+    with a warning.
+    """
+    out: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+    num_windows = eval_batches * batch_size
+    for name, domain in mixture.domains.items():
+        stream = _Stream(domain.val, mixture.dtype)
+        if stream.num_tokens < seq_len + 1:
+            warnings.warn(
+                f"domain {name!r}: validation has {stream.num_tokens} tokens, fewer than one window "
+                f"of {seq_len + 1}; it is left out of validation loss",
+                stacklevel=2,
+            )
+            continue
+        starts = np.linspace(0, stream.num_tokens - seq_len - 1, num_windows).round().astype(np.int64)
+        rows = torch.from_numpy(np.stack([stream.window(int(s), seq_len + 1) for s in starts]))
+        out[name] = [
+            (rows[i : i + batch_size, :-1].contiguous(), rows[i : i + batch_size, 1:].contiguous())
+            for i in range(0, num_windows, batch_size)
+        ]
+    return out

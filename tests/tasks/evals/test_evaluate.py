@@ -1,0 +1,168 @@
+"""The evaluate stage end to end: Kiln's real model, saved and loaded, scored by lm-eval offline."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from lm_eval.api.instance import Instance
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from tasks.errors import ConfigError, InputError
+from tasks.evals.adapter import KilnLM
+from tasks.evals.evaluate import EvaluateConfig, evaluate_model
+from tasks.train.config import ModelConfig
+from tasks.train.model import build_model, save_model
+
+TEXTS = [
+    "The cat sat on the mat and looked at the door while the rain fell on the roof.",
+    "A dog sat by the door and waited for the rain to stop, then ran into the garden.",
+    "Old houses creak when the wind blows through the trees at night.",
+    "She opened the door and the cat ran out into the rain.",
+]
+EOS = "<|endoftext|>"
+MODEL = ModelConfig(d_model=32, n_layers=1, n_heads=2, max_seq_len=16)
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("evaluate")
+    (root / "evals").mkdir()
+    eval_file = root / "evals" / "heldout.jsonl"
+    eval_file.write_text("".join(json.dumps({"text": t}) + "\n" for t in TEXTS))
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=320, special_tokens=[EOS], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tokenizer.train_from_iterator(TEXTS, trainer)
+    tokenizer.save(str(root / "tokenizer.json"))
+    vocab = tokenizer.get_vocab_size()
+
+    torch.manual_seed(0)
+    untrained = build_model(MODEL, vocab)
+    save_model(untrained, MODEL, vocab, root / "untrained")
+
+    # A few dozen steps on the eval text itself: the trained model must score it better.
+    eos = tokenizer.token_to_id(EOS)
+    stream = torch.tensor([t for text in TEXTS for t in [eos, *tokenizer.encode(text).ids]])
+    model = build_model(MODEL, vocab)
+    model.load_state_dict(untrained.state_dict())
+    windows = stream.unfold(0, MODEL.max_seq_len + 1, 4)
+    params = list(model.parameters())
+    velocity = [torch.zeros_like(p) for p in params]
+    # SGD with momentum written out: torch.optim's first use imports torch._dynamo (seconds).
+    for _ in range(40):
+        logits = model(windows[:, :-1])
+        loss = F.cross_entropy(logits.reshape(-1, vocab), windows[:, 1:].reshape(-1))
+        grads = torch.autograd.grad(loss, params)
+        with torch.no_grad():
+            for p, v, g in zip(params, velocity, grads, strict=True):
+                v.mul_(0.9).add_(g)
+                p.sub_(0.3 * v)
+    save_model(model, MODEL, vocab, root / "trained")
+    return {"root": root, "eval_file": eval_file, "tokenizer": root / "tokenizer.json"}
+
+
+def run(setup: dict[str, Path], model: str, out: str, **cfg: object) -> dict:
+    out_dir = setup["root"] / out
+    out_dir.mkdir()
+    config = EvaluateConfig(eval_files=[str(setup["eval_file"])], **cfg)
+    return evaluate_model(config, setup["root"] / model, setup["tokenizer"], out_dir)
+
+
+def test_evaluate_model_reports_perplexities_from_the_adapter(setup: dict[str, Path]) -> None:
+    stats = run(setup, "untrained", "out_untrained")
+
+    assert set(stats) == {
+        "kiln_heldout/word_perplexity",
+        "kiln_heldout/byte_perplexity",
+        "kiln_heldout/bits_per_byte",
+        "kiln_heldout/num_docs",
+        "num_eval_docs",
+    }
+    assert stats["num_eval_docs"] == stats["kiln_heldout/num_docs"] == len(TEXTS)
+    # lm-eval's aggregates are exactly the adapter's rolling log-likelihoods, normalised.
+    lm = KilnLM.from_dirs(setup["root"] / "untrained", setup["tokenizer"])
+    assert any(len(lm.encode(t)) > MODEL.max_seq_len for t in TEXTS)  # several windows per doc
+    total = sum(lm.loglikelihood_rolling([Instance("loglikelihood_rolling", {}, (t,), 0) for t in TEXTS]))
+    words = sum(len(re.split(r"\s+", t)) for t in TEXTS)
+    n_bytes = sum(len(t.encode("utf-8")) for t in TEXTS)
+    assert stats["kiln_heldout/word_perplexity"] == pytest.approx(math.exp(-total / words), rel=1e-6)
+    assert stats["kiln_heldout/byte_perplexity"] == pytest.approx(math.exp(-total / n_bytes), rel=1e-6)
+    assert stats["kiln_heldout/bits_per_byte"] == pytest.approx(-total / n_bytes / math.log(2), rel=1e-6)
+
+    out_dir = setup["root"] / "out_untrained"
+    results = json.loads((out_dir / "results.json").read_text())
+    assert results["results"]["kiln_heldout"]["word_perplexity,none"] == stats["kiln_heldout/word_perplexity"]
+    assert sorted(p.name for p in (out_dir / "tasks").iterdir()) == ["kiln_heldout.docs.jsonl", "kiln_heldout.yaml"]
+
+
+def test_trained_model_has_lower_perplexity(setup: dict[str, Path]) -> None:
+    untrained = run(setup, "untrained", "cmp_untrained")
+    trained = run(setup, "trained", "cmp_trained")
+    for metric in ("word_perplexity", "byte_perplexity", "bits_per_byte"):
+        assert math.isfinite(trained[f"kiln_heldout/{metric}"])
+        assert trained[f"kiln_heldout/{metric}"] < untrained[f"kiln_heldout/{metric}"]
+    # 40 steps on the text itself cut byte perplexity by far more than noise.
+    assert trained["kiln_heldout/byte_perplexity"] < 0.5 * untrained["kiln_heldout/byte_perplexity"]
+
+
+def test_limit_and_relative_paths(setup: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(setup["root"])
+    out_dir = setup["root"] / "out_limit"
+    out_dir.mkdir()
+    config = EvaluateConfig(eval_files=["evals/heldout.jsonl"], limit=1)
+    stats = evaluate_model(config, setup["root"] / "trained", setup["tokenizer"], out_dir)
+    assert stats["num_eval_docs"] == 1
+
+
+def test_missing_eval_file_names_the_config_key(setup: dict[str, Path], tmp_path: Path) -> None:
+    config = EvaluateConfig(eval_files=[str(tmp_path / "nope.jsonl")])
+    with pytest.raises(InputError, match=r"evaluate\.eval_files: .*nope\.jsonl"):
+        evaluate_model(config, setup["root"] / "trained", setup["tokenizer"], tmp_path)
+
+
+def test_duplicate_task_names_rejected(setup: dict[str, Path], tmp_path: Path) -> None:
+    other = tmp_path / "heldout.jsonl"
+    other.write_text('{"text": "x"}\n')
+    config = EvaluateConfig(eval_files=[str(setup["eval_file"]), str(other)])
+    with pytest.raises(ConfigError, match="duplicate task names"):
+        evaluate_model(config, setup["root"] / "trained", setup["tokenizer"], tmp_path)
+
+
+@pytest.mark.slow
+def test_unknown_extra_task_names_the_config_key(setup: dict[str, Path], tmp_path: Path) -> None:
+    # Slow: naming any built-in task makes lm-eval index all of them (~7-20 s).
+    config = EvaluateConfig(eval_files=[str(setup["eval_file"])], extra_tasks=["hellaswag", "no_such_task"])
+    with pytest.raises(ConfigError, match=r"evaluate\.extra_tasks: \['no_such_task'\]"):
+        evaluate_model(config, setup["root"] / "trained", setup["tokenizer"], tmp_path)
+
+
+def test_config_rejects_bad_values() -> None:
+    with pytest.raises(ValueError, match="limit"):
+        EvaluateConfig(limit=0)
+    with pytest.raises(ValueError, match="extra_task"):
+        EvaluateConfig(extra_task=["hellaswag"])
+
+
+def test_batch_size_is_a_runtime_field() -> None:
+    assert "batch_size" not in EvaluateConfig().identity()
+    assert EvaluateConfig(batch_size=2).identity() == EvaluateConfig().identity()
+
+
+def test_cli_model_args(setup: dict[str, Path]) -> None:
+    args = f"model_dir={setup['root'] / 'trained'},tokenizer={setup['tokenizer']}"
+    lm = KilnLM.create_from_arg_string(args, {"batch_size": 3, "device": None})
+    assert (lm.max_length, lm.batch_size) == (MODEL.max_seq_len, 3)
+    assert lm.eos_id == Tokenizer.from_file(str(setup["tokenizer"])).token_to_id(EOS)
+    assert KilnLM.create_from_arg_string(args + ",batch_size=5").batch_size == 5
+    with pytest.raises(ValueError, match=r"missing \['tokenizer'\]"):
+        KilnLM.create_from_arg_string(f"model_dir={setup['root'] / 'trained'}")

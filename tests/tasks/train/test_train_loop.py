@@ -1,0 +1,180 @@
+"""The training loop end to end on tiny real shards: learning, determinism, resume, outputs."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from tasks.errors import InputError
+from tasks.train.checkpoint import STATE_FILE
+from tasks.train.config import ModelConfig, OptimConfig, TrainRunConfig
+from tasks.train.data_loader import Mixture, validation_batches
+from tasks.train.loop import evaluate, train_model
+from tasks.train.model import count_parameters, load_model
+
+V = 64
+MODEL = ModelConfig(d_model=32, n_layers=2, n_heads=2, max_seq_len=32)
+OPTIM = OptimConfig(lr=1e-2, warmup_steps=5)
+RUN = TrainRunConfig(
+    steps=30, batch_size=4, seq_len=16, eval_batches=2,
+    checkpoint_every=10, keep_checkpoints=2, log_every=10, num_threads=1,
+)
+
+
+def write_mixture(root: Path) -> Mixture:
+    """Two domains of learnable periodic patterns (period 7 and 11), eos-terminated documents."""
+    domains = {}
+    for name, period, offset in (("web", 7, 1), ("code", 11, 20)):
+        doc = np.concatenate([offset + np.arange(period * 30) % period, [0]])
+        tokens = np.tile(doc, 4).astype("<u2")
+        rel = Path("shards") / name
+        (root / rel).mkdir(parents=True)
+        tokens.tofile(root / rel / "train.bin")
+        tokens[: len(tokens) // 4].tofile(root / rel / "val.bin")
+        domains[name] = {"weight": 0.5, "train": [str(rel / "train.bin")], "val": [str(rel / "val.bin")]}
+    manifest = {"format": 1, "dtype": "uint16", "vocab_size": V, "eos_id": 0, "seq_len": 16, "domains": domains}
+    (root / "manifest.json").write_text(json.dumps(manifest))
+    return Mixture.from_manifest(root / "manifest.json", root)
+
+
+@pytest.fixture(scope="module")
+def mixture(tmp_path_factory) -> Mixture:
+    return write_mixture(tmp_path_factory.mktemp("data"))
+
+
+@pytest.fixture(scope="module")
+def full_run(mixture, tmp_path_factory):
+    """One uninterrupted 30-step run, shared by the tests that compare against it."""
+    out = tmp_path_factory.mktemp("full")
+    logged: list[tuple[int, dict[str, float]]] = []
+    result = train_model(MODEL, OPTIM, RUN, mixture, out, on_metrics=lambda s, m: logged.append((s, m)))
+    return out, result, logged
+
+
+def test_learns_the_pattern_and_writes_outputs(full_run, mixture) -> None:
+    out, result, logged = full_run
+    losses = [loss for _, loss in result.loss_curve]
+    assert [s for s, _ in result.loss_curve] == list(range(1, 31))
+    assert losses[0] > 3.5  # about ln(64) = 4.16 at init
+    assert result.final_train_loss < 1.0
+    assert result.val_loss < 1.0 and set(result.val_loss_by_domain) == {"web", "code"}
+    assert result.val_loss == pytest.approx(sum(result.val_loss_by_domain.values()) / 2)
+    assert result.tokens_seen == 30 * 4 * 16
+    assert result.num_params == count_parameters(MODEL, V)
+    assert result.resumed_from_step is None
+    assert result.lr_curve[0] == (1, pytest.approx(2e-3)) and result.lr_curve[4] == (5, pytest.approx(1e-2))
+    assert result.lr_curve[-1] == (30, pytest.approx(1e-3))
+    # checkpoints kept: the last two
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_0000020", "step_0000030"]
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert "model_dir" not in metrics and metrics["loss_curve"][0] == [1, losses[0]]
+    assert [s for s, _ in logged] == [10, 20, 30, 30]
+    assert set(logged[0][1]) == {"loss", "lr", "grad_norm", "tokens_per_s"}
+    assert logged[0][1]["loss"] == losses[9]
+    per_domain = {f"val_loss/{d}": v for d, v in result.val_loss_by_domain.items()}
+    assert logged[-1][1] == {"val_loss": result.val_loss, **per_domain}
+    # the saved model reproduces the reported validation loss
+    model, cfg = load_model(result.model_dir)
+    assert cfg == MODEL and model.vocab_size == V
+    batches = validation_batches(mixture, RUN.seq_len, RUN.eval_batches, RUN.batch_size)
+    assert evaluate(model, batches, torch.device("cpu")) == result.val_loss_by_domain
+
+
+def test_deterministic(full_run, mixture, tmp_path) -> None:
+    _, first, _ = full_run
+    rerun = train_model(MODEL, OPTIM, RUN, mixture, tmp_path)
+    assert rerun.loss_curve == first.loss_curve
+    assert rerun.val_loss_by_domain == first.val_loss_by_domain
+
+
+class Crash(Exception):
+    """Stands in for the process dying mid-run."""
+
+
+def test_resume_is_bit_identical(full_run, mixture, tmp_path) -> None:
+    _, full, _ = full_run
+
+    def crash_at_25(step: int, metrics: dict[str, float]) -> None:
+        if step == 25:
+            raise Crash
+
+    # log_every is a runtime setting: it may differ between attempts without changing the run
+    with pytest.raises(Crash):
+        train_model(MODEL, OPTIM, RUN.model_copy(update={"log_every": 5}), mixture, tmp_path, on_metrics=crash_at_25)
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_0000010", "step_0000020"]
+    resumed = train_model(MODEL, OPTIM, RUN, mixture, tmp_path)
+    assert resumed.resumed_from_step == 20
+    assert resumed.loss_curve == full.loss_curve
+    assert resumed.lr_curve == full.lr_curve
+    assert resumed.val_loss_by_domain == full.val_loss_by_domain
+
+
+def test_corrupt_latest_checkpoint_falls_back(full_run, mixture, tmp_path) -> None:
+    out, full, _ = full_run
+    shutil.copytree(out / "checkpoints", tmp_path / "checkpoints")
+    state = tmp_path / "checkpoints" / "step_0000030" / STATE_FILE
+    state.write_bytes(state.read_bytes()[:100])
+    with pytest.warns(UserWarning, match="step_0000030 is incomplete or corrupt"):
+        resumed = train_model(MODEL, OPTIM, RUN, mixture, tmp_path)
+    assert resumed.resumed_from_step == 20
+    assert resumed.loss_curve == full.loss_curve
+
+
+def test_resume_refuses_other_config(full_run, mixture, tmp_path) -> None:
+    out, _, _ = full_run
+    shutil.copytree(out / "checkpoints", tmp_path / "checkpoints")
+    with pytest.raises(ValueError, match="different config"):
+        train_model(MODEL, OPTIM.model_copy(update={"lr": 1e-3}), RUN, mixture, tmp_path)
+
+
+def test_grad_accum_sees_the_same_rows(mixture, tmp_path) -> None:
+    one = RUN.model_copy(update={"steps": 3, "batch_size": 4})
+    two = RUN.model_copy(update={"steps": 3, "batch_size": 2, "grad_accum": 2})
+    a = train_model(MODEL, OPTIM, one, mixture, tmp_path / "a")
+    b = train_model(MODEL, OPTIM, two, mixture, tmp_path / "b")
+    assert a.tokens_seen == b.tokens_seen
+    # same data, only the summation order differs
+    assert [s for s, _ in b.loss_curve] == [1, 2, 3]
+    assert [l for _, l in b.loss_curve] == pytest.approx([l for _, l in a.loss_curve], rel=1e-4)
+
+
+def test_init_model_dir_continues_from_weights(full_run, mixture, tmp_path) -> None:
+    _, full, _ = full_run
+    anneal = OptimConfig(lr=1e-3, warmup_steps=0, schedule="linear", min_lr_ratio=0.0)
+    run = RUN.model_copy(update={"steps": 5})
+    result = train_model(MODEL, anneal, run, mixture, tmp_path, init_model_dir=full.model_dir)
+    # starts from the trained model's loss level, not from ln(V)
+    assert result.loss_curve[0][1] < 1.0
+    assert result.lr_curve[-1] == (5, 0.0)
+    with pytest.raises(ValueError, match="use the same model section"):
+        train_model(MODEL.model_copy(update={"d_model": 64}), anneal, run, mixture, tmp_path / "x",
+                    init_model_dir=full.model_dir)
+
+
+def test_seq_len_longer_than_model_is_rejected(mixture, tmp_path) -> None:
+    with pytest.raises(ValueError, match="seq_len=64 exceeds model.max_seq_len=32"):
+        train_model(MODEL, OPTIM, RUN.model_copy(update={"seq_len": 64}), mixture, tmp_path)
+
+
+def test_restores_global_torch_settings(mixture, tmp_path) -> None:
+    threads = torch.get_num_threads()
+    train_model(MODEL, OPTIM, RUN.model_copy(update={"steps": 1}), mixture, tmp_path)
+    assert torch.get_num_threads() == threads
+    assert not torch.are_deterministic_algorithms_enabled()
+
+
+def test_no_validation_data_fails_before_training(mixture, tmp_path) -> None:
+    short = Mixture(
+        domains={n: replace(d, val=()) for n, d in mixture.domains.items()},
+        dtype=mixture.dtype, vocab_size=mixture.vocab_size, eos_id=mixture.eos_id,
+    )
+    with pytest.warns(UserWarning, match="validation has 0 tokens"):
+        with pytest.raises(InputError, match="larger val split"):
+            train_model(MODEL, OPTIM, RUN, short, tmp_path)
+    assert not (tmp_path / "checkpoints").exists()
