@@ -37,7 +37,7 @@ STAGES: tuple[StageSpec, ...] = (
               description="remove training docs that overlap the eval suite"),
     StageSpec("tokenize", ("decontaminate",), ("tokenize",), description="train BPE, write token shards per domain"),
     StageSpec("sweep", ("tokenize",), ("sweep",), description="proxy runs over LR, mixture and width"),
-    StageSpec("fit", ("sweep", "tokenize"), ("fit", "validate.model"),
+    StageSpec("fit", ("sweep",), ("fit", "validate.model"),
               description="pick LR and mixture, fit the scaling law, predict"),
     StageSpec("mix", ("tokenize", "fit"), ("mix", "train.run"), description="write the mixture manifest"),
     StageSpec("validate", ("mix", "fit", "sweep"), ("validate",), description="mid-scale run vs the prediction (gate)"),

@@ -112,13 +112,9 @@ def run_sweep_stage(cfg: KilnConfig, ctx: StageContext) -> dict[str, Any]:
             "trial_val_loss": {r.name: r.val_loss for r in results}}
 
 
-def _vocab_size(ctx: StageContext) -> int:
-    return _read_json(ctx.inputs["tokenize"] / SHARDS_FILE)["vocab_size"]
-
-
 def run_fit(cfg: KilnConfig, ctx: StageContext) -> dict[str, Any]:
     trials = load_trials(ctx.inputs["sweep"] / TRIALS_FILE)
-    targets = {"validate": count_parameters(cfg.validate_.model, _vocab_size(ctx))}
+    targets = {"validate": count_parameters(cfg.validate_.model, 0)}  # non-embedding N, as the sweep's points
     plan = fit_plan(cfg.fit, trials, cfg.sweep.model.d_model, cfg.sweep.mixtures, targets)
     (ctx.out_dir / PLAN_FILE).write_text(json.dumps(plan, indent=2))
     plot_plan(plan, trials, ctx.out_dir / PLOT_FILE)
@@ -198,7 +194,7 @@ def run_evaluate(cfg: KilnConfig, ctx: StageContext) -> dict[str, Any]:
         results[name] = evaluate_model(cfg.evaluate, ctx.inputs[name] / "model", tokenizer, out)
     headline = {f"{model}/{metric.split('/')[-1]}": round(value, 4)
                 for model, metrics in results.items() for metric, value in metrics.items()
-                if metric.endswith(("word_perplexity", "bits_per_byte")) and isinstance(value, float)}
+                if metric.endswith(("byte_perplexity", "bits_per_byte")) and isinstance(value, float)}
     return {"headline": headline, "metrics": results}
 
 

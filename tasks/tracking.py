@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import json
 import time
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import mlflow
-from mlflow.data.filesystem_dataset_source import FileSystemDatasetSource
+from mlflow.data.dataset_source_registry import resolve_dataset_source
 from mlflow.data.meta_dataset import MetaDataset
 from mlflow.entities import DatasetInput, InputTag, Metric, Param, RunTag
 from mlflow.tracking import MlflowClient
@@ -79,7 +80,11 @@ class Tracker:
 
     def log_input(self, run_id: str, name: str, digest: str, uri: Path, context: str = "input") -> None:
         """Record a stage input as an MLflow dataset whose digest is the input stage's key."""
-        dataset = MetaDataset(source=FileSystemDatasetSource(uri.resolve().as_uri()), name=name, digest=digest)
+        with warnings.catch_warnings():
+            # MLflow registers its local-artifact source twice and warns that a file URI matches both.
+            warnings.filterwarnings("ignore", message="The specified dataset source can be interpreted")
+            source = resolve_dataset_source(uri.resolve().as_uri())
+        dataset = MetaDataset(source=source, name=name, digest=digest)
         entry = DatasetInput(dataset._to_mlflow_entity(), tags=[InputTag("mlflow.data.context", context)])
         self.client.log_inputs(run_id, datasets=[entry])
 

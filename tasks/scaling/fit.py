@@ -31,11 +31,11 @@ class FitConfig(Section):
 
 
 def best_loss_per_width(trials: list[TrialResult], mixture: str) -> list[tuple[int, int, float, float]]:
-    """(width, num_params, best val loss, its lr) for every width swept on `mixture`."""
+    """(width, non-embedding params, best val loss, its lr) for every width swept on `mixture`."""
     rows = []
     for width in sorted({t.width for t in trials if t.mixture == mixture}):
         best = min((t for t in trials if t.width == width and t.mixture == mixture), key=lambda t: t.val_loss)
-        rows.append((width, best.num_params, best.val_loss, best.lr))
+        rows.append((width, best.non_embedding_params, best.val_loss, best.lr))
     return rows
 
 
@@ -59,7 +59,8 @@ def predict(law: dict[str, float], num_params: int, cfg: FitConfig) -> dict[str,
 
 def fit_plan(cfg: FitConfig, trials: list[TrialResult], base_width: int, mixtures: dict[str, dict[str, float]],
              targets: dict[str, int]) -> dict[str, Any]:
-    """The plan: best lr and mixture at the base width, the power law, and predictions for `targets` (name → N)."""
+    """The plan: best lr and mixture at the base width, the power law, and predictions for `targets`
+    (name → non-embedding parameter count)."""
     base = [t for t in trials if t.width == base_width]
     best = min(base, key=lambda t: t.val_loss)
     weights = mixtures[best.mixture]
@@ -111,7 +112,7 @@ def plot_plan(plan: dict[str, Any], trials: list[TrialResult], path: Path) -> No
                           label=f"{name} prediction")
             if "observed" in pred:
                 ax_n.scatter([pred["num_params"]], [pred["observed"]], marker="x", s=80, label=f"{name} observed")
-    ax_n.set(xscale="log", yscale="log", xlabel="parameters", ylabel="validation loss", title="Scaling fit")
+    ax_n.set(xscale="log", yscale="log", xlabel="non-embedding parameters", ylabel="validation loss", title="Scaling fit")
     ax_n.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=100)

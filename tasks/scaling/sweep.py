@@ -64,6 +64,7 @@ class TrialResult:
     lr: float
     mixture: str
     num_params: int
+    non_embedding_params: int  # the N of the scaling law (Kaplan et al.): embeddings dominate tiny models
     val_loss: float
     final_train_loss: float
     val_loss_by_domain: dict[str, float]
@@ -111,16 +112,19 @@ def run_trial(cfg: SweepConfig, trial: Trial, mixture: Mixture, out_dir: Path) -
     import torch
 
     from tasks.train.loop import train_model
+    from tasks.train.model import count_parameters
 
     torch.set_num_threads(1)  # results must not depend on how many trials share the machine
+    model = model_at_width(cfg.model, trial.width)
     result = train_model(
-        model_at_width(cfg.model, trial.width),
+        model,
         cfg.optim.model_copy(update={"lr": trial.lr}),
         cfg.run,
         mixture,
         out_dir,
     )
-    return TrialResult(trial.name, trial.width, trial.lr, trial.mixture, result.num_params, result.val_loss,
+    return TrialResult(trial.name, trial.width, trial.lr, trial.mixture, result.num_params,
+                       count_parameters(model, 0), result.val_loss,
                        result.final_train_loss, result.val_loss_by_domain, result.tokens_seen, result.wall_s)
 
 

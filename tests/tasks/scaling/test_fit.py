@@ -12,7 +12,7 @@ from tasks.scaling.validate import check_gate
 
 
 def trial(width, lr, mixture, params, loss):
-    return TrialResult(f"w{width}-lr{lr:g}-{mixture}", width, lr, mixture, params, loss, loss, {}, 1000, 1.0)
+    return TrialResult(f"w{width}-lr{lr:g}-{mixture}", width, lr, mixture, params + 100, params, loss, loss, {}, 1000, 1.0)
 
 
 def test_power_law_recovers_exact_parameters():

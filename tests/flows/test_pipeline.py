@@ -1,0 +1,124 @@
+"""The whole pipeline through the real CLI, Prefect API, MLflow store, datatrove, fastText,
+torch and lm-eval, on the tiny config: end to end, cached rerun, and resume after a failure."""
+
+import hashlib
+import json
+from pathlib import Path
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+from flows.cli import main
+from tasks.config import load_config
+from tasks.graph import STAGE_NAMES, stage_keys
+from tasks.store import MANIFEST_FILE, Store
+
+pytestmark = pytest.mark.slow
+TINY = "configs/tiny.yaml"
+DATA_STAGES = ("collect", "clean", "dedup", "decontaminate")
+
+
+def output_digests(store: Store, keys: dict[str, str]) -> dict[str, str]:
+    """Hash of every output file of every stage (the manifest aside), to prove reruns change nothing."""
+    digests = {}
+    for stage, key in keys.items():
+        root = store.path(stage, key)
+        for path in sorted(p for p in root.rglob("*") if p.is_file() and p.name != MANIFEST_FILE):
+            digests[str(path.relative_to(store.root))] = hashlib.sha256(path.read_bytes()).hexdigest()
+    return digests
+
+
+def stage_statuses(client: MlflowClient, parent_id: str) -> dict[str, str]:
+    runs = client.search_runs(
+        [client.get_experiment_by_name("kiln").experiment_id],
+        filter_string=f"tags.mlflow.parentRunId = '{parent_id}'",
+    )
+    return {r.data.tags["kiln.stage"]: r.data.tags["kiln.status"] for r in runs}
+
+
+def latest_pipeline_run(client: MlflowClient):
+    runs = client.search_runs([client.get_experiment_by_name("kiln").experiment_id],
+                              filter_string="tags.`kiln.stage` = 'pipeline'", order_by=["attributes.start_time DESC"])
+    return runs[0]
+
+
+def test_pipeline_end_to_end_then_fully_cached(prefect_api, in_repo, tmp_path, capsys):
+    work = tmp_path / "work"
+    assert main(["run", TINY, f"work_dir={work}"]) == 0
+    out = capsys.readouterr().out
+    assert all(stage in out for stage in STAGE_NAMES) and "mlflow ui --backend-store-uri" in out
+
+    cfg = load_config(TINY, [f"work_dir={work}"])
+    store, keys = Store(cfg.store_root), stage_keys(cfg)
+    manifests = {s: store.manifest(s, keys[s]) for s in STAGE_NAMES}
+
+    # Every data stage accounts for every document, and each stage reads what the one before kept.
+    for stage in DATA_STAGES:
+        stats = manifests[stage]["stats"]
+        assert stats["num_in"] == stats["num_kept"] + stats["num_removed"] + stats["num_quarantined"]
+    for before, after in zip(DATA_STAGES, DATA_STAGES[1:]):
+        assert manifests[after]["stats"]["num_in"] == manifests[before]["stats"]["num_kept"]
+    assert manifests["tokenize"]["stats"]["num_in"] == manifests["decontaminate"]["stats"]["num_kept"]
+    assert manifests["collect"]["stats"]["num_kept"] > 100
+    assert set(manifests["clean"]["stats"]["languages"]) >= {"en", "cs", "da"}
+
+    # Training learned, annealing ended at LR 0 and evaluation produced finite scores.
+    train = manifests["train"]["stats"]
+    curve = json.loads((store.path("train", keys["train"]) / "metrics.json").read_text())["loss_curve"]
+    assert curve[-1][1] < curve[0][1]
+    anneal_lr = json.loads((store.path("anneal", keys["anneal"]) / "metrics.json").read_text())["lr_curve"]
+    assert anneal_lr[-1][1] == 0.0
+    evaluate = manifests["evaluate"]["stats"]["metrics"]
+    assert 0 < evaluate["anneal"]["kiln_heldout/bits_per_byte"] < 20
+    assert train["val_loss"] > 0 and manifests["validate"]["stats"]["gate_passed"] is True
+
+    # MLflow: one parent run, a child per stage with the stage key as input digest, trials as grandchildren.
+    client = MlflowClient(cfg.tracking_uri)
+    parent = latest_pipeline_run(client)
+    assert stage_statuses(client, parent.info.run_id) == {s: "ran" for s in STAGE_NAMES}
+    clean_run = client.get_run(manifests["clean"]["mlflow_run_id"])
+    assert clean_run.data.tags["kiln.key"] == keys["clean"]
+    assert [d.dataset.digest for d in clean_run.inputs.dataset_inputs] == [keys["collect"]]
+    assert clean_run.data.params["clean.languages"] == json.dumps(cfg.clean.languages)
+    trials = client.search_runs([parent.info.experiment_id],
+                                filter_string=f"tags.mlflow.parentRunId = '{manifests['sweep']['mlflow_run_id']}'")
+    assert len(trials) == manifests["sweep"]["stats"]["num_trials"]
+
+    # The second run reuses everything and changes nothing.
+    before = output_digests(store, keys)
+    assert main(["run", TINY, f"work_dir={work}"]) == 0
+    assert output_digests(store, keys) == before
+    parent = latest_pipeline_run(client)
+    assert stage_statuses(client, parent.info.run_id) == {s: "cached" for s in STAGE_NAMES}
+    assert "12 stages (12 cached)" in capsys.readouterr().out
+
+
+def test_failed_stage_then_rerun_redoes_only_it_and_what_follows(prefect_api, in_repo, tmp_path, capsys):
+    work = tmp_path / "work"
+    missing = tmp_path / "no-such-eval.jsonl"
+    # The eval suite file is missing: decontaminate (the first stage that reads it) must fail clearly.
+    assert main(["run", TINY, f"work_dir={work}", f"evaluate.eval_files=[{missing}]", "--until", "tokenize"]) == 2
+    err = capsys.readouterr().err
+    assert f"eval file {missing} does not exist (config key evaluate.eval_files[0])" in err
+    cfg = load_config(TINY, [f"work_dir={work}"])
+    store, keys = Store(cfg.store_root), stage_keys(cfg)
+    assert [s for s in DATA_STAGES if store.is_complete(s, keys[s])] == ["collect", "clean", "dedup"]
+
+    assert main(["run", TINY, f"work_dir={work}", "--until", "tokenize"]) == 0
+    client = MlflowClient(cfg.tracking_uri)
+    statuses = stage_statuses(client, latest_pipeline_run(client).info.run_id)
+    assert statuses == {"collect": "cached", "clean": "cached", "dedup": "cached",
+                        "decontaminate": "ran", "tokenize": "ran"}
+    assert "docs_in=" in capsys.readouterr().out
+
+
+def test_stage_alone_needs_its_inputs(prefect_api, in_repo, tmp_path, capsys):
+    assert main(["stage", "tokenize", TINY, f"work_dir={tmp_path}"]) == 2
+    assert "stage tokenize needs decontaminate first" in capsys.readouterr().err
+
+
+def test_missing_source_path_is_a_clear_error(prefect_api, in_repo, tmp_path, capsys):
+    override = f"collect.sources=[{{name: web, path: {tmp_path}/absent, format: html, domain: web, licence: MIT}}]"
+    assert main(["run", TINY, f"work_dir={tmp_path}", override, "--until", "collect"]) == 2
+    err = capsys.readouterr().err
+    assert "absent" in err and "collect.sources[0].path" in err
