@@ -1,0 +1,65 @@
+"""The per-process entry point torchrun runs: `python -m tasks.train.dist_worker --config C --out O`.
+
+The config is one JSON object: `model`, `optim`, `train` and `parallel` sections (their fields
+as in `ModelConfig`, `OptimConfig`, `TrainRunConfig`, `ParallelDims`), plus `manifest` (a mix
+manifest) and `data_root` (what its shard paths are relative to). Rank 0 writes the
+`DistributedResult` as JSON to `--out`. Several `--config C --out O` pairs run one after another
+in the same process group, which saves a torchrun start-up (seconds of imports per process) each.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch.distributed as dist
+from pydantic import ValidationError
+
+from tasks.errors import ConfigError
+from tasks.train.config import ModelConfig, OptimConfig, TrainRunConfig
+from tasks.train.data_loader import Mixture
+from tasks.train.distributed import train_distributed, write_result
+from tasks.train.parallel import ParallelDims
+
+SECTIONS = {"model": ModelConfig, "optim": OptimConfig, "train": TrainRunConfig, "parallel": ParallelDims}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", type=Path, action="append", required=True)
+    parser.add_argument("--out", type=Path, action="append", required=True)
+    args = parser.parse_args(argv)
+    if len(args.config) != len(args.out):
+        parser.error(f"got {len(args.config)} --config but {len(args.out)} --out: give one --out per --config")
+    runs = [_load(config) for config in args.config]  # all validated before any training starts
+    try:
+        for (sections, mixture), out in zip(runs, args.out):
+            result = train_distributed(
+                sections["model"], sections["optim"], sections["train"], sections["parallel"], mixture
+            )
+            write_result(result, out)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _load(config: Path) -> tuple[dict, Mixture]:
+    raw = json.loads(config.read_text())
+    unknown = set(raw) - set(SECTIONS) - {"manifest", "data_root"}
+    if unknown or "manifest" not in raw or "data_root" not in raw:
+        raise ConfigError(
+            f"{config}: needs keys manifest, data_root and optionally {', '.join(SECTIONS)}; "
+            f"unknown: {sorted(unknown)}"
+        )
+    sections = {}
+    for key, cls in SECTIONS.items():
+        try:
+            sections[key] = cls.model_validate(raw.get(key, {}))
+        except ValidationError as e:
+            raise ConfigError(f"{config}: invalid '{key}' section: {e}") from None
+    return sections, Mixture.from_manifest(Path(raw["manifest"]), Path(raw["data_root"]))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,300 @@
+"""One seam for launching training: a local process, torchrun, Slurm or Kubernetes behind `Launcher`.
+
+Every launcher takes the same `command` — a Python program's argv without the interpreter (a
+script path or `-m module`, then its arguments) — and the same `ClusterSpec`. `render` shows what
+would run (a command line, an sbatch script, a Job manifest); `launch` runs or submits it. Local
+launches own their subprocess: they wait with a timeout and kill the whole process group on
+expiry, because an orchestrator's own timeout does not reach a child process. Cluster launchers
+submit only when their client (`sbatch`, `kubectl`) is on PATH; otherwise they write the rendered
+file and say how to submit it.
+
+Hosts that failed a previous attempt are recorded next to the run (`record_failed_hosts`) and
+excluded, together with `cluster.exclude_hosts`, from every later render.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import ClassVar
+
+import jinja2
+
+from tasks.errors import ConfigError, KilnError
+from tasks.train.planner import ClusterSpec
+
+INFRA_DIR = Path(__file__).resolve().parents[2] / "infra"
+KILL_GRACE_S = 10.0  # after SIGTERM, how long a timed-out job gets to exit before SIGKILL
+LOG_TAIL_CHARS = 2000
+
+
+class LaunchError(KilnError):
+    """A launched job failed, timed out, or could not be submitted."""
+
+
+@dataclass(frozen=True)
+class LaunchResult:
+    launcher: str
+    submitted: bool  # False when the client was missing and only the file was written
+    returncode: int | None = None  # set when the launcher waited for the job
+    job_id: str | None = None
+    rendered: Path | None = None
+    log: Path | None = None
+    message: str = ""
+
+
+def read_failed_hosts(path: Path) -> list[str]:
+    """Hosts recorded as failed for this run (an absent file means none)."""
+    if not path.is_file():
+        return []
+    return sorted(json.loads(path.read_text(encoding="utf-8")))
+
+
+def record_failed_hosts(path: Path, hosts: Iterable[str]) -> list[str]:
+    """Add `hosts` to the run's failed-host list (written atomically); returns the whole list."""
+    merged = sorted(set(read_failed_hosts(path)) | {h for h in hosts if h})
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(merged, indent=2) + "\n", encoding="utf-8")
+    os.replace(tmp, path)
+    return merged
+
+
+class Launcher(ABC):
+    """Runs `command` on `cluster`; rendered files and logs go to `out_dir`."""
+
+    name: ClassVar[str]
+
+    def __init__(
+        self,
+        cluster: ClusterSpec,
+        out_dir: Path,
+        job_name: str = "kiln-train",
+        nproc_per_node: int | None = None,
+        env: Mapping[str, str] | None = None,
+        timeout_s: float | None = None,
+        failed_hosts_file: Path | None = None,
+        workdir: Path | None = None,
+        search_path: str | None = None,
+    ) -> None:
+        """`nproc_per_node` defaults to the cluster's GPUs per node (1 on a CPU-only cluster);
+        `search_path` is where clients are looked up (default: $PATH)."""
+        self.cluster = cluster
+        self.out_dir = out_dir
+        self.job_name = job_name
+        self.nproc_per_node = nproc_per_node or max(cluster.gpus_per_node, 1)
+        self.env = dict(env or {})
+        self.timeout_s = timeout_s
+        self.failed_hosts_file = failed_hosts_file
+        self.workdir = workdir or Path.cwd()
+        self.search_path = search_path
+
+    def exclude_hosts(self) -> list[str]:
+        recorded = read_failed_hosts(self.failed_hosts_file) if self.failed_hosts_file else []
+        return sorted(set(self.cluster.exclude_hosts) | set(recorded))
+
+    @abstractmethod
+    def render(self, command: list[str]) -> str:
+        """What `launch` would run or submit, as text."""
+
+    @abstractmethod
+    def launch(self, command: list[str]) -> LaunchResult:
+        """Run (local launchers: to completion, raising LaunchError on failure) or submit."""
+
+    def _client(self, tool: str) -> str | None:
+        return shutil.which(tool, path=self.search_path)
+
+    def _run_owned(self, argv: list[str]) -> LaunchResult:
+        """Run `argv` in its own process group, log to out_dir, kill the group on timeout."""
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        log = self.out_dir / f"{self.job_name}.log"
+        with log.open("w", encoding="utf-8") as sink:
+            proc = subprocess.Popen(argv, cwd=self.workdir, env={**os.environ, **self.env}, stdout=sink,
+                                    stderr=subprocess.STDOUT, start_new_session=True)
+            try:
+                returncode = proc.wait(timeout=self.timeout_s)
+            except subprocess.TimeoutExpired:
+                _kill_group(proc)
+                raise LaunchError(
+                    f"{self.name} job {self.job_name!r} ran past its {self.timeout_s:g} s timeout and was "
+                    f"killed; log: {log}\n{_tail(log)}"
+                ) from None
+        if returncode != 0:
+            raise LaunchError(
+                f"{self.name} job {self.job_name!r} failed with exit code {returncode}; log: {log}\n{_tail(log)}"
+            )
+        return LaunchResult(self.name, submitted=True, returncode=0, log=log, message=f"finished; log: {log}")
+
+    def _write(self, filename: str, text: str) -> Path:
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        path = self.out_dir / filename
+        path.write_text(text, encoding="utf-8")
+        return path
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    """SIGTERM the job's process group (torchrun forwards it to its workers), then SIGKILL."""
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=KILL_GRACE_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def _tail(log: Path) -> str:
+    return log.read_text(encoding="utf-8", errors="replace")[-LOG_TAIL_CHARS:]
+
+
+class LocalLauncher(Launcher):
+    """One process on this machine, with this interpreter."""
+
+    name = "local"
+
+    def render(self, command: list[str]) -> str:
+        return shlex.join([sys.executable, *command])
+
+    def launch(self, command: list[str]) -> LaunchResult:
+        return self._run_owned([sys.executable, *command])
+
+
+class TorchrunLauncher(Launcher):
+    """`nproc_per_node` worker processes on this machine under torchrun (elastic c10d rendezvous).
+
+    A single node uses `--standalone` (a private rendezvous on a free port); several nodes meet at
+    `rdzv_host:cluster.rdzv_port`, and this command must then be started on each of them.
+    """
+
+    name = "torchrun"
+
+    def __init__(self, *args, rdzv_host: str | None = None, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.rdzv_host = rdzv_host
+
+    def argv(self, command: list[str]) -> list[str]:
+        if self.cluster.nodes == 1:
+            rdzv = ["--standalone"]
+        elif self.rdzv_host is None:
+            raise ConfigError(
+                f"cluster.nodes={self.cluster.nodes}: a multi-node torchrun needs rdzv_host (the first "
+                "node's address); or use the slurm or kubernetes launcher, which find it themselves"
+            )
+        else:
+            rdzv = ["--rdzv_backend", "c10d", "--rdzv_endpoint", f"{self.rdzv_host}:{self.cluster.rdzv_port}",
+                    "--rdzv_id", self.job_name]
+        return [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(self.cluster.nodes),
+                "--nproc_per_node", str(self.nproc_per_node), *rdzv, *command]
+
+    def render(self, command: list[str]) -> str:
+        return shlex.join(self.argv(command))
+
+    def launch(self, command: list[str]) -> LaunchResult:
+        return self._run_owned(self.argv(command))
+
+
+def _templates(template_dir: Path) -> jinja2.Environment:
+    env = jinja2.Environment(
+        loader=jinja2.FileSystemLoader(str(template_dir)),
+        undefined=jinja2.StrictUndefined,  # a missing variable is a bug, not an empty string
+        keep_trailing_newline=True,
+        trim_blocks=True,
+        lstrip_blocks=True,
+    )
+    env.filters["shquote"] = shlex.quote
+    env.filters["shjoin"] = shlex.join
+    env.filters["tojson"] = json.dumps
+    return env
+
+
+class SlurmLauncher(Launcher):
+    """An sbatch script from `infra/slurm/train.sbatch.j2`: one srun task per node, each a torchrun
+    whose c10d rendezvous runs on the allocation's first node."""
+
+    name = "slurm"
+    template = "slurm/train.sbatch.j2"
+    filename = "train.sbatch"
+
+    def __init__(self, *args, template_dir: Path = INFRA_DIR, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.template_dir = template_dir
+
+    def render(self, command: list[str]) -> str:
+        c = self.cluster
+        return _templates(self.template_dir).get_template(self.template).render(
+            job_name=self.job_name, nodes=c.nodes, gpus_per_node=c.gpus_per_node, nproc_per_node=self.nproc_per_node,
+            partition=c.partition, time_limit=c.time_limit, exclude=self.exclude_hosts(), log_dir=str(self.out_dir),
+            workdir=str(self.workdir), env=self.env, rdzv_port=c.rdzv_port, command=command,
+        )
+
+    def launch(self, command: list[str]) -> LaunchResult:
+        path = self._write(self.filename, self.render(command))
+        sbatch = self._client("sbatch")
+        if sbatch is None:
+            return LaunchResult(self.name, submitted=False, rendered=path,
+                                message=f"sbatch is not on PATH: wrote {path}; submit it with `sbatch {path}`")
+        done = subprocess.run([sbatch, "--parsable", str(path)], capture_output=True, text=True, check=False)
+        if done.returncode != 0:
+            raise LaunchError(f"sbatch rejected {path} (exit {done.returncode}): {done.stderr.strip()}")
+        job_id = done.stdout.strip().split(";")[0]
+        return LaunchResult(self.name, submitted=True, job_id=job_id, rendered=path,
+                            message=f"submitted Slurm job {job_id} from {path}")
+
+
+class KubernetesLauncher(Launcher):
+    """An indexed Job (one pod per node, kept off failed nodes) plus the headless Service its pods
+    use to find pod 0, from `infra/k8s/train-job.yaml.j2`."""
+
+    name = "kubernetes"
+    template = "k8s/train-job.yaml.j2"
+    filename = "train-job.yaml"
+
+    def __init__(self, *args, template_dir: Path = INFRA_DIR, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.template_dir = template_dir
+
+    def render(self, command: list[str]) -> str:
+        c = self.cluster
+        if not c.image:
+            raise ConfigError("cluster.image is not set: the kubernetes launcher needs the training container image")
+        rdzv_host = f"{self.job_name}-0.{self.job_name}"  # indexed pods are named {job}-{index}
+        torchrun = ["torchrun", "--nnodes", str(c.nodes), "--nproc_per_node", str(self.nproc_per_node),
+                    "--rdzv_backend", "c10d", "--rdzv_endpoint", f"{rdzv_host}:{c.rdzv_port}",
+                    "--rdzv_id", self.job_name, *command]
+        return _templates(self.template_dir).get_template(self.template).render(
+            job_name=self.job_name, namespace=c.namespace, nodes=c.nodes, gpus_per_node=c.gpus_per_node,
+            image=c.image, exclude=self.exclude_hosts(), workdir=str(self.workdir), env=self.env,
+            rdzv_port=c.rdzv_port, shell_command="exec " + shlex.join(torchrun),
+        )
+
+    def launch(self, command: list[str]) -> LaunchResult:
+        path = self._write(self.filename, self.render(command))
+        kubectl = self._client("kubectl")
+        if kubectl is None:
+            return LaunchResult(self.name, submitted=False, rendered=path,
+                                message=f"kubectl is not on PATH: wrote {path}; apply it with `kubectl apply -f {path}`")
+        done = subprocess.run([kubectl, "apply", "-f", str(path)], capture_output=True, text=True, check=False)
+        if done.returncode != 0:
+            raise LaunchError(f"kubectl apply -f {path} failed (exit {done.returncode}): {done.stderr.strip()}")
+        return LaunchResult(self.name, submitted=True, job_id=self.job_name, rendered=path,
+                            message=f"applied {path}: Job {self.cluster.namespace}/{self.job_name}")
+
+
+LAUNCHERS: dict[str, type[Launcher]] = {
+    cls.name: cls for cls in (LocalLauncher, TorchrunLauncher, SlurmLauncher, KubernetesLauncher)
+}
+
+
+def make_launcher(kind: str, cluster: ClusterSpec, out_dir: Path, **kwargs) -> Launcher:
+    """The launcher named by `cluster.launcher` (local, torchrun, slurm, kubernetes)."""
+    if kind not in LAUNCHERS:
+        raise ConfigError(f"cluster.launcher={kind!r} is not one of {', '.join(LAUNCHERS)}")
+    return LAUNCHERS[kind](cluster, out_dir, **kwargs)
