@@ -1,37 +1,46 @@
-"""The dedup stage on one node: exact (normalised-text hash), then fuzzy (MinHash LSH) duplicates.
+"""The dedup stage on one node: exact (normalised-text digest), then fuzzy (MinHash LSH) duplicates.
 
-Each cluster of duplicates keeps one document, chosen deterministically: the longest text, then
-the earliest in the input. The others go to `removed.jsonl` with `metadata.duplicate_of` naming
-the survivor. Output keeps input order, so reruns and worker counts never change it.
+Fuzzy matching uses the vectorised signatures and banding of `tasks.data.minhash`: LSH proposes
+candidate pairs, and a pair counts only if its estimated Jaccard similarity (the fraction of
+agreeing permutations) reaches the verification threshold. Duplicates are clustered (connected
+components), and each cluster keeps one document: the highest `metadata.quality_score` (documents
+without one rank below any with one), then the longest text, then the smallest id — never input
+position, so shuffling the input keeps the same survivors. The others go to `removed.jsonl` with
+`metadata.duplicate_of` naming the survivor. Output keeps input order.
+
+Every run saves its kept documents' signatures and LSH bucket tables in `out_dir/lsh_index/`, so
+`dedup_against_index` can deduplicate a later batch against everything kept so far without
+recomputing a signature.
 """
 
 from __future__ import annotations
 
 import hashlib
+import math
 import multiprocessing
-import re
+import sys
 import unicodedata
-from collections import Counter, defaultdict
+from collections import Counter
 from concurrent.futures import Future, ProcessPoolExecutor
-from dataclasses import asdict
+from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
+from typing import Any
 
 import numpy as np
-from datasketch import LeanMinHash, MinHash, MinHashLSH
 from pydantic import Field
 
 from tasks.accounting import DocCounts
 from tasks.configbase import Section, runtime_field
-from tasks.data.documents import DOCUMENTS_FILE, REMOVED_FILE, ReasonLog, read_documents
+from tasks.data import minhash
+from tasks.data.dedup_index import DIGEST_BYTES, INDEX_DIR, SNIPPET_CHARS, DedupIndex
+from tasks.data.documents import DOCUMENTS_FILE, REMOVED_FILE, Document, ReasonLog, read_documents
 
-# datasketch 2.0's default; named so that signatures and the LSH agree (schemes must not mix).
-_SCHEME = "affine32"
-_BATCH = 1000  # documents per MinHash.bulk call: amortises its setup, bounds memory per worker
+_BATCH = 1000  # documents per signature batch: amortises numpy calls, bounds memory per worker
+_BATCH_CHARS = 8_000_000  # ...or fewer, once a batch holds this much text (enormous documents)
 _NUM_SAMPLE_CLUSTERS = 5
-_WHITESPACE = re.compile(r"\s+")
-# Mean "word" length above which text is treated as unsegmented (Chinese, Japanese, Thai):
-# spaced languages average 4-8 characters a word.
-_UNSEGMENTED_WORD_LEN = 12
+_SAMPLE_MEMBERS = 10
+PLOT_FILE = "cluster_sizes.png"
 
 
 class DedupConfig(Section):
@@ -44,28 +53,41 @@ class DedupConfig(Section):
     # Word n-grams; character n-grams for unsegmented scripts (CJK) and texts of few words.
     shingle_size: int = Field(5, ge=1)
     num_perm: int = Field(128, ge=2)
-    # Estimated Jaccard similarity at which two documents are duplicates. MinHashLSH picks its
-    # bands for this value, and recalls few pairs much below it (see LIBRARY-NOTES).
-    threshold: float = Field(0.8, gt=0.0, le=1.0)
+    # The Jaccard similarity the LSH bands are chosen for (minimising fp_weight x false positives
+    # below it + fn_weight x false negatives above it, as datasketch does). At 0.7 with 128
+    # permutations that is 14 bands of 9 rows: >= 97.5% of pairs at 0.85 become candidates and
+    # about 3% at 0.5 (tests/tasks/data/test_dedup_evidence.py measures the end result).
+    threshold: float = Field(0.7, gt=0.0, le=1.0)
+    # Estimated Jaccard a candidate pair must reach to count; None means `threshold`.
+    verify_threshold: float | None = Field(None, gt=0.0, le=1.0)
+    fp_weight: float = Field(0.5, ge=0.0)
+    fn_weight: float = Field(0.5, ge=0.0)
     seed: int = 1
     num_workers: int = runtime_field(1, ge=1)
 
 
-class _PunctuationTable(dict[int, int | None]):
-    """A `str.translate` table deleting Unicode punctuation (categories P*), filled as characters
-    are met: translate() is far faster than testing each character's category."""
-
-    def __missing__(self, codepoint: int) -> int | None:
-        value = None if unicodedata.category(chr(codepoint)).startswith("P") else codepoint
-        self[codepoint] = value
-        return value
+def lsh_bands(cfg: DedupConfig) -> tuple[int, int]:
+    """(bands, rows) this config's LSH uses."""
+    return minhash.lsh_params(cfg.threshold, cfg.num_perm, cfg.fp_weight, cfg.fn_weight)
 
 
-_PUNCTUATION = _PunctuationTable()
+# Unicode punctuation (categories P*): ASCII text, the common case, is stripped with a byte table.
+_ASCII_PUNCTUATION = bytes(c for c in range(128) if unicodedata.category(chr(c)).startswith("P"))
+
+
+@lru_cache(maxsize=1)
+def _punctuation_table() -> np.ndarray:
+    """True at every punctuation code point: one gather per character beats any per-character call."""
+    is_punctuation = (unicodedata.category(chr(c)).startswith("P") for c in range(sys.maxunicode + 1))
+    return np.fromiter(is_punctuation, dtype=bool, count=sys.maxunicode + 1)
 
 
 def strip_punctuation(text: str) -> str:
-    return text.translate(_PUNCTUATION)
+    if text.isascii():
+        return text.encode("ascii").translate(None, _ASCII_PUNCTUATION).decode("ascii")
+    # One code point per uint32; surrogatepass keeps lone surrogates (valid in JSON) intact.
+    codes = np.frombuffer(text.encode("utf-32-le", "surrogatepass"), dtype=np.uint32)
+    return codes[~_punctuation_table()[codes]].tobytes().decode("utf-32-le", "surrogatepass")
 
 
 def normalize(text: str, cfg: DedupConfig) -> str:
@@ -75,179 +97,237 @@ def normalize(text: str, cfg: DedupConfig) -> str:
     if cfg.normalize_punctuation:
         text = strip_punctuation(text)
     if cfg.normalize_whitespace:
-        text = _WHITESPACE.sub(" ", text).strip()
+        text = " ".join(text.split())  # as re.sub(r"\s+", " ", text).strip(), several times faster
     return text
 
 
 def shingles(normalized: str, size: int) -> list[bytes]:
-    """Distinct word n-grams, or character n-grams when words are too few or unsegmented."""
-    words = normalized.split()
-    if len(words) >= size and len(normalized) / len(words) <= _UNSEGMENTED_WORD_LEN:
-        grams = {" ".join(words[i : i + size]) for i in range(len(words) - size + 1)}
-    else:
-        chars = " ".join(words)
-        grams = {chars[i : i + size] for i in range(max(1, len(chars) - size + 1))} if chars else set()
-    return [gram.encode("utf-8") for gram in grams]  # any order: a MinHash is order-free
+    """Distinct shingles of a normalised text, as UTF-8: word n-grams of its space-joined words,
+    or character n-grams when words are fewer than `size` or unsegmented (mean length > 12); a
+    text shorter than one shingle is one shingle. `minhash.signatures` hashes exactly these."""
+    text = minhash.shingle_text(normalized)
+    data = np.frombuffer(text.encode("utf-8"), dtype=np.uint8)
+    starts, ends = minhash.shingle_spans(data, minhash.uses_word_shingles(text, size), size)
+    raw = data.tobytes()
+    return sorted({raw[s:e] for s, e in zip(starts.tolist(), ends.tolist())})
 
 
-def _signatures(batch: list[list[bytes]], num_perm: int, seed: int) -> np.ndarray:
-    minhashes = MinHash.bulk(batch, num_perm=num_perm, seed=seed, scheme=_SCHEME)
-    return np.stack([m.hashvalues for m in minhashes])
-
-
-class _UnionFind:
-    """Clusters of document indices; a cluster's root is its smallest index."""
-
-    def __init__(self) -> None:
-        self.parent: list[int] = []
-
-    def add(self) -> None:
-        self.parent.append(len(self.parent))
-
-    def find(self, i: int) -> int:
-        while self.parent[i] != i:
-            self.parent[i] = self.parent[self.parent[i]]
-            i = self.parent[i]
-        return i
-
-    def union(self, i: int, j: int) -> None:
-        ri, rj = self.find(i), self.find(j)
-        if ri != rj:
-            self.parent[max(ri, rj)] = min(ri, rj)
+def _signature_settings(cfg: DedupConfig) -> dict[str, Any]:
+    """Everything an index's signatures, digests and band keys depend on."""
+    bands, rows = lsh_bands(cfg)
+    return {
+        "normalize_case": cfg.normalize_case, "normalize_whitespace": cfg.normalize_whitespace,
+        "normalize_punctuation": cfg.normalize_punctuation, "shingle_size": cfg.shingle_size,
+        "num_perm": cfg.num_perm, "seed": cfg.seed, "bands": bands, "rows": rows,
+        "scheme": "affine32", "shingle_hash": "poly64-fmix64-hi32",
+    }
 
 
 def dedup_documents(cfg: DedupConfig, input_file: Path, out_dir: Path) -> dict:
     """Remove exact and near duplicates from `input_file` into `out_dir/documents.jsonl`."""
-    ids: list[str] = []
-    lengths: list[int] = []
-    domains: list[str] = []
-    exact_keys: list[str] = []
-    groups = _UnionFind()
-    first_with_key: dict[str, int] = {}
-    hashed: list[int] = []  # documents with a MinHash signature, in signature order
-    with _Signer(cfg) as signer:
-        for i, doc in enumerate(read_documents(input_file)):
-            normalized = normalize(doc.text, cfg)
-            key = hashlib.sha256(normalized.encode("utf-8")).hexdigest()
-            ids.append(doc.id)
-            lengths.append(len(doc.text))
-            domains.append(doc.domain)
-            exact_keys.append(key)
-            groups.add()
-            if cfg.exact and key in first_with_key:
-                # An exact copy is clustered already: it needs no signature of its own.
-                groups.union(first_with_key[key], i)
-                continue
-            first_with_key.setdefault(key, i)
-            if cfg.fuzzy:
-                doc_shingles = shingles(normalized, cfg.shingle_size)
-                if doc_shingles:
-                    hashed.append(i)
-                    signer.add(doc_shingles)
-        signatures = signer.signatures()
-    if cfg.fuzzy:
-        for a, b in _similar_pairs(cfg, signatures):
-            groups.union(hashed[a], hashed[b])
+    return _dedup(cfg, DedupIndex.empty(_signature_settings(cfg)), input_file, out_dir)
 
-    n = len(ids)
-    clusters: dict[int, list[int]] = defaultdict(list)
-    for i in range(n):
-        clusters[groups.find(i)].append(i)
-    survivor_of: dict[int, int] = {}
-    for members in clusters.values():
-        best = min(members, key=lambda i: (-lengths[i], i))
-        for i in members:
-            survivor_of[i] = best
+
+def dedup_against_index(cfg: DedupConfig, index_dir: Path, new_input_file: Path, out_dir: Path) -> dict:
+    """Deduplicate a new batch against itself and every document kept in `index_dir` (an earlier
+    run's `lsh_index/`). Indexed documents are already published, so they always survive; the
+    combined index is saved in `out_dir/lsh_index/`."""
+    return _dedup(cfg, DedupIndex.load(index_dir, _signature_settings(cfg)), new_input_file, out_dir)
+
+
+@dataclass
+class _Batch:
+    """What the stage remembers of each input document (the text is re-read when writing)."""
+
+    ids: list[str]
+    lengths: list[int]
+    domains: list[str]
+    quality: list[float]
+    digests: list[bytes]
+    signatures: np.ndarray
+    has_shingles: np.ndarray
+
+
+def _dedup(cfg: DedupConfig, index: DedupIndex, input_file: Path, out_dir: Path) -> dict:
+    batch = _read_and_sign(cfg, input_file)
+    n, m = len(batch.ids), len(index)
+    # Graph nodes: indexed documents 0..m-1, then this batch's documents m..m+n-1.
+    index_digests = index.digest_list()
+    exact_pairs: list[tuple[int, int]] = []
+    in_lsh = batch.has_shingles.copy()
+    if cfg.exact:
+        first_with = {digest: i for i, digest in enumerate(index_digests)}
+        for i, digest in enumerate(batch.digests):
+            first = first_with.setdefault(digest, m + i)
+            if first != m + i:
+                exact_pairs.append((first, m + i))
+                in_lsh[i] = False  # an exact copy is clustered already: no fuzzy matching needed
+    edges = [np.array(exact_pairs, dtype=np.int64).reshape(-1, 2)]
+    num_candidates = num_verified = 0
+    if cfg.fuzzy:
+        verify = cfg.threshold if cfg.verify_threshold is None else cfg.verify_threshold
+        members = np.flatnonzero(in_lsh)
+        sigs = batch.signatures[members]
+        keys = minhash.band_keys(sigs, index.settings["bands"], index.settings["rows"])
+        inner = minhash.candidate_pairs(keys)
+        cross = index.candidates(keys)
+        num_candidates = len(inner) + len(cross)
+        inner = inner[minhash.estimated_jaccard(sigs[inner[:, 0]], sigs[inner[:, 1]]) >= verify]
+        cross = cross[minhash.estimated_jaccard(sigs[cross[:, 0]], index.signatures[cross[:, 1]]) >= verify]
+        num_verified = len(inner) + len(cross)
+        edges.append(m + members[inner])
+        edges.append(np.stack((m + members[cross[:, 0]], cross[:, 1]), axis=1))
+    clusters = _clusters(m + n, np.concatenate(edges))
+
+    # Survivor of each cluster: an indexed document if any (it is published), else the best new one.
+    quality = np.concatenate((index.quality, np.array(batch.quality, dtype=np.float64)))
+    lengths = np.concatenate((index.lengths, np.array(batch.lengths, dtype=np.int64)))
+    ids = index.ids.tolist() + batch.ids
+    survivor_of = np.arange(m + n)
+    for cluster in clusters:
+        indexed = [node for node in cluster if node < m]
+        candidates = indexed or cluster
+        best = min(candidates, key=lambda i: (math.isnan(quality[i]), -np.nan_to_num(quality[i]), -lengths[i], ids[i]))
+        survivor_of[cluster] = best
+    digests = index_digests + batch.digests
 
     counts = DocCounts(num_in=n)
     removed_by_domain: Counter[str] = Counter()
+    sampled = _sample_clusters(clusters, survivor_of)
+    sampled_nodes = {i for cluster in sampled for i in cluster}
+    snippets = {i: str(index.snippets[i]) for i in sampled_nodes if i < m}
+    kept: list[int] = []
     with (
         open(out_dir / DOCUMENTS_FILE, "w", encoding="utf-8") as out,
         ReasonLog(out_dir / REMOVED_FILE) as removed,
     ):
         for i, doc in enumerate(read_documents(input_file)):
-            survivor = survivor_of[i]
-            if survivor == i:
+            node = m + i
+            survivor = int(survivor_of[node])
+            if survivor == node or node in sampled_nodes:
+                snippets[node] = doc.text[:SNIPPET_CHARS]
+            if survivor == node:
                 out.write(doc.to_json() + "\n")
                 counts.num_kept += 1
+                kept.append(i)
                 continue
             # The reason is the relation to the kept document, whichever member made the link.
-            exact = cfg.exact and exact_keys[survivor] == exact_keys[i]
-            reason = "exact_duplicate" if exact else "near_duplicate"
+            reason = "exact_duplicate" if cfg.exact and digests[survivor] == digests[node] else "near_duplicate"
             doc.metadata["duplicate_of"] = ids[survivor]
-            removed.add(reason, asdict(doc))
+            removed.add(reason, vars(doc))
             counts.removed[reason] += 1
             removed_by_domain[doc.domain] += 1
 
-    dup_clusters = sorted(
-        (members for members in clusters.values() if len(members) > 1),
-        key=lambda members: (-len(members), members[0]),
-    )
-    domain_totals = Counter(domains)
+    index.extended(
+        ids=[batch.ids[i] for i in kept], digests=[batch.digests[i] for i in kept],
+        lengths=[batch.lengths[i] for i in kept], quality=[batch.quality[i] for i in kept],
+        snippets=[snippets[m + i] for i in kept], signatures=batch.signatures[kept],
+        in_lsh=batch.has_shingles[kept],
+    ).save(out_dir / INDEX_DIR)
+    sizes = Counter(len(c) for c in clusters)
+    _plot_cluster_sizes(sizes, out_dir / PLOT_FILE)
+    bands, rows = lsh_bands(cfg)
+    domain_totals = Counter(batch.domains)
     return {
         **counts.as_dict(),
-        "num_clusters": len(dup_clusters),
-        "duplicate_rate_by_domain": {
-            d: removed_by_domain[d] / total for d, total in sorted(domain_totals.items())
-        },
-        "cluster_sizes": {
-            str(size): num for size, num in sorted(Counter(len(m) for m in dup_clusters).items())
-        },
+        "num_clusters": len(clusters),
+        "num_indexed_before": m,
+        "num_candidate_pairs": num_candidates,
+        "num_verified_pairs": num_verified,
+        "lsh": {"bands": bands, "rows": rows,
+                "verify_threshold": cfg.threshold if cfg.verify_threshold is None else cfg.verify_threshold},
+        "duplicate_rate_by_domain": {d: removed_by_domain[d] / total for d, total in sorted(domain_totals.items())},
+        "cluster_sizes": {str(size): num for size, num in sorted(sizes.items())},
         "sample_clusters": [
-            {"survivor": ids[survivor_of[m[0]]], "members": [ids[i] for i in m[:10]], "size": len(m)}
-            for m in dup_clusters[:_NUM_SAMPLE_CLUSTERS]
+            {"survivor": ids[survivor_of[c[0]]], "size": len(c),
+             "members": [{"id": ids[i], "snippet": snippets[i]} for i in c[:_SAMPLE_MEMBERS]]}
+            for c in sampled
         ],
     }
 
 
-class _Signer:
-    """Computes MinHash signatures batch by batch as documents stream past, on `num_workers`."""
+def _clusters(num_nodes: int, edges: np.ndarray) -> list[list[int]]:
+    """Connected components of more than one node, each sorted, listed by smallest node."""
+    # Imported here, as matplotlib below: worker processes import this module only to sign.
+    from scipy.sparse import coo_matrix
+    from scipy.sparse.csgraph import connected_components
 
-    def __init__(self, cfg: DedupConfig):
-        self.cfg = cfg
-        self.pending: list[list[bytes]] = []
-        self.parts: list[Future[np.ndarray] | np.ndarray] = []
-        self.pool: ProcessPoolExecutor | None = None
-        if cfg.num_workers > 1:
-            # forkserver, not fork: the caller (a flow runner) may hold threads, and locks, that fork copies.
-            context = multiprocessing.get_context("forkserver")
-            self.pool = ProcessPoolExecutor(cfg.num_workers, mp_context=context)
-
-    def add(self, doc_shingles: list[bytes]) -> None:
-        self.pending.append(doc_shingles)
-        if len(self.pending) == _BATCH:
-            self._flush()
-
-    def _flush(self) -> None:
-        if not self.pending:
-            return
-        args = (self.pending, self.cfg.num_perm, self.cfg.seed)
-        self.parts.append(self.pool.submit(_signatures, *args) if self.pool else _signatures(*args))
-        self.pending = []
-
-    def signatures(self) -> np.ndarray:
-        """One row per added document, in the order added."""
-        self._flush()
-        rows = [part.result() if isinstance(part, Future) else part for part in self.parts]
-        return np.concatenate(rows) if rows else np.zeros((0, self.cfg.num_perm), dtype=np.uint32)
-
-    def __enter__(self) -> _Signer:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self.pool is not None:
-            self.pool.shutdown(cancel_futures=True)
+    graph = coo_matrix((np.ones(len(edges)), (edges[:, 0], edges[:, 1])), shape=(num_nodes, num_nodes))
+    _, labels = connected_components(graph, directed=False)
+    order = np.argsort(labels, kind="stable")
+    bounds = np.flatnonzero(np.diff(labels[order])) + 1
+    groups = [g.tolist() for g in np.split(order, bounds) if len(g) > 1]
+    return sorted(groups)
 
 
-def _similar_pairs(cfg: DedupConfig, signatures: np.ndarray) -> list[tuple[int, int]]:
-    """(earlier, later) index pairs that LSH proposes and whose estimated Jaccard reaches the threshold."""
-    lsh = MinHashLSH(threshold=cfg.threshold, num_perm=cfg.num_perm)
-    pairs = []
-    for a, row in enumerate(signatures):
-        minhash = LeanMinHash(seed=cfg.seed, hashvalues=row, scheme=_SCHEME)
-        for b in sorted(lsh.query(minhash)):
-            # Estimated Jaccard: the fraction of permutations on which the signatures agree.
-            if np.mean(signatures[a] == signatures[b]) >= cfg.threshold:
-                pairs.append((b, a))
-        lsh.insert(a, minhash)
-    return pairs
+def _sample_clusters(clusters: list[list[int]], survivor_of: np.ndarray) -> list[list[int]]:
+    """The largest clusters (ties: smallest first member), survivor first in each."""
+    largest = sorted(clusters, key=lambda c: (-len(c), c[0]))[:_NUM_SAMPLE_CLUSTERS]
+    return [[int(survivor_of[c[0]])] + [i for i in c if i != survivor_of[c[0]]] for c in largest]
+
+
+def _plot_cluster_sizes(sizes: Counter[int], path: Path) -> None:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    figure = Figure(figsize=(5, 3.2))
+    FigureCanvasAgg(figure)
+    axes = figure.add_subplot()
+    xs = sorted(sizes)
+    axes.bar([str(x) for x in xs], [sizes[x] for x in xs], color="#4477aa")
+    axes.set_xlabel("documents in cluster")
+    axes.set_ylabel("clusters")
+    axes.set_title(f"Duplicate clusters ({sum(sizes.values())})")
+    figure.tight_layout()
+    figure.savefig(path, dpi=80)
+
+
+def _read_and_sign(cfg: DedupConfig, input_file: Path) -> _Batch:
+    batch = _Batch([], [], [], [], [], np.zeros((0, cfg.num_perm), dtype=np.uint32), np.zeros(0, dtype=bool))
+    parts: list[Future[tuple] | tuple] = []
+    pool = None
+    if cfg.num_workers > 1:
+        # forkserver, not fork: the caller (a flow runner) may hold threads, and locks, that fork copies.
+        pool = ProcessPoolExecutor(cfg.num_workers, mp_context=multiprocessing.get_context("forkserver"))
+    try:
+        pending: list[str] = []
+        pending_chars = 0
+        for doc in read_documents(input_file):
+            batch.ids.append(doc.id)
+            batch.lengths.append(len(doc.text))
+            batch.domains.append(doc.domain)
+            batch.quality.append(_quality(doc))
+            pending.append(doc.text)
+            pending_chars += len(doc.text)
+            if len(pending) >= _BATCH or pending_chars >= _BATCH_CHARS:
+                parts.append(pool.submit(_sign_batch, pending, cfg) if pool else _sign_batch(pending, cfg))
+                pending, pending_chars = [], 0
+        if pending:
+            parts.append(pool.submit(_sign_batch, pending, cfg) if pool else _sign_batch(pending, cfg))
+        results = [part.result() if isinstance(part, Future) else part for part in parts]
+    finally:
+        if pool is not None:
+            pool.shutdown(cancel_futures=True)
+    for digests, sigs, has_shingles in results:
+        batch.digests.extend(digests)
+    if results:
+        batch.signatures = np.concatenate([r[1] for r in results])
+        batch.has_shingles = np.concatenate([r[2] for r in results])
+    return batch
+
+
+def _sign_batch(texts: list[str], cfg: DedupConfig) -> tuple[list[bytes], np.ndarray, np.ndarray]:
+    """Digests of the normalised texts, their signatures, and which have any shingle."""
+    normalized = [normalize(t, cfg) for t in texts]
+    digests = [hashlib.blake2b(t.encode("utf-8"), digest_size=DIGEST_BYTES).digest() for t in normalized]
+    if not cfg.fuzzy:
+        return digests, np.zeros((len(texts), cfg.num_perm), dtype=np.uint32), np.zeros(len(texts), dtype=bool)
+    has_shingles = np.array([bool(t) and not t.isspace() for t in normalized], dtype=bool)
+    # Whitespace-normalised text is already in shingle form (single spaces): no need to re-split it.
+    sigs = minhash.signatures(normalized, cfg.shingle_size, cfg.num_perm, cfg.seed, joined=cfg.normalize_whitespace)
+    return digests, sigs, has_shingles
+
+
+def _quality(doc: Document) -> float:
+    score = doc.metadata.get("quality_score")
+    return float(score) if isinstance(score, (int, float)) and not isinstance(score, bool) else math.nan

@@ -1,15 +1,19 @@
-"""Exact and near-duplicate removal on real text: what is removed, which copy survives, and why."""
+"""Exact and near-duplicate removal on real text: what is removed, which copy survives, and why;
+incremental dedup against a saved index; bad input."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 
-from tasks.data import dedup
-from tasks.data.dedup import DedupConfig, dedup_documents, shingles
+from tasks.data import dedup, minhash
+from tasks.data.dedup import DedupConfig, dedup_against_index, dedup_documents
+from tasks.data.dedup_index import INDEX_DIR, DedupIndex
 from tasks.data.documents import Document, write_documents
+from tasks.errors import ConfigError
 
 # Real prose: the paragraphs of the GNU GPL v3 preamble.
 GPL_PREAMBLE = [
@@ -64,24 +68,39 @@ UDHR_ZH = [
 ]
 
 
-def _doc(doc_id: str, text: str, domain: str = "prose") -> Document:
-    return Document(doc_id, text, "gpl", domain, "GPL-3.0-or-later")
+SAMPLE = Path(__file__).resolve().parents[3] / "data" / "sample"
+
+
+def _doc(doc_id: str, text: str, domain: str = "prose", **metadata) -> Document:
+    return Document(doc_id, text, "gpl", domain, "GPL-3.0-or-later", dict(metadata))
+
+
+def _write(path: Path, docs: list[Document]) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_documents(path, docs)
+    return path
+
+
+def _read(out: Path) -> tuple[list[dict], list[dict]]:
+    kept = [json.loads(line) for line in (out / "documents.jsonl").read_text().splitlines()]
+    removed_file = out / "removed.jsonl"
+    removed = [json.loads(line) for line in removed_file.read_text().splitlines()] if removed_file.exists() else []
+    return kept, removed
 
 
 def _run(tmp_path: Path, docs: list[Document], name: str = "run", **cfg) -> tuple[dict, list[dict], list[dict]]:
     """Dedup `docs` in `tmp_path/name`; returns the stats, kept and removed records."""
-    work = tmp_path / name
-    out = work / "out"
+    out = tmp_path / name / "out"
     out.mkdir(parents=True)
-    input_file = work / "in.jsonl"
-    write_documents(input_file, docs)
-    stats = dedup_documents(DedupConfig(**cfg), input_file, out)
-    kept = [json.loads(line) for line in (out / "documents.jsonl").read_text().splitlines()]
-    removed_file = out / "removed.jsonl"
-    removed = [json.loads(line) for line in removed_file.read_text().splitlines()] if removed_file.exists() else []
+    stats = dedup_documents(DedupConfig(**cfg), _write(tmp_path / name / "in.jsonl", docs), out)
+    kept, removed = _read(out)
     assert stats["num_in"] == stats["num_kept"] + stats["num_removed"] + stats["num_quarantined"]
     assert stats["num_kept"] == len(kept) and stats["num_removed"] == len(removed)
     return stats, kept, removed
+
+
+def _removals(removed: list[dict]) -> list[tuple[str, str, str]]:
+    return [(r["id"], r["reason"], r["metadata"]["duplicate_of"]) for r in removed]
 
 
 def test_exact_copies_differing_in_case_whitespace_and_punctuation_are_removed(tmp_path):
@@ -89,17 +108,17 @@ def test_exact_copies_differing_in_case_whitespace_and_punctuation_are_removed(t
     spaced = GPL_PREAMBLE[1].replace(" ", "  ").replace(". ", ".\n\n")  # longer than the original
     docs = [
         _doc("a", GPL_PREAMBLE[1]),
-        _doc("b", GPL_PREAMBLE[2]),
-        _doc("c", spaced),
         _doc("d", shouting),
+        _doc("c", spaced),
+        _doc("b", GPL_PREAMBLE[2]),
         _doc("e", GPL_PREAMBLE[3]),
         _doc("f", GPL_PREAMBLE[4].replace(",", "").replace(".", "")),
         _doc("g", GPL_PREAMBLE[4]),
     ]
     stats, kept, removed = _run(tmp_path, docs)
-    # Survivor: the longest copy ("c" beats the earlier "a"), then the earliest ("b" beats "d").
-    assert [d["id"] for d in kept] == ["b", "c", "e", "g"]
-    assert [(r["id"], r["reason"], r["metadata"]["duplicate_of"]) for r in removed] == [
+    # Survivor: the longest copy ("c" beats "a"), then the smallest id ("b" beats "d", read first).
+    assert [d["id"] for d in kept] == ["c", "b", "e", "g"]
+    assert _removals(removed) == [
         ("a", "exact_duplicate", "c"),
         ("d", "exact_duplicate", "b"),
         ("f", "exact_duplicate", "g"),
@@ -108,15 +127,35 @@ def test_exact_copies_differing_in_case_whitespace_and_punctuation_are_removed(t
     assert stats["removed"] == {"exact_duplicate": 3}
     assert stats["num_clusters"] == 3
     assert stats["cluster_sizes"] == {"2": 3}
-    assert stats["sample_clusters"][0] == {"survivor": "c", "members": ["a", "c"], "size": 2}
+    assert stats["sample_clusters"][0] == {
+        "survivor": "c", "size": 2,
+        "members": [{"id": "c", "snippet": spaced[:100]}, {"id": "a", "snippet": GPL_PREAMBLE[1][:100]}],
+    }
     assert stats["duplicate_rate_by_domain"] == {"prose": 3 / 7}
+    assert stats["lsh"] == {"bands": 14, "rows": 9, "verify_threshold": 0.7}
+    assert stats["num_indexed_before"] == 0
+    assert (tmp_path / "run" / "out" / "cluster_sizes.png").read_bytes()[:4] == b"\x89PNG"
 
 
-def test_exact_only_keeps_case_variants_when_case_normalisation_is_off(tmp_path):
-    docs = [_doc("a", GPL_PREAMBLE[2]), _doc("b", GPL_PREAMBLE[2].upper()), _doc("c", GPL_PREAMBLE[2])]
-    stats, kept, removed = _run(tmp_path, docs, fuzzy=False, normalize_case=False)
-    assert [d["id"] for d in kept] == ["a", "b"]
-    assert [(r["id"], r["reason"]) for r in removed] == [("c", "exact_duplicate")]
+def test_survivor_is_best_quality_then_longest_then_smallest_id_whatever_the_input_order(tmp_path):
+    text = GPL_PREAMBLE[5]
+    docs = [
+        _doc("z-long", text + " Thank you."),  # longest, but has no quality score
+        _doc("m-low", text.upper(), quality_score=0.2),
+        _doc("a-high", text.lower(), quality_score=0.9),
+        _doc("b9", GPL_PREAMBLE[6]),
+        _doc("b10", GPL_PREAMBLE[6].lower()),  # same length, no scores: the smallest id, "b10"
+    ]
+    stats, kept, removed = _run(tmp_path, docs)
+    assert [d["id"] for d in kept] == ["a-high", "b10"]
+    assert sorted(_removals(removed)) == [
+        ("b9", "exact_duplicate", "b10"),
+        ("m-low", "exact_duplicate", "a-high"),
+        ("z-long", "near_duplicate", "a-high"),
+    ]
+    shuffled = _run(tmp_path, docs[::-1], name="reversed")
+    assert sorted(d["id"] for d in shuffled[1]) == ["a-high", "b10"]
+    assert sorted(_removals(shuffled[2])) == sorted(_removals(removed))
 
 
 def test_near_duplicate_missing_one_sentence_is_removed_and_longest_survives(tmp_path):
@@ -131,10 +170,9 @@ def test_near_duplicate_missing_one_sentence_is_removed_and_longest_survives(tmp
     stats, kept, removed = _run(tmp_path, docs)
     # The shortened copy comes first in the input, but the longest text survives.
     assert [d["id"] for d in kept] == [f"p{i}" for i in range(len(GPL_PREAMBLE))] + ["full"]
-    assert [(r["id"], r["reason"], r["metadata"]["duplicate_of"]) for r in removed] == [
-        ("short", "near_duplicate", "full")
-    ]
+    assert _removals(removed) == [("short", "near_duplicate", "full")]
     assert stats["num_clusters"] == 1 and stats["cluster_sizes"] == {"2": 1}
+    assert stats["num_verified_pairs"] == 1 and stats["num_candidate_pairs"] >= 1
 
     # Without fuzzy dedup the near duplicate stays: it is not an exact copy.
     stats, kept, _ = _run(tmp_path, docs, name="exact_only", fuzzy=False)
@@ -145,16 +183,11 @@ def test_exact_copies_are_caught_by_minhash_when_exact_is_off(tmp_path):
     docs = [_doc("a", GPL_PREAMBLE[7]), _doc("b", GPL_PREAMBLE[7].lower()), _doc("c", GPL_PREAMBLE[8])]
     stats, kept, removed = _run(tmp_path, docs, exact=False)
     assert [d["id"] for d in kept] == ["a", "c"]
-    assert [(r["id"], r["reason"], r["metadata"]["duplicate_of"]) for r in removed] == [
-        ("b", "near_duplicate", "a")
-    ]
+    assert _removals(removed) == [("b", "near_duplicate", "a")]
 
 
 def test_cjk_text_uses_character_shingles_and_is_deduplicated(tmp_path):
     full = "".join(UDHR_ZH)
-    assert sorted(shingles("人人有权享有生命", 5)) == sorted(
-        g.encode() for g in ["人人有权享", "人有权享有", "有权享有生", "权享有生命"]
-    )
     without_article_3 = full.replace(UDHR_ZH[2], "")
     docs = [
         _doc("zh-full", full, "multilingual"),
@@ -165,30 +198,111 @@ def test_cjk_text_uses_character_shingles_and_is_deduplicated(tmp_path):
     ]
     stats, kept, removed = _run(tmp_path, docs)
     assert [d["id"] for d in kept] == ["zh-full", "zh-art1", "zh-art4", "en"]
-    assert [(r["id"], r["reason"], r["metadata"]["duplicate_of"]) for r in removed] == [
-        ("zh-cut", "near_duplicate", "zh-full")
-    ]
+    assert _removals(removed) == [("zh-cut", "near_duplicate", "zh-full")]
     assert stats["duplicate_rate_by_domain"] == {"multilingual": 0.25, "prose": 0.0}
 
 
-def test_word_shingles_for_spaced_text_and_characters_for_short_text():
-    assert sorted(shingles("one two three", 2)) == [b"one two", b"two three"]
-    assert shingles("hi", 5) == [b"hi"]  # shorter than one shingle: the whole text
-    assert shingles("", 5) == []
+def _japanese_man_page() -> str:
+    for line in (SAMPLE / "multilingual" / "multilingual.jsonl").read_text(encoding="utf-8").splitlines():
+        record = json.loads(line)
+        if record["id"].startswith("man-ja/"):
+            return record["text"]
+    raise AssertionError("the bundled sample has Japanese man pages")
+
+
+def test_bad_input_is_handled_deterministically(tmp_path):
+    rng = np.random.default_rng(7)
+    pages = sorted((SAMPLE / "prose" / "coreutils-man").glob("*.txt"))
+    vocabulary = sorted({w for p in pages for w in p.read_text().split()})
+    words = [vocabulary[i] for i in rng.integers(0, len(vocabulary), size=700_000)]
+    enormous = " ".join(words)
+    assert len(enormous) > 5_000_000
+    edited = list(words)
+    edited[350_000], edited[350_001] = words[350_001], words[350_000]  # same length: the smaller id survives
+    assert edited != words
+    japanese = _japanese_man_page()
+    cut = japanese.replace(japanese[200:260], "")
+    docs = [
+        _doc("empty", ""), _doc("blank", "  \n\t "), _doc("one", "Hello"), _doc("one-copy", "HELLO"),
+        _doc("other", "world"), _doc("short", "a b c"), _doc("short-copy", "A B C"),
+        _doc("huge", enormous), _doc("huge-edit", " ".join(edited)),
+        _doc("ja", japanese, "multilingual"), _doc("ja-cut", cut, "multilingual"),
+    ]
+    stats, kept, removed = _run(tmp_path, docs)
+    assert [d["id"] for d in kept] == ["blank", "one", "other", "short", "huge", "ja"]
+    assert sorted(_removals(removed)) == [
+        ("empty", "exact_duplicate", "blank"),  # both normalise to "": the longer survives
+        ("huge-edit", "near_duplicate", "huge"),
+        ("ja-cut", "near_duplicate", "ja"),
+        ("one-copy", "exact_duplicate", "one"),
+        ("short-copy", "exact_duplicate", "short"),
+    ]
+    assert stats["cluster_sizes"] == {"2": 5}
+    # Without exact dedup, texts without shingles are never matched: empty texts are not alike.
+    _, kept, _ = _run(tmp_path, docs[:3], name="fuzzy_only", exact=False)
+    assert [d["id"] for d in kept] == ["empty", "blank", "one"]
 
 
 def test_output_is_identical_with_several_workers(tmp_path, monkeypatch):
     monkeypatch.setattr(dedup, "_BATCH", 3)  # several batches, so the process pool is used
     docs = [_doc(f"p{i}", p) for i, p in enumerate(GPL_PREAMBLE)] + [
         _doc(f"copy{i}", p.upper()) for i, p in enumerate(GPL_PREAMBLE[:4])
-    ]
+    ] + [_doc("near", FULL_PREAMBLE), _doc("near-cut", FULL_PREAMBLE[:-40])]
     one = _run(tmp_path, docs, name="one")
     two = _run(tmp_path, docs, name="two", num_workers=2)
     assert one == two
-    assert one[0]["num_kept"] == len(GPL_PREAMBLE)
+    assert one[0]["num_kept"] == len(GPL_PREAMBLE) + 1
+    index_one = (tmp_path / "one" / "out" / INDEX_DIR / "index.npz").read_bytes()
+    assert index_one == (tmp_path / "two" / "out" / INDEX_DIR / "index.npz").read_bytes()
 
 
 def test_worker_count_is_not_part_of_the_identity():
     assert DedupConfig(num_workers=4).identity() == DedupConfig().identity()
     with pytest.raises(ValueError):
         DedupConfig(threshold=1.5)
+
+
+def test_a_new_batch_is_deduplicated_against_the_saved_index_without_resigning_it(tmp_path, monkeypatch):
+    batch_a = [_doc(f"a{i}", p) for i, p in enumerate(GPL_PREAMBLE)] + [_doc("a9-copy", GPL_PREAMBLE[0].upper())]
+    out_a = tmp_path / "a"
+    out_a.mkdir()
+    stats_a = dedup_documents(DedupConfig(), _write(tmp_path / "a.jsonl", batch_a), out_a)
+    assert stats_a["num_kept"] == len(GPL_PREAMBLE)
+
+    changed_word = GPL_PREAMBLE[7].replace("manufacturer", "vendor")
+    batch_b = [
+        _doc("b-new", UDHR_ZH[1], "multilingual"),
+        _doc("b-exact", GPL_PREAMBLE[3].lower()),  # exact copy of a3
+        _doc("b-near", changed_word),  # near copy of a7
+        _doc("b-pair1", FULL_PREAMBLE),  # new, and duplicated by b-pair2 within the batch
+        _doc("b-pair2", FULL_PREAMBLE.replace("Finally, ", "")),
+        _doc("b-long", GPL_PREAMBLE[2] + " And more, much more."),  # longer than a2, but a2 is published
+    ]
+    signed: list[int] = []
+    real_signatures = minhash.signatures
+    monkeypatch.setattr(minhash, "signatures", lambda texts, *a: signed.append(len(texts)) or real_signatures(texts, *a))
+    out_b = tmp_path / "b"
+    out_b.mkdir()
+    stats = dedup_against_index(DedupConfig(), out_a / INDEX_DIR, _write(tmp_path / "b.jsonl", batch_b), out_b)
+    assert signed == [len(batch_b)]  # only the new batch is signed; a's signatures are loaded
+    kept, removed = _read(out_b)
+    assert [d["id"] for d in kept] == ["b-new", "b-pair1"]
+    assert _removals(removed) == [
+        ("b-exact", "exact_duplicate", "a3"),
+        ("b-near", "near_duplicate", "a7"),
+        ("b-pair2", "near_duplicate", "b-pair1"),
+        ("b-long", "near_duplicate", "a2"),
+    ]
+    assert stats["num_indexed_before"] == len(GPL_PREAMBLE)
+    assert stats["duplicate_rate_by_domain"] == {"multilingual": 0.0, "prose": 0.8}
+
+    combined = DedupIndex.load(out_b / INDEX_DIR, DedupIndex.load(out_a / INDEX_DIR, _settings()).settings)
+    assert combined.ids.tolist() == [d.id for d in batch_a[:-1]] + ["b-new", "b-pair1"]
+    a_index = DedupIndex.load(out_a / INDEX_DIR, _settings())
+    assert np.array_equal(combined.signatures[: len(a_index)], a_index.signatures)
+    with pytest.raises(ConfigError, match="num_perm"):
+        dedup_against_index(DedupConfig(num_perm=64), out_a / INDEX_DIR, tmp_path / "b.jsonl", tmp_path)
+
+
+def _settings() -> dict:
+    return dedup._signature_settings(DedupConfig())
