@@ -156,6 +156,18 @@ def cmd_ui(ns: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_plan(ns: argparse.Namespace) -> int:
+    from tasks.train.config import ModelConfig
+    from tasks.train.planner import ClusterSpec, load_preset, plan_parallelism, render_plan_report
+
+    search = plan_parallelism(
+        load_preset(ns.model, ModelConfig), ns.vocab_size, ns.seq_len, load_preset(ns.cluster, ClusterSpec),
+        global_batch_seqs=ns.global_batch_seqs, global_batch_tokens=ns.global_batch_tokens, precision=ns.precision,
+    )
+    print(json.dumps(search.to_dict(), indent=2) if ns.json else render_plan_report(search), end="")
+    return 0 if search.best else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kiln", formatter_class=argparse.RawDescriptionHelpFormatter, epilog=_EPILOG,
@@ -184,6 +196,19 @@ def build_parser() -> argparse.ArgumentParser:
     status = add("status", "Show each stage's key and whether its output is complete in the store.", cmd_status)
     status.add_argument("--json", action="store_true", help="also print the keys as JSON")
     add("ui", "Print the commands that open the MLflow and Prefect UIs on this run's stores.", cmd_ui)
+    plan = sub.add_parser("plan", help="Pick dp x tp x pp x cp, micro-batch and checkpointing for a model on a cluster.",
+                          description="Estimate memory and step time of every parallel layout; reject what does not "
+                                      "fit, rank the rest, explain the choice.")
+    plan.add_argument("--model", required=True, help="a configs/models preset (7b, 70b, ...) or a ModelConfig .yaml")
+    plan.add_argument("--cluster", required=True, help="a configs/clusters preset (h100-1node, ...) or a .yaml")
+    plan.add_argument("--seq-len", type=int, required=True)
+    plan.add_argument("--vocab-size", type=int, default=32000)
+    batch = plan.add_mutually_exclusive_group(required=True)
+    batch.add_argument("--global-batch-seqs", type=int, help="sequences per optimizer step")
+    batch.add_argument("--global-batch-tokens", type=int, help="tokens per optimizer step (a multiple of --seq-len)")
+    plan.add_argument("--precision", choices=["bf16-mixed", "fp32"], default="bf16-mixed")
+    plan.add_argument("--json", action="store_true", help="print the search summary as JSON instead of the report")
+    plan.set_defaults(func=cmd_plan)
     return parser
 
 

@@ -27,6 +27,7 @@ from tasks.scaling.mix import MixConfig
 from tasks.scaling.sweep import SweepConfig
 from tasks.scaling.validate import ValidateConfig
 from tasks.train.config import ModelConfig, OptimConfig, TrainRunConfig
+from tasks.train.planner import ClusterSpec
 
 
 class StoreConfig(Section):
@@ -42,14 +43,11 @@ class TrackingConfig(Section):
     experiment: str = runtime_field("kiln")
 
 
-class ClusterConfig(Section):
-    """How work is launched; never part of a key (it changes where work runs, not its result)."""
+class ClusterConfig(ClusterSpec):
+    """How and where work is launched; never part of a key (it changes where work runs, not its result)."""
 
     executor: Literal["local", "slurm", "ray"] = runtime_field("local")
     launcher: Literal["local", "torchrun", "slurm", "kubernetes"] = runtime_field("local")
-    nodes: int = runtime_field(1)
-    gpus_per_node: int = runtime_field(0)
-    partition: str | None = runtime_field(None)
 
 
 class TrainConfig(Section):

@@ -37,7 +37,7 @@ def test_runtime_settings_move_no_key(base_keys, override):
 
 @pytest.mark.parametrize("override,first", [
     ("clean.language_threshold=0.5", "clean"),
-    ("tokenize.vocab_size=2048", "tokenize"),
+    ("tokenize.vocab_size=1024", "tokenize"),
     ("sweep.lrs=[0.002]", "sweep"),
     ("train.run.steps=301", "mix"),
     ("train.optim.weight_decay=0.0", "train"),

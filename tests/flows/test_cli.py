@@ -1,0 +1,47 @@
+"""The `kiln` CLI without running stages: help, config, status, plan, and argument errors."""
+
+import pytest
+
+from flows.cli import main
+
+
+def test_help_explains_every_command(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    for command in ("run", "stage", "config", "status", "ui", "plan"):
+        assert command in out
+    assert "collect → clean → dedup" in out
+
+
+def test_config_prints_resolved_values_and_keys(in_repo, capsys):
+    assert main(["config", "configs/tiny.yaml", "dedup.threshold=0.75", "--keys"]) == 0
+    out = capsys.readouterr().out
+    assert "threshold: 0.75" in out and "# stage keys" in out and "evaluate:" in out
+
+
+def test_status_lists_every_stage_as_missing_in_a_fresh_work_dir(in_repo, tmp_path, capsys):
+    assert main(["status", "configs/tiny.yaml", f"work_dir={tmp_path}"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("missing") == 12
+
+
+def test_bad_arguments_and_config_errors_exit_2_without_traceback(in_repo, capsys):
+    assert main(["config", "not-a-config"]) == 2
+    assert "neither a config file" in capsys.readouterr().err
+    assert main(["config", "train.run.steps=many"]) == 2
+    err = capsys.readouterr().err
+    assert "train.run.steps" in err and "Traceback" not in err
+
+
+def test_plan_picks_fsdp_for_7b_on_one_h100_node(in_repo, capsys):
+    assert main(["plan", "--model", "7b", "--cluster", "h100-1node", "--seq-len", "4096",
+                 "--global-batch-tokens", "4194304"]) == 0
+    assert "Chosen: dp=8 tp=1 pp=1 cp=1" in capsys.readouterr().out
+
+
+def test_plan_explains_when_nothing_fits(in_repo, capsys):
+    assert main(["plan", "--model", "70b", "--cluster", "h100-1node", "--seq-len", "4096",
+                 "--global-batch-seqs", "1024"]) == 1
+    assert "do not" in capsys.readouterr().out
