@@ -280,7 +280,7 @@ def test_a_new_batch_is_deduplicated_against_the_saved_index_without_resigning_i
     ]
     signed: list[int] = []
     real_signatures = minhash.signatures
-    monkeypatch.setattr(minhash, "signatures", lambda texts, *a: signed.append(len(texts)) or real_signatures(texts, *a))
+    monkeypatch.setattr(minhash, "signatures", lambda texts, *a, **k: signed.append(len(texts)) or real_signatures(texts, *a, **k))
     out_b = tmp_path / "b"
     out_b.mkdir()
     stats = dedup_against_index(DedupConfig(), out_a / INDEX_DIR, _write(tmp_path / "b.jsonl", batch_b), out_b)
