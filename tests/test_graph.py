@@ -21,7 +21,7 @@ def test_keys_are_deterministic(base_keys):
 
 
 def test_minhash_threshold_moves_dedup_and_everything_downstream(base_keys):
-    assert changed(base_keys, "dedup.threshold=0.7") == downstream_of("dedup")
+    assert changed(base_keys, "dedup.threshold=0.75") == downstream_of("dedup")
     assert downstream_of("dedup")[:3] == ["dedup", "decontaminate", "tokenize"]
     assert "collect" not in downstream_of("dedup") and "clean" not in downstream_of("dedup")
 

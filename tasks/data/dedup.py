@@ -71,6 +71,10 @@ def lsh_bands(cfg: DedupConfig) -> tuple[int, int]:
     return minhash.lsh_params(cfg.threshold, cfg.num_perm, cfg.fp_weight, cfg.fn_weight)
 
 
+def _verify_threshold(cfg: DedupConfig) -> float:
+    return cfg.threshold if cfg.verify_threshold is None else cfg.verify_threshold
+
+
 # Unicode punctuation (categories P*): ASCII text, the common case, is stripped with a byte table.
 _ASCII_PUNCTUATION = bytes(c for c in range(128) if unicodedata.category(chr(c)).startswith("P"))
 
@@ -165,7 +169,7 @@ def _dedup(cfg: DedupConfig, index: DedupIndex, input_file: Path, out_dir: Path)
     edges = [np.array(exact_pairs, dtype=np.int64).reshape(-1, 2)]
     num_candidates = num_verified = 0
     if cfg.fuzzy:
-        verify = cfg.threshold if cfg.verify_threshold is None else cfg.verify_threshold
+        verify = _verify_threshold(cfg)
         members = np.flatnonzero(in_lsh)
         sigs = batch.signatures[members]
         keys = minhash.band_keys(sigs, index.settings["bands"], index.settings["rows"])
@@ -235,7 +239,7 @@ def _dedup(cfg: DedupConfig, index: DedupIndex, input_file: Path, out_dir: Path)
         "num_candidate_pairs": num_candidates,
         "num_verified_pairs": num_verified,
         "lsh": {"bands": bands, "rows": rows,
-                "verify_threshold": cfg.threshold if cfg.verify_threshold is None else cfg.verify_threshold},
+                "verify_threshold": _verify_threshold(cfg)},
         "duplicate_rate_by_domain": {d: removed_by_domain[d] / total for d, total in sorted(domain_totals.items())},
         "cluster_sizes": {str(size): num for size, num in sorted(sizes.items())},
         "sample_clusters": [
@@ -254,10 +258,10 @@ def _clusters(num_nodes: int, edges: np.ndarray) -> list[list[int]]:
 
     graph = coo_matrix((np.ones(len(edges)), (edges[:, 0], edges[:, 1])), shape=(num_nodes, num_nodes))
     _, labels = connected_components(graph, directed=False)
-    order = np.argsort(labels, kind="stable")
-    bounds = np.flatnonzero(np.diff(labels[order])) + 1
-    groups = [g.tolist() for g in np.split(order, bounds) if len(g) > 1]
-    return sorted(groups)
+    nodes = np.flatnonzero(np.bincount(labels)[labels] > 1)  # singletons, nearly all nodes, skipped
+    nodes = nodes[np.argsort(labels[nodes], kind="stable")]
+    bounds = np.flatnonzero(np.diff(labels[nodes])) + 1
+    return sorted(group.tolist() for group in np.split(nodes, bounds)) if nodes.size else []
 
 
 def _sample_clusters(clusters: list[list[int]], survivor_of: np.ndarray) -> list[list[int]]:
@@ -308,7 +312,7 @@ def _read_and_sign(cfg: DedupConfig, input_file: Path) -> _Batch:
     finally:
         if pool is not None:
             pool.shutdown(cancel_futures=True)
-    for digests, sigs, has_shingles in results:
+    for digests, _, _ in results:
         batch.digests.extend(digests)
     if results:
         batch.signatures = np.concatenate([r[1] for r in results])
