@@ -33,7 +33,7 @@ STAGES: tuple[StageSpec, ...] = (
     StageSpec("collect", (), ("collect",), description="read sources, check licences"),
     StageSpec("clean", ("collect",), ("clean",), description="language ID and Gopher quality rules (datatrove)"),
     StageSpec("dedup", ("clean",), ("dedup",), description="exact and MinHash near-duplicate removal"),
-    StageSpec("decontaminate", ("dedup",), ("decontaminate", "evaluate.eval_files"),
+    StageSpec("decontaminate", ("dedup",), ("decontaminate", "evaluate.eval_files", "evaluate.extra_tasks"),
               description="remove training docs that overlap the eval suite"),
     StageSpec("tokenize", ("decontaminate",), ("tokenize",), description="train BPE, write token shards per domain"),
     StageSpec("sweep", ("tokenize",), ("sweep",), description="proxy runs over LR, mixture and width"),
@@ -44,7 +44,7 @@ STAGES: tuple[StageSpec, ...] = (
     StageSpec("train", ("mix", "fit", "validate"), ("train",), resumable=True, description="production training"),
     StageSpec("anneal", ("train", "tokenize", "fit"), ("anneal",), resumable=True,
               description="LR decay to zero on high-quality data"),
-    StageSpec("evaluate", ("anneal", "train", "tokenize"), ("evaluate",), description="lm-eval on held-out text"),
+    StageSpec("evaluate", ("anneal", "train", "tokenize", "decontaminate"), ("evaluate",), description="lm-eval on held-out text"),
 )
 STAGE_NAMES = tuple(spec.name for spec in STAGES)
 SPECS = {spec.name: spec for spec in STAGES}

@@ -77,7 +77,15 @@ def run_clean(cfg: KilnConfig, ctx: StageContext) -> dict[str, Any]:
 
 
 def run_dedup(cfg: KilnConfig, ctx: StageContext) -> dict[str, Any]:
-    stats = dedup_documents(cfg.dedup, ctx.inputs["clean"] / DOCUMENTS_FILE, ctx.out_dir)
+    input_file = ctx.inputs["clean"] / DOCUMENTS_FILE
+    if cfg.dedup.engine == "datatrove":
+        from tasks.data.dedup_datatrove import dedup_with_datatrove
+
+        options = {"partition": cfg.cluster.partition, "time": cfg.cluster.time_limit} if cfg.cluster.executor == "slurm" else None
+        stats = dedup_with_datatrove(cfg.dedup, input_file, ctx.out_dir, executor=cfg.cluster.executor,
+                                     tasks=cfg.dedup.num_workers, executor_options=options)
+    else:
+        stats = dedup_documents(cfg.dedup, input_file, ctx.out_dir)
     return {"headline": _doc_headline(stats), **stats}
 
 
@@ -92,7 +100,7 @@ def eval_file_paths(cfg: KilnConfig) -> list[Path]:
 
 def run_decontaminate(cfg: KilnConfig, ctx: StageContext) -> dict[str, Any]:
     stats = decontaminate_documents(cfg.decontaminate, ctx.inputs["dedup"] / DOCUMENTS_FILE,
-                                    eval_file_paths(cfg), ctx.out_dir)
+                                    eval_file_paths(cfg), ctx.out_dir, eval_tasks=cfg.evaluate.extra_tasks)
     return {"headline": _doc_headline(stats), **stats}
 
 
@@ -187,14 +195,16 @@ def run_evaluate(cfg: KilnConfig, ctx: StageContext) -> dict[str, Any]:
 
     eval_file_paths(cfg)
     tokenizer = ctx.inputs["tokenize"] / TOKENIZER_FILE
+    rates = _read_json(ctx.inputs["decontaminate"] / "contamination_rates.json")
     results = {}
     for name in ("anneal", "train"):
         out = ctx.out_dir / name
         out.mkdir()
-        results[name] = evaluate_model(cfg.evaluate, ctx.inputs[name] / "model", tokenizer, out)
+        results[name] = evaluate_model(cfg.evaluate, ctx.inputs[name] / "model", tokenizer, out,
+                                       contamination_rates=rates)
     headline = {f"{model}/{metric.split('/')[-1]}": round(value, 4)
                 for model, metrics in results.items() for metric, value in metrics.items()
-                if metric.endswith(("byte_perplexity", "bits_per_byte")) and isinstance(value, float)}
+                if metric.endswith(("byte_perplexity", "bits_per_byte", "contamination_rate")) and isinstance(value, float)}
     return {"headline": headline, "metrics": results}
 
 

@@ -25,7 +25,7 @@ from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 from pydantic import Field
@@ -63,6 +63,10 @@ class DedupConfig(Section):
     fp_weight: float = Field(0.5, ge=0.0)
     fn_weight: float = Field(0.5, ge=0.0)
     seed: int = 1
+    # fast: Kiln's single-node numpy path; datatrove: datatrove's 4-stage MinHash pipeline on
+    # `cluster.executor` (local processes, Slurm or Ray) for corpora beyond one machine. Their
+    # normalisation differs (see tasks/data/dedup_datatrove.py), so the engine is part of the key.
+    engine: Literal["fast", "datatrove"] = "fast"
     num_workers: int = runtime_field(1, ge=1)
 
 

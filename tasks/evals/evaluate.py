@@ -41,20 +41,36 @@ class EvaluateConfig(Section):
     batch_size: int = runtime_field(8, gt=0)
 
 
-def evaluate_model(cfg: EvaluateConfig, model_dir: Path, tokenizer_path: Path, out_dir: Path) -> dict:
+def evaluate_model(
+    cfg: EvaluateConfig,
+    model_dir: Path,
+    tokenizer_path: Path,
+    out_dir: Path,
+    *,
+    contamination_rates: dict[str, float] | None = None,
+) -> dict:
     """Evaluate the model in `model_dir`; writes `tasks/` and `results.json` into `out_dir`.
 
-    Returns flat metrics `{"<task>/<metric>": value, ..., "num_eval_docs": n}`.
+    Returns flat metrics `{"<task>/<metric>": value, ..., "num_eval_docs": n}`. Given the
+    decontaminate stage's `{task: rate}`, each task's contamination rate is recorded beside its
+    score as `"<task>/contamination_rate"` (and under `contamination_rates` in results.json).
     """
     from tasks.evals.adapter import KilnLM
 
     # Check the inputs before paying for loading the model.
     eval_paths = _eval_paths(cfg)
     lm = KilnLM.from_dirs(model_dir, tokenizer_path, batch_size=cfg.batch_size)
-    return evaluate_lm(cfg, lm, out_dir, eval_paths)
+    return evaluate_lm(cfg, lm, out_dir, eval_paths, contamination_rates=contamination_rates)
 
 
-def evaluate_lm(cfg: EvaluateConfig, lm: LM, out_dir: Path, eval_paths: list[Path] | None = None) -> dict:
+def evaluate_lm(
+    cfg: EvaluateConfig,
+    lm: LM,
+    out_dir: Path,
+    eval_paths: list[Path] | None = None,
+    *,
+    contamination_rates: dict[str, float] | None = None,
+) -> dict:
     """`evaluate_model` for a model already wrapped in an lm-eval `LM` (e.g. `KilnLM`)."""
     # Imported here: lm-eval takes seconds to import and only this stage needs it.
     import lm_eval
@@ -81,8 +97,13 @@ def evaluate_lm(cfg: EvaluateConfig, lm: LM, out_dir: Path, eval_paths: list[Pat
     # The dataset cache is a copy of the documents already beside the task files.
     shutil.rmtree(task_dir / HF_CACHE_DIR, ignore_errors=True)
     kept = {key: results[key] for key in _DETERMINISTIC_KEYS if key in results}
+    if contamination_rates is not None:
+        kept["contamination_rates"] = dict(contamination_rates)
     (out_dir / RESULTS_FILE).write_text(json.dumps(_json_safe(kept), indent=2, sort_keys=True), encoding="utf-8")
-    return flatten_results(kept)
+    flat = flatten_results(kept)
+    for task, rate in (contamination_rates or {}).items():
+        flat[f"{task}/contamination_rate"] = float(rate)
+    return flat
 
 
 def _eval_paths(cfg: EvaluateConfig) -> list[Path]:

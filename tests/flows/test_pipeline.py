@@ -70,6 +70,10 @@ def test_pipeline_end_to_end_then_fully_cached(prefect_api, in_repo, tmp_path, c
     assert anneal_lr[-1][1] == 0.0
     evaluate = manifests["evaluate"]["stats"]["metrics"]
     assert 0 < evaluate["anneal"]["kiln_heldout/bits_per_byte"] < 20
+    # The contamination rate of each eval task is recorded beside its score.
+    rates = json.loads((store.path("decontaminate", keys["decontaminate"]) / "contamination_rates.json").read_text())
+    assert evaluate["anneal"]["kiln_heldout/contamination_rate"] == rates["kiln_heldout"]
+    assert 0 <= rates["kiln_heldout"] <= 1
     assert train["val_loss"] > 0 and manifests["validate"]["stats"]["gate_passed"] is True
 
     # MLflow: one parent run, a child per stage with the stage key as input digest, trials as grandchildren.

@@ -7,9 +7,14 @@ from pathlib import Path
 
 import pytest
 
+from tasks.data.collect import CollectConfig, SourceConfig, collect_documents
 from tasks.data.decontaminate import DecontaminateConfig, decontaminate_documents, words
-from tasks.data.documents import Document, write_documents
+from tasks.data.documents import Document, read_documents, write_documents
 from tasks.errors import InputError
+from tasks.evals.heldout_task import write_heldout_task
+
+SAMPLE = Path(__file__).parents[3] / "data" / "sample"
+HELDOUT = Path(__file__).parents[3] / "data" / "evals" / "heldout.jsonl"
 
 # Real text: paragraphs of the Apache License 2.0 (the eval passages) and of the GPL v3 preamble.
 APACHE_DERIVATIVE = (
@@ -82,14 +87,24 @@ def test_documents_quoting_an_eval_passage_are_removed(tmp_path):
         ("thirteen", "contaminated:licence_qa", {"licence_qa": 1}),
     ]
     assert stats["removed"] == {"contaminated:licence_qa": 2}
-    assert stats["contamination"] == {"licence_qa": {"num_docs_contaminated": 2, "num_overlapping_ngrams": 29}}
-    qa = report["eval_files"]["licence_qa"]
+    assert stats["contamination"] == {
+        "licence_qa": {"num_docs_contaminated": 2, "num_overlapping_ngrams": 29, "contamination_rate": 0.5}
+    }
+    qa = report["benchmarks"]["licence_qa"]
     assert (qa["num_eval_docs"], qa["num_eval_docs_too_short"]) == (2, 0)
     assert qa["num_eval_ngrams"] == (41 - 12) + (len(words(APACHE_CONTRIBUTION)) - 12)
     assert qa["examples"][1] == {
         "doc_id": "thirteen",
         "ngram": "derivative works shall mean any work whether in source or object form that",
+        "snippet": "… " + " ".join(words(GPL_RIGHTS)[-12:]) + " derivative works shall mean any work whether in "
+        "source or object form that",
     }
+    # Eval direction: only the first eval passage is found in the training data.
+    assert (qa["num_eval_docs_contaminated"], qa["contamination_rate"]) == (1, 0.5)
+    assert qa["contaminated_eval_docs"] == ["line 1"]
+    assert json.loads((tmp_path / "run" / "out" / "contamination_rates.json").read_text()) == {"kiln_licence_qa": 0.5}
+    markdown = (tmp_path / "run" / "out" / "contamination.md").read_text()
+    assert "| licence_qa | 2 | 1 | 50.00% | 2 | 29 |" in markdown
 
 
 def test_flag_mode_keeps_contaminated_documents_and_marks_them(tmp_path):
@@ -107,8 +122,21 @@ def test_flag_mode_keeps_contaminated_documents_and_marks_them(tmp_path):
 def test_ngram_size_and_minimum_overlap_are_respected(tmp_path):
     stats, kept, _, _ = _run(tmp_path, DOCS, name="twelve", ngram_size=12)
     assert [d["id"] for d in kept] == ["clean"]  # a 12-word quote now matches
-    stats, kept, _, _ = _run(tmp_path, DOCS, name="min2", min_overlap_ngrams=2)
+    stats, kept, _, report = _run(tmp_path, DOCS, name="min2", min_overlap_ngrams=2)
     assert [d["id"] for d in kept] == ["clean", "thirteen", "twelve"]  # one shared 13-gram is not enough
+    # The eval direction counts any shared n-gram, whatever min_overlap_ngrams says.
+    assert report["benchmarks"]["licence_qa"]["contamination_rate"] == 0.5
+
+
+def test_ngrams_common_in_the_training_data_are_ignored(tmp_path):
+    # THIRTEEN is in 3 training documents: boilerplate at max_ngram_doc_frequency=2.
+    docs = [("a", f"{GPL_RIGHTS} {THIRTEEN}"), ("b", f"{GPL_FREEDOM} {THIRTEEN}"), ("c", f"{THIRTEEN} {GPL_RIGHTS}")]
+    stats, kept, _, report = _run(tmp_path, docs, name="common", max_ngram_doc_frequency=2)
+    assert [d["id"] for d in kept] == ["a", "b", "c"]
+    qa = report["benchmarks"]["licence_qa"]
+    assert (qa["num_ngrams_ignored_as_common"], qa["contamination_rate"]) == (1, 0.0)
+    stats, kept, _, _ = _run(tmp_path, docs, name="counted", max_ngram_doc_frequency=3)
+    assert kept == [] and stats["removed"] == {"contaminated:licence_qa": 3}
 
 
 def test_eval_texts_shorter_than_one_ngram_are_reported(tmp_path):
@@ -118,7 +146,7 @@ def test_eval_texts_shorter_than_one_ngram_are_reported(tmp_path):
     (tmp_path / "out").mkdir()
     decontaminate_documents(DecontaminateConfig(), input_file, [evals], tmp_path / "out")
     report = json.loads((tmp_path / "out" / "contamination.json").read_text())
-    assert report["eval_files"]["short"]["num_eval_docs_too_short"] == 1
+    assert report["benchmarks"]["short"]["num_eval_docs_too_short"] == 1
 
 
 def test_missing_or_bad_eval_files_are_input_errors_naming_them(tmp_path):
@@ -135,3 +163,81 @@ def test_missing_or_bad_eval_files_are_input_errors_naming_them(tmp_path):
     no_text = _write_jsonl(tmp_path / "no_text.jsonl", [{"question": GPL_RIGHTS}])
     with pytest.raises(InputError, match=r"no_text.jsonl:1: expected an object with a string field 'text'"):
         decontaminate_documents(DecontaminateConfig(), input_file, [no_text], tmp_path / "out")
+
+
+def test_decontaminating_the_collected_prose_finds_the_leaked_eval_documents(tmp_path):
+    """The bundled corpus copies 3 held-out eval documents into its prose (SOURCES.json: leaked_eval_ids)."""
+    manifest = json.loads((SAMPLE / "SOURCES.json").read_text())
+    leaked_ids = manifest["leaked_eval_ids"]
+    sources = [
+        SourceConfig(name=folder, path=str(SAMPLE / folder), format="txt", domain="prose", licence=info["licence"])
+        for folder, info in manifest["folders"].items()
+        if folder.startswith("prose/")
+    ]
+    (tmp_path / "collected").mkdir()
+    collect_documents(CollectConfig(sources=sources), tmp_path / "collected")
+    collected = tmp_path / "collected" / "documents.jsonl"
+    training = {doc.id: doc.text for doc in read_documents(collected)}
+    eval_texts = {json.loads(line)["id"]: json.loads(line)["text"] for line in HELDOUT.read_text().splitlines()}
+    holders = sorted(doc_id for doc_id, text in training.items() if any(eval_texts[i] in text for i in leaked_ids))
+    assert len(training) == 188  # binutils' pages (GFDL) are not collected by default
+    assert holders == [f"prose/coreutils-man/{i.rsplit('/', 1)[1]}.txt" for i in sorted(leaked_ids)]
+
+    def run(name: str, **cfg) -> tuple[list[str], dict]:
+        out = tmp_path / name
+        out.mkdir()
+        stats = decontaminate_documents(DecontaminateConfig(**cfg), collected, [HELDOUT], out)
+        removed = [json.loads(line)["id"] for line in (out / "removed.jsonl").read_text().splitlines()]
+        heldout = json.loads((out / "contamination.json").read_text())["benchmarks"]["heldout"]
+        assert stats["num_removed"] == len(removed) == heldout["num_docs_contaminated"]
+        assert heldout["contaminated_eval_docs"] == sorted(leaked_ids)  # the eval direction finds them always
+        assert json.loads((out / "contamination_rates.json").read_text()) == {"kiln_heldout": 3 / 63}
+        return removed, heldout
+
+    # The leaked pages share 100-129 13-grams with their eval copies. Other coreutils pages share
+    # option descriptions with them (mkfifo/mknod with mkdir: 23-30) or a help line (1-8).
+    removed, heldout = run("strict", min_overlap_ngrams=50)
+    assert removed == holders
+    assert heldout["num_ngrams_ignored_as_common"] == 55  # GNU licence notice and footer, in > 10 pages
+    removed, _ = run("defaults")  # GPT-3's rule: any one 13-gram not in more than 10 training documents
+    assert len(removed) == 27 and set(holders) <= set(removed)
+    removed, _ = run("boilerplate_counts", max_ngram_doc_frequency=None)
+    assert len(removed) == 106 and all(doc_id.startswith("prose/coreutils-man/") for doc_id in removed)
+
+
+def test_lm_eval_tasks_are_indexed_through_the_task_manager(tmp_path):
+    # A real lm-eval task (Kiln's held-out task format: json data, loglikelihood_rolling on `text`).
+    evals = _write_jsonl(tmp_path / "licence_qa.jsonl", [{"text": APACHE_DERIVATIVE}, {"text": APACHE_CONTRIBUTION}])
+    write_heldout_task(evals, tmp_path / "tasks", "licence_task")
+    input_file = tmp_path / "in.jsonl"
+    write_documents(input_file, [Document(i, t, "prose", "prose", "GPL-3.0-or-later") for i, t in DOCS])
+    (tmp_path / "out").mkdir()
+    stats = decontaminate_documents(DecontaminateConfig(), input_file, [], tmp_path / "out",
+                                    eval_tasks=["licence_task"], task_include_path=tmp_path / "tasks")
+    assert stats["removed"] == {"contaminated:licence_task": 2}
+    report = json.loads((tmp_path / "out" / "contamination.json").read_text())["benchmarks"]["licence_task"]
+    assert (report["source"], report["num_eval_docs"]) == ("lm-eval:licence_task", 2)
+    assert report["contaminated_eval_docs"] == ["licence_task/0"]
+    assert json.loads((tmp_path / "out" / "contamination_rates.json").read_text()) == {"licence_task": 0.5}
+
+
+def test_hub_tasks_offline_are_input_errors_naming_the_task(tmp_path, monkeypatch):
+    import datasets
+    import huggingface_hub
+
+    # What flows/environment.py sets for every run: nothing is fetched from the hub.
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    (tmp_path / "tasks").mkdir()
+    (tmp_path / "tasks" / "hub_arc.yaml").write_text(
+        "task: hub_arc\ndataset_path: allenai/ai2_arc\ndataset_name: ARC-Easy\noutput_type: multiple_choice\n"
+        "test_split: test\ndoc_to_text: '{{question}}'\ndoc_to_target: '{{choices.label.index(answerKey)}}'\n"
+        "doc_to_choice: '{{choices.text}}'\n",
+        encoding="utf-8",
+    )
+    input_file = tmp_path / "in.jsonl"
+    write_documents(input_file, [Document("d", GPL_RIGHTS, "s", "prose", "MIT")])
+    (tmp_path / "out").mkdir()
+    with pytest.raises(InputError, match=r"lm-eval task 'hub_arc'.*need network access"):
+        decontaminate_documents(DecontaminateConfig(), input_file, [], tmp_path / "out",
+                                eval_tasks=["hub_arc"], task_include_path=tmp_path / "tasks")

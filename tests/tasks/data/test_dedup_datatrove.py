@@ -1,0 +1,169 @@
+"""The datatrove MinHash path: agrees with the single-node dedup on real text, and builds Slurm/Ray pipelines."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import dill
+import pytest
+from datatrove.executor import LocalPipelineExecutor, RayPipelineExecutor, SlurmPipelineExecutor
+
+from tasks.data.dedup import DedupConfig, dedup_documents, lsh_bands, normalize
+from tasks.data.dedup_datatrove import STAGES, build_executors, dedup_with_datatrove, minhash_config
+from tasks.data.documents import Document, write_documents
+from tasks.errors import ConfigError
+
+COREUTILS = Path(__file__).parents[3] / "data" / "sample" / "prose" / "coreutils-man"
+NUM_EDITS = 3
+MIN_WORDS = 300
+
+
+def _corpus() -> tuple[list[Document], dict[str, str]]:
+    """coreutils' man pages (which hold natural near-duplicates: ls/dir/vdir, the sha*sum family),
+    plus an edited copy of every other page of at least MIN_WORDS words: NUM_EDITS words replaced,
+    which changes at most NUM_EDITS * 5 of its 5-grams, so Jaccard stays above 0.9."""
+    docs = [
+        Document(f"coreutils/{path.stem}", path.read_text(encoding="utf-8"), "coreutils", "prose", "GPL-3.0-or-later")
+        for path in sorted(COREUTILS.glob("*.txt"))
+    ]
+    planted: dict[str, str] = {}
+    for doc in docs[::2]:
+        if len(doc.text.split()) < MIN_WORDS:
+            continue
+        words = doc.text.split(" ")
+        for k in range(1, NUM_EDITS + 1):
+            words[k * len(words) // (NUM_EDITS + 1)] = "edited"
+        planted[f"{doc.id}#edit"] = doc.id
+        docs.append(Document(f"{doc.id}#edit", " ".join(words), doc.source, doc.domain, doc.licence))
+    return docs, planted
+
+
+def _removed(out: Path) -> dict[str, str]:
+    lines = (out / "removed.jsonl").read_text(encoding="utf-8").splitlines()
+    records = [json.loads(line) for line in lines]
+    assert {r["reason"] for r in records} <= {"near_duplicate", "exact_duplicate"}
+    return {r["id"]: r["metadata"]["duplicate_of"] for r in records}
+
+
+def _jaccard(a: str, b: str, cfg: DedupConfig) -> float:
+    def grams(text: str) -> set[str]:
+        words = normalize(text, cfg).split()
+        return {" ".join(words[i : i + cfg.shingle_size]) for i in range(len(words) - cfg.shingle_size + 1)}
+
+    ga, gb = grams(a), grams(b)
+    return len(ga & gb) / len(ga | gb)
+
+
+def test_local_multi_task_datatrove_removes_what_the_single_node_dedup_removes(tmp_path):
+    docs, planted = _corpus()
+    assert (len(docs), len(planted)) == (129, 23)
+    texts = {d.id: d.text for d in docs}
+    cfg = DedupConfig()
+    assert min(_jaccard(texts[copy], texts[original], cfg) for copy, original in planted.items()) > 0.9
+    input_file = tmp_path / "in.jsonl"
+    write_documents(input_file, docs)
+    (tmp_path / "single").mkdir()
+    (tmp_path / "datatrove").mkdir()
+    dedup_documents(cfg, input_file, tmp_path / "single")
+    stats = dedup_with_datatrove(cfg, input_file, tmp_path / "datatrove", tasks=2)
+    single, distributed = _removed(tmp_path / "single"), _removed(tmp_path / "datatrove")
+
+    # Kiln's format: kept documents in input order, every document accounted for.
+    kept = [json.loads(line)["id"] for line in (tmp_path / "datatrove" / "documents.jsonl").read_text().splitlines()]
+    assert kept == [d.id for d in docs if d.id not in distributed]
+    assert stats["num_in"] == 129 and stats["num_kept"] + stats["num_removed"] == 129
+    assert stats["removed"] == {"near_duplicate": len(distributed)}
+    assert stats["lsh"] == {"bands": 14, "rows": 9, "n_grams": 5} and lsh_bands(cfg) == (14, 9)
+    assert sorted(p.name for p in (tmp_path / "datatrove" / "datatrove").iterdir()) == ["logs"]
+
+    # Both paths put each planted pair (Jaccard > 0.9) in one cluster.
+    single_clusters, distributed_clusters = _clusters(single), _clusters(distributed)
+    for copy, original in planted.items():
+        for clusters in (single_clusters, distributed_clusters):
+            assert original in clusters.get(copy, ()), copy
+    # Where both paths find the same cluster they keep and remove the same documents (one survivor rule).
+    same = set(single_clusters.values()) & set(distributed_clusters.values())
+    for member in set().union(*same):
+        assert single.get(member) == distributed.get(member), member
+
+    # Tolerance: datatrove counts a pair sharing one band as duplicates with no Jaccard check
+    # (and hashes and simplifies text its own way); the single node also checks the estimated
+    # Jaccard against the threshold (0.7). So datatrove's clusters are unions of single-node
+    # clusters, and the extra unions are across borderline pairs: no two documents it joined that
+    # the single node kept apart reach 0.8 Jaccard. On this corpus that is the md5sum/sha*sum
+    # family (0.66-0.79) and yes/whoami (0.42): 3 of 32 removals differ.
+    for cluster in set(single_clusters.values()):
+        assert any(cluster <= other for other in distributed_clusters.values()), sorted(cluster)
+    for cluster in set(distributed_clusters.values()) - set(single_clusters.values()):
+        parts = {single_clusters.get(doc_id, frozenset([doc_id])) for doc_id in cluster}
+        cross = [_jaccard(texts[a], texts[b], cfg) for p in parts for q in parts if p != q for a in p for b in q]
+        assert max(cross) < 0.8, sorted(cluster)
+    assert len(set(single) ^ set(distributed)) <= 0.1 * len(single)
+
+
+def _clusters(removed: dict[str, str]) -> dict[str, frozenset[str]]:
+    """Each clustered document's cluster (survivor plus the documents removed as its duplicates)."""
+    members: dict[str, set[str]] = {}
+    for doc_id, survivor in removed.items():
+        members.setdefault(survivor, {survivor}).add(doc_id)
+    return {doc_id: frozenset(cluster) for cluster in members.values() for doc_id in cluster}
+
+
+def test_minhash_config_follows_the_dedup_config():
+    cfg = DedupConfig(shingle_size=7, num_perm=64, threshold=0.85, seed=3, normalize_case=False)
+    config = minhash_config(cfg)
+    assert (config.n_grams, config.seed) == (7, 3)
+    assert (config.num_buckets, config.hashes_per_bucket) == lsh_bands(cfg)
+    assert config.norm_config.lowercase is False and config.norm_config.remove_punctuation is True
+    assert (config.hash_config.hash_fc, config.hash_config.precision) == ("xxhash", 64)
+
+
+def test_local_executors_chain_the_four_stages(tmp_path):
+    executors = build_executors(DedupConfig(), tmp_path, tasks=3)
+    assert list(executors) == list(STAGES)
+    assert all(isinstance(e, LocalPipelineExecutor) for e in executors.values())
+    assert [e.world_size for e in executors.values()] == [3, 14, 1, 3]
+    assert [e.workers for e in executors.values()] == [3, 3, 1, 3]
+    assert [e.depends for e in executors.values()] == [None, executors["signatures"],
+                                                       executors["buckets"], executors["clusters"]]
+
+
+def test_slurm_executors_render_an_sbatch_script_without_submitting(tmp_path):
+    executors = build_executors(DedupConfig(), tmp_path, executor="slurm", tasks=4,
+                                executor_options={"partition": "cpu", "time": "02:00:00", "mem_per_cpu_gb": 4})
+    assert all(isinstance(e, SlurmPipelineExecutor) for e in executors.values())
+    assert [e.world_size for e in executors.values()] == [4, 14, 1, 4]
+    assert executors["filter"].depends is executors["clusters"] and executors["signatures"].depends is None
+    signatures = executors["signatures"]
+    dill.dumps(signatures)  # what launch_job pickles for the compute nodes
+    script = signatures.get_launch_file_contents(signatures.get_sbatch_args(max_array=4), "launch_pickled_pipeline x")
+    lines = script.splitlines()
+    assert lines[0] == "#!/bin/bash"
+    directives = [line for line in lines[1:] if line.startswith("#SBATCH")]
+    # sbatch reads directives only before the first command.
+    assert lines[1 : 1 + len(directives)] == directives
+    assert all(re.fullmatch(r"#SBATCH --[a-z-]+(=\S+)?", line) for line in directives), directives
+    assert {"#SBATCH --partition=cpu", "#SBATCH --time=02:00:00", "#SBATCH --array=0-3",
+            "#SBATCH --mem-per-cpu=4G", "#SBATCH --job-name=kiln_dedup_signatures"} <= set(directives)
+    assert lines[-1].strip() == "launch_pickled_pipeline x"
+    assert not (tmp_path / "logs" / "signatures" / "executor.pik").exists()  # nothing was submitted
+
+
+def test_ray_executors_construct_without_ray(tmp_path):
+    executors = build_executors(DedupConfig(), tmp_path, executor="ray", tasks=2, executor_options={"cpus_per_task": 2})
+    assert all(isinstance(e, RayPipelineExecutor) for e in executors.values())
+    assert [(e.world_size, e.cpus_per_task) for e in executors.values()] == [(2, 2), (14, 2), (1, 2), (2, 2)]
+    assert executors["buckets"].depends is executors["signatures"]
+
+
+def test_bad_settings_are_config_errors(tmp_path):
+    with pytest.raises(ConfigError, match=r"needs executor options \['time'\]"):
+        build_executors(DedupConfig(), tmp_path, executor="slurm", executor_options={"partition": "cpu"})
+    with pytest.raises(ConfigError, match="'k8s' is not one of"):
+        build_executors(DedupConfig(), tmp_path, executor="k8s")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="at least 1 task"):
+        build_executors(DedupConfig(), tmp_path, tasks=0)
+    with pytest.raises(ConfigError, match="dedup.fuzzy is false"):
+        dedup_with_datatrove(DedupConfig(fuzzy=False), tmp_path / "in.jsonl", tmp_path)
