@@ -4,6 +4,8 @@ A checkpoint is `checkpoints/step_{step:07d}/` holding `state.pt` and a `COMPLET
 records the state file's SHA-256. It is written under a temporary name, the marker last, and
 then renamed into place, so a crash never leaves a directory that looks complete. On reading,
 a checkpoint without a marker or whose bytes no longer match it is skipped for the one before.
+Pruning keeps the newest `keep` checkpoints and, when `keep_every` is set, every checkpoint at a
+multiple of it (for later evaluation or annealing).
 """
 
 from __future__ import annotations
@@ -44,8 +46,9 @@ def _steps_on_disk(root: Path) -> list[int]:
     return sorted(steps, reverse=True)
 
 
-def save_checkpoint(root: Path, step: int, state: dict[str, Any], keep: int) -> Path:
-    """Write `state` as the checkpoint for `step`, then delete all but the newest `keep`."""
+def save_checkpoint(root: Path, step: int, state: dict[str, Any], keep: int, keep_every: int | None = None) -> Path:
+    """Write `state` as the checkpoint for `step`, then delete all but the newest `keep`
+    (and those at multiples of `keep_every`)."""
     root.mkdir(parents=True, exist_ok=True)
     final = checkpoint_dir(root, step)
     tmp = root / f"{TMP_PREFIX}{final.name}"
@@ -63,8 +66,17 @@ def save_checkpoint(root: Path, step: int, state: dict[str, Any], keep: int) -> 
         shutil.rmtree(final)
     os.replace(tmp, final)
     for old in _steps_on_disk(root)[keep:]:
-        shutil.rmtree(checkpoint_dir(root, old))
+        if keep_every is None or old % keep_every:
+            shutil.rmtree(checkpoint_dir(root, old))
     return final
+
+
+def delete_checkpoints_after(root: Path, step: int) -> list[int]:
+    """Delete every checkpoint later than `step` (a rolled-back trajectory's); returns their steps."""
+    later = [s for s in _steps_on_disk(root) if s > step]
+    for s in later:
+        shutil.rmtree(checkpoint_dir(root, s))
+    return later
 
 
 def _verified(path: Path) -> bool:
@@ -78,9 +90,12 @@ def _verified(path: Path) -> bool:
     return all((path / name).is_file() and _sha256(path / name) == digest for name, digest in expected.items())
 
 
-def load_latest_checkpoint(root: Path) -> tuple[int, dict[str, Any]] | None:
-    """(step, state) of the newest intact checkpoint under root, or None when there is none."""
+def load_latest_checkpoint(root: Path, before: int | None = None) -> tuple[int, dict[str, Any]] | None:
+    """(step, state) of the newest intact checkpoint under root (with step < `before` if given),
+    or None when there is none."""
     for step in _steps_on_disk(root):
+        if before is not None and step >= before:
+            continue
         path = checkpoint_dir(root, step)
         if not _verified(path):
             warnings.warn(f"checkpoint {path} is incomplete or corrupt; trying an earlier one", stacklevel=2)

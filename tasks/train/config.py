@@ -75,6 +75,26 @@ class OptimConfig(Section):
     warmup_steps: int = Field(10, ge=0)
     min_lr_ratio: float = Field(0.1, ge=0, le=1)
     decay_fraction: float = Field(0.2, ge=0, le=1)  # wsd: last fraction of steps decays to min_lr
+    # PaLM's auxiliary loss z_loss * log(Z)^2 (Z: the softmax normaliser) keeps logits from drifting
+    z_loss: float = Field(0.0, ge=0)
+
+
+class HealthConfig(Section):
+    """Loss-spike and non-finite-loss detection, and how the loop recovers (see `tasks.train.health`).
+
+    A step's loss is a spike when its robust z-score against the previous `spike_window` step
+    losses (median and MAD) exceeds `spike_zscore`. The loop then rolls back to the newest
+    checkpoint before the bad step, replaces the data of the steps it re-runs, optionally with a
+    lowered learning rate, and gives up with `TrainingDivergedError` after `max_rollbacks`.
+    """
+
+    enabled: bool = True
+    spike_zscore: float = Field(6.0, gt=0)
+    spike_window: int = Field(50, ge=3)
+    min_steps_before_check: int = Field(20, ge=0)  # early losses fall too fast for a stable baseline
+    max_rollbacks: int = Field(3, ge=0)
+    rollback_lr_factor: float = Field(1.0, gt=0, le=1)  # 1.0: re-run at the scheduled LR
+    rollback_lr_steps: int = Field(0, ge=0)  # steps after a rollback that use the lowered LR
 
 
 class TrainRunConfig(Section):
@@ -92,9 +112,16 @@ class TrainRunConfig(Section):
     eval_batches: int = Field(8, gt=0)  # fixed validation windows per domain
     checkpoint_every: int = runtime_field(100, gt=0)
     keep_checkpoints: int = runtime_field(2, gt=0)
+    keep_every: int | None = runtime_field(None, gt=0)  # checkpoints at multiples of this are never pruned
     log_every: int = runtime_field(10, gt=0)
     device: str = runtime_field("cpu")
     num_threads: int | None = runtime_field(None, gt=0)
+    activation_checkpointing: bool = runtime_field(False)  # recompute block activations in backward
+    compile: bool = runtime_field(False)  # torch.compile the model's forward
+    peak_tflops: float | None = runtime_field(None, gt=0)  # the device's peak, for MFU; None: no MFU
+    # a runtime setting: a clean run is bit-identical whatever it says; it only decides how a
+    # run that hits a fault (bad data, a flipped bit) recovers, like a retry policy would
+    health: HealthConfig = runtime_field(HealthConfig())
 
     def check_fits(self, model: ModelConfig) -> None:
         """Raise ValueError when this run's sequences are longer than the model supports."""

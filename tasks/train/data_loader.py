@@ -176,6 +176,25 @@ def batch_for_step(
     return t[:, :-1].contiguous(), t[:, 1:].contiguous()
 
 
+def batch_sources(
+    mixture: Mixture, seed: int, step: int, rank: int, world_size: int, batch_size: int, seq_len: int
+) -> list[tuple[str, int]]:
+    """(domain, first token offset in its train stream) of each row `batch_for_step` returns.
+
+    Draws the same random numbers as `batch_for_step`, without reading tokens: it tells which
+    data a step saw (the training loop records this for the batches it skips after a loss spike).
+    """
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is outside world_size {world_size}")
+    names, cdf, streams = _train_streams(mixture)
+    out = []
+    for r in range(rank * batch_size, (rank + 1) * batch_size):
+        rng = np.random.default_rng((seed, step, r))
+        d = min(int(np.searchsorted(cdf, rng.random(), side="right")), len(streams) - 1)
+        out.append((names[d], int(rng.integers(0, streams[d].num_tokens - seq_len))))
+    return out
+
+
 def validation_batches(
     mixture: Mixture, seq_len: int, eval_batches: int, batch_size: int
 ) -> dict[str, list[tuple[torch.Tensor, torch.Tensor]]]:

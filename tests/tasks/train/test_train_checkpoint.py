@@ -5,7 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tasks.train.checkpoint import MARKER, STATE_FILE, checkpoint_dir, load_latest_checkpoint, save_checkpoint
+from tasks.train.checkpoint import (
+    MARKER,
+    STATE_FILE,
+    checkpoint_dir,
+    delete_checkpoints_after,
+    load_latest_checkpoint,
+    save_checkpoint,
+)
 
 
 def test_save_prunes_and_loads_latest(tmp_path) -> None:
@@ -38,3 +45,20 @@ def test_damaged_latest_falls_back_to_previous(tmp_path, damage: str) -> None:
     # rewriting the damaged step replaces it
     save_checkpoint(tmp_path, 20, {"w": torch.full((4,), 2.0)}, keep=3)
     assert load_latest_checkpoint(tmp_path)[0] == 20
+
+
+def test_keep_every_is_never_pruned(tmp_path) -> None:
+    for step in range(10, 70, 10):
+        save_checkpoint(tmp_path, step, {"w": torch.zeros(1)}, keep=2, keep_every=20)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "step_0000020", "step_0000040", "step_0000050", "step_0000060"]
+
+
+def test_load_before_a_step_and_delete_after_it(tmp_path) -> None:
+    for step in (10, 20, 30):
+        save_checkpoint(tmp_path, step, {"w": torch.full((1,), float(step))}, keep=3)
+    assert load_latest_checkpoint(tmp_path, before=30)[0] == 20
+    assert load_latest_checkpoint(tmp_path, before=21)[0] == 20
+    assert load_latest_checkpoint(tmp_path, before=10) is None
+    assert delete_checkpoints_after(tmp_path, 10) == [30, 20]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_0000010"]
