@@ -17,6 +17,7 @@ from typing import Any
 
 from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
+from prefect.events import emit_event
 from prefect.runtime import flow_run
 
 from tasks.config import KilnConfig, load_config
@@ -101,10 +102,19 @@ def execute_stage(name: str, key: str, config_path: str | None, overrides: list[
                                         **{f"val_loss.{d}": v for d, v in trial.val_loss_by_domain.items()}})
         tracker.end_run(trial_run)
 
+    def on_event(event: dict[str, Any]) -> None:
+        # A rollback or abort is an MLflow tag and metric, and a Prefect event an automation can alert on.
+        tracker.set_tags(run_id, {f"kiln.health.step_{event['step']}": f"{event['kind']}: {event.get('action')}"})
+        loss = event.get("loss")
+        tracker.log_metrics(run_id, {"health.event_loss": loss if isinstance(loss, (int, float)) else float("nan")},
+                            event["step"])
+        emit_event(event=f"kiln.train.{event.get('action', 'event')}", resource={"prefect.resource.id": f"kiln.{name}.{key}"},
+                   payload={k: str(v) for k, v in event.items()})
+
     out_dir = store.begin(name, key, resumable=spec.resumable)
     started = time.perf_counter()
     try:
-        stats = STAGE_BODIES[name](cfg, StageContext(out_dir, inputs, store.root, on_metrics, on_trial))
+        stats = STAGE_BODIES[name](cfg, StageContext(out_dir, inputs, store.root, on_metrics, on_trial, on_event))
     except BaseException as error:
         tracker.set_tags(run_id, {"kiln.error": str(error)[:5000]})
         tracker.end_run(run_id, failed=True)

@@ -42,6 +42,7 @@ class StageContext:
     store_root: Path
     on_metrics: Metrics | None = None
     on_trial: Callable[[TrialResult], None] | None = None
+    on_event: Callable[[dict[str, Any]], None] | None = None  # training health events (rollbacks, aborts)
     extras: dict[str, Any] = field(default_factory=dict)
 
 
@@ -58,7 +59,7 @@ def _train_stats(result: TrainResult, **extra: Any) -> dict[str, Any]:
     return {"headline": _train_headline(result), "steps": result.steps, "tokens_seen": result.tokens_seen,
             "num_params": result.num_params, "final_train_loss": result.final_train_loss, "val_loss": result.val_loss,
             "val_loss_by_domain": result.val_loss_by_domain, "tokens_per_s": result.tokens_per_s,
-            "resumed_from_step": result.resumed_from_step, **extra}
+            "resumed_from_step": result.resumed_from_step, "num_rollbacks": result.num_rollbacks, **extra}
 
 
 def _doc_headline(stats: dict[str, Any]) -> dict[str, Any]:
@@ -156,7 +157,7 @@ def run_validate(cfg: KilnConfig, ctx: StageContext) -> dict[str, Any]:
     plan = _read_json(ctx.inputs["fit"] / PLAN_FILE)
     optim = cfg.sweep.optim.model_copy(update={"lr": plan["lr"]})
     result = train_model(cfg.validate_.model, optim, cfg.sweep.run, _plan_mixture(ctx), ctx.out_dir,
-                         on_metrics=ctx.on_metrics)
+                         on_metrics=ctx.on_metrics, on_event=ctx.on_event)
     predicted = plan["predictions"].get("validate")
     report = check_gate(result.val_loss, result.loss_curve, predicted)
     (ctx.out_dir / REPORT_FILE).write_text(json.dumps(report.as_dict(), indent=2))
@@ -172,7 +173,7 @@ def run_train(cfg: KilnConfig, ctx: StageContext) -> dict[str, Any]:
     plan = _read_json(ctx.inputs["fit"] / PLAN_FILE)
     lr = cfg.train.lr_override or plan["lr"]
     result = train_model(cfg.train.model, cfg.train.optim.model_copy(update={"lr": lr}), cfg.train.run,
-                         _plan_mixture(ctx), ctx.out_dir, on_metrics=ctx.on_metrics)
+                         _plan_mixture(ctx), ctx.out_dir, on_metrics=ctx.on_metrics, on_event=ctx.on_event)
     return _train_stats(result, lr=lr)
 
 
@@ -183,7 +184,7 @@ def run_anneal(cfg: KilnConfig, ctx: StageContext) -> dict[str, Any]:
     tokenized = ctx.inputs["tokenize"]
     mixture = mixture_with_weights(_read_json(tokenized / SHARDS_FILE), tokenized, cfg.anneal.mixture, "anneal.mixture")
     result = train_model(cfg.train.model, optim, run, mixture, ctx.out_dir,
-                         init_model_dir=ctx.inputs["train"] / "model", on_metrics=ctx.on_metrics)
+                         init_model_dir=ctx.inputs["train"] / "model", on_metrics=ctx.on_metrics, on_event=ctx.on_event)
     before = _read_json(ctx.inputs["train"] / "metrics.json")["val_loss"]
     stats = _train_stats(result, start_lr=optim.lr, val_loss_before=before)
     stats["headline"]["val_loss_before"] = round(before, 4)
