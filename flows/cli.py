@@ -150,6 +150,26 @@ def cmd_status(ns: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_dedup_batch(ns: argparse.Namespace) -> int:
+    """Deduplicate a newly delivered batch against everything the dedup stage already kept."""
+    cfg, _, _ = _load(ns)
+    from tasks.data.dedup import dedup_against_index
+    from tasks.graph import stage_keys
+    from tasks.store import Store
+
+    store, key = Store(cfg.store_root), stage_keys(cfg)["dedup"]
+    if not store.is_complete("dedup", key):
+        raise KilnError(f"the dedup stage ({key}) is not complete in {store.root}: run `kiln run --until dedup` first")
+    new_batch, out = Path(ns.batch), Path(ns.out)
+    if not new_batch.is_file():
+        raise KilnError(f"new batch {new_batch} does not exist (a jsonl file of Kiln documents, e.g. a clean stage's output)")
+    out.mkdir(parents=True, exist_ok=True)
+    stats = dedup_against_index(cfg.dedup, store.path("dedup", key) / "lsh_index", new_batch, out)
+    print(f"{stats['num_in']} new documents: {stats['num_kept']} kept, removed {stats['removed']} "
+          f"(index had {stats.get('num_indexed_before', '?')} documents); outputs and the extended index in {out}")
+    return 0
+
+
 def cmd_ui(ns: argparse.Namespace) -> int:
     cfg, _, _ = _load(ns)
     print(_ui_hint(cfg))
@@ -196,6 +216,9 @@ def build_parser() -> argparse.ArgumentParser:
     status = add("status", "Show each stage's key and whether its output is complete in the store.", cmd_status)
     status.add_argument("--json", action="store_true", help="also print the keys as JSON")
     add("ui", "Print the commands that open the MLflow and Prefect UIs on this run's stores.", cmd_ui)
+    dedup_batch = add("dedup-batch", "Deduplicate a new batch of documents against the dedup stage's persisted "
+                      "LSH index (no old signature is recomputed).", cmd_dedup_batch, first=("batch", "new documents (jsonl)"))
+    dedup_batch.add_argument("--out", required=True, help="folder for documents.jsonl, removed.jsonl and the new index")
     plan = sub.add_parser("plan", help="Pick dp x tp x pp x cp, micro-batch and checkpointing for a model on a cluster.",
                           description="Estimate memory and step time of every parallel layout; reject what does not "
                                       "fit, rank the rest, explain the choice.")

@@ -88,6 +88,11 @@ def test_pipeline_end_to_end_then_fully_cached(prefect_api, in_repo, tmp_path, c
                                 filter_string=f"tags.mlflow.parentRunId = '{manifests['sweep']['mlflow_run_id']}'")
     assert len(trials) == manifests["sweep"]["stats"]["num_trials"]
 
+    # A batch delivered again later is deduplicated against the persisted index: nothing new survives.
+    redelivered = store.path("clean", keys["clean"]) / "documents.jsonl"
+    assert main(["dedup-batch", str(redelivered), TINY, f"work_dir={work}", "--out", str(tmp_path / "batch")]) == 0
+    assert f"{manifests['clean']['stats']['num_kept']} new documents: 0 kept" in capsys.readouterr().out
+
     # The second run reuses everything and changes nothing.
     before = output_digests(store, keys)
     assert main(["run", TINY, f"work_dir={work}"]) == 0
