@@ -123,6 +123,15 @@ class TrainRunConfig(Section):
     # run that hits a fault (bad data, a flipped bit) recovers, like a retry policy would
     health: HealthConfig = runtime_field(HealthConfig())
 
+    @model_validator(mode="after")
+    def _check_compile_with_checkpointing(self) -> TrainRunConfig:
+        if self.activation_checkpointing and self.compile:
+            # torch 2.13: the recomputed activations of a compiled model differ in metadata
+            # ("CheckpointError: Recomputed values ... have different metadata") in the first backward.
+            raise ValueError("run.activation_checkpointing and run.compile cannot both be true yet "
+                             "(torch 2.13 fails in the first backward): turn one of them off")
+        return self
+
     def check_fits(self, model: ModelConfig) -> None:
         """Raise ValueError when this run's sequences are longer than the model supports."""
         if self.seq_len > model.max_seq_len:

@@ -240,3 +240,12 @@ def test_no_checkpoint_before_the_bad_step_restarts_from_initialisation(mixture,
 def test_unknown_fault_is_rejected(mixture, tmp_path) -> None:
     with pytest.raises(ValueError, match="unknown fault_injection keys"):
         train_model(MODEL, OPTIM, RUN, mixture, tmp_path, fault_injection={"flip_bits": 1})
+
+
+def test_compile_with_activation_checkpointing_is_refused_clearly():
+    import pytest
+
+    from tasks.train.config import TrainRunConfig
+
+    with pytest.raises(ValueError, match="cannot both be true"):
+        TrainRunConfig(activation_checkpointing=True, compile=True)
