@@ -195,7 +195,7 @@ def _dedup(cfg: DedupConfig, index: DedupIndex, input_file: Path, out_dir: Path)
     for cluster in clusters:
         indexed = [node for node in cluster if node < m]
         candidates = indexed or cluster
-        best = min(candidates, key=lambda i: (math.isnan(quality[i]), -np.nan_to_num(quality[i]), -lengths[i], ids[i]))
+        best = min(candidates, key=lambda i: survivor_rank(quality[i], lengths[i], ids[i]))
         survivor_of[cluster] = best
     digests = index_digests + batch.digests
 
@@ -304,7 +304,7 @@ def _read_and_sign(cfg: DedupConfig, input_file: Path) -> _Batch:
             batch.ids.append(doc.id)
             batch.lengths.append(len(doc.text))
             batch.domains.append(doc.domain)
-            batch.quality.append(_quality(doc))
+            batch.quality.append(quality_score(doc))
             pending.append(doc.text)
             pending_chars += len(doc.text)
             if len(pending) >= _BATCH or pending_chars >= _BATCH_CHARS:
@@ -336,6 +336,13 @@ def _sign_batch(texts: list[str], cfg: DedupConfig) -> tuple[list[bytes], np.nda
     return digests, sigs, has_shingles
 
 
-def _quality(doc: Document) -> float:
+def quality_score(doc: Document) -> float:
+    """The document's `metadata.quality_score`, NaN when it has none."""
     score = doc.metadata.get("quality_score")
     return float(score) if isinstance(score, (int, float)) and not isinstance(score, bool) else math.nan
+
+
+def survivor_rank(quality: float, length: int, doc_id: str) -> tuple[bool, float, int, str]:
+    """Sort key of the copy a cluster keeps (smallest wins): highest quality score (none ranks
+    last), then the longest text, then the smallest id. Shared by every dedup engine."""
+    return (math.isnan(quality), -(0.0 if math.isnan(quality) else quality), -length, doc_id)

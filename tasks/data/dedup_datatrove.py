@@ -48,7 +48,7 @@ from datatrove.utils.hashing import HashConfig
 from datatrove.utils.text import TextNormConfig
 
 from tasks.accounting import DocCounts
-from tasks.data.dedup import DedupConfig, lsh_bands
+from tasks.data.dedup import DedupConfig, lsh_bands, quality_score, survivor_rank
 from tasks.data.documents import DOCUMENTS_FILE, REMOVED_FILE, ReasonLog, read_documents
 from tasks.errors import ConfigError, InputError
 
@@ -267,9 +267,7 @@ def _survivors(input_file: Path, cluster_of: dict[str, int]) -> dict[int, str]:
         cluster = cluster_of[doc.id]
         if cluster == -1:
             continue
-        score = doc.metadata.get("quality_score")
-        has_score = isinstance(score, (int, float)) and not isinstance(score, bool) and not math.isnan(score)
-        rank = (not has_score, -float(score) if has_score else 0.0, -len(doc.text), doc.id)
+        rank = survivor_rank(quality_score(doc), len(doc.text), doc.id)
         if cluster not in best or rank < best[cluster][0]:
             best[cluster] = (rank, doc.id)
     return {cluster: doc_id for cluster, (_, doc_id) in best.items()}
