@@ -2,9 +2,12 @@
 
 The config is one JSON object: `model`, `optim`, `train` and `parallel` sections (their fields
 as in `ModelConfig`, `OptimConfig`, `TrainRunConfig`, `ParallelDims`), plus `manifest` (a mix
-manifest) and `data_root` (what its shard paths are relative to). Rank 0 writes the
+manifest), `data_root` (what its shard paths are relative to) and optionally `out_dir`
+(checkpoints, resume and the final model go there) and `stop_after` (stop once that many steps
+are done, as a stopped job would). Rank 0 writes the
 `DistributedResult` as JSON to `--out`. Several `--config C --out O` pairs run one after another
 in the same process group, which saves a torchrun start-up (seconds of imports per process) each.
+Run without torchrun, it trains as a single process.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from tasks.train.distributed import train_distributed, write_result
 from tasks.train.parallel import ParallelDims
 
 SECTIONS = {"model": ModelConfig, "optim": OptimConfig, "train": TrainRunConfig, "parallel": ParallelDims}
+OPTIONS = {"out_dir", "stop_after"}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -34,9 +38,9 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"got {len(args.config)} --config but {len(args.out)} --out: give one --out per --config")
     runs = [_load(config) for config in args.config]  # all validated before any training starts
     try:
-        for (sections, mixture), out in zip(runs, args.out):
+        for (sections, mixture, options), out in zip(runs, args.out):
             result = train_distributed(
-                sections["model"], sections["optim"], sections["train"], sections["parallel"], mixture
+                sections["model"], sections["optim"], sections["train"], sections["parallel"], mixture, **options
             )
             write_result(result, out)
     finally:
@@ -44,21 +48,25 @@ def main(argv: list[str] | None = None) -> None:
             dist.destroy_process_group()
 
 
-def _load(config: Path) -> tuple[dict, Mixture]:
+def _load(config: Path) -> tuple[dict, Mixture, dict]:
     raw = json.loads(config.read_text())
-    unknown = set(raw) - set(SECTIONS) - {"manifest", "data_root"}
+    unknown = set(raw) - set(SECTIONS) - OPTIONS - {"manifest", "data_root"}
     if unknown or "manifest" not in raw or "data_root" not in raw:
         raise ConfigError(
-            f"{config}: needs keys manifest, data_root and optionally {', '.join(SECTIONS)}; "
+            f"{config}: needs keys manifest, data_root and optionally {', '.join([*SECTIONS, *sorted(OPTIONS)])}; "
             f"unknown: {sorted(unknown)}"
         )
+    stop_after = raw.get("stop_after")
+    if stop_after is not None and (not isinstance(stop_after, int) or stop_after < 1):
+        raise ConfigError(f"{config}: stop_after must be a positive integer (steps), got {stop_after!r}")
+    options = {"out_dir": Path(raw["out_dir"]) if raw.get("out_dir") else None, "stop_after": stop_after}
     sections = {}
     for key, cls in SECTIONS.items():
         try:
             sections[key] = cls.model_validate(raw.get(key, {}))
         except ValidationError as e:
             raise ConfigError(f"{config}: invalid '{key}' section: {e}") from None
-    return sections, Mixture.from_manifest(Path(raw["manifest"]), Path(raw["data_root"]))
+    return sections, Mixture.from_manifest(Path(raw["manifest"]), Path(raw["data_root"])), options
 
 
 if __name__ == "__main__":

@@ -7,10 +7,19 @@ pipeline stage and a GPipe schedule runs the grad_accum micro-batches through th
 global batch per step is `batch_size * grad_accum` rows whatever the world size, exactly the
 rows the single-process loop uses, so a parallel run's loss curve matches `train_model`'s up to
 float summation order.
+
+Given an `out_dir`, the run checkpoints every `checkpoint_every` steps with DCP (`tasks.train.dcp`)
+into `out_dir/checkpoints` and, when started again, resumes from the newest intact checkpoint
+there, whatever the new world size or parallel layout: the data stays exact because the global
+batch of a step does not depend on them, which each step's `batch_checksum` records. The mixture
+may change between attempts (new shards or domains): steps before the resume keep the data they
+saw, later ones draw from the new mixture, and `mixture_history` says from which step each
+applied. A finished run writes the gathered model with `save_model` to `out_dir/model`.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import time
@@ -24,6 +33,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
@@ -31,8 +41,9 @@ from torch.distributed.tensor import DTensor
 
 from tasks.train.config import ModelConfig, OptimConfig, TrainRunConfig, revalidated
 from tasks.train.data_loader import Mixture, batch_for_step
+from tasks.train.dcp import load_latest_dcp, save_dcp
 from tasks.train.loop import make_optimizer
-from tasks.train.model import build_model
+from tasks.train.model import Transformer, build_model, save_model
 from tasks.train.parallel import ParallelDims, build_mesh, check_divisible, parallelize, pipeline_stage
 from tasks.train.schedule import lr_at
 
@@ -45,24 +56,77 @@ class DistributedResult:
     loss_curve: list[tuple[int, float]]  # mean over the whole global batch
     grad_norm_curve: list[tuple[int, float]]  # before clipping
     lr_curve: list[tuple[int, float]]
-    wall_s: float
-    tokens_per_s: float
+    batch_checksum_curve: list[tuple[int, int]]  # `batch_checksum` of each step's global batch
+    mixture_history: list[tuple[int, dict]]  # (steps completed before it applied, mixture summary)
+    resumed_from_step: int | None
+    model_dir: str | None  # the gathered final model, when the run finished with an out_dir
+    wall_s: float  # this attempt only
+    tokens_per_s: float  # tokens trained in this attempt / its training time
+
+
+CHECKSUM_MOD = 2**48  # ranks' partial sums stay below 2**63 for up to 2**15 data-parallel ranks
 
 
 def init_distributed(device_type: str) -> torch.device:
-    """Join torchrun's process group (gloo on CPU, nccl on CUDA); returns this rank's device."""
+    """Join torchrun's process group (gloo on CPU, nccl on CUDA); returns this rank's device.
+
+    Started without torchrun (no WORLD_SIZE in the environment), the process forms a group of one
+    over an in-memory store, so a single process can run (or resume) without a launcher.
+    """
     if device_type == "cuda":
-        local_rank = int(os.environ["LOCAL_RANK"])
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)
     else:
         device = torch.device(device_type)
     if not dist.is_initialized():
-        if device_type == "cuda":
-            dist.init_process_group("nccl", device_id=device)
+        backend = "nccl" if device_type == "cuda" else "gloo"
+        device_id = device if device_type == "cuda" else None
+        if "WORLD_SIZE" in os.environ:
+            dist.init_process_group(backend, device_id=device_id)
         else:
-            dist.init_process_group("gloo")
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, device_id=device_id)
     return device
+
+
+def batch_checksum(x: torch.Tensor, y: torch.Tensor, first_row: int) -> int:
+    """Order-sensitive digest of a batch whose rows are global rows first_row, first_row + 1, ...
+
+    The sum over rows of a 48-bit hash of (global row index, inputs, targets), mod 2**48: the
+    ranks' partial checksums add up to the global batch's, so runs with different data-parallel
+    degrees can be compared step by step.
+    """
+    total = 0
+    for r in range(x.shape[0]):
+        h = hashlib.blake2b(digest_size=6)
+        h.update((first_row + r).to_bytes(8, "little"))
+        h.update(x[r].cpu().numpy().tobytes())
+        h.update(y[r].cpu().numpy().tobytes())
+        total += int.from_bytes(h.digest(), "little")
+    return total % CHECKSUM_MOD
+
+
+def _global_checksum(partial: int, dp_mesh: DeviceMesh, device: torch.device) -> int:
+    value = torch.tensor(partial, dtype=torch.int64, device=device)  # nccl reduces device tensors only
+    dist.all_reduce(value, op=dist.ReduceOp.SUM, group=dp_mesh.get_group())
+    return value.item() % CHECKSUM_MOD
+
+
+def mixture_summary(mixture: Mixture) -> dict:
+    """Each domain's weight and train shard file names: what `mixture_history` compares."""
+    return {
+        name: {"weight": d.weight, "train": [p.name for p in d.train]} for name, d in sorted(mixture.domains.items())
+    }
+
+
+def _save_full_model(model: nn.Module, model_cfg: ModelConfig, vocab_size: int, model_dir: Path) -> None:
+    """Gather the (possibly sharded) weights and write them on rank 0 as a plain `save_model` folder."""
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if dist.get_rank() == 0:
+        plain = Transformer(model_cfg, vocab_size)
+        plain.load_state_dict(full)
+        save_model(plain, model_cfg, vocab_size, model_dir)
+    dist.barrier()
 
 
 def clip_grad_norm(params: list[nn.Parameter], max_norm: float, pp_mesh: DeviceMesh | None = None) -> float:
@@ -170,10 +234,24 @@ def train_distributed(
     run_cfg: TrainRunConfig,
     dims: ParallelDims,
     mixture: Mixture,
+    out_dir: Path | None = None,
+    stop_after: int | None = None,
 ) -> DistributedResult:
-    """Train `run_cfg.steps` steps on this rank's part of the mesh; every rank returns the same curves."""
+    """Train `run_cfg.steps` steps on this rank's part of the mesh; every rank returns the same curves.
+
+    With `out_dir`: checkpoints, resume and the final model there (see the module docstring).
+    `stop_after`: return once that many steps are done, as if the job were stopped there (steps
+    after the last checkpoint are then re-run by the next attempt).
+    """
     model_cfg, optim_cfg, run_cfg = revalidated(model_cfg), revalidated(optim_cfg), revalidated(run_cfg)
     run_cfg.check_fits(model_cfg)
+    if out_dir is not None and (dims.pp > 1 or dims.tp > 1):
+        # pp: each stage numbers its blocks from 0, so the stages' checkpoint keys collide;
+        # tp: the fused qkv / gate_up weights are split in strided blocks, which DCP cannot save
+        raise ValueError(
+            f"checkpointing (an out_dir) with parallel.pp={dims.pp}, tp={dims.tp} is not supported yet; "
+            "use pp=1 and tp=1 (dp with fsdp or ddp) for checkpointed runs"
+        )
     t_start = time.perf_counter()
     device = init_distributed(torch.device(run_cfg.device).type)
     if dist.get_world_size() != dims.world_size:
@@ -209,18 +287,42 @@ def train_distributed(
     local_numel = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in model.parameters())
     max_norm = optim_cfg.grad_clip if optim_cfg.grad_clip > 0 else float("inf")
 
+    identity = {
+        "model": model_cfg.identity(),
+        "optim": optim_cfg.identity(),
+        "run": run_cfg.identity(),
+        "vocab_size": mixture.vocab_size,
+    }
+    identity = json.loads(json.dumps(identity))  # as it reads back from a checkpoint
+    ckpt_root = out_dir / "checkpoints" if out_dir is not None else None
+    curves: dict[str, list] = {"loss": [], "grad_norm": [], "lr": [], "batch_checksum": []}
+    mixture_history = [[0, mixture_summary(mixture)]]
+    resumed = load_latest_dcp(ckpt_root, model, optimizer) if ckpt_root is not None else None
+    if resumed is not None:
+        if resumed["identity"] != identity:
+            raise ValueError(
+                f"checkpoints in {ckpt_root} were written by a run with a different model, optim or "
+                "train config (or vocabulary); use a fresh out_dir or delete that folder"
+            )
+        curves = {name: [tuple(p) for p in curve] for name, curve in resumed["curves"].items()}
+        mixture_history = resumed["mixture_history"]
+        if mixture_history[-1][1] != mixture_summary(mixture):
+            mixture_history.append([resumed["step"], mixture_summary(mixture)])
+    start = resumed["step"] if resumed is not None else 0
+
     rows_per_step = run_cfg.batch_size * run_cfg.grad_accum
     local_batch = run_cfg.batch_size // dims.dp
-    loss_curve, grad_norm_curve, lr_curve = [], [], []
     model.train()
     t_train = time.perf_counter()
-    for i in range(run_cfg.steps):
+    step = start
+    for i in range(start, run_cfg.steps):
         lr = lr_at(i, optim_cfg, run_cfg.steps)
         for group in optimizer.param_groups:
             group["lr"] = lr
         x, y = batch_for_step(
             mixture, run_cfg.seed, i, dp_rank, dims.dp, rows_per_step // dims.dp, run_cfg.seq_len
         )
+        checksum = _global_checksum(batch_checksum(x, y, dp_rank * (rows_per_step // dims.dp)), dp_mesh, device)
         x, y = x.to(device), y.to(device)
         if schedule is not None:
             step_loss = _pipeline_step(schedule, pp_mesh, x, y)
@@ -230,19 +332,31 @@ def train_distributed(
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         step = i + 1
-        loss_curve.append((step, step_loss))
-        grad_norm_curve.append((step, grad_norm))
-        lr_curve.append((step, lr))
+        for name, value in (("loss", step_loss), ("grad_norm", grad_norm), ("lr", lr), ("batch_checksum", checksum)):
+            curves[name].append((step, value))
+        if ckpt_root is not None and step % run_cfg.checkpoint_every == 0:
+            train_state = {"identity": identity, "curves": curves, "mixture_history": mixture_history}
+            save_dcp(ckpt_root, step, model, optimizer, train_state, run_cfg.keep_checkpoints, run_cfg.keep_every)
+        if stop_after is not None and step >= stop_after:
+            break
     train_s = time.perf_counter() - t_train
+    model_dir = None
+    if out_dir is not None and step == run_cfg.steps:
+        model_dir = out_dir / "model"
+        _save_full_model(model, model_cfg, mixture.vocab_size, model_dir)
     return DistributedResult(
         world_size=dims.world_size,
         parallel=dims.model_dump(mode="json"),
         rank0_local_numel=local_numel,
-        loss_curve=loss_curve,
-        grad_norm_curve=grad_norm_curve,
-        lr_curve=lr_curve,
+        loss_curve=curves["loss"],
+        grad_norm_curve=curves["grad_norm"],
+        lr_curve=curves["lr"],
+        batch_checksum_curve=curves["batch_checksum"],
+        mixture_history=[tuple(entry) for entry in mixture_history],
+        resumed_from_step=start if resumed is not None else None,
+        model_dir=str(model_dir) if model_dir is not None else None,
         wall_s=time.perf_counter() - t_start,
-        tokens_per_s=run_cfg.steps * rows_per_step * run_cfg.seq_len / train_s if train_s > 0 else 0.0,
+        tokens_per_s=(step - start) * rows_per_step * run_cfg.seq_len / train_s if train_s > 0 else 0.0,
     )
 
 

@@ -1,0 +1,160 @@
+"""Sharded training checkpoints with `torch.distributed.checkpoint` (DCP): any layout in, any layout out.
+
+`save_dcp` writes model + optimizer (through `get_state_dict`, so plain, DDP, FSDP2 and TP
+models all give FQN-keyed state), the torch RNG state and a JSON `train_state` (step, curves,
+whatever the caller needs) to `root/step_{step:07d}/`. Every rank writes its own shards into a
+temporary directory; after a barrier rank 0 writes the `COMPLETE` marker (each file's SHA-256,
+hashed by all ranks in parallel) and renames the directory into place, so a crash never leaves a
+directory that looks complete. `load_latest_dcp` skips any checkpoint without a marker or whose
+bytes no longer match it, and loads the newest intact one into whatever layout the caller has
+built: DCP reshards by global shape, so a 2-rank FSDP2 checkpoint loads into 1 plain process.
+
+Without a process group everything runs as a single process (DCP's `no_dist` mode). With one,
+every rank must call these functions together, and `root` must be on a filesystem they share.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from tasks.train.checkpoint import MARKER, PREFIX, TMP_PREFIX, checkpoint_dir
+
+TRAIN_STATE_FILE = "train_state.json"
+
+
+def _rank_world() -> tuple[int, int]:
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+@contextmanager
+def _single_process_is_intended() -> Iterator[None]:
+    # DCP warns on every call without a process group, even when told no_dist=True
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        yield
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _gather_dicts(local: dict[str, Any]) -> dict[str, Any]:
+    """Every rank's `local` merged, on every rank."""
+    if not dist.is_initialized():
+        return local
+    parts: list[dict[str, Any]] = [{} for _ in range(dist.get_world_size())]
+    dist.all_gather_object(parts, local)
+    return {k: v for part in parts for k, v in part.items()}
+
+
+def _digests(path: Path, names: list[str]) -> dict[str, str]:
+    """SHA-256 of each named file in path; the ranks split the hashing between them."""
+    rank, world = _rank_world()
+    local = {name: _sha256(path / name) for name in sorted(names)[rank::world] if (path / name).is_file()}
+    return _gather_dicts(local)
+
+
+def dcp_steps(root: Path) -> list[int]:
+    """Steps of every step_* directory under root, newest first (complete or not)."""
+    if not root.is_dir():
+        return []
+    steps = [int(p.name[len(PREFIX) :]) for p in root.iterdir() if p.is_dir() and p.name.startswith(PREFIX)]
+    return sorted(steps, reverse=True)
+
+
+def save_dcp(
+    root: Path,
+    step: int,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    train_state: dict[str, Any],
+    keep: int,
+    keep_every: int | None = None,
+) -> Path:
+    """Write the checkpoint for `step` (collective), then delete all but the newest `keep`
+    (and those at multiples of `keep_every`). `train_state` must be JSON-serialisable."""
+    rank, _ = _rank_world()
+    final = checkpoint_dir(root, step)
+    tmp = root / f"{TMP_PREFIX}{final.name}"
+    if rank == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        if tmp.exists():  # left by a crash during an earlier save of this step
+            shutil.rmtree(tmp)
+        tmp.mkdir()
+        (tmp / TRAIN_STATE_FILE).write_text(json.dumps({"step": step, **train_state}) + "\n")
+    _barrier()
+    model_state, optim_state = get_state_dict(model, optimizer)
+    # a plain tensor counts as replicated: rank 0's RNG state is saved and every rank gets it back
+    state = {"model": model_state, "optim": optim_state, "rng": torch.get_rng_state()}
+    with _single_process_is_intended():
+        dcp.save(state, checkpoint_id=tmp, no_dist=not dist.is_initialized())
+    _barrier()
+    digests = _digests(tmp, [p.name for p in tmp.iterdir()])
+    if rank == 0:
+        with (tmp / MARKER).open("w") as f:
+            json.dump({"step": step, "sha256": digests}, f)
+            f.flush()
+            os.fsync(f.fileno())
+        if final.exists():
+            # a corrupt checkpoint for this step was skipped on resume; this one replaces it
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        for old in dcp_steps(root)[keep:]:
+            if keep_every is None or old % keep_every:
+                shutil.rmtree(checkpoint_dir(root, old))
+    _barrier()
+    return final
+
+
+def _intact(path: Path) -> bool:
+    """Marker present and every file it lists unchanged (collective: all ranks agree)."""
+    try:
+        expected = json.loads((path / MARKER).read_text())["sha256"]
+    except (FileNotFoundError, json.JSONDecodeError, KeyError, TypeError):
+        return False
+    return _digests(path, list(expected)) == expected
+
+
+def load_latest_dcp(root: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any] | None:
+    """Load the newest intact checkpoint under root into model, optimizer and the torch RNG
+    (collective); returns its train_state (with "step"), or None when there is none."""
+    for step in dcp_steps(root):
+        path = checkpoint_dir(root, step)
+        if not _intact(path):
+            warnings.warn(f"checkpoint {path} is incomplete or corrupt; trying an earlier one", stacklevel=2)
+            continue
+        # get_state_dict gives the layout to load into; it first creates empty optimizer state
+        # with a zero-lr step, which the load then overwrites
+        model_state, optim_state = get_state_dict(model, optimizer)
+        state = {"model": model_state, "optim": optim_state, "rng": torch.get_rng_state()}
+        with _single_process_is_intended():
+            dcp.load(state, checkpoint_id=path, no_dist=not dist.is_initialized())
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        torch.set_rng_state(state["rng"])
+        return json.loads((path / TRAIN_STATE_FILE).read_text())
+    return None
