@@ -26,7 +26,7 @@ from tasks.scaling.fit import FitConfig
 from tasks.scaling.mix import MixConfig
 from tasks.scaling.sweep import SweepConfig
 from tasks.scaling.validate import ValidateConfig
-from tasks.train.config import ModelConfig, OptimConfig, TrainRunConfig
+from tasks.train.config import ModelConfig, OptimConfig, ParallelDims, TrainRunConfig
 from tasks.train.planner import ClusterSpec
 
 
@@ -51,11 +51,17 @@ class ClusterConfig(ClusterSpec):
 
 
 class TrainConfig(Section):
-    """The production run. Its learning rate comes from the fit stage's plan unless `lr_override` is set."""
+    """The production run. Its learning rate comes from the fit stage's plan unless `lr_override` is set.
+
+    With `parallel` above one process the stage runs the distributed worker under torchrun (FSDP2 /
+    DDP / TP / PP, sharded DCP checkpoints); its losses differ from one process's in the last float
+    bits, so the layout is part of the key.
+    """
 
     model: ModelConfig = ModelConfig()
     optim: OptimConfig = OptimConfig()
     run: TrainRunConfig = TrainRunConfig()
+    parallel: ParallelDims = ParallelDims()
     lr_override: float | None = None
 
 

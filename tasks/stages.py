@@ -172,6 +172,13 @@ def run_validate(cfg: KilnConfig, ctx: StageContext) -> dict[str, Any]:
 def run_train(cfg: KilnConfig, ctx: StageContext) -> dict[str, Any]:
     plan = _read_json(ctx.inputs["fit"] / PLAN_FILE)
     lr = cfg.train.lr_override or plan["lr"]
+    if cfg.train.parallel.world_size > 1:
+        from tasks.train.torchrun_stage import train_with_torchrun
+
+        result = train_with_torchrun(cfg.train.model, cfg.train.optim.model_copy(update={"lr": lr}), cfg.train.run,
+                                     cfg.train.parallel, cfg.cluster, ctx.inputs["mix"] / MIXTURE_FILE,
+                                     ctx.store_root, ctx.out_dir)
+        return _train_stats(result, lr=lr, world_size=cfg.train.parallel.world_size)
     result = train_model(cfg.train.model, cfg.train.optim.model_copy(update={"lr": lr}), cfg.train.run,
                          _plan_mixture(ctx), ctx.out_dir, on_metrics=ctx.on_metrics, on_event=ctx.on_event)
     return _train_stats(result, lr=lr)

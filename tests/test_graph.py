@@ -43,6 +43,7 @@ def test_runtime_settings_move_no_key(base_keys, override):
     ("sweep.lrs=[0.002]", "sweep"),
     ("train.run.steps=301", "mix"),
     ("train.optim.weight_decay=0.0", "train"),
+    ("train.parallel.dp=2", "train"),
     ("anneal.steps=10", "anneal"),
     ("evaluate.limit=5", "evaluate"),
 ])

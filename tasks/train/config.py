@@ -139,3 +139,31 @@ class TrainRunConfig(Section):
                 f"train.seq_len={self.seq_len} exceeds model.max_seq_len={model.max_seq_len}: "
                 "lower seq_len or raise max_seq_len"
             )
+
+
+class ParallelDims(Section):
+    """How many ways to split the layers (pp), the data (dp) and each layer (tp); their product is the world size."""
+
+    pp: int = Field(1, gt=0)
+    dp: int = Field(1, gt=0)
+    tp: int = Field(1, gt=0)
+    dp_mode: Literal["fsdp", "ddp"] = "fsdp"
+    activation_checkpointing: bool = False
+
+    @model_validator(mode="after")
+    def _check_combinations(self) -> ParallelDims:
+        if self.dp_mode == "ddp" and self.tp > 1:
+            raise ValueError(
+                f"parallel.dp_mode='ddp' cannot be combined with parallel.tp={self.tp}: "
+                "DDP does not handle DTensor parameters; use dp_mode='fsdp' for dp x tp"
+            )
+        if self.pp > 1 and self.dp * self.tp > 1:
+            raise ValueError(
+                f"parallel.pp={self.pp} with dp={self.dp}, tp={self.tp}: pipeline parallel does not "
+                "compose with dp or tp here yet; use pp alone or set pp=1"
+            )
+        return self
+
+    @property
+    def world_size(self) -> int:
+        return self.pp * self.dp * self.tp

@@ -23,10 +23,7 @@ TP is Megatron-style over DTensor, with attention heads split across TP ranks:
 
 from __future__ import annotations
 
-from typing import Literal
-
 import torch
-from pydantic import Field, model_validator
 from torch import nn
 from torch.distributed._composable import checkpoint
 from torch.distributed._composable.replicate import replicate
@@ -37,38 +34,10 @@ from torch.distributed.tensor.experimental import register_sharding
 from torch.distributed.tensor.parallel import PrepareModuleInput, RowwiseParallel, parallelize_module
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from tasks.configbase import Section
+from tasks.train.config import ParallelDims
 from tasks.train.model import Transformer
 
 _aten = torch.ops.aten
-
-
-class ParallelDims(Section):
-    """How many ways to split the layers (pp), the data (dp) and each layer (tp); their product is the world size."""
-
-    pp: int = Field(1, gt=0)
-    dp: int = Field(1, gt=0)
-    tp: int = Field(1, gt=0)
-    dp_mode: Literal["fsdp", "ddp"] = "fsdp"
-    activation_checkpointing: bool = False
-
-    @model_validator(mode="after")
-    def _check_combinations(self) -> ParallelDims:
-        if self.dp_mode == "ddp" and self.tp > 1:
-            raise ValueError(
-                f"parallel.dp_mode='ddp' cannot be combined with parallel.tp={self.tp}: "
-                "DDP does not handle DTensor parameters; use dp_mode='fsdp' for dp x tp"
-            )
-        if self.pp > 1 and self.dp * self.tp > 1:
-            raise ValueError(
-                f"parallel.pp={self.pp} with dp={self.dp}, tp={self.tp}: pipeline parallel does not "
-                "compose with dp or tp here yet; use pp alone or set pp=1"
-            )
-        return self
-
-    @property
-    def world_size(self) -> int:
-        return self.pp * self.dp * self.tp
 
 
 def check_divisible(dims: ParallelDims, model: Transformer, batch_size: int) -> None:

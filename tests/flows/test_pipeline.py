@@ -93,6 +93,17 @@ def test_pipeline_end_to_end_then_fully_cached(prefect_api, in_repo, tmp_path, c
     assert main(["dedup-batch", str(redelivered), TINY, f"work_dir={work}", "--out", str(tmp_path / "batch")]) == 0
     assert f"{manifests['clean']['stats']['num_kept']} new documents: 0 kept" in capsys.readouterr().out
 
+    # The train stage alone, as FSDP2 over 2 torchrun processes: same global batches, the same curve
+    # up to float reduction order, and a model the later stages can load.
+    assert main(["stage", "train", TINY, f"work_dir={work}", "train.parallel.dp=2"]) == 0
+    fsdp_cfg = load_config(TINY, [f"work_dir={work}", "train.parallel.dp=2"])
+    fsdp_dir = store.path("train", stage_keys(fsdp_cfg)["train"])
+    fsdp_curve = json.loads((fsdp_dir / "metrics.json").read_text())["loss_curve"]
+    assert [s for s, _ in fsdp_curve] == [s for s, _ in curve]
+    assert max(abs(a - b) / b for (_, a), (_, b) in zip(fsdp_curve, curve)) < 1e-4
+    assert (fsdp_dir / "model" / "model.pt").is_file() and (fsdp_dir / "checkpoints").is_dir()
+    capsys.readouterr()
+
     # The second run reuses everything and changes nothing.
     before = output_digests(store, keys)
     assert main(["run", TINY, f"work_dir={work}"]) == 0

@@ -1,0 +1,60 @@
+"""Run a training stage under torchrun and report it as a `TrainResult`, like the in-process loop.
+
+The distributed worker (`tasks.train.dist_worker`) trains with the configured parallel layout
+and sharded DCP checkpoints in `out_dir` (a crashed attempt resumes there); this module owns
+the launch, then measures the validation loss of the gathered model in this process, so later
+stages (anneal, evaluate) read the same `model/` and `metrics.json` whichever path trained it.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from tasks.train.config import ModelConfig, OptimConfig, ParallelDims, TrainRunConfig
+from tasks.train.data_loader import Mixture, validation_batches
+from tasks.train.launch import TorchrunLauncher
+from tasks.train.loop import FINAL_LOSS_WINDOW, TrainResult, evaluate
+from tasks.train.model import load_model
+from tasks.train.planner import ClusterSpec
+
+WORKER_CONFIG = "dist_config.json"
+WORKER_RESULT = "dist_result.json"
+
+
+def train_with_torchrun(model_cfg: ModelConfig, optim_cfg: OptimConfig, run_cfg: TrainRunConfig, dims: ParallelDims,
+                        cluster: ClusterSpec, manifest: Path, data_root: Path, out_dir: Path) -> TrainResult:
+    started = time.perf_counter()
+    config = {
+        "model": model_cfg.model_dump(mode="json"), "optim": optim_cfg.model_dump(mode="json"),
+        "train": run_cfg.model_dump(mode="json"), "parallel": dims.model_dump(mode="json"),
+        "manifest": str(manifest.resolve()), "data_root": str(data_root.resolve()), "out_dir": str(out_dir.resolve()),
+    }
+    (out_dir / WORKER_CONFIG).write_text(json.dumps(config, indent=2))
+    launcher = TorchrunLauncher(cluster, out_dir, job_name="kiln-train", nproc_per_node=dims.world_size,
+                                env={"OMP_NUM_THREADS": "1"})
+    launcher.launch(["-m", "tasks.train.dist_worker", "--config", str(out_dir / WORKER_CONFIG),
+                     "--out", str(out_dir / WORKER_RESULT)])
+    worker = json.loads((out_dir / WORKER_RESULT).read_text())
+
+    model, _ = load_model(out_dir / "model")
+    mixture = Mixture.from_manifest(manifest, data_root)
+    val = evaluate(model, validation_batches(mixture, run_cfg.seq_len, run_cfg.eval_batches, run_cfg.batch_size),
+                   torch.device("cpu"))
+    curve = [tuple(point) for point in worker["loss_curve"]]
+    tail = [loss for _, loss in curve[-FINAL_LOSS_WINDOW:]]
+    result = TrainResult(
+        steps=run_cfg.steps, tokens_seen=run_cfg.steps * run_cfg.batch_size * run_cfg.grad_accum * run_cfg.seq_len,
+        num_params=sum(p.numel() for p in model.parameters()), final_train_loss=sum(tail) / len(tail),
+        val_loss=sum(val.values()) / len(val), val_loss_by_domain=val, loss_curve=curve,
+        lr_curve=[tuple(point) for point in worker["lr_curve"]], wall_s=time.perf_counter() - started,
+        tokens_per_s=worker["tokens_per_s"], model_dir=out_dir / "model", resumed_from_step=worker["resumed_from_step"],
+        num_rollbacks=0, health_events=[],
+    )
+    metrics = {k: v for k, v in asdict(result).items() if k != "model_dir"}
+    (out_dir / "metrics.json").write_text(json.dumps({**metrics, "world_size": dims.world_size}, indent=2))
+    return result
