@@ -9,12 +9,14 @@ stages (anneal, evaluate) read the same `model/` and `metrics.json` whichever pa
 from __future__ import annotations
 
 import json
+import logging
 import time
 from dataclasses import asdict
 from pathlib import Path
 
 import torch
 
+from tasks.errors import ConfigError
 from tasks.train.config import ModelConfig, OptimConfig, ParallelDims, TrainRunConfig
 from tasks.train.data_loader import Mixture, validation_batches
 from tasks.train.launch import TorchrunLauncher
@@ -28,6 +30,15 @@ WORKER_RESULT = "dist_result.json"
 
 def train_with_torchrun(model_cfg: ModelConfig, optim_cfg: OptimConfig, run_cfg: TrainRunConfig, dims: ParallelDims,
                         cluster: ClusterSpec, manifest: Path, data_root: Path, out_dir: Path) -> TrainResult:
+    unsupported = [name for name, on in (("optim.z_loss", optim_cfg.z_loss != 0), ("run.compile", run_cfg.compile),
+                                         ("run.activation_checkpointing (use parallel.activation_checkpointing)",
+                                          run_cfg.activation_checkpointing)) if on]
+    if unsupported:
+        raise ConfigError(f"train.parallel spans {dims.world_size} processes, and the distributed worker does not "
+                          f"apply {', '.join(unsupported)} yet: turn them off or train in one process")
+    if run_cfg.health.enabled:
+        logging.getLogger(__name__).warning(
+            "the distributed worker has no loss-spike rollback yet: train.run.health is not applied under torchrun")
     started = time.perf_counter()
     config = {
         "model": model_cfg.model_dump(mode="json"), "optim": optim_cfg.model_dump(mode="json"),
