@@ -38,7 +38,7 @@ def checkpoint_dir(root: Path, step: int) -> Path:
     return root / f"{PREFIX}{step:07d}"
 
 
-def _steps_on_disk(root: Path) -> list[int]:
+def steps_on_disk(root: Path) -> list[int]:
     """Steps of every step_* directory under root, newest first (complete or not)."""
     if not root.is_dir():
         return []
@@ -56,16 +56,22 @@ def save_checkpoint(root: Path, step: int, state: dict[str, Any], keep: int, kee
         shutil.rmtree(tmp)
     tmp.mkdir()
     torch.save(state, tmp / STATE_FILE)
-    marker = {"step": step, "sha256": {STATE_FILE: _sha256(tmp / STATE_FILE)}}
+    return commit_checkpoint(root, tmp, step, {STATE_FILE: _sha256(tmp / STATE_FILE)}, keep, keep_every)
+
+
+def commit_checkpoint(root: Path, tmp: Path, step: int, digests: dict[str, str], keep: int,
+                      keep_every: int | None) -> Path:
+    """Write the marker (each file's sha256) last, move `tmp` into place, then prune old checkpoints."""
+    final = checkpoint_dir(root, step)
     with (tmp / MARKER).open("w") as f:
-        json.dump(marker, f)
+        json.dump({"step": step, "sha256": digests}, f)
         f.flush()
         os.fsync(f.fileno())
     if final.exists():
         # a corrupt checkpoint for this step was skipped on resume; this one replaces it
         shutil.rmtree(final)
     os.replace(tmp, final)
-    for old in _steps_on_disk(root)[keep:]:
+    for old in steps_on_disk(root)[keep:]:
         if keep_every is None or old % keep_every:
             shutil.rmtree(checkpoint_dir(root, old))
     return final
@@ -73,7 +79,7 @@ def save_checkpoint(root: Path, step: int, state: dict[str, Any], keep: int, kee
 
 def delete_checkpoints_after(root: Path, step: int) -> list[int]:
     """Delete every checkpoint later than `step` (a rolled-back trajectory's); returns their steps."""
-    later = [s for s in _steps_on_disk(root) if s > step]
+    later = [s for s in steps_on_disk(root) if s > step]
     for s in later:
         shutil.rmtree(checkpoint_dir(root, s))
     return later
@@ -93,7 +99,7 @@ def _verified(path: Path) -> bool:
 def load_latest_checkpoint(root: Path, before: int | None = None) -> tuple[int, dict[str, Any]] | None:
     """(step, state) of the newest intact checkpoint under root (with step < `before` if given),
     or None when there is none."""
-    for step in _steps_on_disk(root):
+    for step in steps_on_disk(root):
         if before is not None and step >= before:
             continue
         path = checkpoint_dir(root, step)

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
 import warnings
 from collections.abc import Iterator
@@ -31,7 +30,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from tasks.train.checkpoint import MARKER, PREFIX, TMP_PREFIX, checkpoint_dir
+from tasks.train.checkpoint import MARKER, TMP_PREFIX, checkpoint_dir, commit_checkpoint, steps_on_disk
 
 TRAIN_STATE_FILE = "train_state.json"
 
@@ -81,10 +80,7 @@ def _digests(path: Path, names: list[str]) -> dict[str, str]:
 
 def dcp_steps(root: Path) -> list[int]:
     """Steps of every step_* directory under root, newest first (complete or not)."""
-    if not root.is_dir():
-        return []
-    steps = [int(p.name[len(PREFIX) :]) for p in root.iterdir() if p.is_dir() and p.name.startswith(PREFIX)]
-    return sorted(steps, reverse=True)
+    return steps_on_disk(root)
 
 
 def save_dcp(
@@ -116,17 +112,7 @@ def save_dcp(
     _barrier()
     digests = _digests(tmp, [p.name for p in tmp.iterdir()])
     if rank == 0:
-        with (tmp / MARKER).open("w") as f:
-            json.dump({"step": step, "sha256": digests}, f)
-            f.flush()
-            os.fsync(f.fileno())
-        if final.exists():
-            # a corrupt checkpoint for this step was skipped on resume; this one replaces it
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        for old in dcp_steps(root)[keep:]:
-            if keep_every is None or old % keep_every:
-                shutil.rmtree(checkpoint_dir(root, old))
+        commit_checkpoint(root, tmp, step, digests, keep, keep_every)
     _barrier()
     return final
 
