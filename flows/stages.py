@@ -22,7 +22,7 @@ from prefect.runtime import flow_run
 
 from tasks.config import KilnConfig, load_config
 from tasks.errors import KilnError
-from tasks.graph import SPECS, STAGE_NAMES, stage_identity, stage_keys
+from tasks.graph import SPECS, STAGE_NAMES, config_value, stage_identity, stage_keys
 from tasks.provenance import code_version, provenance
 from tasks.stages import STAGE_BODIES, StageContext
 from tasks.store import Store
@@ -40,10 +40,7 @@ def _stage_params(cfg: KilnConfig, name: str) -> dict[str, Any]:
     """The stage's config sections as logged params (runtime fields included, for the record)."""
     params: dict[str, Any] = {}
     for dotted in SPECS[name].sections:
-        parts = dotted.split(".")
-        value: Any = cfg.section(parts[0])
-        for part in parts[1:]:
-            value = getattr(value, part)
+        value = config_value(cfg, dotted)
         params[dotted] = value.model_dump(mode="json") if hasattr(value, "model_dump") else value
     return params
 

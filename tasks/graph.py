@@ -50,11 +50,17 @@ STAGE_NAMES = tuple(spec.name for spec in STAGES)
 SPECS = {spec.name: spec for spec in STAGES}
 
 
-def _lookup(cfg: KilnConfig, dotted: str) -> Any:
+def config_value(cfg: KilnConfig, dotted: str) -> Any:
+    """The config value at a dotted path such as `evaluate.eval_files` (a section or a field)."""
     parts = dotted.split(".")
     value: Any = cfg.section(parts[0])
     for part in parts[1:]:
         value = getattr(value, part)
+    return value
+
+
+def _lookup(cfg: KilnConfig, dotted: str) -> Any:
+    value = config_value(cfg, dotted)
     return value.identity() if isinstance(value, Section) else value
 
 
