@@ -4,7 +4,7 @@ The config is one JSON object: `model`, `optim`, `train` and `parallel` sections
 as in `ModelConfig`, `OptimConfig`, `TrainRunConfig`, `ParallelDims`), plus `manifest` (a mix
 manifest), `data_root` (what its shard paths are relative to) and optionally `out_dir`
 (checkpoints, resume and the final model go there) and `stop_after` (stop once that many steps
-are done, as a stopped job would). Rank 0 writes the
+are done, as a stopped job would); `fault_injection` is for tests only (see distributed.py). Rank 0 writes the
 `DistributedResult` as JSON to `--out`. Several `--config C --out O` pairs run one after another
 in the same process group, which saves a torchrun start-up (seconds of imports per process) each.
 Run without torchrun, it trains as a single process.
@@ -26,7 +26,7 @@ from tasks.train.distributed import train_distributed, write_result
 from tasks.train.parallel import ParallelDims
 
 SECTIONS = {"model": ModelConfig, "optim": OptimConfig, "train": TrainRunConfig, "parallel": ParallelDims}
-OPTIONS = {"out_dir", "stop_after"}
+OPTIONS = {"out_dir", "stop_after", "fault_injection"}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -59,7 +59,8 @@ def _load(config: Path) -> tuple[dict, Mixture, dict]:
     stop_after = raw.get("stop_after")
     if stop_after is not None and (not isinstance(stop_after, int) or stop_after < 1):
         raise ConfigError(f"{config}: stop_after must be a positive integer (steps), got {stop_after!r}")
-    options = {"out_dir": Path(raw["out_dir"]) if raw.get("out_dir") else None, "stop_after": stop_after}
+    options = {"out_dir": Path(raw["out_dir"]) if raw.get("out_dir") else None, "stop_after": stop_after,
+               "fault_injection": raw.get("fault_injection")}
     sections = {}
     for key, cls in SECTIONS.items():
         try:

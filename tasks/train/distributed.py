@@ -22,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import signal
 import time
 from collections import defaultdict
 from collections.abc import Iterator
@@ -62,6 +63,8 @@ class DistributedResult:
     model_dir: str | None  # the gathered final model, when the run finished with an out_dir
     wall_s: float  # this attempt only
     tokens_per_s: float  # tokens trained in this attempt / its training time
+    started_unix: float  # when this attempt's worker began (before building the model and loading checkpoints)
+    first_step_unix: float | None  # when this attempt's first optimizer step finished: "training resumed"
 
 
 CHECKSUM_MOD = 2**48  # ranks' partial sums stay below 2**63 for up to 2**15 data-parallel ranks
@@ -236,6 +239,7 @@ def train_distributed(
     mixture: Mixture,
     out_dir: Path | None = None,
     stop_after: int | None = None,
+    fault_injection: dict | None = None,
 ) -> DistributedResult:
     """Train `run_cfg.steps` steps on this rank's part of the mesh; every rank returns the same curves.
 
@@ -253,6 +257,8 @@ def train_distributed(
             "use pp=1 and tp=1 (dp with fsdp or ddp) for checkpointed runs"
         )
     t_start = time.perf_counter()
+    started_unix = time.time()
+    first_step_unix = None
     device = init_distributed(torch.device(run_cfg.device).type)
     if dist.get_world_size() != dims.world_size:
         raise ValueError(
@@ -332,6 +338,9 @@ def train_distributed(
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         step = i + 1
+        if first_step_unix is None:
+            first_step_unix = time.time()
+        _maybe_inject_fault(fault_injection, out_dir, step)
         for name, value in (("loss", step_loss), ("grad_norm", grad_norm), ("lr", lr), ("batch_checksum", checksum)):
             curves[name].append((step, value))
         if ckpt_root is not None and step % run_cfg.checkpoint_every == 0:
@@ -357,7 +366,24 @@ def train_distributed(
         model_dir=str(model_dir) if model_dir is not None else None,
         wall_s=time.perf_counter() - t_start,
         tokens_per_s=(step - start) * rows_per_step * run_cfg.seq_len / train_s if train_s > 0 else 0.0,
+        started_unix=started_unix,
+        first_step_unix=first_step_unix,
     )
+
+
+def _maybe_inject_fault(fault_injection: dict | None, out_dir: Path | None, step: int) -> None:
+    """Tests only: `{"kill_rank_at_step": [rank, step]}` SIGKILLs that rank once (a marker in out_dir
+    makes the relaunched job run clean), as a crashed node would."""
+    if not fault_injection:
+        return
+    unknown = set(fault_injection) - {"kill_rank_at_step"}
+    if unknown or out_dir is None:
+        raise ValueError(f"fault_injection supports kill_rank_at_step with an out_dir; got {sorted(fault_injection)}")
+    rank, at_step = fault_injection["kill_rank_at_step"]
+    marker = out_dir / ".fault_injected"
+    if step == at_step and dist.get_rank() == rank and not marker.exists():
+        marker.write_text(f"rank {rank} killed at step {step}\n")
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def write_result(result: DistributedResult, out_path: Path) -> None:

@@ -66,6 +66,7 @@ class ClusterSpec(Section):
     namespace: str = runtime_field("default")  # Kubernetes namespace
     rdzv_port: int = runtime_field(29500, gt=0, lt=65536)
     exclude_hosts: tuple[str, ...] = runtime_field(())  # never schedule here (plus recorded failures)
+    max_restarts: int = runtime_field(2, ge=0)  # relaunches of a failed training job (it resumes from checkpoints)
 
     @property
     def world_size(self) -> int:

@@ -20,3 +20,40 @@ def test_unsupported_settings_are_refused_before_launch(tmp_path, optim, run, na
         train_with_torchrun(ModelConfig(), optim, run, ParallelDims(dp=2), ClusterSpec(), Path("m.json"), tmp_path,
                             tmp_path)
     assert list(tmp_path.iterdir()) == []  # nothing was launched or written
+
+
+def write_tiny_corpus(root: Path) -> Path:
+    import json
+
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    for split, size in (("train", 20_000), ("val", 2_000)):
+        path = root / "web" / f"{split}.bin"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        ((np.arange(size) * 7 + rng.integers(0, 3, size)) % 97).astype(np.uint16).tofile(path)
+    manifest = root / "mixture.json"
+    manifest.write_text(json.dumps({"format": 1, "dtype": "uint16", "vocab_size": 97, "eos_id": 0, "seq_len": 32,
+                                    "domains": {"web": {"weight": 1.0, "token_budget": 0, "num_tokens": 20_000,
+                                                        "epochs": 0.0, "train": ["web/train.bin"],
+                                                        "val": ["web/val.bin"]}}}))
+    return manifest
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_a_killed_rank_is_relaunched_and_resumes_from_its_checkpoint(tmp_path):
+    manifest = write_tiny_corpus(tmp_path / "data")
+    out = tmp_path / "train"
+    out.mkdir()
+    run = TrainRunConfig(steps=12, batch_size=4, seq_len=32, eval_batches=1, checkpoint_every=4,
+                         health={"enabled": False})
+    result = train_with_torchrun(ModelConfig(d_model=32, n_layers=2, n_heads=2, max_seq_len=32), OptimConfig(), run,
+                                 ParallelDims(dp=2), ClusterSpec(max_restarts=1), manifest, manifest.parent, out,
+                                 fault_injection={"kill_rank_at_step": [1, 6]})
+    assert (out / ".fault_injected").read_text() == "rank 1 killed at step 6\n"
+    [event] = result.health_events
+    assert event["kind"] == "process_failure" and event["step"] == 4  # resumed from the step-4 checkpoint
+    assert 0 < event["time_to_resume_s"] < 120
+    assert result.resumed_from_step == 4 and [s for s, _ in result.loss_curve] == list(range(1, 13))
+    assert (out / "failed_hosts.json").is_file() and (out / "model" / "model.pt").is_file()
