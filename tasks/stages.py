@@ -23,7 +23,7 @@ from tasks.data.tokenize import SHARDS_FILE, TOKENIZER_FILE, tokenize_corpus
 from tasks.errors import InputError
 from tasks.scaling.fit import PLAN_FILE, PLOT_FILE, fit_plan, plot_plan
 from tasks.scaling.mix import MIXTURE_FILE, build_mixture_manifest
-from tasks.scaling.sweep import TRIALS_FILE, TrialResult, load_trials, mixture_with_weights, model_at_width, run_sweep
+from tasks.scaling.sweep import TRIALS_FILE, TrialResult, load_trials, mixture_with_weights, run_sweep
 from tasks.scaling.validate import REPORT_FILE, ValidationGateError, check_gate
 from tasks.train.anneal import anneal_settings
 from tasks.train.data_loader import Mixture

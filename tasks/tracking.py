@@ -14,7 +14,6 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import mlflow
 from mlflow.data.dataset_source_registry import resolve_dataset_source
 from mlflow.data.meta_dataset import MetaDataset
 from mlflow.entities import DatasetInput, InputTag, Metric, Param, RunTag
@@ -96,11 +95,3 @@ class Tracker:
 
     def log_dict(self, run_id: str, data: dict[str, Any], artifact_file: str) -> None:
         self.client.log_dict(run_id, data, artifact_file)
-
-    def run_url_hint(self, run_id: str) -> str:
-        return f"experiment {self.experiment_id}, run {run_id}"
-
-
-def configure_default(uri: str) -> None:
-    """Point MLflow's process-wide default at Kiln's store (never the library's cwd default)."""
-    mlflow.set_tracking_uri(uri)

@@ -20,7 +20,7 @@ def test_default_config_loads():
 
 
 def test_extends_and_override_precedence(tmp_path):
-    base = write(tmp_path / "base.yaml", "dedup: {threshold: 0.7, num_perm: 64}\ntrain: {run: {steps: 10}}\n")
+    write(tmp_path / "base.yaml", "dedup: {threshold: 0.7, num_perm: 64}\ntrain: {run: {steps: 10}}\n")
     child = write(tmp_path / "child.yaml", "extends: base.yaml\ndedup: {threshold: 0.9}\n")
     cfg = load_config(child, ["train.run.steps=42"])
     assert cfg.dedup.threshold == 0.9  # child file beats base

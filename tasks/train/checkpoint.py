@@ -26,7 +26,8 @@ PREFIX = "step_"
 TMP_PREFIX = ".tmp_"
 
 
-def _sha256(path: Path) -> str:
+def sha256_file(path: Path) -> str:
+    """The file's sha256, read in 1 MiB chunks (checkpoint markers hold one per file)."""
     h = hashlib.sha256()
     with path.open("rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
@@ -56,7 +57,7 @@ def save_checkpoint(root: Path, step: int, state: dict[str, Any], keep: int, kee
         shutil.rmtree(tmp)
     tmp.mkdir()
     torch.save(state, tmp / STATE_FILE)
-    return commit_checkpoint(root, tmp, step, {STATE_FILE: _sha256(tmp / STATE_FILE)}, keep, keep_every)
+    return commit_checkpoint(root, tmp, step, {STATE_FILE: sha256_file(tmp / STATE_FILE)}, keep, keep_every)
 
 
 def commit_checkpoint(root: Path, tmp: Path, step: int, digests: dict[str, str], keep: int,
@@ -93,7 +94,7 @@ def _verified(path: Path) -> bool:
         expected = json.loads(marker.read_text())["sha256"]
     except (json.JSONDecodeError, KeyError, TypeError):
         return False
-    return all((path / name).is_file() and _sha256(path / name) == digest for name, digest in expected.items())
+    return all((path / name).is_file() and sha256_file(path / name) == digest for name, digest in expected.items())
 
 
 def load_latest_checkpoint(root: Path, before: int | None = None) -> tuple[int, dict[str, Any]] | None:

@@ -15,7 +15,6 @@ every rank must call these functions together, and `root` must be on a filesyste
 
 from __future__ import annotations
 
-import hashlib
 import json
 import shutil
 import warnings
@@ -30,7 +29,14 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from tasks.train.checkpoint import MARKER, TMP_PREFIX, checkpoint_dir, commit_checkpoint, steps_on_disk
+from tasks.train.checkpoint import (
+    MARKER,
+    TMP_PREFIX,
+    checkpoint_dir,
+    commit_checkpoint,
+    sha256_file,
+    steps_on_disk,
+)
 
 TRAIN_STATE_FILE = "train_state.json"
 
@@ -54,14 +60,6 @@ def _single_process_is_intended() -> Iterator[None]:
         yield
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def _gather_dicts(local: dict[str, Any]) -> dict[str, Any]:
     """Every rank's `local` merged, on every rank."""
     if not dist.is_initialized():
@@ -74,13 +72,8 @@ def _gather_dicts(local: dict[str, Any]) -> dict[str, Any]:
 def _digests(path: Path, names: list[str]) -> dict[str, str]:
     """SHA-256 of each named file in path; the ranks split the hashing between them."""
     rank, world = _rank_world()
-    local = {name: _sha256(path / name) for name in sorted(names)[rank::world] if (path / name).is_file()}
+    local = {name: sha256_file(path / name) for name in sorted(names)[rank::world] if (path / name).is_file()}
     return _gather_dicts(local)
-
-
-def dcp_steps(root: Path) -> list[int]:
-    """Steps of every step_* directory under root, newest first (complete or not)."""
-    return steps_on_disk(root)
 
 
 def save_dcp(
@@ -129,7 +122,7 @@ def _intact(path: Path) -> bool:
 def load_latest_dcp(root: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any] | None:
     """Load the newest intact checkpoint under root into model, optimizer and the torch RNG
     (collective); returns its train_state (with "step"), or None when there is none."""
-    for step in dcp_steps(root):
+    for step in steps_on_disk(root):
         path = checkpoint_dir(root, step)
         if not _intact(path):
             warnings.warn(f"checkpoint {path} is incomplete or corrupt; trying an earlier one", stacklevel=2)

@@ -3,7 +3,6 @@ torch and lm-eval, on the tiny config: end to end, cached rerun, and resume afte
 
 import hashlib
 import json
-from pathlib import Path
 
 import pytest
 from mlflow.tracking import MlflowClient
