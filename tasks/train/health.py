@@ -1,8 +1,13 @@
 """Training health: spotting a bad step's loss, and the policy for rolling back past it.
 
 The loop asks `check_loss` about every step's loss. An anomaly is a non-finite loss, or a spike:
-a robust z-score (median and MAD of the previous `spike_window` accepted losses) above
-`spike_zscore`. The loop then rolls back to the newest checkpoint before `rollback_bound` and
+a robust z-score above `spike_zscore`, measured against the trend of the previous `spike_window`
+accepted losses rather than their median, because while the loss still falls steeply the
+window's median sits far above the current loss and a spike back up to it would pass unseen.
+The trend is a Theil–Sen line (median of pairwise slopes: a few outliers cannot tilt it) of loss
+against log(step): power-law decay is nearly straight there and a plateau is a flat line. The
+z-score is the new loss's distance above the line's prediction for its step, over the
+residuals' MAD (widened by the line's own uncertainty there). The loop then rolls back to the newest checkpoint before `rollback_bound` and
 re-runs the steps up to the bad one on other data (PaLM's recipe): each rollback adds a
 `SkipWindow` that shifts those steps' batch indices past every index the run would otherwise
 use, so the replacement batches are fresh and deterministic. Windows are stored in the run's
@@ -24,10 +29,10 @@ from tasks.train.config import HealthConfig
 
 EVENTS_FILE = "health_events.jsonl"
 MAD_TO_SIGMA = 1.4826  # MAD of a normal distribution times this is its standard deviation
-# the noise scale is at least 1% of the median, so a flat, nearly noise-free curve does not
-# call a small wobble a spike
+# the noise scale is at least 1% of the predicted loss, so a flat, nearly noise-free curve does
+# not call a small wobble a spike
 REL_SCALE_FLOOR = 0.01
-MIN_HISTORY = 3  # fewer losses than this give no usable median/MAD
+MIN_HISTORY = 3  # fewer losses than this give no usable trend/MAD
 
 
 @dataclass(frozen=True)
@@ -38,24 +43,50 @@ class Anomaly:
     kind: Literal["nonfinite", "spike"]
     loss: float
     zscore: float | None  # None for a non-finite loss
-    median: float | None  # of the trailing window the z-score was measured against
+    # the trend's prediction for this step that the z-score was measured against (named for the
+    # trailing window's median it replaced; event files and callers read this name)
+    median: float | None
 
 
-def check_loss(step: int, loss: float, history: Sequence[float], cfg: HealthConfig) -> Anomaly | None:
-    """The anomaly in `step`'s loss given the accepted losses before it (oldest first), or None."""
+def check_loss(step: int, loss: float, history: Sequence[tuple[int, float]], cfg: HealthConfig) -> Anomaly | None:
+    """The anomaly in `step`'s loss given the accepted (step, loss) pairs before it, or None.
+
+    Steps are 1-based. Only the last `cfg.spike_window` pairs are used.
+    """
     if not cfg.enabled:
         return None
     if not math.isfinite(loss):
         return Anomaly(step, "nonfinite", loss, None, None)
-    window = np.asarray(history[-cfg.spike_window :], dtype=np.float64)
+    window = history[-cfg.spike_window :]
     if step <= cfg.min_steps_before_check or len(window) < MIN_HISTORY:
         return None
-    median = float(np.median(window))
-    mad = float(np.median(np.abs(window - median)))
-    scale = max(MAD_TO_SIGMA * mad, REL_SCALE_FLOOR * abs(median), 1e-12)
-    z = (loss - median) / scale
+    steps = np.array([s for s, _ in window], dtype=np.float64)
+    assert steps.min() > 0 and step > 0, "steps are 1-based"
+    prediction, noise = _trend(np.log(steps), np.array([v for _, v in window], dtype=np.float64), math.log(step))
+    scale = max(noise, REL_SCALE_FLOOR * abs(prediction), 1e-12)
+    z = (loss - prediction) / scale
     # only upward: a loss far below the trend is progress, not a fault
-    return Anomaly(step, "spike", loss, z, median) if z > cfg.spike_zscore else None
+    return Anomaly(step, "spike", loss, z, prediction) if z > cfg.spike_zscore else None
+
+
+def _trend(x: np.ndarray, y: np.ndarray, x_new: float) -> tuple[float, float]:
+    """A Theil–Sen line through (x, y): its prediction at x_new, and that prediction's noise scale.
+
+    The scale is the residuals' robust standard deviation (MAD), widened as a regression's
+    prediction interval is by the line's own uncertainty at x_new: one step past the end of an
+    8-loss window that is +27%, of a 50-loss window +4%.
+    """
+    i, j = np.triu_indices(len(x), k=1)
+    dx = x[j] - x[i]
+    distinct = dx != 0
+    # a window of a few hundred points is a few ten thousand pairs: cheap next to a training step
+    slope = float(np.median((y[j] - y[i])[distinct] / dx[distinct])) if distinct.any() else 0.0
+    intercept = float(np.median(y - slope * x))
+    residuals = y - (intercept + slope * x)  # median 0 by the choice of intercept
+    sigma = MAD_TO_SIGMA * float(np.median(np.abs(residuals)))
+    spread = float(np.sum((x - x.mean()) ** 2))
+    leverage = 1 / len(x) + ((x_new - x.mean()) ** 2 / spread if spread > 0 else 0.0)
+    return intercept + slope * x_new, sigma * math.sqrt(1 + leverage)
 
 
 @dataclass(frozen=True)

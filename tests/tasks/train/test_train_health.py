@@ -43,28 +43,108 @@ def test_nonfinite_loss_is_an_anomaly_at_any_step() -> None:
         assert a is not None and a.kind == "nonfinite" and a.step == 1 and a.zscore is None
 
 
-def test_spike_zscore_is_median_and_mad() -> None:
-    history = [2.0, 2.1, 1.9, 2.0, 2.2, 1.8, 2.0]  # window: the last 5 -> median 2.0, MAD 0.1
-    scale = 1.4826 * 0.1
-    a = check_loss(10, 3.9, history, CFG)
-    assert a == Anomaly(10, "spike", 3.9, pytest.approx((3.9 - 2.0) / scale), 2.0)
-    assert check_loss(10, 2.0 + 5.9 * scale, history, CFG) is None  # z = 5.9 < 6
-    assert check_loss(10, 0.1, history, CFG) is None  # far below: progress, not a fault
+def _power_law(seed: int, noise: float = 0.03, steps: int = 300) -> list[tuple[int, float]]:
+    """loss = 2 + 8 / sqrt(step) plus Gaussian noise: steep at first, flattening later."""
+    s = np.arange(1, steps + 1)
+    loss = 2 + 8 * s**-0.5 + np.random.default_rng(seed).normal(0, noise, steps)
+    return list(zip(s.tolist(), loss.tolist()))
 
 
-def test_no_spike_check_before_min_steps_or_when_disabled() -> None:
-    history = [2.0, 2.1, 1.9]
+def _anomalies(curve: list[tuple[int, float]], cfg: HealthConfig = HealthConfig()) -> list[Anomaly]:
+    """Walk a curve as the loop does: each loss against the accepted ones before it; a rejected
+    loss is not accepted (the loop would roll back and replace it)."""
+    accepted: list[tuple[int, float]] = []
+    found = []
+    for step, loss in curve:
+        anomaly = check_loss(step, loss, accepted[-cfg.spike_window :], cfg)
+        if anomaly is None:
+            accepted.append((step, loss))
+        else:
+            found.append(anomaly)
+    return found
+
+
+def _old_zscore(loss: float, window: list[float]) -> float:
+    """The median/MAD z-score the trend baseline replaced."""
+    median = float(np.median(window))
+    scale = max(1.4826 * float(np.median(np.abs(np.asarray(window) - median))), 0.01 * median)
+    return (loss - median) / scale
+
+
+def test_spike_zscore_is_measured_against_the_trend_in_log_step() -> None:
+    # loss = 4 - 0.25 * log2(step) at steps 2, 4, ..., 64, off the line by +0.05, -0.05, ... in turn:
+    # the Theil-Sen line is exactly that line and the residuals' MAD is 0.05
+    history = [(2**k, 4 - 0.25 * k + 0.05 * (-1) ** (k + 1)) for k in range(1, 7)]
+    cfg = HealthConfig(spike_window=6, min_steps_before_check=3)
+    stale = [(1, 100.0)]  # older than the window: ignored
+    prediction = 4 - 0.25 * 7  # at step 128
+    # widened by the line's own uncertainty there: 1/n + (x_new - mean x)^2 / sum (x - mean x)^2
+    scale = 1.4826 * 0.05 * math.sqrt(1 + 1 / 6 + 3.5**2 / 17.5)
+    a = check_loss(128, prediction + 6.5 * scale, stale + history, cfg)
+    assert a is not None and a.kind == "spike" and a.step == 128
+    assert a.zscore == pytest.approx(6.5) and a.median == pytest.approx(prediction)
+    assert check_loss(128, prediction + 5.9 * scale, stale + history, cfg) is None
+    assert check_loss(128, 0.1, history, cfg) is None  # far below: progress, not a fault
+
+
+def test_trend_check_waits_for_min_steps_and_history() -> None:
+    history = [(1, 2.0), (2, 2.1), (3, 1.9)]
     assert check_loss(3, 50.0, history, CFG) is None  # step 3 <= min_steps_before_check
     assert check_loss(4, 50.0, history, CFG).kind == "spike"
-    assert check_loss(4, 50.0, history[:2], CFG) is None  # too little history for a median
-    off = CFG.model_copy(update={"enabled": False})
-    assert check_loss(4, float("nan"), history, off) is None
+    assert check_loss(4, 50.0, history[:2], CFG) is None  # too little history for a trend
 
 
-def test_flat_history_has_a_noise_floor() -> None:
-    flat = [1.0] * 5  # MAD 0: the scale falls back to 1% of the median
+def test_flat_noise_free_trend_has_a_noise_floor() -> None:
+    flat = [(s, 1.0) for s in range(5, 10)]  # slope 0, residuals 0: the scale is 1% of the prediction
     assert check_loss(10, 1.05, flat, CFG) is None  # z = 5
     assert check_loss(10, 1.07, flat, CFG).zscore == pytest.approx(7.0)
+
+
+def test_nonfinite_is_caught_after_history_and_nothing_when_disabled() -> None:
+    history = _power_law(0)[:100]
+    for loss in (float("nan"), float("inf"), float("-inf")):
+        a = check_loss(101, loss, history, HealthConfig())
+        assert a is not None and a.kind == "nonfinite" and a.zscore is None and a.median is None
+        assert check_loss(101, loss, history, HealthConfig(enabled=False)) is None
+    assert check_loss(101, 100.0, history, HealthConfig(enabled=False)) is None
+
+
+def test_no_false_positives_on_a_steeply_falling_power_law() -> None:
+    for seed in range(5):
+        assert _anomalies(_power_law(seed)) == []
+
+
+@pytest.mark.parametrize("bad_step", [30, 45, 60])
+def test_spike_during_the_steep_fall_is_caught_where_the_median_missed_it(bad_step: int) -> None:
+    curve = _power_law(seed=1)
+    step, loss = curve[bad_step - 1]
+    spike = 1.5 * loss  # the loss jumps by half
+    window = [v for _, v in curve[: bad_step - 1][-HealthConfig().spike_window :]]
+    # the window's median is far above the still-falling loss, so the old detector saw nothing
+    assert _old_zscore(spike, window) < HealthConfig().spike_zscore
+    curve[bad_step - 1] = (step, spike)
+    (anomaly,) = _anomalies(curve)
+    assert anomaly.step == bad_step and anomaly.kind == "spike" and anomaly.zscore > 6
+    # the trend's prediction is close to the loss the step should have had (the window's median is not)
+    assert anomaly.median == pytest.approx(2 + 8 / math.sqrt(bad_step), rel=0.05)
+
+
+def test_no_false_positives_on_plateaus_noise_and_a_warmup_bump() -> None:
+    s = np.arange(1, 301)
+    bump_up = np.clip((s - 150) / 20, 0, 1) * 0.15  # an LR re-warmup at step 150: +0.15 over 20 steps
+    rewarmup = np.where(s <= 170, bump_up, 0.15 * np.exp(-(s - 170) / 20))  # then it decays back
+    for seed in range(3):
+        noise = np.random.default_rng(seed).normal(0, 0.02, len(s))
+        curves = {
+            "falls then plateaus": 2 + 8 * np.exp(-s / 15) + noise,
+            "flat noise": 3 + 2.5 * noise,
+            "flat, almost noise-free": 3 + 0.05 * noise,
+            "sudden 2% jump that fades": 2 + 8 * s**-0.5 + np.where(s >= 150, 0.05 * np.exp(-(s - 150) / 10), 0)
+            + noise,
+            "LR re-warmup bump": 2 + 8 * s**-0.5 + rewarmup + noise,
+        }
+        for name, loss in curves.items():
+            assert _anomalies(list(zip(s.tolist(), loss.tolist()))) == [], (name, seed)
 
 
 # --- the rollback policy -----------------------------------------------------------------------
