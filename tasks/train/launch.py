@@ -38,7 +38,14 @@ LOG_TAIL_CHARS = 2000
 
 
 class LaunchError(KilnError):
-    """A launched job failed, timed out, or could not be submitted."""
+    """A launched job failed, timed out, or could not be submitted.
+
+    `log` is the job's whole output when it ran here (the message holds only its tail).
+    """
+
+    def __init__(self, message: str, log: Path | None = None) -> None:
+        super().__init__(message)
+        self.log = log
 
 
 @dataclass(frozen=True)
@@ -126,11 +133,12 @@ class Launcher(ABC):
                 _kill_group(proc)
                 raise LaunchError(
                     f"{self.name} job {self.job_name!r} ran past its {self.timeout_s:g} s timeout and was "
-                    f"killed; log: {log}\n{_tail(log)}"
+                    f"killed; log: {log}\n{_tail(log)}", log=log
                 ) from None
         if returncode != 0:
             raise LaunchError(
-                f"{self.name} job {self.job_name!r} failed with exit code {returncode}; log: {log}\n{_tail(log)}"
+                f"{self.name} job {self.job_name!r} failed with exit code {returncode}; log: {log}\n{_tail(log)}",
+                log=log,
             )
         return LaunchResult(self.name, submitted=True, returncode=0, log=log, message=f"finished; log: {log}")
 
