@@ -22,7 +22,7 @@ import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
 from tasks.train.config import ModelConfig, OptimConfig  # noqa: E402
-from tasks.train.loop import make_optimizer  # noqa: E402
+from tasks.train.distributed import make_optimizer  # noqa: E402
 from tasks.train.model import build_model  # noqa: E402
 
 

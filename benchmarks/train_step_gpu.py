@@ -3,7 +3,7 @@
 Target: MFU >= 0.45 on an H100 or H200 (1b preset, vocab 32000, seq 2048, bf16 autocast,
 torch.compile, no activation checkpointing).
 
-What runs is the production step, `tasks.train.loop._train_step`: bf16 autocast forward, fp32
+What runs is the production step, `tasks.train.loop.train_step` on a one-process layout: bf16 autocast forward, fp32
 cross-entropy, backward, gradient clipping and fused AdamW (`make_optimizer`), with the model
 prepared the way the loop prepares it (activation checkpointing or `model.compile()`: the two
 together fail in backward with torch 2.13, so the script refuses that combination). Random
@@ -47,9 +47,10 @@ if "PYTORCH_ALLOC_CONF" not in os.environ and "PYTORCH_CUDA_ALLOC_CONF" not in o
 
 import torch  # noqa: E402
 
-from tasks.train.config import ModelConfig, OptimConfig, TrainRunConfig  # noqa: E402
+from tasks.train.config import ModelConfig, OptimConfig, ParallelDims, TrainRunConfig  # noqa: E402
 # the loop's own step, so that this measures what production training runs
-from tasks.train.loop import _train_step, make_optimizer  # noqa: E402
+from tasks.train.distributed import Layout, make_optimizer  # noqa: E402
+from tasks.train.loop import train_step  # noqa: E402
 from tasks.train.model import build_model, count_parameters, flops_per_token  # noqa: E402
 from tasks.train.planner import load_preset  # noqa: E402
 
@@ -74,12 +75,17 @@ def peak_tflops_for(device_name: str) -> float | None:
     return None
 
 
+def kiln_step(model, optimizer, x: torch.Tensor) -> None:
+    """One production train step (inputs double as targets: the timing does not depend on them)."""
+    train_step(Layout(ParallelDims(), x.device, None), model, None, optimizer, x, x, 1, 1.0, 0.0)
+
+
 def fits(model, optimizer, run_cfg: TrainRunConfig, vocab: int, device: torch.device) -> bool:
     """Whether SEARCH_STEPS train steps at run_cfg.batch_size run without CUDA running out of memory."""
     x = torch.randint(0, vocab, (run_cfg.batch_size, run_cfg.seq_len), device=device)
     try:
         for _ in range(SEARCH_STEPS):
-            _train_step(model, optimizer, x, x, run_cfg, max_norm=1.0, z_loss=0.0)
+            kiln_step(model, optimizer, x)
         ok = True
     except torch.OutOfMemoryError:
         ok = False
@@ -112,13 +118,13 @@ def time_steps(model, optimizer, batches, run_cfg: TrainRunConfig, device: torch
         if device.type == "cuda":
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            _train_step(model, optimizer, x, x, run_cfg, max_norm=1.0, z_loss=0.0)
+            kiln_step(model, optimizer, x)
             end.record()
             torch.cuda.synchronize(device)
             seconds = start.elapsed_time(end) / 1e3
         else:
             started = time.perf_counter()
-            _train_step(model, optimizer, x, x, run_cfg, max_norm=1.0, z_loss=0.0)
+            kiln_step(model, optimizer, x)
             seconds = time.perf_counter() - started
         if i >= warmup:
             times.append(seconds)

@@ -41,8 +41,10 @@ STAGES: tuple[StageSpec, ...] = (
               description="pick LR and mixture, fit the scaling law, predict"),
     StageSpec("mix", ("tokenize", "fit"), ("mix", "train.run"), description="write the mixture manifest"),
     StageSpec("validate", ("mix", "fit", "sweep"), ("validate",), description="mid-scale run vs the prediction (gate)"),
-    StageSpec("train", ("mix", "fit", "validate"), ("train",), resumable=True, description="production training"),
-    StageSpec("anneal", ("train", "tokenize", "fit"), ("anneal",), resumable=True,
+    # version 2: DCP checkpoints (version 1's torch.save checkpoints in a partial folder are not resumable)
+    StageSpec("train", ("mix", "fit", "validate"), ("train",), version=2, resumable=True,
+              description="production training"),
+    StageSpec("anneal", ("train", "tokenize", "fit"), ("anneal",), version=2, resumable=True,
               description="LR decay to zero on high-quality data"),
     StageSpec("evaluate", ("anneal", "train", "tokenize", "decontaminate"), ("evaluate",), description="lm-eval on held-out text"),
 )

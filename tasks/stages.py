@@ -177,12 +177,10 @@ def run_train(cfg: KilnConfig, ctx: StageContext) -> dict[str, Any]:
 
         result = train_with_torchrun(cfg.train.model, cfg.train.optim.model_copy(update={"lr": lr}), cfg.train.run,
                                      cfg.train.parallel, cfg.cluster, ctx.inputs["mix"] / MIXTURE_FILE,
-                                     ctx.store_root, ctx.out_dir)
-        for event in result.health_events:  # relaunches after a failed process
-            if ctx.on_event:
-                ctx.on_event(event)
+                                     ctx.store_root, ctx.out_dir, on_metrics=ctx.on_metrics, on_event=ctx.on_event)
+        restarts = sum(e["kind"] == "process_failure" for e in result.health_events)
         return _train_stats(result, lr=lr, world_size=cfg.train.parallel.world_size,
-                            num_restarts=len(result.health_events))
+                            num_restarts=restarts)
     result = train_model(cfg.train.model, cfg.train.optim.model_copy(update={"lr": lr}), cfg.train.run,
                          _plan_mixture(ctx), ctx.out_dir, on_metrics=ctx.on_metrics, on_event=ctx.on_event)
     return _train_stats(result, lr=lr)

@@ -1,9 +1,9 @@
-"""Training checkpoints on local disk: atomic writes, verified reads, pruning.
+"""The on-disk layout of training checkpoints: step directories, the commit marker, pruning.
 
-A checkpoint is `checkpoints/step_{step:07d}/` holding `state.pt` and a `COMPLETE` marker that
-records the state file's SHA-256. It is written under a temporary name, the marker last, and
-then renamed into place, so a crash never leaves a directory that looks complete. On reading,
-a checkpoint without a marker or whose bytes no longer match it is skipped for the one before.
+A checkpoint is `checkpoints/step_{step:07d}/` holding its files (written by `tasks.train.dcp`) and
+a `COMPLETE` marker that records every file's SHA-256. It is written under a temporary name, the
+marker last, and then renamed into place, so a crash never leaves a directory that looks
+complete; a reader skips a checkpoint without a marker or whose bytes no longer match it.
 Pruning keeps the newest `keep` checkpoints and, when `keep_every` is set, every checkpoint at a
 multiple of it (for later evaluation or annealing).
 """
@@ -14,13 +14,8 @@ import hashlib
 import json
 import os
 import shutil
-import warnings
 from pathlib import Path
-from typing import Any
 
-import torch
-
-STATE_FILE = "state.pt"
 MARKER = "COMPLETE"
 PREFIX = "step_"
 TMP_PREFIX = ".tmp_"
@@ -47,19 +42,6 @@ def steps_on_disk(root: Path) -> list[int]:
     return sorted(steps, reverse=True)
 
 
-def save_checkpoint(root: Path, step: int, state: dict[str, Any], keep: int, keep_every: int | None = None) -> Path:
-    """Write `state` as the checkpoint for `step`, then delete all but the newest `keep`
-    (and those at multiples of `keep_every`)."""
-    root.mkdir(parents=True, exist_ok=True)
-    final = checkpoint_dir(root, step)
-    tmp = root / f"{TMP_PREFIX}{final.name}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir()
-    torch.save(state, tmp / STATE_FILE)
-    return commit_checkpoint(root, tmp, step, {STATE_FILE: sha256_file(tmp / STATE_FILE)}, keep, keep_every)
-
-
 def commit_checkpoint(root: Path, tmp: Path, step: int, digests: dict[str, str], keep: int,
                       keep_every: int | None) -> Path:
     """Write the marker (each file's sha256) last, move `tmp` into place, then prune old checkpoints."""
@@ -84,28 +66,3 @@ def delete_checkpoints_after(root: Path, step: int) -> list[int]:
     for s in later:
         shutil.rmtree(checkpoint_dir(root, s))
     return later
-
-
-def _verified(path: Path) -> bool:
-    marker = path / MARKER
-    if not marker.is_file():
-        return False
-    try:
-        expected = json.loads(marker.read_text())["sha256"]
-    except (json.JSONDecodeError, KeyError, TypeError):
-        return False
-    return all((path / name).is_file() and sha256_file(path / name) == digest for name, digest in expected.items())
-
-
-def load_latest_checkpoint(root: Path, before: int | None = None) -> tuple[int, dict[str, Any]] | None:
-    """(step, state) of the newest intact checkpoint under root (with step < `before` if given),
-    or None when there is none."""
-    for step in steps_on_disk(root):
-        if before is not None and step >= before:
-            continue
-        path = checkpoint_dir(root, step)
-        if not _verified(path):
-            warnings.warn(f"checkpoint {path} is incomplete or corrupt; trying an earlier one", stacklevel=2)
-            continue
-        return step, torch.load(path / STATE_FILE, map_location="cpu", weights_only=True)
-    return None

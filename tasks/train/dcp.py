@@ -119,21 +119,39 @@ def _intact(path: Path) -> bool:
     return _digests(path, list(expected)) == expected
 
 
-def load_latest_dcp(root: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any] | None:
-    """Load the newest intact checkpoint under root into model, optimizer and the torch RNG
-    (collective); returns its train_state (with "step"), or None when there is none."""
+def latest_intact_dcp(root: Path, before: int | None = None) -> Path | None:
+    """The newest checkpoint under root (with step < `before` if given) whose marker and bytes are
+    intact (collective), warning about each newer one skipped; None when there is none."""
     for step in steps_on_disk(root):
-        path = checkpoint_dir(root, step)
-        if not _intact(path):
-            warnings.warn(f"checkpoint {path} is incomplete or corrupt; trying an earlier one", stacklevel=2)
+        if before is not None and step >= before:
             continue
-        # get_state_dict gives the layout to load into; it first creates empty optimizer state
-        # with a zero-lr step, which the load then overwrites
-        model_state, optim_state = get_state_dict(model, optimizer)
-        state = {"model": model_state, "optim": optim_state, "rng": torch.get_rng_state()}
-        with _single_process_is_intended():
-            dcp.load(state, checkpoint_id=path, no_dist=not dist.is_initialized())
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-        torch.set_rng_state(state["rng"])
-        return json.loads((path / TRAIN_STATE_FILE).read_text())
+        path = checkpoint_dir(root, step)
+        if _intact(path):
+            return path
+        warnings.warn(f"checkpoint {path} is incomplete or corrupt; trying an earlier one", stacklevel=2)
     return None
+
+
+def read_train_state(path: Path) -> dict[str, Any]:
+    """The JSON `train_state` saved with the checkpoint at `path`, with its "step"."""
+    return json.loads((path / TRAIN_STATE_FILE).read_text())
+
+
+def load_dcp(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """Load the checkpoint at `path` into model, optimizer and the torch RNG, resharding to whatever
+    layout they have (collective); returns its train_state."""
+    # get_state_dict gives the layout to load into; it first creates empty optimizer state
+    # with a zero-lr step, which the load then overwrites
+    model_state, optim_state = get_state_dict(model, optimizer)
+    state = {"model": model_state, "optim": optim_state, "rng": torch.get_rng_state()}
+    with _single_process_is_intended():
+        dcp.load(state, checkpoint_id=path, no_dist=not dist.is_initialized())
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    torch.set_rng_state(state["rng"])
+    return read_train_state(path)
+
+
+def load_latest_dcp(root: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any] | None:
+    """Load the newest intact checkpoint under root (collective); its train_state, or None when there is none."""
+    path = latest_intact_dcp(root)
+    return load_dcp(path, model, optimizer) if path is not None else None

@@ -2,10 +2,10 @@
 
 The config is one JSON object: `model`, `optim`, `train` and `parallel` sections (their fields
 as in `ModelConfig`, `OptimConfig`, `TrainRunConfig`, `ParallelDims`), plus `manifest` (a mix
-manifest), `data_root` (what its shard paths are relative to) and optionally `out_dir`
-(checkpoints, resume and the final model go there) and `stop_after` (stop once that many steps
-are done, as a stopped job would); `fault_injection` is for tests only (see distributed.py). Rank 0 writes the
-`DistributedResult` as JSON to `--out`. Several `--config C --out O` pairs run one after another
+manifest), `data_root` (what its shard paths are relative to), `out_dir` (checkpoints, resume,
+the final model and metrics go there) and optionally `stop_after` (stop once that many steps
+are done, as a stopped job would); `fault_injection` is for tests only (see loop.py). Every rank
+runs `train_model` with the `parallel` layout; rank 0 writes the `TrainResult` as JSON to `--out`. Several `--config C --out O` pairs run one after another
 in the same process group, which saves a torchrun start-up (seconds of imports per process) each.
 Run without torchrun, it trains as a single process.
 """
@@ -14,19 +14,20 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from pathlib import Path
 
 import torch.distributed as dist
 from pydantic import ValidationError
 
 from tasks.errors import ConfigError
-from tasks.train.config import ModelConfig, OptimConfig, TrainRunConfig
+from tasks.train.config import ModelConfig, OptimConfig, ParallelDims, TrainRunConfig
 from tasks.train.data_loader import Mixture
-from tasks.train.distributed import train_distributed, write_result
-from tasks.train.parallel import ParallelDims
+from tasks.train.loop import train_model, write_result
+from tasks.train.rank_hosts import NODE_NAME_ENV, REGISTRY_DIR, register_rank
 
 SECTIONS = {"model": ModelConfig, "optim": OptimConfig, "train": TrainRunConfig, "parallel": ParallelDims}
-OPTIONS = {"out_dir", "stop_after", "fault_injection"}
+OPTIONS = {"stop_after", "fault_injection"}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -37,12 +38,16 @@ def main(argv: list[str] | None = None) -> None:
     if len(args.config) != len(args.out):
         parser.error(f"got {len(args.config)} --config but {len(args.out)} --out: give one --out per --config")
     runs = [_load(config) for config in args.config]  # all validated before any training starts
+    if "RANK" in os.environ:  # under torchrun: say which host this rank runs on, for failure reports
+        for _, _, options in runs:
+            register_rank(options["out_dir"] / REGISTRY_DIR, int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]),
+                          host=os.environ.get(NODE_NAME_ENV))
     try:
         for (sections, mixture, options), out in zip(runs, args.out):
-            result = train_distributed(
-                sections["model"], sections["optim"], sections["train"], sections["parallel"], mixture, **options
-            )
-            write_result(result, out)
+            result = train_model(sections["model"], sections["optim"], sections["train"], mixture,
+                                 dims=sections["parallel"], **options)
+            if not dist.is_initialized() or dist.get_rank() == 0:
+                write_result(result, out)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -50,17 +55,17 @@ def main(argv: list[str] | None = None) -> None:
 
 def _load(config: Path) -> tuple[dict, Mixture, dict]:
     raw = json.loads(config.read_text())
-    unknown = set(raw) - set(SECTIONS) - OPTIONS - {"manifest", "data_root"}
-    if unknown or "manifest" not in raw or "data_root" not in raw:
+    required = {"manifest", "data_root", "out_dir"}
+    unknown = set(raw) - set(SECTIONS) - OPTIONS - required
+    if unknown or not required <= set(raw):
         raise ConfigError(
-            f"{config}: needs keys manifest, data_root and optionally {', '.join([*SECTIONS, *sorted(OPTIONS)])}; "
-            f"unknown: {sorted(unknown)}"
+            f"{config}: needs keys {', '.join(sorted(required))} and optionally "
+            f"{', '.join([*SECTIONS, *sorted(OPTIONS)])}; unknown: {sorted(unknown)}"
         )
     stop_after = raw.get("stop_after")
     if stop_after is not None and (not isinstance(stop_after, int) or stop_after < 1):
         raise ConfigError(f"{config}: stop_after must be a positive integer (steps), got {stop_after!r}")
-    options = {"out_dir": Path(raw["out_dir"]) if raw.get("out_dir") else None, "stop_after": stop_after,
-               "fault_injection": raw.get("fault_injection")}
+    options = {"out_dir": Path(raw["out_dir"]), "stop_after": stop_after, "fault_injection": raw.get("fault_injection")}
     sections = {}
     for key, cls in SECTIONS.items():
         try:

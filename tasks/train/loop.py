@@ -1,28 +1,32 @@
-"""The single-process training loop shared by proxy sweeps, validation, production train and anneal.
+"""The one training loop: proxy sweeps, validation, production train and anneal, on one process or many.
 
-`train_model` builds (or loads) the model, trains it with AdamW on batches from a `Mixture`,
-checkpoints, resumes from the newest intact checkpoint left by a crashed attempt, and finishes
-with per-domain validation loss, the saved model, `metrics.json` and `loss_curve.png`. Steps in
-curves, metrics and checkpoint names count completed optimizer updates (1 .. steps).
+`train_model` builds (or loads) the model, splits it over the parallel layout (`dims`, see
+`tasks.train.distributed`; one process by default, any pp x dp x tp under torchrun), trains it
+with AdamW on batches from a `Mixture`, writes sharded DCP checkpoints (`tasks.train.dcp`),
+resumes from the newest intact one left by a crashed attempt — whatever layout wrote it — and
+finishes with the gathered model, per-domain validation loss, `metrics.json`,
+`train_metrics.jsonl` and `loss_curve.png`. Steps in curves, metrics and checkpoint names count
+completed optimizer updates (1 .. steps). Only rank 0 writes files and calls the callbacks;
+every rank returns the same `TrainResult`.
 
-Self-healing: every step's loss goes through `tasks.train.health.check_loss`; a non-finite loss
-or a spike rolls the run back to the newest checkpoint before it, and the steps up to the bad
-one are re-run on other batches (see `tasks.train.health`). Each rollback is appended to
-`health_events.jsonl` and reported through `on_event`; after `max_rollbacks` the run stops with
-`TrainingDivergedError`. A run without anomalies is bit-identical with or without the monitor.
+Self-healing: every step's loss (the global batch's mean, the same on every rank) goes through
+`tasks.train.health.check_loss`; a non-finite loss or a spike rolls the run back to the newest
+checkpoint before it, and the steps up to the bad one are re-run on other batches (see
+`tasks.train.health`). Each rollback is appended to `health_events.jsonl` and reported through
+`on_event`; after `max_rollbacks` the run stops with `TrainingDivergedError`. A run without
+anomalies is bit-identical with or without the monitor.
 
 Determinism: on CPU the loop runs under `torch.use_deterministic_algorithms(True)`, so the same
-config and data give a bit-identical loss curve (resume included) for a fixed thread count; a
-different thread count may change float summation order, hence the last bits of the losses.
-The first run in a process pays a one-off ~2-4 s for torch's optimizer machinery importing
-torch._dynamo; later runs in the same process do not.
+config and data give a bit-identical loss curve (resume included) for a fixed thread count and
+layout; another layout or thread count changes float summation order, hence the last bits.
 """
 
 from __future__ import annotations
 
-import copy
 import json
+import os
 import resource
+import signal
 import sys
 import time
 from collections import Counter
@@ -35,12 +39,15 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from tqdm import tqdm
 
 from tasks.errors import InputError
-from tasks.train.checkpoint import delete_checkpoints_after, load_latest_checkpoint, save_checkpoint
-from tasks.train.config import ModelConfig, OptimConfig, TrainRunConfig, revalidated
-from tasks.train.data_loader import Mixture, batch_for_step, batch_sources, validation_batches
+from tasks.train.checkpoint import delete_checkpoints_after
+from tasks.train.config import ModelConfig, OptimConfig, ParallelDims, TrainRunConfig, revalidated
+from tasks.train.data_loader import Mixture, batch_sources, validation_batches
+from tasks.train.dcp import latest_intact_dcp, load_dcp, read_train_state, save_dcp
+from tasks.train.distributed import Layout, clip_grad_norm, make_optimizer
 from tasks.train.health import (
     EVENTS_FILE,
     Anomaly,
@@ -56,14 +63,15 @@ from tasks.train.health import (
     rollback_bound,
     windows_from_events,
 )
-from tasks.train.model import Transformer, build_model, flops_per_token, load_model, save_model
+from tasks.train.model import Transformer, build_model, count_parameters, flops_per_token, load_model, save_model
 from tasks.train.plots import plot_loss_curve
 from tasks.train.schedule import lr_at
 
 FINAL_LOSS_WINDOW = 10
 LOSS_PLOT = "loss_curve.png"
+METRICS_LOG = "train_metrics.jsonl"  # every on_metrics call, for runs whose caller is another process
 # test-only faults `train_model(fault_injection=...)` understands
-FAULT_KEYS = {"poison_data_index", "lr_multiplier"}
+FAULT_KEYS = {"poison_data_index", "lr_multiplier", "kill_rank_at_step"}
 
 
 @dataclass
@@ -72,32 +80,31 @@ class TrainResult:
     tokens_seen: int
     num_params: int
     final_train_loss: float  # mean of the last min(10, steps) steps
-    val_loss: float  # unweighted mean over domains of val_loss_by_domain
+    val_loss: float | None  # unweighted mean over domains of val_loss_by_domain; None if stopped early
     val_loss_by_domain: dict[str, float]
-    loss_curve: list[tuple[int, float]]
+    loss_curve: list[tuple[int, float]]  # the global batch's mean cross-entropy per step
     lr_curve: list[tuple[int, float]]
+    grad_norm_curve: list[tuple[int, float]]  # before clipping
+    batch_checksum_curve: list[tuple[int, int]]  # `batch_checksum` of each step's global batch
+    mixture_history: list[tuple[int, dict]]  # (steps completed before it applied, mixture summary)
     wall_s: float  # this attempt only (a resumed run does not count the crashed one)
     tokens_per_s: float  # tokens trained in this attempt / its training time
-    model_dir: Path
+    model_dir: Path | None  # None when the run stopped before its last step
     resumed_from_step: int | None
     num_rollbacks: int  # over every attempt in this out_dir
     health_events: list[dict[str, Any]]  # every line of health_events.jsonl
+    world_size: int
+    parallel: dict[str, Any]
+    rank0_local_numel: int  # parameter elements rank 0 holds: shows how far the model is sharded
+    started_unix: float  # when this attempt began (before building the model and loading checkpoints)
+    first_step_unix: float | None  # when this attempt's first optimizer step finished: "training resumed"
 
 
-def make_optimizer(model: nn.Module, cfg: OptimConfig, device: torch.device) -> torch.optim.AdamW:
-    """AdamW with weight decay on matmul weights only (not norms, embeddings or biases)."""
-    embedding_ids = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
-    decay, no_decay = [], []
-    for p in model.parameters():  # tied weights appear once
-        (decay if p.dim() >= 2 and id(p) not in embedding_ids else no_decay).append(p)
-    groups = [
-        {"params": decay, "weight_decay": cfg.weight_decay},
-        {"params": no_decay, "weight_decay": 0.0},
-    ]
-    # the fused kernel exists for CPU and CUDA in torch >= 2.4 and is the fastest option on both
-    return torch.optim.AdamW(
-        groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, fused=device.type in ("cpu", "cuda")
-    )
+def mixture_summary(mixture: Mixture) -> dict:
+    """Each domain's weight and train shard file names: what `mixture_history` compares."""
+    return {
+        name: {"weight": d.weight, "train": [p.name for p in d.train]} for name, d in sorted(mixture.domains.items())
+    }
 
 
 @contextmanager
@@ -117,17 +124,19 @@ def _torch_settings(run_cfg: TrainRunConfig, device: torch.device) -> Iterator[N
 
 
 def _identity(model_cfg: ModelConfig, optim_cfg: OptimConfig, run_cfg: TrainRunConfig, vocab_size: int) -> dict:
-    return {
+    identity = {
         "model": model_cfg.identity(),
         "optim": optim_cfg.identity(),
         "run": run_cfg.identity(),
         "vocab_size": vocab_size,
     }
+    return json.loads(json.dumps(identity))  # as it reads back from a checkpoint
 
 
 def _initial_model(
     model_cfg: ModelConfig, vocab_size: int, seed: int, init_model_dir: Path | None
 ) -> Transformer:
+    """The step-0 weights: seeded (the same on every rank, before any sharding) or a saved model."""
     if init_model_dir is None:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
@@ -160,48 +169,15 @@ def evaluate(
     return out
 
 
-def _train_step(
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    x: torch.Tensor,
-    y: torch.Tensor,
-    run_cfg: TrainRunConfig,
-    max_norm: float,
-    z_loss: float,
-) -> tuple[float, float]:
-    """One optimizer update over grad_accum micro-batches of x/y; returns (mean loss, grad norm).
-
-    The loss reported is the cross-entropy alone; the z-loss term only shapes the gradients.
-    """
-    device = x.device
-    loss_sum = torch.zeros((), device=device)
-    for m in range(run_cfg.grad_accum):
-        rows = slice(m * run_cfg.batch_size, (m + 1) * run_cfg.batch_size)
-        # bf16 autocast on GPU only: CPU runs stay fp32 and bit-reproducible
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-            logits = model(x[rows])
-        logits = logits.flatten(0, 1).float()
-        loss = F.cross_entropy(logits, y[rows].flatten())
-        objective = loss
-        if z_loss > 0:
-            objective = loss + z_loss * torch.logsumexp(logits, dim=-1).square().mean()
-        (objective / run_cfg.grad_accum).backward()
-        loss_sum += loss.detach()
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, foreach=True)
+def train_step(layout: Layout, model: nn.Module, schedule: Any, optimizer: torch.optim.Optimizer,
+               x: torch.Tensor, y: torch.Tensor, grad_accum: int, max_norm: float, z_loss: float
+               ) -> tuple[float, float]:
+    """One optimizer update over this rank's rows of x/y; returns (mean loss, grad norm before clipping)."""
+    loss = layout.forward_backward(model, schedule, x, y, grad_accum, z_loss)
+    grad_norm = clip_grad_norm(list(model.parameters()), max_norm, layout.pp_mesh)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return loss_sum.item() / run_cfg.grad_accum, grad_norm.item()
-
-
-def _prepare_model(model: Transformer, run_cfg: TrainRunConfig) -> None:
-    """Activation checkpointing, then compilation, in place: parameter names stay unchanged."""
-    if run_cfg.activation_checkpointing:
-        # imported here: tasks.train.parallel pulls in torch's tensor-parallel stack (~1 s)
-        from tasks.train.parallel import apply_activation_checkpointing
-
-        apply_activation_checkpointing(model)
-    if run_cfg.compile:
-        model.compile()
+    return loss, grad_norm
 
 
 def _peak_memory_mb(device: torch.device) -> float:
@@ -225,7 +201,20 @@ def _inject_faults(
     `lr_multiplier`: {step: factor} applied every time that step runs, a fault no rollback cures."""
     if index in faults.get("poison_data_index", ()):
         x, y = torch.full_like(x, vocab_size - 1), torch.full_like(y, vocab_size - 1)
-    return x, y, lr * faults.get("lr_multiplier", {}).get(step, 1.0)
+    multipliers = {int(k): v for k, v in faults.get("lr_multiplier", {}).items()}  # JSON keys are strings
+    return x, y, lr * multipliers.get(step, 1.0)
+
+
+def _maybe_kill(faults: dict[str, Any], layout: Layout, out_dir: Path, step: int) -> None:
+    """Test-only: `kill_rank_at_step: [rank, step]` SIGKILLs that rank once (a marker in out_dir makes
+    the relaunched job run clean), as a crashed node would."""
+    if "kill_rank_at_step" not in faults:
+        return
+    rank, at_step = faults["kill_rank_at_step"]
+    marker = out_dir / ".fault_injected"
+    if step == at_step and layout.rank == rank and not marker.exists():
+        marker.write_text(f"rank {rank} killed at step {step}\n")
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _ranges(values: list[int]) -> list[list[int]]:
@@ -254,34 +243,6 @@ def _skipped_data(
     }
 
 
-def _snapshot(
-    identity: dict, model: nn.Module, optimizer: torch.optim.Optimizer, loss_curve: list, lr_curve: list
-) -> dict[str, Any]:
-    return {
-        "identity": identity,
-        "model": model.state_dict(),
-        "optimizer": optimizer.state_dict(),
-        "torch_rng": torch.get_rng_state(),
-        "loss_curve": loss_curve,
-        "lr_curve": lr_curve,
-    }
-
-
-def _restore(
-    state: dict[str, Any], identity: dict, ckpt_root: Path, model: nn.Module, optimizer: torch.optim.Optimizer
-) -> tuple[list[tuple[int, float]], list[tuple[int, float]]]:
-    """Load a snapshot into model and optimizer; returns its (loss_curve, lr_curve)."""
-    if state["identity"] != identity:
-        raise ValueError(
-            f"checkpoints in {ckpt_root} were written by a run with a different config; "
-            "use a fresh out_dir or delete that folder"
-        )
-    model.load_state_dict(state["model"])
-    optimizer.load_state_dict(state["optimizer"])
-    torch.set_rng_state(state["torch_rng"])
-    return [tuple(p) for p in state["loss_curve"]], [tuple(p) for p in state["lr_curve"]]
-
-
 def _anomaly_record(anomaly: Anomaly) -> dict[str, Any]:
     return {
         "step": anomaly.step,
@@ -305,6 +266,9 @@ def _diverged_message(events: list[dict[str, Any]], events_path: Path) -> str:
     )
 
 
+CURVES = ("loss", "lr", "grad_norm", "batch_checksum")
+
+
 def train_model(
     model_cfg: ModelConfig,
     optim_cfg: OptimConfig,
@@ -312,23 +276,28 @@ def train_model(
     mixture: Mixture,
     out_dir: Path,
     *,
+    dims: ParallelDims | None = None,
     init_model_dir: Path | None = None,
     on_metrics: Callable[[int, dict[str, float]], None] | None = None,
     on_event: Callable[[dict[str, Any]], None] | None = None,
     fault_injection: dict[str, Any] | None = None,
+    stop_after: int | None = None,
 ) -> TrainResult:
     """Train for `run_cfg.steps` steps into out_dir (resuming a crashed attempt found there).
 
+    `dims` is the parallel layout (default: one process); with a world size above 1 every rank
+    of a torchrun job calls this together and out_dir must be on a filesystem they share.
     `on_metrics(step, metrics)` gets train metrics every `log_every` steps and validation loss at
     the end; `on_event(event)` gets each health event (a rollback, or giving up) as it is written
-    to `health_events.jsonl`. `fault_injection` exists for tests only (see `_inject_faults`).
+    to `health_events.jsonl`. `stop_after`: return once that many steps are done, as a stopped job
+    would (no final model). `fault_injection` exists for tests only (see `_inject_faults`).
     """
     model_cfg, optim_cfg, run_cfg = revalidated(model_cfg), revalidated(optim_cfg), revalidated(run_cfg)
+    dims = revalidated(dims) if dims is not None else ParallelDims()
     run_cfg.check_fits(model_cfg)
     faults = fault_injection or {}
     _check_faults(faults)
-    t_start = time.perf_counter()
-    device = torch.device(run_cfg.device)
+    t_start, started_unix = time.perf_counter(), time.time()
     ckpt_root = out_dir / "checkpoints"
     events_path = out_dir / EVENTS_FILE
     identity = _identity(model_cfg, optim_cfg, run_cfg, mixture.vocab_size)
@@ -344,49 +313,72 @@ def train_model(
             "tokens, so there is no validation loss: give the tokenize stage a larger val split"
         )
 
-    with _torch_settings(run_cfg, device):
-        model = _initial_model(model_cfg, mixture.vocab_size, run_cfg.seed, init_model_dir).to(device)
+    with _torch_settings(run_cfg, torch.device(run_cfg.device)):
+        layout = Layout.create(dims, torch.device(run_cfg.device))
+        device, main = layout.device, layout.is_main
+        if main:
+            out_dir.mkdir(parents=True, exist_ok=True)
+        model, schedule = layout.prepare(
+            _initial_model(model_cfg, mixture.vocab_size, run_cfg.seed, init_model_dir).to(device),
+            run_cfg, optim_cfg.z_loss)
         optimizer = make_optimizer(model, optim_cfg, device)
         # what a rollback to before the first checkpoint restores
-        fresh_optimizer = copy.deepcopy(optimizer.state_dict())
+        fresh_optimizer = optimizer.state_dict()
         fresh_rng = torch.get_rng_state()
-        start_step, loss_curve, lr_curve = 0, [], []
-        resumed = load_latest_checkpoint(ckpt_root)
-        if resumed is not None:
-            start_step, state = resumed
-            loss_curve, lr_curve = _restore(state, identity, ckpt_root, model, optimizer)
-        _prepare_model(model, run_cfg)
+        curves: dict[str, list] = {name: [] for name in CURVES}
+        mixture_history: list = [[0, mixture_summary(mixture)]]
+        resumed_from = None
+        latest = latest_intact_dcp(ckpt_root)
+        if latest is not None:
+            if read_train_state(latest)["identity"] != identity:
+                raise ValueError(
+                    f"checkpoints in {ckpt_root} were written by a run with a different config (model, optim, "
+                    "train run or vocabulary); use a fresh out_dir or delete that folder"
+                )
+            state = load_dcp(latest, model, optimizer)
+            resumed_from = state["step"]
+            curves = {name: [tuple(p) for p in state["curves"][name]] for name in CURVES}
+            mixture_history = state["mixture_history"]
+            if mixture_history[-1][1] != mixture_summary(mixture):
+                mixture_history.append([resumed_from, mixture_summary(mixture)])
         # the record of earlier attempts too: their skip windows must apply to this one
         events = read_events(events_path)
         windows = windows_from_events(events)
 
         def record(event: dict[str, Any]) -> None:
             events.append(event)
-            append_event(events_path, event)
-            if on_event is not None:
-                on_event(event)
+            if main:
+                append_event(events_path, event)
+                if on_event is not None:
+                    on_event(event)
+
+        def save(step: int) -> None:
+            train_state = {"identity": identity, "curves": curves, "mixture_history": mixture_history}
+            save_dcp(ckpt_root, step, model, optimizer, train_state, run_cfg.keep_checkpoints, run_cfg.keep_every)
 
         def roll_back(anomaly: Anomaly) -> int:
             """Restore the newest checkpoint before the bad step; returns the step to resume at."""
             t_detect = time.perf_counter()
             if len(windows) >= health.max_rollbacks:
                 record({**_anomaly_record(anomaly), "action": "abort", "rollbacks": len(windows)})
-                plot_loss_curve(loss_curve, [], events, out_dir / LOSS_PLOT)
+                if main:
+                    plot_loss_curve(curves["loss"], [], events, out_dir / LOSS_PLOT)
                 raise TrainingDivergedError(_diverged_message(events, events_path), list(events))
-            found = load_latest_checkpoint(ckpt_root, before=rollback_bound(anomaly.step, windows))
-            target = found[0] if found is not None else 0
-            deleted = delete_checkpoints_after(ckpt_root, target)
+            found = latest_intact_dcp(ckpt_root, before=rollback_bound(anomaly.step, windows))
+            target = read_train_state(found)["step"] if found is not None else 0
+            deleted = delete_checkpoints_after(ckpt_root, target) if main else []
+            layout.barrier()
             if found is not None:
-                curves = _restore(found[1], identity, ckpt_root, model, optimizer)
+                restored = load_dcp(found, model, optimizer)["curves"]
+                curves.update({name: [tuple(p) for p in restored[name]] for name in CURVES})
             else:
                 initial = _initial_model(model_cfg, mixture.vocab_size, run_cfg.seed, init_model_dir)
-                model.load_state_dict(initial.state_dict())
+                set_model_state_dict(model, initial.state_dict(),
+                                     options=StateDictOptions(full_state_dict=True, strict=dims.pp == 1))
                 optimizer.load_state_dict(fresh_optimizer)
                 torch.set_rng_state(fresh_rng)
-                curves = ([], [])
-            loss_curve[:], lr_curve[:] = curves
+                curves.update({name: [] for name in CURVES})
             optimizer.zero_grad(set_to_none=True)
-            time_to_resume = time.perf_counter() - t_detect
             skipped = _skipped_data(mixture, run_cfg, windows, target + 1, anomaly.step)
             window = SkipWindow(
                 first_step=target + 1,
@@ -404,94 +396,130 @@ def train_model(
                 "deleted_checkpoints": deleted,
                 "window": asdict(window),
                 "skipped_data": skipped,
-                "time_to_resume_s": time_to_resume,
+                "time_to_resume_s": time.perf_counter() - t_detect,
             })
             return target
 
         max_norm = optim_cfg.grad_clip if optim_cfg.grad_clip > 0 else float("inf")
         model.train()
+        start_step = resumed_from or 0
         t_train = time.perf_counter()
-        t_log, tokens_since_log, steps_run = t_train, 0, 0
-        bar = tqdm(total=run_cfg.steps, initial=start_step, desc="train", unit="step", disable=None)
+        t_log, tokens_since_log, steps_run, first_step_unix = t_train, 0, 0, None
+        bar = tqdm(total=run_cfg.steps, initial=start_step, desc="train", unit="step", disable=None if main else True)
         i = start_step
         while i < run_cfg.steps:
             step = i + 1
-            lr = lr_at(i, optim_cfg, run_cfg.steps)
-            factor = lr_factor(step, windows)
-            if factor != 1.0:
-                lr *= factor
+            lr = lr_at(i, optim_cfg, run_cfg.steps) * lr_factor(step, windows)
             index = data_index(step, windows)
-            x, y = batch_for_step(mixture, run_cfg.seed, index, 0, 1, rows_per_step, run_cfg.seq_len)
+            x, y, checksum = layout.batch(mixture, run_cfg.seed, index, rows_per_step, run_cfg.seq_len)
             applied_lr = lr
             if faults:
                 x, y, applied_lr = _inject_faults(faults, step, index, x, y, lr, mixture.vocab_size)
             for group in optimizer.param_groups:
                 group["lr"] = applied_lr
-            step_loss, grad_norm = _train_step(
-                model, optimizer, x.to(device), y.to(device), run_cfg, max_norm, optim_cfg.z_loss
-            )
+            step_loss, grad_norm = train_step(layout, model, schedule, optimizer, x, y, run_cfg.grad_accum,
+                                              max_norm, optim_cfg.z_loss)
             steps_run += 1
             tokens_since_log += tokens_per_step
-            history = [loss for _, loss in loss_curve[-health.spike_window :]]
-            anomaly = check_loss(step, step_loss, history, health)
+            if first_step_unix is None:
+                first_step_unix = time.time()
+            anomaly = check_loss(step, step_loss, curves["loss"][-health.spike_window:], health)
             if anomaly is not None:
                 i = roll_back(anomaly)
                 bar.n = i
                 bar.refresh()
                 continue
-            loss_curve.append((step, step_loss))
-            lr_curve.append((step, lr))
+            for name, value in zip(CURVES, (step_loss, lr, grad_norm, checksum)):
+                curves[name].append((step, value))
             bar.update(1)
+            _maybe_kill(faults, layout, out_dir, step)
             if step % run_cfg.log_every == 0 or step == run_cfg.steps:
                 now = time.perf_counter()
                 tokens_per_s = tokens_since_log / max(now - t_log, 1e-9)
-                if on_metrics is not None:
-                    metrics = {
-                        "loss": step_loss,
-                        "lr": lr,
-                        "grad_norm": grad_norm,
-                        "tokens_per_s": tokens_per_s,
-                        "peak_memory_mb": _peak_memory_mb(device),
-                    }
-                    if run_cfg.peak_tflops is not None:
-                        steps_per_s = tokens_per_s / tokens_per_step
-                        metrics["mfu"] = flops_per_step * steps_per_s / (run_cfg.peak_tflops * 1e12)
-                    on_metrics(step, metrics)
+                metrics = {"loss": step_loss, "lr": lr, "grad_norm": grad_norm, "tokens_per_s": tokens_per_s,
+                           "peak_memory_mb": _peak_memory_mb(device)}
+                if run_cfg.peak_tflops is not None:
+                    # per device: the whole job's FLOPs over all its devices' peak
+                    steps_per_s = tokens_per_s / tokens_per_step
+                    metrics["mfu"] = flops_per_step * steps_per_s / (run_cfg.peak_tflops * 1e12 * dims.world_size)
+                if main:
+                    with (out_dir / METRICS_LOG).open("a") as log:
+                        log.write(json.dumps({"step": step, **metrics}) + "\n")
+                    if on_metrics is not None:
+                        on_metrics(step, metrics)
                 bar.set_postfix(loss=f"{step_loss:.4f}", lr=f"{lr:.2e}")
                 t_log, tokens_since_log = now, 0
             if step % run_cfg.checkpoint_every == 0:
-                state = _snapshot(identity, model, optimizer, loss_curve, lr_curve)
-                save_checkpoint(ckpt_root, step, state, keep=run_cfg.keep_checkpoints, keep_every=run_cfg.keep_every)
+                save(step)
             i += 1
+            if stop_after is not None and step >= stop_after:
+                break
         bar.close()
         train_s = time.perf_counter() - t_train
 
-        val_by_domain = evaluate(model, val_batches, device)
-        model_dir = out_dir / "model"
-        save_model(model, model_cfg, mixture.vocab_size, model_dir)
+        finished = i == run_cfg.steps
+        val_by_domain: dict[str, float] = {}
+        model_dir = out_dir / "model" if finished else None
+        if finished:
+            full = layout.full_model(model, model_cfg, mixture.vocab_size)
+            if full is not None:
+                val_by_domain = evaluate(full, val_batches, device)
+                save_model(full, model_cfg, mixture.vocab_size, model_dir)
+            val_by_domain = layout.broadcast(val_by_domain)
 
+    loss_curve = curves["loss"]
     tail = [loss for _, loss in loss_curve[-FINAL_LOSS_WINDOW:]]
-    val_loss = sum(val_by_domain.values()) / len(val_by_domain)
+    val_loss = sum(val_by_domain.values()) / len(val_by_domain) if val_by_domain else None
     result = TrainResult(
         steps=run_cfg.steps,
         tokens_seen=run_cfg.steps * tokens_per_step,
-        num_params=sum(p.numel() for p in model.parameters()),
+        num_params=count_parameters(model_cfg, mixture.vocab_size),
         final_train_loss=sum(tail) / len(tail),
         val_loss=val_loss,
         val_loss_by_domain=val_by_domain,
         loss_curve=loss_curve,
-        lr_curve=lr_curve,
+        lr_curve=curves["lr"],
+        grad_norm_curve=curves["grad_norm"],
+        batch_checksum_curve=curves["batch_checksum"],
+        mixture_history=[tuple(entry) for entry in mixture_history],
         wall_s=time.perf_counter() - t_start,
         tokens_per_s=steps_run * tokens_per_step / train_s if train_s > 0 else 0.0,
         model_dir=model_dir,
-        resumed_from_step=resumed[0] if resumed is not None else None,
+        resumed_from_step=resumed_from,
         num_rollbacks=len(windows),
         health_events=events,
+        world_size=dims.world_size,
+        parallel=dims.model_dump(mode="json"),
+        rank0_local_numel=layout.broadcast(layout.local_numel(model)),
+        started_unix=started_unix,
+        first_step_unix=first_step_unix,
     )
-    if on_metrics is not None:
-        on_metrics(run_cfg.steps, {"val_loss": val_loss, **{f"val_loss/{d}": v for d, v in val_by_domain.items()}})
-    plot_loss_curve(loss_curve, [(run_cfg.steps, val_loss)], events, out_dir / LOSS_PLOT)
+    if main and finished:
+        if on_metrics is not None:
+            on_metrics(run_cfg.steps, {"val_loss": val_loss, **{f"val_loss/{d}": v for d, v in val_by_domain.items()}})
+        plot_loss_curve(loss_curve, [(run_cfg.steps, val_loss)], events, out_dir / LOSS_PLOT)
+        write_metrics(result, out_dir)
+    return result
+
+
+def write_metrics(result: TrainResult, out_dir: Path) -> None:
+    """`metrics.json` in the run's folder: the result without machine paths, so the store stays relocatable."""
     metrics = asdict(result)
     del metrics["model_dir"]
     (out_dir / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
-    return result
+
+
+def write_result(result: TrainResult, path: Path) -> None:
+    """The whole result as JSON, for the process that launched this one (see `read_result`)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({**asdict(result), "model_dir": str(result.model_dir) if result.model_dir else None},
+                               indent=2) + "\n")
+
+
+def read_result(path: Path) -> TrainResult:
+    """A `TrainResult` written by `write_result` (curves as tuples again)."""
+    raw = json.loads(path.read_text())
+    for name in ("loss_curve", "lr_curve", "grad_norm_curve", "batch_checksum_curve", "mixture_history"):
+        raw[name] = [tuple(point) for point in raw[name]]
+    raw["model_dir"] = Path(raw["model_dir"]) if raw["model_dir"] else None
+    return TrainResult(**raw)

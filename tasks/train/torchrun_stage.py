@@ -1,9 +1,11 @@
-"""Run a training stage under torchrun and report it as a `TrainResult`, like the in-process loop.
+"""Run a training stage under torchrun and report it as the in-process loop would.
 
-The distributed worker (`tasks.train.dist_worker`) trains with the configured parallel layout
-and sharded DCP checkpoints in `out_dir` (a crashed attempt resumes there); this module owns
-the launch, then measures the validation loss of the gathered model in this process, so later
-stages (anneal, evaluate) read the same `model/` and `metrics.json` whichever path trained it.
+Every rank of the torchrun job runs `tasks.train.dist_worker`, i.e. `train_model` with the
+configured parallel layout: sharded DCP checkpoints in `out_dir` (a crashed attempt resumes
+there), the loss monitor's rollbacks, and — from rank 0 — the gathered `model/`, `metrics.json`,
+`train_metrics.jsonl` and the loss plot, so later stages (anneal, evaluate) read the same files
+whichever path trained. This module owns the launch and the relaunch after a failed process, and
+replays the worker's metrics and health events to this process's callbacks.
 """
 
 from __future__ import annotations
@@ -12,18 +14,16 @@ import json
 import logging
 import socket
 import time
-from dataclasses import asdict
+from collections.abc import Callable
 from pathlib import Path
-
-import torch
+from typing import Any
 
 from tasks.errors import ConfigError
 from tasks.train.config import ModelConfig, OptimConfig, ParallelDims, TrainRunConfig
-from tasks.train.data_loader import Mixture, validation_batches
 from tasks.train.launch import LaunchError, TorchrunLauncher, record_failed_hosts
-from tasks.train.loop import FINAL_LOSS_WINDOW, TrainResult, evaluate
-from tasks.train.model import load_model
+from tasks.train.loop import METRICS_LOG, TrainResult, read_result, write_metrics
 from tasks.train.planner import ClusterSpec
+from tasks.train.rank_hosts import REGISTRY_DIR, failed_ranks, hosts_of_failed_ranks, reset_registry
 
 WORKER_CONFIG = "dist_config.json"
 WORKER_RESULT = "dist_result.json"
@@ -32,20 +32,16 @@ FAILED_HOSTS_FILE = "failed_hosts.json"
 
 def train_with_torchrun(model_cfg: ModelConfig, optim_cfg: OptimConfig, run_cfg: TrainRunConfig, dims: ParallelDims,
                         cluster: ClusterSpec, manifest: Path, data_root: Path, out_dir: Path, *,
+                        on_metrics: Callable[[int, dict[str, float]], None] | None = None,
+                        on_event: Callable[[dict[str, Any]], None] | None = None,
                         fault_injection: dict | None = None) -> TrainResult:
     """Train under torchrun; a failed job is relaunched (up to `cluster.max_restarts` times) and resumes
     from its last DCP checkpoint. Each failure is a `process_failure` event with the failed host and
-    the measured time from failure to the relaunched job's first step. `fault_injection` is for tests."""
-    unsupported = [name for name, on in (("optim.z_loss", optim_cfg.z_loss != 0), ("run.compile", run_cfg.compile),
-                                         ("run.activation_checkpointing (use parallel.activation_checkpointing)",
-                                          run_cfg.activation_checkpointing)) if on]
-    if unsupported:
-        raise ConfigError(f"train.parallel spans {dims.world_size} processes, and the distributed worker does not "
-                          f"apply {', '.join(unsupported)} yet: turn them off or train in one process")
-    if run_cfg.health.enabled:
-        logging.getLogger(__name__).warning(
-            "the distributed worker has no loss-spike rollback yet: train.run.health is not applied under torchrun")
-    started = time.perf_counter()
+    the measured time from failure to the relaunched job's first step; it joins the worker's own
+    health events (rollbacks) in the result. `fault_injection` is for tests."""
+    if run_cfg.compile:
+        raise ConfigError(f"train.parallel spans {dims.world_size} processes, and train.run.compile is supported in "
+                          "one process only (torch 2.13 cannot compile the sharded modules on CPU here): turn it off")
     config = {
         "model": model_cfg.model_dump(mode="json"), "optim": optim_cfg.model_dump(mode="json"),
         "train": run_cfg.model_dump(mode="json"), "parallel": dims.model_dump(mode="json"),
@@ -58,40 +54,44 @@ def train_with_torchrun(model_cfg: ModelConfig, optim_cfg: OptimConfig, run_cfg:
                                 env={"OMP_NUM_THREADS": "1"}, failed_hosts_file=failures_file)
     command = ["-m", "tasks.train.dist_worker", "--config", str(out_dir / WORKER_CONFIG),
                "--out", str(out_dir / WORKER_RESULT)]
-    events: list[dict] = []
+    registry = out_dir / REGISTRY_DIR
+    failures: list[dict] = []
     for attempt in range(cluster.max_restarts + 1):
+        reset_registry(registry)  # so a record cannot be an earlier launch's
         try:
             launcher.launch(command)
             break
         except LaunchError as error:
             if attempt == cluster.max_restarts:
                 raise
-            # On one node the failed host is this one: it is recorded (Slurm/Kubernetes renders exclude
-            # recorded hosts) and the job is relaunched here, resuming from its last checkpoint.
-            host = socket.gethostname()
-            record_failed_hosts(failures_file, [host])
-            events.append({"kind": "process_failure", "action": "relaunch", "attempt": attempt + 1, "host": host,
-                           "failed_at_unix": time.time(), "error": str(error)[-400:]})
-            logging.getLogger(__name__).warning("training job failed on %s (attempt %d); relaunching", host, attempt + 1)
-    worker = json.loads((out_dir / WORKER_RESULT).read_text())
-    if events:
-        events[-1]["step"] = worker["resumed_from_step"]
-        events[-1]["time_to_resume_s"] = worker["first_step_unix"] - events[-1]["failed_at_unix"]
-
-    model, _ = load_model(out_dir / "model")
-    mixture = Mixture.from_manifest(manifest, data_root)
-    val = evaluate(model, validation_batches(mixture, run_cfg.seq_len, run_cfg.eval_batches, run_cfg.batch_size),
-                   torch.device("cpu"))
-    curve = [tuple(point) for point in worker["loss_curve"]]
-    tail = [loss for _, loss in curve[-FINAL_LOSS_WINDOW:]]
-    result = TrainResult(
-        steps=run_cfg.steps, tokens_seen=run_cfg.steps * run_cfg.batch_size * run_cfg.grad_accum * run_cfg.seq_len,
-        num_params=sum(p.numel() for p in model.parameters()), final_train_loss=sum(tail) / len(tail),
-        val_loss=sum(val.values()) / len(val), val_loss_by_domain=val, loss_curve=curve,
-        lr_curve=[tuple(point) for point in worker["lr_curve"]], wall_s=time.perf_counter() - started,
-        tokens_per_s=worker["tokens_per_s"], model_dir=out_dir / "model", resumed_from_step=worker["resumed_from_step"],
-        num_rollbacks=0, health_events=events,
-    )
-    metrics = {k: v for k, v in asdict(result).items() if k != "model_dir"}
-    (out_dir / "metrics.json").write_text(json.dumps({**metrics, "world_size": dims.world_size}, indent=2))
+            # The failed ranks' hosts (from torchrun's failure summary and the ranks' own records) are
+            # recorded, so Slurm/Kubernetes renders exclude them; this launcher relaunches here and
+            # the job resumes from its last checkpoint.
+            log = error.log.read_text(errors="replace") if error.log is not None else str(error)
+            hosts = hosts_of_failed_ranks(registry, log) or [socket.gethostname()]
+            record_failed_hosts(failures_file, hosts)
+            failures.append({"kind": "process_failure", "action": "relaunch", "attempt": attempt + 1,
+                             "failed_ranks": failed_ranks(log), "hosts": hosts, "failed_at_unix": time.time(),
+                             "error": str(error)[-400:]})
+            logging.getLogger(__name__).warning("training job failed: ranks %s on %s (attempt %d); relaunching",
+                                                failed_ranks(log), ", ".join(hosts), attempt + 1)
+    result = read_result(out_dir / WORKER_RESULT)
+    if failures:
+        failures[-1]["step"] = result.resumed_from_step or 0
+        failures[-1]["time_to_resume_s"] = result.first_step_unix - failures[-1]["failed_at_unix"]
+    result.health_events = [*result.health_events, *failures]
+    if on_metrics is not None:
+        # a relaunched job logs the steps after its checkpoint again: the last record of a step wins
+        by_step = {}
+        for line in (out_dir / METRICS_LOG).read_text().splitlines():
+            metrics = json.loads(line)
+            by_step[metrics.pop("step")] = metrics
+        for step, metrics in sorted(by_step.items()):
+            on_metrics(step, metrics)
+        val = {"val_loss": result.val_loss, **{f"val_loss/{d}": v for d, v in result.val_loss_by_domain.items()}}
+        on_metrics(result.steps, val)
+    if on_event is not None:
+        for event in result.health_events:
+            on_event(event)
+    write_metrics(result, out_dir)  # with the relaunches' events
     return result

@@ -30,8 +30,7 @@ import torch.nn.functional as F
 from tasks.train.config import ModelConfig, OptimConfig, TrainRunConfig
 from tasks.train.data_loader import Mixture, batch_for_step, batch_sources
 from tasks.train.dcp import load_latest_dcp, save_dcp
-from tasks.train.distributed import batch_checksum, make_parallel_optimizer
-from tasks.train.loop import make_optimizer
+from tasks.train.distributed import batch_checksum, make_optimizer
 from tasks.train.model import build_model, count_parameters, load_model
 from tasks.train.parallel import ParallelDims
 
@@ -221,7 +220,7 @@ def test_dcp_skips_incomplete_and_corrupt_checkpoints_and_keeps_the_newest(tmp_p
     cpu = torch.device("cpu")
     torch.manual_seed(0)
     model = build_model(MODEL, V)
-    optimizer = make_parallel_optimizer(model, OPTIM, cpu)
+    optimizer = make_optimizer(model, OPTIM, cpu)
     x = torch.randint(0, V, (2, RUN.seq_len))
     saved = {}
     for step in (1, 2, 3):
@@ -241,7 +240,7 @@ def test_dcp_skips_incomplete_and_corrupt_checkpoints_and_keeps_the_newest(tmp_p
     shard.write_bytes(bytes(raw))
 
     fresh = build_model(MODEL, V)
-    fresh_optimizer = make_parallel_optimizer(fresh, OPTIM, cpu)
+    fresh_optimizer = make_optimizer(fresh, OPTIM, cpu)
     with pytest.warns(UserWarning, match="incomplete or corrupt") as caught:
         state = load_latest_dcp(tmp_path, fresh, fresh_optimizer)
     assert [str(w.message).split()[1] for w in caught] == [

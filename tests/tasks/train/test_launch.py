@@ -157,7 +157,10 @@ def test_kubernetes_manifest(tmp_path: Path) -> None:
     container = pod["containers"][0]
     assert container["image"] == "ghcr.io/kiln/train:1"
     assert container["resources"]["limits"]["nvidia.com/gpu"] == 8
-    assert container["env"] == [{"name": "NCCL_DEBUG", "value": "WARN"}]
+    assert container["env"] == [
+        {"name": "KILN_NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
+        {"name": "NCCL_DEBUG", "value": "WARN"},
+    ]
     argv = shlex.split(container["args"][0])
     assert argv[:8] == ["exec", "torchrun", "--nnodes", "3", "--nproc_per_node", "8", "--rdzv_backend", "c10d"]
     assert argv[argv.index("--rdzv_endpoint") + 1] == "run-13b-0.run-13b:29500"

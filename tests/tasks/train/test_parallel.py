@@ -69,6 +69,7 @@ def torchrun(
         config = {
             "model": model.model_dump(), "optim": OPTIM.model_dump(), "train": RUN.model_dump(),
             "parallel": dims.model_dump(), "manifest": str(data / "manifest.json"), "data_root": str(data),
+            "out_dir": str(out / name),
         }
         (out / f"{name}.config.json").write_text(json.dumps(config))
         args += ["--config", str(out / f"{name}.config.json"), "--out", str(out / f"{name}.json")]

@@ -12,7 +12,6 @@ import pytest
 import torch
 
 from tasks.errors import InputError
-from tasks.train.checkpoint import STATE_FILE
 from tasks.train.config import ModelConfig, OptimConfig, TrainRunConfig
 from tasks.train.data_loader import Mixture, validation_batches
 from tasks.train.loop import evaluate, train_model
@@ -122,7 +121,7 @@ def test_resume_is_bit_identical(full_run, mixture, tmp_path) -> None:
 def test_corrupt_latest_checkpoint_falls_back(full_run, mixture, tmp_path) -> None:
     out, full, _ = full_run
     shutil.copytree(out / "checkpoints", tmp_path / "checkpoints")
-    state = tmp_path / "checkpoints" / "step_0000030" / STATE_FILE
+    state = tmp_path / "checkpoints" / "step_0000030" / "__0_0.distcp"
     state.write_bytes(state.read_bytes()[:100])
     with pytest.warns(UserWarning, match="step_0000030 is incomplete or corrupt"):
         resumed = train_model(MODEL, OPTIM, RUN, mixture, tmp_path)
