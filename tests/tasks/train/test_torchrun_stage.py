@@ -1,12 +1,14 @@
-"""The train stage under torchrun: refusals before launch, and a killed rank relaunched and resumed."""
+"""The train stage under torchrun: refusals before launch, a killed rank relaunched, a rollback on FSDP ranks."""
 
 import socket
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from tasks.errors import ConfigError
 from tasks.train.config import ModelConfig, OptimConfig, ParallelDims, TrainRunConfig
+from tasks.train.loop import train_model
 from tasks.train.planner import ClusterSpec
 from tasks.train.torchrun_stage import train_with_torchrun
 
@@ -54,3 +56,34 @@ def test_a_killed_rank_is_relaunched_and_resumes_from_its_checkpoint(tmp_path):
     assert 0 < event["time_to_resume_s"] < 120
     assert result.resumed_from_step == 4 and [s for s, _ in result.loss_curve] == list(range(1, 13))
     assert (out / "failed_hosts.json").is_file() and (out / "model" / "model.pt").is_file()
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_fsdp_run_rolls_back_a_poisoned_step_like_the_single_process_loop(tmp_path):
+    """The loss monitor runs inside the torchrun workers: a poisoned batch on 2 FSDP ranks is rolled
+    back to the same checkpoint, skipped with the same window, and reported through the callbacks."""
+    from tests.tasks.train.test_train_health import BAD_STEP, WATCHED
+    from tests.tasks.train.test_train_loop import MODEL, OPTIM, write_mixture
+
+    (tmp_path / "data").mkdir()
+    mixture = write_mixture(tmp_path / "data")
+    faults = {"poison_data_index": [BAD_STEP - 1]}
+    single = train_model(MODEL, OPTIM, WATCHED, mixture, tmp_path / "single", fault_injection=faults)
+    out = tmp_path / "fsdp"
+    out.mkdir()
+    events, metrics = [], []
+    result = train_with_torchrun(MODEL, OPTIM, WATCHED, ParallelDims(dp=2), ClusterSpec(),
+                                 tmp_path / "data" / "manifest.json", tmp_path / "data", out,
+                                 on_metrics=lambda step, m: metrics.append(step), on_event=events.append,
+                                 fault_injection=faults)
+    [expected] = single.health_events
+    [event] = result.health_events
+    assert events == [event] and event["action"] == "rollback" and event["step"] == BAD_STEP
+    same = ("kind", "rolled_back_to", "deleted_checkpoints", "window", "skipped_data")
+    assert {k: event[k] for k in same} == {k: expected[k] for k in same}
+    assert result.num_rollbacks == 1 and result.world_size == 2
+    assert result.batch_checksum_curve == single.batch_checksum_curve  # the same replacement batches
+    np.testing.assert_allclose([v for _, v in result.loss_curve], [v for _, v in single.loss_curve], rtol=1e-5)
+    assert result.val_loss == pytest.approx(single.val_loss, rel=1e-4)
+    assert metrics == [10, 20, 30, 30]  # replayed train metrics, then the validation loss
