@@ -170,6 +170,22 @@ def cmd_dedup_batch(ns: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_continuous_eval(ns: argparse.Namespace) -> int:
+    """Evaluate the train stage's checkpoints that are due and not yet evaluated, once (the deployment repeats it)."""
+    cfg, config_path, overrides = _load(ns)
+    from flows.environment import prepare_environment
+
+    prepare_environment(cfg)
+    from flows.continuous_eval import continuous_eval
+
+    with _prefect_quiet():
+        summary = continuous_eval(config_path, overrides)
+    skipped = "".join(f"\n  step {step} skipped: {reason}" for step, reason in summary["skipped"].items())
+    print(f"train {summary['train_key']}: evaluated steps {summary['evaluated'] or 'none new'}; "
+          f"{len(summary['recorded'])} steps recorded in {summary['state_file']}{skipped}")
+    return 0
+
+
 def cmd_ui(ns: argparse.Namespace) -> int:
     cfg, _, _ = _load(ns)
     print(_ui_hint(cfg))
@@ -216,6 +232,9 @@ def build_parser() -> argparse.ArgumentParser:
     status = add("status", "Show each stage's key and whether its output is complete in the store.", cmd_status)
     status.add_argument("--json", action="store_true", help="also print the keys as JSON")
     add("ui", "Print the commands that open the MLflow and Prefect UIs on this run's stores.", cmd_ui)
+    add("continuous-eval", "Evaluate the training checkpoints that are due and not yet evaluated, and log "
+        "their scores to MLflow at their step (the continuous-eval deployment runs this on a schedule).",
+        cmd_continuous_eval)
     dedup_batch = add("dedup-batch", "Deduplicate a new batch of documents against the dedup stage's persisted "
                       "LSH index (no old signature is recomputed).", cmd_dedup_batch, first=("batch", "new documents (jsonl)"))
     dedup_batch.add_argument("--out", required=True, help="folder for documents.jsonl, removed.jsonl and the new index")

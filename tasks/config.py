@@ -20,6 +20,7 @@ from tasks.data.decontaminate import DecontaminateConfig
 from tasks.data.dedup import DedupConfig
 from tasks.data.tokenize import TokenizeConfig
 from tasks.errors import ConfigError
+from tasks.evals.continuous import ContinuousEvalConfig
 from tasks.evals.evaluate import EvaluateConfig
 from tasks.train.anneal import AnnealConfig
 from tasks.scaling.fit import FitConfig
@@ -83,6 +84,7 @@ class KilnConfig(Section):
     train: TrainConfig = TrainConfig()
     anneal: AnnealConfig = AnnealConfig()
     evaluate: EvaluateConfig = EvaluateConfig()
+    continuous_eval: ContinuousEvalConfig = ContinuousEvalConfig()
 
     model_config = Section.model_config | {"populate_by_name": True}
 

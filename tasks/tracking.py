@@ -59,6 +59,17 @@ class Tracker:
             self.log_params(run.info.run_id, params)
         return run.info.run_id
 
+    def find_run(self, tags: Mapping[str, str]) -> str | None:
+        """The newest run in this experiment carrying all `tags`: how a recurring flow finds its run again."""
+        query = " and ".join(f"tags.`{k}` = '{v}'" for k, v in tags.items())
+        runs = self.client.search_runs([self.experiment_id], filter_string=query,
+                                       order_by=["attributes.start_time DESC"], max_results=1)
+        return runs[0].info.run_id if runs else None
+
+    def metric_steps(self, run_id: str, key: str) -> set[int]:
+        """The steps at which metric `key` has been logged in the run."""
+        return {m.step for m in self.client.get_metric_history(run_id, key.replace("/", "."))}
+
     def end_run(self, run_id: str, *, failed: bool = False) -> None:
         self.client.set_terminated(run_id, "FAILED" if failed else "FINISHED")
 

@@ -29,6 +29,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from tasks.errors import InputError
 from tasks.train.checkpoint import (
     MARKER,
     TMP_PREFIX,
@@ -155,3 +156,21 @@ def load_latest_dcp(root: Path, model: nn.Module, optimizer: torch.optim.Optimiz
     """Load the newest intact checkpoint under root (collective); its train_state, or None when there is none."""
     path = latest_intact_dcp(root)
     return load_dcp(path, model, optimizer) if path is not None else None
+
+
+def load_model_weights(path: Path, model: nn.Module) -> dict[str, Any]:
+    """Load only the model weights of the checkpoint at `path` into a plain, unsharded model (one
+    process, no process group; optimizer and RNG state are not read), after checking its marker
+    and bytes; returns its train_state. Raises InputError when the checkpoint is incomplete or
+    corrupt, e.g. because training is pruning it."""
+    if not _intact(path):
+        raise InputError(
+            f"checkpoint {path} is incomplete or corrupt (no {MARKER} marker, or its files no longer "
+            "match the digests in it): it may be being pruned by training; use another checkpoint"
+        )
+    # DCP loads just the keys asked for, resharding by global shape whatever layout saved them
+    state = {"model": model.state_dict()}
+    with _single_process_is_intended():
+        dcp.load(state, checkpoint_id=path, no_dist=True)
+    model.load_state_dict(state["model"])
+    return read_train_state(path)

@@ -1,4 +1,4 @@
-"""Launch files render and point at real flows: every stage and the pipeline has a deployment."""
+"""Launch files render and point at real flows: every stage, the pipeline and continuous eval have a deployment."""
 
 import importlib
 from pathlib import Path
@@ -11,16 +11,20 @@ from tasks.graph import STAGE_NAMES
 INFRA = Path(__file__).resolve().parents[2] / "infra"
 
 
-def test_every_stage_and_the_pipeline_is_deployable():
+def test_every_stage_the_pipeline_and_continuous_eval_are_deployable():
     spec = yaml.safe_load((INFRA / "prefect.yaml").read_text())
     deployments = {d["name"]: d for d in spec["deployments"]}
-    assert set(deployments) == {"pipeline", *STAGE_NAMES}
+    assert set(deployments) == {"pipeline", "continuous-eval", *STAGE_NAMES}
     for name, deployment in deployments.items():
         module, attr = deployment["entrypoint"].split(":")
         target = getattr(importlib.import_module(module.removesuffix(".py").replace("/", ".")), attr)
         assert isinstance(target, Flow), f"{name}: {deployment['entrypoint']} is not a Prefect flow"
         assert deployment["work_pool"]["name"] == "kiln-process"
         assert set(deployment["parameters"]) <= set(target.parameters.properties)
+    # Only continuous eval runs on its own, every 10 minutes, one run at a time.
+    assert [name for name, d in deployments.items() if d.get("schedules")] == ["continuous-eval"]
+    assert deployments["continuous-eval"]["schedules"] == [{"interval": 600}]
+    assert deployments["continuous-eval"]["concurrency_limit"] == {"limit": 1, "collision_strategy": "CANCEL_NEW"}
 
 
 def test_compose_services_share_the_database():

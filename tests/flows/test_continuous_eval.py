@@ -1,0 +1,71 @@
+"""The continuous-eval flow through the real Prefect API and MLflow store, while a real tiny training run
+writes checkpoints into the store's partial folder and then commits: scores land in MLflow at the
+checkpoint steps, each step once, and a run with nothing new changes nothing."""
+
+import json
+import os
+
+from mlflow.tracking import MlflowClient
+
+from flows.cli import main
+from flows.continuous_eval import continuous_eval
+from tasks.config import load_config
+from tasks.data.tokenize import TOKENIZER_FILE
+from tasks.evals.continuous import read_recorded, resolve_target
+from tasks.graph import stage_keys
+from tasks.store import Store
+from tasks.train.loop import train_model
+from tests.fixtures.continuous_eval import MODEL, OPTIM, RUN, write_eval_file, write_mixture, write_tokenizer
+
+TINY = "configs/tiny.yaml"
+
+
+def test_checkpoints_are_scored_in_mlflow_at_their_steps_once(prefect_api, in_repo, tmp_path, capsys):
+    eval_file = write_eval_file(tmp_path / "evals" / "heldout.jsonl")
+    overrides = [f"work_dir={tmp_path / 'work'}", f"evaluate.eval_files=[{eval_file}]",
+                 "train.run.checkpoint_every=5", "continuous_eval.every=10"]
+    cfg = load_config(TINY, overrides)
+    keys, store = stage_keys(cfg), Store(cfg.store_root)
+    # The stages before train, as far as continuous eval reads them: a committed tokenizer.
+    tokenizer = write_tokenizer(store.begin("tokenize", keys["tokenize"]) / TOKENIZER_FILE)
+    store.commit("tokenize", keys["tokenize"], {"stage": "tokenize"})
+
+    assert continuous_eval(TINY, overrides)["evaluated"] == []  # training has not started: nothing to do
+
+    # Training is running: checkpoints 5, 10, 15 in the partial folder; 10 is due.
+    mixture = write_mixture(tmp_path / "data", tokenizer)
+    partial = store.begin("train", keys["train"], resumable=True)
+    train_model(MODEL, OPTIM, RUN, mixture, partial, stop_after=15)
+    first = continuous_eval(TINY, overrides)
+    assert (first["evaluated"], first["skipped"], first["missed"]) == ([10], {}, [])
+    assert first["mlflow_steps_logged"] == [10]
+
+    # Training resumes to step 20 and the stage commits: 20 is read from the final folder.
+    train_model(MODEL, OPTIM, RUN, mixture, partial)
+    store.commit("train", keys["train"], {"stage": "train"})
+    second = continuous_eval(TINY, overrides)
+    assert (second["evaluated"], second["recorded"], second["mlflow_steps_logged"]) == ([20], [10, 20], [20])
+    assert second["mlflow_run_id"] == first["mlflow_run_id"]
+
+    # Nothing new: the CLI's run evaluates nothing and logs nothing.
+    capsys.readouterr()
+    environ = dict(os.environ)
+    try:
+        assert main(["continuous-eval", TINY, *overrides]) == 0
+    finally:  # the CLI pins PREFECT_HOME, MLFLOW_TRACKING_URI, ... for its process; later tests get theirs back
+        os.environ.clear()
+        os.environ.update(environ)
+    assert "evaluated steps none new; 2 steps recorded" in capsys.readouterr().out
+
+    target = resolve_target(cfg, keys)
+    rows = read_recorded(target.state_file)
+    client = MlflowClient(cfg.tracking_uri)
+    runs = client.search_runs([client.get_experiment_by_name("kiln").experiment_id],
+                              filter_string="tags.`kiln.stage` = 'continuous-eval'")
+    assert [r.info.run_name for r in runs] == [f"continuous-eval/{keys['train']}"]
+    assert runs[0].data.tags["kiln.eval_key"] == target.eval_key
+    history = client.get_metric_history(runs[0].info.run_id, "kiln_heldout.bits_per_byte")
+    assert [(m.step, m.value) for m in history] == [
+        (step, rows[step]["metrics"]["kiln_heldout/bits_per_byte"]) for step in (10, 20)]
+    assert history[1].value < history[0].value
+    assert json.loads(runs[0].data.params["evaluate.eval_files"]) == [str(eval_file)]

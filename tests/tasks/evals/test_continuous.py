@@ -1,0 +1,194 @@
+"""Continuous eval on a real tiny training run's DCP checkpoints: which steps are due, scores recorded
+once, weights equal to the trained model's, pruned and corrupt checkpoints skipped with a reason."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from torch.distributed.checkpoint.api import CheckpointException
+
+import tasks.train.dcp as dcp_module
+from tasks.config import load_config
+from tasks.errors import ConfigError, InputError
+from tasks.evals.continuous import (
+    STATE_FILE,
+    EvalTarget,
+    evaluate_checkpoint,
+    plan_evaluations,
+    read_recorded,
+    resolve_target,
+)
+from tasks.evals.evaluate import EvaluateConfig, evaluate_model
+from tasks.graph import stage_keys
+from tasks.train.checkpoint import MARKER, checkpoint_dir, sha256_file
+from tasks.train.dcp import load_model_weights
+from tasks.train.loop import train_model
+from tasks.train.model import Transformer, load_model
+from tests.fixtures.continuous_eval import MODEL, OPTIM, RUN, TEXTS, write_eval_file, write_mixture, write_tokenizer
+
+REPO = Path(__file__).resolve().parents[3]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> dict[str, Path]:
+    """20 real training steps with DCP checkpoints at 5, 10, 15 and 20."""
+    root = tmp_path_factory.mktemp("continuous")
+    tokenizer = write_tokenizer(root / "tokenizer.json")
+    mixture = write_mixture(root / "data", tokenizer)
+    result = train_model(MODEL, OPTIM, RUN, mixture, root / "train")
+    return {"root": root, "checkpoints": root / "train" / "checkpoints", "model": result.model_dir,
+            "tokenizer": root / "tokenizer.json", "eval_file": write_eval_file(root / "evals" / "heldout.jsonl")}
+
+
+def target_for(trained: dict[str, Path], tmp_path: Path, every: int,
+               roots: tuple[Path, ...] | None = None) -> EvalTarget:
+    return EvalTarget(train_key="train0", eval_key="eval0", every=every,
+                      evaluate=EvaluateConfig(eval_files=[str(trained["eval_file"])]),
+                      checkpoint_roots=roots or (tmp_path / "final", trained["checkpoints"]),
+                      tokenizer=trained["tokenizer"], state_dir=tmp_path / "state")
+
+
+def copy_checkpoints(trained: dict[str, Path], dest: Path) -> Path:
+    shutil.copytree(trained["checkpoints"], dest)
+    return dest
+
+
+def test_due_steps_are_the_multiples_of_every_not_yet_recorded(trained, tmp_path):
+    assert plan_evaluations(target_for(trained, tmp_path, every=10)).due == [10, 20]
+    target = target_for(trained, tmp_path, every=5)
+    assert plan_evaluations(target).due == [5, 10, 15, 20]
+    target.state_dir.mkdir()
+    target.state_file.write_text(json.dumps({"step": 10, "metrics": {}}) + "\n")
+    plan = plan_evaluations(target)
+    assert plan.due == [5, 15, 20] and list(plan.recorded) == [10] and plan.missed == []
+
+
+def test_checkpoints_are_found_in_the_partial_and_the_final_folder_and_pruned_ones_are_reported(trained, tmp_path):
+    # The stage committed while checkpoints 15 and 20 were being written: 5 and 10 moved with the
+    # folder, 15 and 20 are still listed under the old one; 5 was pruned before anyone evaluated it.
+    final, partial = copy_checkpoints(trained, tmp_path / "final"), tmp_path / "partial"
+    partial.mkdir()
+    for step in (15, 20):
+        checkpoint_dir(final, step).rename(checkpoint_dir(partial, step))
+    shutil.rmtree(checkpoint_dir(final, 5))
+    plan = plan_evaluations(target_for(trained, tmp_path, every=5, roots=(final, partial)))
+    assert plan.due == [10, 15, 20] and plan.missed == [5]
+
+
+@pytest.fixture(scope="module")
+def evaluated(trained, tmp_path_factory):
+    """Continuous eval of every 10th step, run once."""
+    target = target_for(trained, tmp_path_factory.mktemp("evaluated"), every=10)
+    outcomes = [evaluate_checkpoint(target, step) for step in plan_evaluations(target).due]
+    return target, outcomes
+
+
+def test_each_due_checkpoint_is_scored_once_and_recorded_beside_the_data(evaluated, trained, tmp_path):
+    target, outcomes = evaluated
+    assert [(o.step, o.evaluated, o.reason) for o in outcomes] == [(10, True, None), (20, True, None)]
+    rows = read_recorded(target.state_file)
+    assert list(rows) == [10, 20]
+    assert [r["marker_sha256"] for r in rows.values()] == [
+        sha256_file(checkpoint_dir(trained["checkpoints"], s) / MARKER) for s in (10, 20)]
+    bits = {step: row["metrics"]["kiln_heldout/bits_per_byte"] for step, row in rows.items()}
+    assert 0 < bits[20] < bits[10]  # the electrocardiogram: training on the text improves its score
+    assert rows[20]["metrics"]["num_eval_docs"] == len(TEXTS)
+    assert sorted(p.name for p in target.state_dir.iterdir()) == [
+        STATE_FILE, "step_0000010.results.json", "step_0000020.results.json"]  # the temporary model is gone
+    # Step 20 is the last step: its scores are exactly the evaluate stage's on the final saved model.
+    out = tmp_path / "final_eval"
+    out.mkdir()
+    assert evaluate_model(target.evaluate, trained["model"], trained["tokenizer"], out) == rows[20]["metrics"]
+    # Idempotent: the state file says both are done.
+    assert plan_evaluations(target).due == []
+
+
+def test_weights_loaded_equal_the_saved_model(trained):
+    final, _ = load_model(trained["model"])
+    loaded = Transformer(MODEL, final.vocab_size)
+    train_state = load_model_weights(checkpoint_dir(trained["checkpoints"], 20), loaded)
+    assert train_state["step"] == 20 and train_state["identity"]["vocab_size"] == final.vocab_size
+    assert loaded.state_dict().keys() == final.state_dict().keys()
+    assert all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(), final.state_dict().values()))
+    earlier = Transformer(MODEL, final.vocab_size)
+    load_model_weights(checkpoint_dir(trained["checkpoints"], 10), earlier)
+    assert not torch.equal(earlier.lm_head.weight, final.lm_head.weight)
+
+
+def test_pruned_and_corrupt_checkpoints_are_skipped_with_a_reason_and_not_recorded(trained, tmp_path, monkeypatch):
+    root = copy_checkpoints(trained, tmp_path / "checkpoints")
+    target = target_for(trained, tmp_path, every=5, roots=(root,))
+    assert plan_evaluations(target).due == [5, 10, 15, 20]
+    shard = next(checkpoint_dir(root, 5).glob("*.distcp"))
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 0xFF  # a flipped bit
+    shard.write_bytes(bytes(data))
+    (checkpoint_dir(root, 10) / MARKER).unlink()  # half deleted: rmtree took the marker first
+    shutil.rmtree(checkpoint_dir(root, 15))  # pruned between planning and evaluating
+    intact = dcp_module._intact
+
+    def pruned_right_after_the_check(path: Path) -> bool:
+        ok = intact(path)
+        if path.name == "step_0000020":
+            shutil.rmtree(path)  # training prunes it after the integrity check, before the weights are read
+        return ok
+
+    monkeypatch.setattr(dcp_module, "_intact", pruned_right_after_the_check)
+    outcomes = {step: evaluate_checkpoint(target, step) for step in (5, 10, 15, 20)}
+    assert not any(o.evaluated for o in outcomes.values())
+    assert "incomplete or corrupt" in outcomes[5].reason and "incomplete or corrupt" in outcomes[10].reason
+    assert outcomes[15].reason == "no longer on disk: pruned by training before it was evaluated"
+    assert outcomes[20].reason == "pruned by training while its weights were being read"
+    assert not target.state_file.exists()
+
+
+def test_a_loading_error_with_every_file_present_is_not_hidden_as_a_skip(trained, tmp_path):
+    # A checkpoint whose train_state describes another model, with a marker that matches: a real bug.
+    root = copy_checkpoints(trained, tmp_path / "checkpoints")
+    path = checkpoint_dir(root, 20)
+    state = json.loads((path / "train_state.json").read_text())
+    state["identity"]["model"]["d_model"] = 64
+    (path / "train_state.json").write_text(json.dumps(state))
+    marker = json.loads((path / MARKER).read_text())
+    marker["sha256"]["train_state.json"] = sha256_file(path / "train_state.json")
+    (path / MARKER).write_text(json.dumps(marker))
+    with pytest.raises(CheckpointException) as error:
+        evaluate_checkpoint(target_for(trained, tmp_path, every=5, roots=(root,)), 20)
+    assert "Size mismatch" in str(error.value.failures)
+
+
+def test_a_malformed_state_file_line_is_an_error_naming_the_line(tmp_path):
+    state = tmp_path / STATE_FILE
+    state.write_text(json.dumps({"step": 5, "metrics": {}}) + "\nnot json\n")
+    with pytest.raises(InputError, match=f"{state}:2 .*delete that line"):
+        read_recorded(state)
+
+
+def test_target_resolves_the_train_run_and_eval_settings_from_the_config(monkeypatch, tmp_path):
+    monkeypatch.chdir(REPO)
+
+    def resolved(*overrides: str) -> EvalTarget:
+        cfg = load_config("configs/tiny.yaml", [f"work_dir={tmp_path}", *overrides])
+        return resolve_target(cfg, stage_keys(cfg))
+
+    base = resolved()
+    cfg = load_config("configs/tiny.yaml", [f"work_dir={tmp_path}"])
+    keys = stage_keys(cfg)
+    store = tmp_path / "store"
+    assert base.train_key == keys["train"] and base.every == cfg.train.run.checkpoint_every == 20
+    assert base.checkpoint_roots == (store / "train" / keys["train"] / "checkpoints",
+                                     store / "train" / f".{keys['train']}.partial" / "checkpoints")
+    assert base.tokenizer == store / "tokenize" / keys["tokenize"] / "tokenizer.json"
+    assert base.state_dir == tmp_path / "continuous_eval" / keys["train"] / base.eval_key
+    assert base.evaluate.limit == 10  # tiny.yaml's evaluate.limit
+    # `every` picks steps, it does not change scores; `limit` does, so it starts a new series.
+    assert resolved("continuous_eval.every=40").eval_key == base.eval_key
+    fewer = resolved("continuous_eval.limit=3")
+    assert fewer.evaluate.limit == 3 and fewer.eval_key != base.eval_key and fewer.train_key == base.train_key
+    assert resolved("train.run.checkpoint_every=10", "continuous_eval.every=30").every == 30
+    with pytest.raises(ConfigError, match=r"every=30 is not a multiple of train.run.checkpoint_every=20"):
+        resolved("continuous_eval.every=30")
