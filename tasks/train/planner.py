@@ -154,19 +154,19 @@ def activation_bytes_per_layer(
 
     Korthikanti's method (count every tensor autograd saves) applied to Kiln's block rather than
     GPT-3's, per token, with d = d_model, f = SwiGLU hidden, h = heads, a = activation bytes:
-      none: a(13d + 4f) + 4(2 + h): block input, normed x and its product with the gain, qkv
-            output, rotated q and k, attention output and its re-laid-out copy, the residual, the
-            second norm's two, gate_up output (2f), silu(gate) (f), silu*up (f), plus two fp32 1/rms
-            and the fp32 log-sum-exp per head. Fused attention keeps no T x T scores, so
-            Korthikanti's 5as/h term is absent.
-      selective: the attention core (RoPE + attention) is recomputed, dropping q, k, the attention
-            output and the log-sum-exp: a(10d + 4f) + 8.
+      none: a(11d + 4f) + 4(2 + h): block input, normed x and its product with the gain, rotated q
+            and k, v, attention output and its re-laid-out copy, the residual, the second norm's two,
+            gate and up outputs (2f), silu(gate) (f), silu*up (f), plus two fp32 1/rms and the fp32
+            log-sum-exp per head (RoPE multiplies by constant tables, so the unrotated q and k are not
+            kept). Fused attention keeps no T x T scores, so Korthikanti's 5as/h term is absent.
+      selective: the attention core (RoPE + attention) is recomputed: it keeps the unrotated q and
+            k instead of the rotated ones and drops the attention output and log-sum-exp: a(10d + 4f) + 8.
       full: only the block input, a d; the block is recomputed in backward.
     Sequence parallelism splits all of it tp ways, context parallelism splits tokens cp ways.
     """
     d, f, h, a = cfg.d_model, cfg.ffn_hidden, cfg.n_heads, ACT_BYTES[precision]
     per_token = {
-        "none": a * (13 * d + 4 * f) + STAT_BYTES * (2 + h),
+        "none": a * (11 * d + 4 * f) + STAT_BYTES * (2 + h),
         "selective": a * (10 * d + 4 * f) + STAT_BYTES * 2,
         "full": a * d,
     }[checkpointing]

@@ -69,7 +69,7 @@ def test_residual_projections_use_scaled_init() -> None:
     cfg = ModelConfig(d_model=256, n_layers=8, n_heads=4)
     torch.manual_seed(0)
     model = build_model(cfg, V)
-    assert model.blocks[0].attn.qkv.weight.std().item() == pytest.approx(0.02, rel=0.02)
+    assert model.blocks[0].attn.wq.weight.std().item() == pytest.approx(0.02, rel=0.02)
     assert model.blocks[0].attn.proj.weight.std().item() == pytest.approx(0.02 / 4, rel=0.02)
     assert model.blocks[0].mlp.down.weight.std().item() == pytest.approx(0.02 / 4, rel=0.02)
     assert model.lm_head.weight is model.tok_emb.weight
