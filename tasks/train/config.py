@@ -82,10 +82,11 @@ class OptimConfig(Section):
 class HealthConfig(Section):
     """Loss-spike and non-finite-loss detection, and how the loop recovers (see `tasks.train.health`).
 
-    A step's loss is a spike when its robust z-score against the previous `spike_window` step
-    losses (median and MAD) exceeds `spike_zscore`. The loop then rolls back to the newest
-    checkpoint before the bad step, replaces the data of the steps it re-runs, optionally with a
-    lowered learning rate, and gives up with `TrainingDivergedError` after `max_rollbacks`.
+    A step's loss is a spike when its robust z-score against the trend of the previous
+    `spike_window` step losses (a Theil–Sen line in log(step), and the MAD of its residuals)
+    exceeds `spike_zscore`. The loop then rolls back to the newest checkpoint before the bad step,
+    replaces the data of the steps it re-runs, optionally with a lowered learning rate, and gives
+    up with `TrainingDivergedError` after `max_rollbacks`.
     """
 
     enabled: bool = True
@@ -142,10 +143,13 @@ class TrainRunConfig(Section):
 
 
 class ParallelDims(Section):
-    """How many ways to split the layers (pp), the data (dp) and each layer (tp); their product is the world size."""
+    """How many ways to split the layers (pp), the data (dp), each sequence (cp) and each layer (tp);
+    their product is the world size. train.seq_len must be divisible by cp (checked where it is
+    known: `tasks.train.parallel.check_context_split`)."""
 
     pp: int = Field(1, gt=0)
     dp: int = Field(1, gt=0)
+    cp: int = Field(1, gt=0)
     tp: int = Field(1, gt=0)
     dp_mode: Literal["fsdp", "ddp"] = "fsdp"
     activation_checkpointing: bool = False
@@ -157,13 +161,27 @@ class ParallelDims(Section):
                 f"parallel.dp_mode='ddp' cannot be combined with parallel.tp={self.tp}: "
                 "DDP does not handle DTensor parameters; use dp_mode='fsdp' for dp x tp"
             )
-        if self.pp > 1 and self.dp * self.tp > 1:
+        if self.pp > 1 and self.tp > 1:
             raise ValueError(
-                f"parallel.pp={self.pp} with dp={self.dp}, tp={self.tp}: pipeline parallel does not "
-                "compose with dp or tp here yet; use pp alone or set pp=1"
+                f"parallel.pp={self.pp} with tp={self.tp}: pipeline parallel does not compose with tensor "
+                "parallel here yet; use pp with dp (dp_mode='fsdp') only, or set tp=1"
+            )
+        if self.pp > 1 and self.dp > 1 and self.dp_mode == "ddp":
+            raise ValueError(
+                f"parallel.pp={self.pp} with dp={self.dp} and dp_mode='ddp': pipeline stages are data-parallel "
+                "with FSDP only (each stage sharded over its dp group); set dp_mode='fsdp'"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _check_context_parallel(self) -> ParallelDims:
+        if self.cp > 1 and self.pp > 1:
+            raise ValueError(
+                f"parallel.cp={self.cp} with pp={self.pp}: context parallel does not compose with pipeline "
+                "parallel here; use cp with dp and tp only, or set cp=1"
             )
         return self
 
     @property
     def world_size(self) -> int:
-        return self.pp * self.dp * self.tp
+        return self.pp * self.dp * self.cp * self.tp

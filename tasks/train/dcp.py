@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from tasks.errors import InputError
 from tasks.train.checkpoint import (
@@ -40,6 +40,9 @@ from tasks.train.checkpoint import (
 )
 
 TRAIN_STATE_FILE = "train_state.json"
+# optimizer state keyed by parameter name (torchtitan's choice): param groups differ between
+# layouts and pipeline stages, so DCP's default keying by group index cannot reshard across them
+FLAT_OPTIMIZER = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
 def _rank_world() -> tuple[int, int]:
@@ -98,7 +101,7 @@ def save_dcp(
         tmp.mkdir()
         (tmp / TRAIN_STATE_FILE).write_text(json.dumps({"step": step, **train_state}) + "\n")
     _barrier()
-    model_state, optim_state = get_state_dict(model, optimizer)
+    model_state, optim_state = get_state_dict(model, optimizer, options=FLAT_OPTIMIZER)
     # a plain tensor counts as replicated: rank 0's RNG state is saved and every rank gets it back
     state = {"model": model_state, "optim": optim_state, "rng": torch.get_rng_state()}
     with _single_process_is_intended():
@@ -143,11 +146,12 @@ def load_dcp(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> 
     layout they have (collective); returns its train_state."""
     # get_state_dict gives the layout to load into; it first creates empty optimizer state
     # with a zero-lr step, which the load then overwrites
-    model_state, optim_state = get_state_dict(model, optimizer)
+    model_state, optim_state = get_state_dict(model, optimizer, options=FLAT_OPTIMIZER)
     state = {"model": model_state, "optim": optim_state, "rng": torch.get_rng_state()}
     with _single_process_is_intended():
         dcp.load(state, checkpoint_id=path, no_dist=not dist.is_initialized())
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                   options=FLAT_OPTIMIZER)
     torch.set_rng_state(state["rng"])
     return read_train_state(path)
 

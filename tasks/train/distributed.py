@@ -2,10 +2,11 @@
 
 `Layout.create(dims, device)` is the loop's only view of parallelism. With `dims.world_size == 1`
 it is a single process without any process group or mesh, and every method is the plain
-computation. Otherwise it joins torchrun's process group, builds the ("pp", "dp", "tp") mesh, and
-`prepare` splits the model (`tasks.train.parallel`): TP, activation checkpointing, FSDP2 or DDP,
-or a pipeline stage driven by a GPipe schedule. Each data-parallel rank trains on its own rows of
-the step's global batch (`batch`; TP and PP ranks of one dp group share rows), so the global batch
+computation. Otherwise it joins torchrun's process group, builds the ("pp", "dp", "cp", "tp")
+mesh, and `prepare` splits the model (`tasks.train.parallel`): TP, context parallel, activation
+checkpointing, FSDP2 or DDP, or a pipeline stage driven by a GPipe schedule. Each data-parallel
+rank trains on its own rows of the step's global batch (`batch`; TP, CP and PP ranks of one dp
+group share rows, and each CP rank takes its own chunk of every sequence), so the global batch
 per step is `batch_size * grad_accum` rows whatever the world size — exactly the rows a single
 process uses — and a parallel run's loss curve matches the single-process one up to float
 summation order. `batch_checksum` digests each step's global batch, so runs with different layouts
@@ -37,7 +38,10 @@ from tasks.train.model import Transformer
 from tasks.train.parallel import (
     apply_activation_checkpointing,
     build_mesh,
+    check_context_split,
     check_divisible,
+    context_chunk,
+    dp_cp_mesh,
     parallelize,
     pipeline_stage,
 )
@@ -153,13 +157,14 @@ class Layout:
     device: torch.device
     mesh: DeviceMesh | None  # None: a single process, no process group
     _pipeline_ce: list[torch.Tensor] = field(default_factory=list)  # the last stage's micro-batch losses
+    _n_microbatches: int = 1
 
     @classmethod
     def create(cls, dims: ParallelDims, device: torch.device) -> Layout:
         launched = int(os.environ.get("WORLD_SIZE", "1"))
         if launched != dims.world_size:
             raise ValueError(
-                f"parallel.pp * dp * tp = {dims.world_size} but {launched} processes were started: make "
+                f"parallel.pp * dp * cp * tp = {dims.world_size} but {launched} processes were started: make "
                 "torchrun's --nproc_per_node * --nnodes equal the product, or train in one process with all of them 1"
             )
         if dims.world_size == 1:
@@ -188,6 +193,7 @@ class Layout:
         """Split `model` over the layout (in place where possible); returns (module to train, GPipe
         schedule or None). Activation checkpointing comes from either config; compile is per model."""
         check_divisible(self.dims, model, run_cfg.batch_size)
+        check_context_split(self.dims, run_cfg.seq_len)
         dims = self.dims.model_copy(
             update={"activation_checkpointing": self.dims.activation_checkpointing or run_cfg.activation_checkpointing}
         )
@@ -202,9 +208,7 @@ class Layout:
             return model, None
         if dims.pp > 1:
             pp_mesh = self.mesh["pp"]
-            stage_module = pipeline_stage(model, pp_mesh.get_local_rank(), dims.pp)
-            if dims.activation_checkpointing:
-                apply_activation_checkpointing(stage_module)
+            stage_module = parallelize(pipeline_stage(model, pp_mesh.get_local_rank(), dims.pp), dims, self.mesh)
             stage = PipelineStage(stage_module, pp_mesh.get_local_rank(), dims.pp, self.device,
                                   group=pp_mesh.get_group())
 
@@ -215,6 +219,7 @@ class Layout:
 
             # GPipe cuts the step's rows into grad_accum micro-batches in order, as the loop does,
             # and scales their gradients by 1 / grad_accum
+            self._n_microbatches = run_cfg.grad_accum
             return stage_module, ScheduleGPipe(stage, n_microbatches=run_cfg.grad_accum, loss_fn=loss_fn)
         return parallelize(model, dims, self.mesh), None
 
@@ -233,9 +238,13 @@ class Layout:
     def forward_backward(self, model: nn.Module, schedule: Any, x: torch.Tensor, y: torch.Tensor,
                          grad_accum: int, z_loss: float) -> float:
         """Gradients of one step over this rank's rows in grad_accum micro-batches; the global batch's
-        mean cross-entropy (the same number on every rank)."""
+        mean cross-entropy (the same number on every rank). Under context parallel each cp rank of a
+        dp group takes its own chunk of every row: the global loss is the mean over all dp x cp ranks."""
         if schedule is not None:
             return self._pipeline_step(schedule, x, y)
+        start_pos = 0
+        if self.dims.cp > 1:
+            x, y, start_pos = context_chunk(x, y, self.mesh["cp"].get_local_rank(), self.dims.cp)
         local_batch = x.shape[0] // grad_accum
         loss_sum = torch.zeros((), device=x.device)
         for m in range(grad_accum):
@@ -243,15 +252,15 @@ class Layout:
             with _gradient_sync(model, m == grad_accum - 1):
                 # bf16 autocast on GPU only: CPU runs stay fp32 and bit-reproducible
                 with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=x.device.type == "cuda"):
-                    logits = model(x[rows])
+                    logits = model(x[rows], start_pos=start_pos)
                 loss, total = objective(logits, y[rows], z_loss)
                 (total / grad_accum).backward()
             loss_sum += loss.detach()
         mean = loss_sum / grad_accum
         if self.mesh is not None:
             # gloo has no AVG reduction: sum then divide
-            dist.all_reduce(mean, op=dist.ReduceOp.SUM, group=self.mesh["dp"].get_group())
-            return mean.item() / self.dims.dp
+            dist.all_reduce(mean, op=dist.ReduceOp.SUM, group=dp_cp_mesh(self.mesh).get_group())
+            return mean.item() / (self.dims.dp * self.dims.cp)
         return mean.item()
 
     def _pipeline_step(self, schedule: ScheduleGPipe, x: torch.Tensor, y: torch.Tensor) -> float:
@@ -265,8 +274,14 @@ class Layout:
             schedule.step(target=y, losses=[])
         else:
             schedule.step()
-        loss = torch.stack(self._pipeline_ce).mean() if pp_rank == last else torch.zeros((), device=x.device)
+        # the first step also calls loss_fn once on placeholder data to infer shapes: only the
+        # last grad_accum calls are this step's micro-batches
+        n = self._n_microbatches
+        loss = torch.stack(self._pipeline_ce[-n:]).mean() if pp_rank == last else torch.zeros((), device=x.device)
         dist.broadcast(loss, group=pp_mesh.get_group(), group_src=last)
+        if self.dims.dp > 1:  # each dp replica of the pipeline trains its own rows
+            dist.all_reduce(loss, op=dist.ReduceOp.SUM, group=self.mesh["dp"].get_group())
+            return loss.item() / self.dims.dp
         return loss.item()
 
     def local_numel(self, model: nn.Module) -> int:

@@ -1,10 +1,10 @@
 """Every parallelism mode trains to the single-process loss curve: real torchrun, gloo, CPU.
 
-One 2-process torchrun runs DDP, FSDP2 (+ activation checkpointing), tensor parallel and a
-2-stage GPipe pipeline in turn (one launch, since each launch costs ~10 s of imports on 2
-cores); a 4-process one runs FSDP x TP on a 2 x 2 mesh. All use grad_accum=2, so FSDP's skipped
-gradient sync and pipeline micro-batching are exercised. Each curve is compared with
-`train_model` on the same data.
+One 2-process torchrun runs DDP, FSDP2 (+ activation checkpointing), tensor parallel, a
+2-stage GPipe pipeline and context parallel in turn (one launch, since each launch costs ~10 s
+of imports on 2 cores); a 4-process one runs FSDP x TP and FSDP x CP on 2 x 2 meshes. All use
+grad_accum=2, so FSDP's skipped gradient sync and pipeline micro-batching are exercised. Each
+curve, and the gathered final model, is compared with `train_model` on the same data.
 
 Measured worst relative loss difference over the 10 steps (one thread per process): DDP 0
 (bit-identical), FSDP 1.1e-7, TP 7.2e-8, PP 1.1e-7, FSDP x TP 1.5e-7; TP's all-reduces only
@@ -21,11 +21,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from tasks.train.config import ModelConfig, OptimConfig, TrainRunConfig
 from tasks.train.data_loader import Mixture
 from tasks.train.loop import train_model
-from tasks.train.model import Transformer, count_parameters
+from tasks.train.model import Transformer, count_parameters, load_model
 from tasks.train.parallel import ParallelDims, check_divisible
 
 REPO = Path(__file__).resolve().parents[3]
@@ -36,6 +37,7 @@ OPTIM = OptimConfig(lr=1e-2, warmup_steps=3)
 RUN = TrainRunConfig(steps=10, batch_size=2, grad_accum=2, seq_len=16, eval_batches=1, log_every=1, num_threads=1)
 LOSS_RTOL = 1e-5
 GRAD_NORM_RTOL = 1e-4
+WEIGHT_ATOL = 1e-4
 # pipeline stages cannot share a weight; TP runs it too, covering a plain head and per-head QK-norm
 VARIANT = MODEL.model_copy(update={"tie_embeddings": False, "qk_norm": True})
 TWO_PROC_MODES = {
@@ -43,6 +45,11 @@ TWO_PROC_MODES = {
     "fsdp_ac": (ParallelDims(dp=2, activation_checkpointing=True), MODEL),
     "tp": (ParallelDims(tp=2), VARIANT),
     "pp": (ParallelDims(pp=2), VARIANT),
+    "cp": (ParallelDims(cp=2), MODEL),
+}
+FOUR_PROC_MODES = {
+    "fsdp_tp": (ParallelDims(dp=2, tp=2), MODEL),
+    "fsdp_cp": (ParallelDims(dp=2, cp=2), MODEL),
 }
 
 
@@ -88,14 +95,14 @@ def data(tmp_path_factory) -> Path:
     return root
 
 
-def single_process(model: ModelConfig, data: Path, out: Path) -> dict[str, list[float]]:
-    """The single-process loop's per-step losses and gradient norms."""
+def single_process(model: ModelConfig, data: Path, out: Path) -> dict:
+    """The single-process loop's per-step losses and gradient norms, and its final model."""
     grad_norms: list[float] = []
     result = train_model(
         model, OPTIM, RUN, Mixture.from_manifest(data / "manifest.json", data), out,
         on_metrics=lambda step, m: grad_norms.append(m["grad_norm"]) if "grad_norm" in m else None,
     )
-    return {"loss": [loss for _, loss in result.loss_curve], "grad_norm": grad_norms}
+    return {"loss": [loss for _, loss in result.loss_curve], "grad_norm": grad_norms, "model_dir": result.model_dir}
 
 
 @pytest.fixture(scope="module")
@@ -110,10 +117,15 @@ def reference_variant(data, tmp_path_factory) -> dict[str, list[float]]:
 
 @pytest.fixture(scope="module")
 def two_proc(data, tmp_path_factory) -> dict[str, dict]:
-    return torchrun(2, TWO_PROC_MODES, data, tmp_path_factory.mktemp("two_proc"), timeout=90)
+    return torchrun(2, TWO_PROC_MODES, data, tmp_path_factory.mktemp("two_proc"), timeout=120)
 
 
-def assert_matches(result: dict, reference: dict[str, list[float]]) -> None:
+@pytest.fixture(scope="module")
+def four_proc(data, tmp_path_factory) -> dict[str, dict]:
+    return torchrun(4, FOUR_PROC_MODES, data, tmp_path_factory.mktemp("four_proc"), timeout=150)
+
+
+def assert_matches(result: dict, reference: dict) -> None:
     assert [step for step, _ in result["loss_curve"]] == list(range(1, RUN.steps + 1))
     np.testing.assert_allclose([v for _, v in result["loss_curve"]], reference["loss"], rtol=LOSS_RTOL, atol=0)
     np.testing.assert_allclose(
@@ -121,10 +133,16 @@ def assert_matches(result: dict, reference: dict[str, list[float]]) -> None:
     )
     # it learned: the pattern is easy, so 10 steps cut the loss well below ln(64) = 4.16
     assert result["loss_curve"][-1][1] < reference["loss"][0] - 1.0
+    # the gathered final model is the single-process one: AdamW turns summation-order differences
+    # of 1e-7 into weight differences of ~2e-5 over 10 steps (lr 1e-2)
+    gathered, _ = load_model(Path(result["model_dir"]))
+    expected, _ = load_model(reference["model_dir"])
+    for (name, a), (_, b) in zip(gathered.state_dict().items(), expected.state_dict().items()):
+        torch.testing.assert_close(a, b, rtol=0, atol=WEIGHT_ATOL, msg=name)
 
 
 N_PARAMS = count_parameters(MODEL, V)
-# matmul weights TP splits per block: qkv + proj (4 d^2) and gate_up + down (3 d f)
+# matmul weights TP splits per block: wq, wk, wv, proj (4 d^2) and gate, up, down (3 d f)
 TP_SPLIT = MODEL.n_layers * (4 * MODEL.d_model**2 + 3 * MODEL.d_model * MODEL.ffn_hidden)
 
 
@@ -152,10 +170,24 @@ def test_tensor_parallel_matches_single_process(two_proc, reference_variant) -> 
 
 @pytest.mark.distributed
 @pytest.mark.timeout(180)
-def test_fsdp_tp_2d_mesh_matches_single_process(data, reference, tmp_path) -> None:
-    result = torchrun(4, {"fsdp_tp": (ParallelDims(dp=2, tp=2), MODEL)}, data, tmp_path, timeout=120)["fsdp_tp"]
+def test_fsdp_tp_2d_mesh_matches_single_process(four_proc, reference) -> None:
+    result = four_proc["fsdp_tp"]
     assert_matches(result, reference)
     assert result["rank0_local_numel"] == (N_PARAMS - TP_SPLIT // 2) // 2
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(180)
+def test_context_parallel_matches_single_process(two_proc, reference) -> None:
+    assert_matches(two_proc["cp"], reference)
+    assert two_proc["cp"]["rank0_local_numel"] == N_PARAMS // 2  # FSDP over the cp ranks
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(180)
+def test_fsdp_x_context_parallel_matches_single_process(four_proc, reference) -> None:
+    assert_matches(four_proc["fsdp_cp"], reference)
+    assert four_proc["fsdp_cp"]["rank0_local_numel"] == N_PARAMS // 4  # sharded over dp x cp
 
 
 @pytest.mark.distributed
@@ -177,5 +209,5 @@ def test_parallel_dims_reject_what_cannot_split() -> None:
         check_divisible(ParallelDims(dp=2), model, batch_size=3)
     with pytest.raises(ValueError, match="parallel.pp > 1 needs model.tie_embeddings=false"):
         check_divisible(ParallelDims(pp=2), model, batch_size=4)
-    with pytest.raises(ValueError, match="pipeline parallel does not compose with dp or tp here yet"):
-        ParallelDims(pp=2, dp=2)
+    with pytest.raises(ValueError, match="pipeline parallel does not compose with tensor parallel"):
+        ParallelDims(pp=2, tp=2)
