@@ -26,7 +26,7 @@ from pydantic import ValidationError
 
 from tasks.configbase import Section, runtime_field
 from tasks.errors import ConfigError
-from tasks.train.config import ModelConfig
+from tasks.train.config import ModelConfig, ParallelDims
 from tasks.train.model import count_parameters, flops_per_token
 
 Checkpointing = Literal["none", "selective", "full"]
@@ -162,7 +162,9 @@ def activation_bytes_per_layer(
       selective: the attention core (RoPE + attention) is recomputed: it keeps the unrotated q and
             k instead of the rotated ones and drops the attention output and log-sum-exp: a(10d + 4f) + 8.
       full: only the block input, a d; the block is recomputed in backward.
-    Sequence parallelism splits all of it tp ways, context parallelism splits tokens cp ways.
+    Sequence parallelism splits all of it tp ways, context parallelism splits tokens cp ways, but
+    Kiln's all-gather context parallel also keeps the other cp - 1 chunks' keys and values (2d per
+    token of theirs) for backward, unless the block is recomputed.
     """
     d, f, h, a = cfg.d_model, cfg.ffn_hidden, cfg.n_heads, ACT_BYTES[precision]
     per_token = {
@@ -171,7 +173,8 @@ def activation_bytes_per_layer(
         "full": a * d,
     }[checkpointing]
     tokens = micro_batch * seq_len // cp
-    return -(-tokens * per_token // tp)
+    gathered_kv = a * 2 * d * (micro_batch * seq_len - tokens) if checkpointing != "full" else 0
+    return -(-(tokens * per_token + gathered_kv) // tp)
 
 
 def head_activation_bytes(
@@ -321,9 +324,10 @@ def estimate_step_time(
     stage_params = stage_parameters(cfg, vocab_size, lo.tp, lo.pp)
     fsdp_link = link(lo.tp * lo.cp * lo.dp)
     fsdp_comm = m * (2 * _ring(lo.shard, stage_params * a, fsdp_link) + _ring(lo.shard, stage_params * 4, fsdp_link))
-    # ring attention: each rank's K and V travel cp-1 hops forward; K, V and their grads backward
+    # all-gather context parallel: each rank receives the other cp-1 chunks' K and V in forward
+    # and sends their gradients back (reduce-scatter) in backward; the gathered K, V are kept
     kv_bytes = 2 * local_tokens * cfg.d_model // lo.tp * a
-    cp_comm = m * layers * 3 * (lo.cp - 1) * kv_bytes / link(lo.tp * lo.cp) if lo.cp > 1 else 0.0
+    cp_comm = m * layers * 2 * (lo.cp - 1) * kv_bytes / link(lo.tp * lo.cp) if lo.cp > 1 else 0.0
     return StepTime(compute, attention, recompute, bubble, tp_comm, pp_comm, fsdp_comm, cp_comm)
 
 
@@ -415,11 +419,12 @@ def global_batch_in_sequences(seq_len: int, global_batch_seqs: int | None, globa
 
 
 def legal_layouts(cfg: ModelConfig, seq_len: int, global_batch_seqs: int, cluster: ClusterSpec) -> list[Layout]:
-    """Every layout meeting the structural constraints (memory is judged later).
+    """Every layout meeting the structural constraints that Kiln's trainer can run (memory is judged later).
 
     tp divides the heads and stays inside a node; pp divides the layers; cp splits the sequence
-    into 2 cp equal chunks (the load-balanced causal ring); dp x tp x pp x cp is the world size;
-    the global batch splits evenly into dp x micro-batch.
+    into cp equal chunks; dp x tp x pp x cp is the world size; the global batch splits evenly into
+    dp x micro-batch; and `ParallelDims` accepts the combination (pipeline parallel composes with
+    FSDP but not with tp or cp).
     """
     world = cluster.world_size
     layouts = []
@@ -430,16 +435,22 @@ def legal_layouts(cfg: ModelConfig, seq_len: int, global_batch_seqs: int, cluste
             if cfg.n_layers % pp:
                 continue
             for cp in _divisors(world // (tp * pp)):
-                if seq_len % (2 * cp) and cp > 1:
-                    continue
                 dp = world // (tp * pp * cp)
-                if global_batch_seqs % dp:
+                if seq_len % cp or global_batch_seqs % dp or not _runnable(pp, dp, cp, tp):
                     continue
                 for mb in _divisors(global_batch_seqs // dp):
                     if mb > MAX_MICRO_BATCH:
                         break
                     layouts.extend(Layout(dp, tp, pp, cp, mb, ac) for ac in CHECKPOINTING)
     return layouts
+
+
+def _runnable(pp: int, dp: int, cp: int, tp: int) -> bool:
+    try:
+        ParallelDims(pp=pp, dp=dp, cp=cp, tp=tp)
+    except ValidationError:
+        return False
+    return True
 
 
 def plan_parallelism(
