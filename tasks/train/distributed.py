@@ -149,6 +149,11 @@ def _gradient_sync(model: nn.Module, enabled: bool) -> Iterator[None]:
     yield
 
 
+def _compile_blocks(model: nn.Module) -> None:
+    for block in model.blocks.children():
+        block.compile()
+
+
 @dataclass
 class Layout:
     """Where this process sits in the parallel layout, and the collectives the loop needs."""
@@ -191,15 +196,14 @@ class Layout:
 
     def prepare(self, model: Transformer, run_cfg: TrainRunConfig, z_loss: float) -> tuple[nn.Module, Any]:
         """Split `model` over the layout (in place where possible); returns (module to train, GPipe
-        schedule or None). Activation checkpointing comes from either config; compile is per model."""
+        schedule or None). Activation checkpointing comes from either config. `run.compile` compiles
+        the whole model on one process, and block by block when sharded (torchtitan's choice: FSDP's
+        gathers and the pipeline's cuts sit at block boundaries)."""
         check_divisible(self.dims, model, run_cfg.batch_size)
         check_context_split(self.dims, run_cfg.seq_len)
         dims = self.dims.model_copy(
             update={"activation_checkpointing": self.dims.activation_checkpointing or run_cfg.activation_checkpointing}
         )
-        if run_cfg.compile and self.mesh is not None:
-            raise ValueError("train.run.compile is supported in one process only: torch 2.13 cannot compile "
-                             "FSDP/TP/PP modules on CPU here; turn it off for parallel runs")
         if self.mesh is None:
             if dims.activation_checkpointing:
                 apply_activation_checkpointing(model)
@@ -209,6 +213,8 @@ class Layout:
         if dims.pp > 1:
             pp_mesh = self.mesh["pp"]
             stage_module = parallelize(pipeline_stage(model, pp_mesh.get_local_rank(), dims.pp), dims, self.mesh)
+            if run_cfg.compile:
+                _compile_blocks(stage_module)
             stage = PipelineStage(stage_module, pp_mesh.get_local_rank(), dims.pp, self.device,
                                   group=pp_mesh.get_group())
 
@@ -221,7 +227,10 @@ class Layout:
             # and scales their gradients by 1 / grad_accum
             self._n_microbatches = run_cfg.grad_accum
             return stage_module, ScheduleGPipe(stage, n_microbatches=run_cfg.grad_accum, loss_fn=loss_fn)
-        return parallelize(model, dims, self.mesh), None
+        model = parallelize(model, dims, self.mesh)
+        if run_cfg.compile:
+            _compile_blocks(model)
+        return model, None
 
     def batch(self, mixture: Mixture, seed: int, index: int, rows: int, seq_len: int
               ) -> tuple[torch.Tensor, torch.Tensor, int]:

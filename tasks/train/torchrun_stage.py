@@ -18,7 +18,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from tasks.errors import ConfigError
 from tasks.train.config import ModelConfig, OptimConfig, ParallelDims, TrainRunConfig
 from tasks.train.launch import LaunchError, TorchrunLauncher, record_failed_hosts
 from tasks.train.loop import METRICS_LOG, TrainResult, read_result, write_metrics
@@ -39,9 +38,6 @@ def train_with_torchrun(model_cfg: ModelConfig, optim_cfg: OptimConfig, run_cfg:
     from its last DCP checkpoint. Each failure is a `process_failure` event with the failed host and
     the measured time from failure to the relaunched job's first step; it joins the worker's own
     health events (rollbacks) in the result. `fault_injection` is for tests."""
-    if run_cfg.compile:
-        raise ConfigError(f"train.parallel spans {dims.world_size} processes, and train.run.compile is supported in "
-                          "one process only (torch 2.13 cannot compile the sharded modules on CPU here): turn it off")
     config = {
         "model": model_cfg.model_dump(mode="json"), "optim": optim_cfg.model_dump(mode="json"),
         "train": run_cfg.model_dump(mode="json"), "parallel": dims.model_dump(mode="json"),
