@@ -1,15 +1,15 @@
 """Every parallelism mode trains to the single-process loss curve: real torchrun, gloo, CPU.
 
-One 2-process torchrun runs DDP, FSDP2 (+ activation checkpointing), tensor parallel, a
-2-stage GPipe pipeline and context parallel in turn (one launch, since each launch costs ~10 s
-of imports on 2 cores); a 4-process one runs FSDP x TP and FSDP x CP on 2 x 2 meshes. All use
+One 2-process torchrun runs DDP, FSDP2 (+ activation checkpointing), tensor parallel, a 2-stage
+GPipe pipeline and context parallel in turn (one launch, since each launch costs ~10 s of imports
+on 2 cores); a 4-process one runs FSDP x TP, FSDP x CP and PP x FSDP on 2 x 2 meshes. All use
 grad_accum=2, so FSDP's skipped gradient sync and pipeline micro-batching are exercised. Each
 curve, and the gathered final model, is compared with `train_model` on the same data.
 
 Measured worst relative loss difference over the 10 steps (one thread per process): DDP 1.1e-7,
-FSDP 1.1e-7, TP 1.6e-7, PP 0 (bit-identical), CP 9.7e-8, FSDP x TP 1.0e-7, FSDP x CP 9.7e-8;
-the collectives only change summation order. The tolerance is rtol=1e-5 on losses and 1e-4 on
-gradient norms.
+FSDP 1.1e-7, TP 1.6e-7, PP 0 (bit-identical), CP 9.7e-8, FSDP x TP 1.0e-7, FSDP x CP 9.7e-8,
+PP x FSDP 7.9e-8; the collectives only change summation order. The tolerance is rtol=1e-5 on
+losses and 1e-4 on gradient norms.
 """
 
 from __future__ import annotations
@@ -51,6 +51,7 @@ TWO_PROC_MODES = {
 FOUR_PROC_MODES = {
     "fsdp_tp": (ParallelDims(dp=2, tp=2), MODEL),
     "fsdp_cp": (ParallelDims(dp=2, cp=2), MODEL),
+    "pp_fsdp": (ParallelDims(pp=2, dp=2), VARIANT),
 }
 
 
@@ -189,6 +190,12 @@ def test_context_parallel_matches_single_process(two_proc, reference) -> None:
 def test_fsdp_x_context_parallel_matches_single_process(four_proc, reference) -> None:
     assert_matches(four_proc["fsdp_cp"], reference)
     assert four_proc["fsdp_cp"]["rank0_local_numel"] == N_PARAMS // 4  # sharded over dp x cp
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(180)
+def test_pipeline_x_fsdp_matches_single_process(four_proc, reference_variant) -> None:
+    assert_matches(four_proc["pp_fsdp"], reference_variant)
 
 
 @pytest.mark.distributed
