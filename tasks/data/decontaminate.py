@@ -28,7 +28,7 @@ from tasks.configbase import Section
 from tasks.data.dedup import strip_punctuation
 from tasks.data.documents import DOCUMENTS_FILE, REMOVED_FILE, ReasonLog, read_documents
 from tasks.errors import InputError
-from tasks.evals.heldout_task import task_name_for
+from tasks.evals.heldout_task import read_eval_records, task_name_for
 
 CONTAMINATION_FILE = "contamination.json"
 CONTAMINATION_REPORT = "contamination.md"
@@ -122,30 +122,6 @@ def _index(name: str, task: str, source: str, docs: Iterable[tuple[str, str]], s
     return EvalIndex(name, task, source, doc_ids, holders, too_short)
 
 
-def _file_docs(path: Path) -> list[tuple[str, str]]:
-    """(id, text) of each record: the record's string `id`, else `line N`."""
-    if not path.is_file():
-        raise InputError(f"eval file {str(path)!r} does not exist; check the evaluate stage's suite paths")
-    docs = []
-    with open(path, encoding="utf-8") as handle:
-        try:
-            lines = list(enumerate(handle, 1))
-        except UnicodeDecodeError as err:
-            raise InputError(f"eval file {str(path)!r} is not UTF-8 ({err}); re-encode it") from err
-    for line_no, line in lines:
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise InputError(f"{path}:{line_no}: invalid JSON ({err}); fix or remove the line") from err
-        if not isinstance(record, dict) or not isinstance(record.get("text"), str):
-            raise InputError(f"{path}:{line_no}: expected an object with a string field 'text'")
-        doc_id = record.get("id")
-        docs.append((doc_id if isinstance(doc_id, str) else f"line {line_no}", record["text"]))
-    return docs
-
-
 def _task_docs(names: Sequence[str], include_path: Path | None) -> dict[str, list[tuple[str, str]]]:
     """(id, text) of each evaluation document of each lm-eval task: its prompt and its answer."""
     from lm_eval.tasks import TaskManager  # lm-eval takes seconds to import; only task names need it
@@ -192,7 +168,7 @@ def index_ngrams(
     `task_include_path` is a folder of extra lm-eval task YAMLs (lm-eval's `include_path`).
     """
     indexes = [
-        _index(Path(path).stem, task_name_for(Path(path)), str(path), _file_docs(Path(path)), size)
+        _index(Path(path).stem, task_name_for(Path(path)), str(path), read_eval_records(Path(path)), size)
         for path in eval_files
     ]
     for name, docs in _task_docs(eval_tasks, task_include_path).items() if eval_tasks else ():

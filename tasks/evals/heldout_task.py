@@ -24,28 +24,34 @@ def task_name_for(eval_file: Path) -> str:
     return "kiln_" + re.sub(r"[^a-z0-9]+", "_", Path(eval_file).stem.lower()).strip("_")
 
 
-def read_eval_texts(eval_file: Path) -> list[str]:
-    """The `text` of every record; blank lines are skipped, anything else malformed is an error."""
+def read_eval_records(eval_file: Path) -> list[tuple[str, str]]:
+    """(id, text) of every record: the record's string `id`, else `line N`. The one reader of eval
+    files (the held-out task and decontamination both use it): blank lines are skipped, anything
+    else malformed is an `InputError` naming the file and line."""
     if not eval_file.is_file():
         raise InputError(f"eval file {eval_file} does not exist: create it or fix the path")
-    texts = []
-    with open(eval_file, encoding="utf-8") as handle:
-        for line_no, line in enumerate(handle, start=1):
-            if not line.strip():
-                continue
-            where = f"{eval_file}:{line_no}"
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise InputError(f"{where} is not valid JSON ({err.msg}): write one JSON object per line") from err
-            if not isinstance(record, dict) or not isinstance(record.get("text"), str):
-                raise InputError(f'{where} has no string "text" field: each record needs {{"text": "..."}}')
-            if not record["text"].strip():
-                raise InputError(f'{where} has an empty "text": perplexity of nothing is undefined; drop the line')
-            texts.append(record["text"])
-    if not texts:
+    try:
+        lines = eval_file.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError as err:
+        raise InputError(f"eval file {eval_file} is not UTF-8 ({err}): re-encode it") from err
+    records = []
+    for line_no, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        where = f"{eval_file}:{line_no}"
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise InputError(f"{where} is not valid JSON ({err.msg}): write one JSON object per line") from err
+        if not isinstance(record, dict) or not isinstance(record.get("text"), str):
+            raise InputError(f'{where} has no string "text" field: each record needs {{"text": "..."}}')
+        if not record["text"].strip():
+            raise InputError(f'{where} has an empty "text": an eval item needs text; drop the line')
+        doc_id = record.get("id")
+        records.append((doc_id if isinstance(doc_id, str) else f"line {line_no}", record["text"]))
+    if not records:
         raise InputError(f"eval file {eval_file} holds no records: add at least one {{\"text\": ...}} line")
-    return texts
+    return records
 
 
 def write_heldout_task(eval_file: Path, task_dir: Path, task_name: str) -> str:
@@ -55,7 +61,7 @@ def write_heldout_task(eval_file: Path, task_dir: Path, task_name: str) -> str:
     is written absolute. The HF datasets cache goes to `task_dir/hf_cache` rather than the
     user's home, so a run touches no files outside its own folder.
     """
-    texts = read_eval_texts(eval_file)
+    texts = [text for _, text in read_eval_records(eval_file)]
     task_dir.mkdir(parents=True, exist_ok=True)
     docs_path = (task_dir / f"{task_name}{DOCS_FILE_SUFFIX}").resolve()
     with open(docs_path, "w", encoding="utf-8") as handle:

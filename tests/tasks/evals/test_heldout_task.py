@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from tasks.errors import InputError
-from tasks.evals.heldout_task import task_name_for, write_heldout_task
+from tasks.evals.heldout_task import read_eval_records, task_name_for, write_heldout_task
 
 
 def test_task_name_derives_from_file_stem() -> None:
@@ -56,6 +56,16 @@ def test_bad_eval_file_names_file_and_line(tmp_path: Path, content: str, message
     bad.write_text(content)
     with pytest.raises(InputError, match=message):
         write_heldout_task(bad, tmp_path / "tasks", "kiln_bad")
+
+
+def test_eval_records_carry_ids_and_reject_non_utf8(tmp_path: Path) -> None:
+    good = tmp_path / "good.jsonl"
+    good.write_text('{"id": "q1", "text": "first"}\n\n{"text": "second", "id": 7}\n')
+    assert read_eval_records(good) == [("q1", "first"), ("line 3", "second")]
+    latin1 = tmp_path / "latin1.jsonl"
+    latin1.write_bytes('{"text": "caf\u00e9"}\n'.encode("latin-1"))
+    with pytest.raises(InputError, match="latin1.jsonl is not UTF-8"):
+        read_eval_records(latin1)
 
 
 def test_missing_eval_file(tmp_path: Path) -> None:
