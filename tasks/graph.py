@@ -69,6 +69,8 @@ def _lookup(cfg: KilnConfig, dotted: str) -> Any:
 def _external_files(name: str, cfg: KilnConfig) -> dict[str, str]:
     if name == "collect":
         return {"sources_sha256": fingerprint_paths(source_paths(cfg.collect))}
+    if name == "clean" and cfg.clean.quality_model is not None:
+        return {"quality_model_sha256": fingerprint_paths([Path(cfg.clean.quality_model)])}
     if name in ("decontaminate", "evaluate"):
         return {"eval_files_sha256": fingerprint_paths(Path(p) for p in cfg.evaluate.eval_files)}
     return {}

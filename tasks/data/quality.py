@@ -1,0 +1,79 @@
+"""The clean stage's model-based quality filter: a supervised fastText classifier, applied per document.
+
+The shipped model (`data/models/quality_classifier.ftz`, built by
+`scripts/train_quality_classifier.py`) has two labels, `hq` and `lq`; a document is kept when
+its P(hq) reaches the configured threshold. Training is multi-threaded and not reproducible, so
+the model is trained once and committed; applying it is deterministic, and the stage key hashes
+the model file's bytes (`tasks/graph.py`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from datatrove.data import Document as DtDocument
+from datatrove.pipeline.filters.base_filter import BaseFilter
+from datatrove.pipeline.writers import JsonlWriter
+
+from tasks.errors import ConfigError
+
+SHIPPED_MODEL = "data/models/quality_classifier.ftz"
+HQ_LABEL = "__label__hq"
+SCORE_KEY = "quality_score"  # P(hq), written into each judged document's metadata
+
+
+def fasttext_text(text: str) -> str:
+    """fastText reads one line: newlines become spaces (as in training)."""
+    return " ".join(text.split())
+
+
+def check_quality_model(path: str) -> Path:
+    """The model at `path` (clean.quality_model), or a ConfigError saying what is wrong."""
+    import fasttext
+
+    model_path = Path(path)
+    if not model_path.is_file():
+        raise ConfigError(
+            f"clean.quality_model: {model_path} does not exist; point it at a fastText model "
+            f"(the shipped one is {SHIPPED_MODEL}, rebuilt by scripts/train_quality_classifier.py) "
+            "or set clean.quality_model=null to skip the classifier"
+        )
+    try:
+        labels = fasttext.load_model(str(model_path)).get_labels()
+    except ValueError as error:
+        raise ConfigError(f"clean.quality_model: {model_path} is not a fastText model ({error})") from error
+    if HQ_LABEL not in labels:
+        raise ConfigError(
+            f"clean.quality_model: {model_path} has labels {labels}, not {HQ_LABEL!r}; "
+            "train it with scripts/train_quality_classifier.py"
+        )
+    return model_path
+
+
+class QualityClassifierFilter(BaseFilter):
+    """Keeps documents whose P(hq) >= `threshold`; records the score as `quality_score`.
+
+    Not datatrove's FastTextClassifierFilter: that one passes a bare string to `predict`, which
+    numpy 2 rejects, and gives no reason for what it drops.
+    """
+
+    name = "🤖 fastText quality"
+
+    def __init__(self, model_path: str, threshold: float, exclusion_writer: JsonlWriter | None = None):
+        super().__init__(exclusion_writer)
+        self.model_path = model_path
+        self.threshold = threshold
+        self._model = None  # loaded in the worker: fastText models do not pickle
+
+    def score(self, text: str) -> float:
+        if self._model is None:
+            import fasttext
+
+            self._model = fasttext.load_model(self.model_path)
+        labels, scores = self._model.predict([fasttext_text(text)], k=-1)
+        # Rounded so that the score recorded in metadata is exactly the one the threshold judged.
+        return round(float(dict(zip(labels[0], scores[0]))[HQ_LABEL]), 4)
+
+    def filter(self, doc: DtDocument) -> bool | tuple[bool, str]:
+        doc.metadata[SCORE_KEY] = self.score(doc.text)
+        return doc.metadata[SCORE_KEY] >= self.threshold or (False, "low_quality")
