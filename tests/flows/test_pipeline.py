@@ -99,7 +99,9 @@ def test_pipeline_end_to_end_then_fully_cached(prefect_api, in_repo, tmp_path, c
     fsdp_dir = store.path("train", stage_keys(fsdp_cfg)["train"])
     fsdp_curve = json.loads((fsdp_dir / "metrics.json").read_text())["loss_curve"]
     assert [s for s, _ in fsdp_curve] == [s for s, _ in curve]
-    assert max(abs(a - b) / b for (_, a), (_, b) in zip(fsdp_curve, curve)) < 1e-4
+    # summation-order differences start at 1e-7 and grow over 40 steps at this LR (measured 3.3e-4 by step 37)
+    relative = [abs(a - b) / b for (_, a), (_, b) in zip(fsdp_curve, curve)]
+    assert max(relative[:10]) < 1e-5 and max(relative) < 1e-3
     assert (fsdp_dir / "model" / "model.pt").is_file() and (fsdp_dir / "checkpoints").is_dir()
     capsys.readouterr()
 
