@@ -10,22 +10,16 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from tokenizers import Tokenizer
 from lm_eval.api.instance import Instance
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from tasks.errors import ConfigError, InputError
 from tasks.evals.adapter import KilnLM
 from tasks.evals.evaluate import EvaluateConfig, evaluate_model
 from tasks.train.config import ModelConfig
 from tasks.train.model import build_model, save_model
+from tests.fixtures.continuous_eval import EOS, TEXTS, write_eval_file, write_tokenizer
 
-TEXTS = [
-    "The cat sat on the mat and looked at the door while the rain fell on the roof.",
-    "A dog sat by the door and waited for the rain to stop, then ran into the garden.",
-    "Old houses creak when the wind blows through the trees at night.",
-    "She opened the door and the cat ran out into the rain.",
-]
-EOS = "<|endoftext|>"
 MODEL = ModelConfig(d_model=32, n_layers=1, n_heads=2, max_seq_len=16)
 
 
@@ -33,17 +27,8 @@ MODEL = ModelConfig(d_model=32, n_layers=1, n_heads=2, max_seq_len=16)
 def setup(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("evaluate")
     (root / "evals").mkdir()
-    eval_file = root / "evals" / "heldout.jsonl"
-    eval_file.write_text("".join(json.dumps({"text": t}) + "\n" for t in TEXTS))
-
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=320, special_tokens=[EOS], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
-    )
-    tokenizer.train_from_iterator(TEXTS, trainer)
-    tokenizer.save(str(root / "tokenizer.json"))
+    eval_file = write_eval_file(root / "evals" / "heldout.jsonl")
+    tokenizer = write_tokenizer(root / "tokenizer.json")
     vocab = tokenizer.get_vocab_size()
 
     torch.manual_seed(0)
