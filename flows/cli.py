@@ -87,31 +87,40 @@ def cmd_run(ns: argparse.Namespace) -> int:
 
     prepare_environment(cfg)
     from flows.pipeline import pipeline, summary_table
+    from tasks.runner import StageOutcome
 
     started = time.perf_counter()
     print(f"kiln: running {config_path or 'defaults'} in {Path(cfg.work_dir).resolve()}", file=sys.stderr)
     with _prefect_quiet():
-        outcomes = pipeline(config_path, overrides, ns.until)
+        outcomes = [StageOutcome(**o) for o in pipeline(config_path, overrides, ns.until)]
     print(summary_table(outcomes))
-    cached = sum(o["status"] == "cached" for o in outcomes)
+    cached = sum(o.status == "cached" for o in outcomes)
     print(f"\n{len(outcomes)} stages ({cached} cached) in {time.perf_counter() - started:.1f}s\n")
     print(_ui_hint(cfg))
     return 0
 
 
-def cmd_stage(ns: argparse.Namespace) -> int:
+def _run_one_stage(name: str, ns: argparse.Namespace, extra_overrides: tuple[str, ...] = ()):
     cfg, config_path, overrides = _load(ns)
+    overrides += extra_overrides
     from flows.environment import prepare_environment
 
     prepare_environment(cfg)
     from flows.pipeline import summary_table
-    from flows.stages import STAGE_FLOWS
+    from flows.stages import flow_for
+    from tasks.runner import StageOutcome
+    from tasks.stages import REGISTRY
 
-    if ns.name not in STAGE_FLOWS:
-        raise KilnError(f"unknown stage {ns.name!r}; stages are: {', '.join(STAGE_FLOWS)}")
+    if name not in REGISTRY:
+        raise KilnError(f"unknown stage {name!r}; stages are: {', '.join(REGISTRY.names())}")
     with _prefect_quiet():
-        outcome = STAGE_FLOWS[ns.name](config_path, overrides)
+        outcome = StageOutcome(**flow_for(name)(config_path, overrides))
     print(summary_table([outcome]))
+    return outcome
+
+
+def cmd_stage(ns: argparse.Namespace) -> int:
+    _run_one_stage(ns.name, ns)
     return 0
 
 
@@ -128,23 +137,27 @@ def cmd_config(ns: argparse.Namespace) -> int:
 
 def cmd_status(ns: argparse.Namespace) -> int:
     cfg, _, _ = _load(ns)
-    from tasks.graph import STAGES, stage_keys
+    from tasks.graph import stage_keys
+    from tasks.stages import REGISTRY
     from tasks.store import Store
 
     store = Store(cfg.store_root)
     keys = stage_keys(cfg)
     print(f"store: {store.root.resolve()}")
-    for spec in STAGES:
-        key = keys[spec.name]
-        if store.is_complete(spec.name, key):
-            manifest = store.manifest(spec.name, key)
+    for stage in REGISTRY:
+        key = keys[stage.name]
+        problems = store.problems(stage.name, key)
+        if not problems:
+            manifest = store.manifest(stage.name, key)
             headline = ", ".join(f"{k}={v}" for k, v in manifest["stats"].get("headline", {}).items())
             state = f"complete  {manifest['wall_s']:6.1f}s  {headline}"
-        elif store.partial_path(spec.name, key).exists():
+        elif store.path(stage.name, key).exists():
+            state = f"damaged ({'; '.join(problems)}): the next run redoes it"
+        elif store.partial_path(stage.name, key).exists():
             state = "partial (an attempt crashed or is running; the next run resumes or redoes it)"
         else:
             state = "missing"
-        print(f"  {spec.name:<14} {key}  {state}")
+        print(f"  {stage.name:<14} {key}  {state}")
     if ns.json:
         print(json.dumps(keys, indent=2))
     return 0
@@ -152,26 +165,14 @@ def cmd_status(ns: argparse.Namespace) -> int:
 
 def cmd_dedup_batch(ns: argparse.Namespace) -> int:
     """Deduplicate a newly delivered batch against everything the dedup stage already kept."""
-    cfg, _, _ = _load(ns)
-    from tasks.data.dedup import dedup_against_index
-    from tasks.graph import stage_keys
-    from tasks.store import Store
-
-    store, key = Store(cfg.store_root), stage_keys(cfg)["dedup"]
-    if not store.is_complete("dedup", key):
-        raise KilnError(f"the dedup stage ({key}) is not complete in {store.root}: run `kiln run --until dedup` first")
-    new_batch, out = Path(ns.batch), Path(ns.out)
-    if not new_batch.is_file():
-        raise KilnError(f"new batch {new_batch} does not exist (a jsonl file of Kiln documents, e.g. a clean stage's output)")
-    out.mkdir(parents=True, exist_ok=True)
-    stats = dedup_against_index(cfg.dedup, store.path("dedup", key) / "lsh_index", new_batch, out)
-    print(f"{stats['num_in']} new documents: {stats['num_kept']} kept, removed {stats['removed']} "
-          f"(index had {stats.get('num_indexed_before', '?')} documents); outputs and the extended index in {out}")
+    batch = Path(ns.batch).resolve()
+    outcome = _run_one_stage("dedup-batch", ns, (f"dedup_batch.batch={batch}",))
+    print(f"\nkept documents, removed.jsonl and the extended LSH index: {outcome.path}")
     return 0
 
 
 def cmd_continuous_eval(ns: argparse.Namespace) -> int:
-    """Evaluate the train stage's checkpoints that are due and not yet evaluated, once (the deployment repeats it)."""
+    """Evaluate the train and anneal checkpoints that are due and not yet evaluated, once (the deployment repeats it)."""
     cfg, config_path, overrides = _load(ns)
     from flows.environment import prepare_environment
 
@@ -179,10 +180,11 @@ def cmd_continuous_eval(ns: argparse.Namespace) -> int:
     from flows.continuous_eval import continuous_eval
 
     with _prefect_quiet():
-        summary = continuous_eval(config_path, overrides)
-    skipped = "".join(f"\n  step {step} skipped: {reason}" for step, reason in summary["skipped"].items())
-    print(f"train {summary['train_key']}: evaluated steps {summary['evaluated'] or 'none new'}; "
-          f"{len(summary['recorded'])} steps recorded in {summary['state_file']}{skipped}")
+        summaries = continuous_eval(config_path, overrides)
+    for stage, summary in summaries.items():
+        skipped = "".join(f"\n  step {step} skipped: {reason}" for step, reason in summary["skipped"].items())
+        print(f"{stage} {summary['key']}: evaluated steps {summary['evaluated'] or 'none new'}; "
+              f"{len(summary['recorded'])} steps recorded in {summary['state_file']}{skipped}")
     return 0
 
 
@@ -205,10 +207,12 @@ def cmd_plan(ns: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from tasks.stages import REGISTRY
+
     parser = argparse.ArgumentParser(
         prog="kiln", formatter_class=argparse.RawDescriptionHelpFormatter, epilog=_EPILOG,
-        description="Kiln: an end-to-end LLM pretraining pipeline (collect → clean → dedup → decontaminate → "
-                    "tokenize → sweep → fit → mix → validate → train → anneal → evaluate) on Prefect and MLflow.",
+        description=f"Kiln: an end-to-end LLM pretraining pipeline ({' → '.join(REGISTRY.pipeline())}) "
+                    "on Prefect and MLflow.",
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
@@ -235,9 +239,9 @@ def build_parser() -> argparse.ArgumentParser:
     add("continuous-eval", "Evaluate the training checkpoints that are due and not yet evaluated, and log "
         "their scores to MLflow at their step (the continuous-eval deployment runs this on a schedule).",
         cmd_continuous_eval)
-    dedup_batch = add("dedup-batch", "Deduplicate a new batch of documents against the dedup stage's persisted "
-                      "LSH index (no old signature is recomputed).", cmd_dedup_batch, first=("batch", "new documents (jsonl)"))
-    dedup_batch.add_argument("--out", required=True, help="folder for documents.jsonl, removed.jsonl and the new index")
+    add("dedup-batch", "Deduplicate a new batch of documents against the dedup stage's persisted LSH index (no old "
+        "signature is recomputed); the result is a store entry of stage dedup-batch with its manifest and MLflow run.",
+        cmd_dedup_batch, first=("batch", "new documents (jsonl)"))
     plan = sub.add_parser("plan", help="Pick dp x tp x pp x cp, micro-batch and checkpointing for a model on a cluster.",
                           description="Estimate memory and step time of every parallel layout; reject what does not "
                                       "fit, rank the rest, explain the choice.")

@@ -7,27 +7,17 @@ pipeline that runs for hours must not start on a typo.
 
 from __future__ import annotations
 
+from functools import lru_cache
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import Field, ValidationError, model_validator
+from pydantic import Field, ValidationError, create_model
 
 from tasks.configbase import Section, runtime_field
-from tasks.data.clean import CleanConfig
-from tasks.data.collect import CollectConfig
-from tasks.data.decontaminate import DecontaminateConfig
-from tasks.data.dedup import DedupConfig
-from tasks.data.tokenize import TokenizeConfig
 from tasks.errors import ConfigError
 from tasks.evals.continuous import ContinuousEvalConfig
-from tasks.evals.evaluate import EvaluateConfig
-from tasks.train.anneal import AnnealConfig
-from tasks.scaling.fit import FitConfig
-from tasks.scaling.mix import MixConfig
-from tasks.scaling.sweep import SweepConfig
-from tasks.scaling.validate import ValidateConfig
-from tasks.train.config import ModelConfig, OptimConfig, ParallelDims, TrainRunConfig
+from tasks.stage import Registry
 from tasks.train.planner import ClusterSpec
 
 
@@ -44,56 +34,40 @@ class TrackingConfig(Section):
     experiment: str = runtime_field("kiln")
 
 
+class OrchestrationConfig(Section):
+    """How Prefect runs each stage task. Retries apply to unexpected failures only (a crashed worker,
+    a lost filesystem); a user error (bad config or input, a failed gate) fails at once."""
+
+    retries: int = runtime_field(1, ge=0)
+    retry_delay_seconds: float = runtime_field(10.0, ge=0)
+    lock_timeout_s: float | None = runtime_field(None, gt=0)  # None: wait for another run's same key forever
+
+
 class ClusterConfig(ClusterSpec):
-    """How and where work is launched; never part of a key (it changes where work runs, not its result)."""
+    """How and where work is launched; never part of a key (it changes where work runs, not its result).
 
-    executor: Literal["local", "slurm", "ray"] = runtime_field("local")
-    launcher: Literal["local", "torchrun", "slurm", "kubernetes"] = runtime_field("local")
-
-
-class TrainConfig(Section):
-    """The production run. Its learning rate comes from the fit stage's plan unless `lr_override` is set.
-
-    With `parallel` above one process the stage runs the distributed worker under torchrun (FSDP2 /
-    DDP / TP / PP, sharded DCP checkpoints); its losses differ from one process's in the last float
-    bits, so the layout is part of the key.
+    `launcher: local` trains in this process when the layout is one process and under local torchrun
+    otherwise; `torchrun` always goes through torchrun. Slurm and Kubernetes launchers and the
+    Slurm/Ray data executors exist as renders but are not wired into the stages yet, so they are
+    refused rather than silently ignored.
     """
 
-    model: ModelConfig = ModelConfig()
-    optim: OptimConfig = OptimConfig()
-    run: TrainRunConfig = TrainRunConfig()
-    parallel: ParallelDims = ParallelDims()
-    lr_override: float | None = None
+    executor: Literal["local"] = runtime_field("local")
+    launcher: Literal["local", "torchrun"] = runtime_field("local")
 
 
 class KilnConfig(Section):
+    """The settings of a whole run. Each registered stage adds its own section (see `config_model`)."""
+
     work_dir: str = runtime_field("kiln-work")
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = runtime_field("WARNING")
     store: StoreConfig = StoreConfig()
     tracking: TrackingConfig = TrackingConfig()
+    orchestration: OrchestrationConfig = OrchestrationConfig()
     cluster: ClusterConfig = ClusterConfig()
-    collect: CollectConfig = CollectConfig()
-    clean: CleanConfig = CleanConfig()
-    dedup: DedupConfig = DedupConfig()
-    decontaminate: DecontaminateConfig = DecontaminateConfig()
-    tokenize: TokenizeConfig = TokenizeConfig()
-    sweep: SweepConfig = SweepConfig()
-    fit: FitConfig = FitConfig()
-    mix: MixConfig = MixConfig()
-    validate_: ValidateConfig = Field(ValidateConfig(), alias="validate")
-    train: TrainConfig = TrainConfig()
-    anneal: AnnealConfig = AnnealConfig()
-    evaluate: EvaluateConfig = EvaluateConfig()
     continuous_eval: ContinuousEvalConfig = ContinuousEvalConfig()
 
     model_config = Section.model_config | {"populate_by_name": True}
-
-    @model_validator(mode="after")
-    def _check_mixture_domains(self) -> KilnConfig:
-        for name, weights in self.sweep.mixtures.items():
-            if not weights:
-                raise ValueError(f"sweep.mixtures.{name} is empty: give at least one domain weight")
-        return self
 
     @property
     def store_root(self) -> Path:
@@ -103,22 +77,38 @@ class KilnConfig(Section):
     def tracking_uri(self) -> str:
         return self.tracking.uri or f"sqlite:///{(Path(self.work_dir) / 'mlflow.db').resolve()}"
 
-    @property
-    def prefect_home(self) -> Path:
-        return Path(self.work_dir) / "prefect"
-
     def section(self, name: str) -> Section:
-        return getattr(self, "validate_" if name == "validate" else name)
+        """The section at the config key `name` (`validate` lives in the attribute `validate_`)."""
+        field = next((f for f, info in type(self).model_fields.items() if (info.alias or f) == name), name)
+        return getattr(self, field)
 
     def to_dict(self) -> dict[str, Any]:
         return self.model_dump(mode="json", by_alias=True)
 
 
+def config_model(registry: Registry | None = None) -> type[KilnConfig]:
+    """`KilnConfig` with one section per stage of `registry` (default: Kiln's stages) that declares one."""
+    if registry is None:
+        from tasks.stages import REGISTRY as registry
+    return _config_model(tuple((s.config_field, s.config_name, s.config) for s in registry if s.config is not None))
+
+
+@lru_cache(maxsize=None)
+def _config_model(sections: tuple[tuple[str, str, type[Section]], ...]) -> type[KilnConfig]:
+    fields: dict[str, Any] = {
+        field: (cls, Field(default_factory=cls, alias=name if name != field else None))
+        for field, name, cls in sections
+    }
+    return create_model("KilnConfig", __base__=KilnConfig, **fields)
+
+
 _CLI = "command line"
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> KilnConfig:
-    """Load `path` (following `extends:`), apply `key.sub=value` overrides, validate."""
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = (),
+                registry: Registry | None = None) -> KilnConfig:
+    """Load `path` (following `extends:`), apply `key.sub=value` overrides, validate against the
+    sections of `registry`'s stages (default: Kiln's)."""
     data: dict[str, Any] = {}
     origins: dict[str, str] = {}
     if path is not None:
@@ -128,7 +118,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         _set_dotted(data, key, value)
         origins[key] = f"{_CLI} ({override})"
     try:
-        return KilnConfig.model_validate(data)
+        return config_model(registry).model_validate(data)
     except ValidationError as error:
         raise ConfigError(_explain(error, origins)) from None
 

@@ -1,23 +1,30 @@
 """The store: addressed, immutable stage outputs at `{root}/{stage}/{key}/`.
 
-A stage writes into `{root}/{stage}/.{key}.partial/`; `commit` writes the completion manifest
-last and renames the folder into place in one atomic step. A folder without a manifest is
-never read, so a crashed worker cannot leave a half-written output for a later stage. The
+A stage writes into `{root}/{stage}/.{key}.partial/`; `commit` lists every output file with
+its size and sha256 in the completion manifest, writes the manifest last and renames the
+folder into place in one atomic step. A folder is complete only while its files match the
+manifest: a deleted or truncated file makes it incomplete, and the next run redoes it. The
 partial folder's name is fixed per key, so a resumable stage (training) picks up its own
-checkpoints after a crash while every other stage starts clean.
+checkpoints after a crash; `lock` keeps two writers of one key (two runs, two machines) apart.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import shutil
 from pathlib import Path
 from typing import Any
 
+from tasks.keylock import KeyLock
+
 MANIFEST_FILE = "_kiln_manifest.json"
 KEY_LENGTH = 12
+_CHUNK = 1 << 20
+
+log = logging.getLogger(__name__)
 
 
 def stage_key(stage: str, identity: dict[str, Any], input_keys: dict[str, str], format_version: int) -> str:
@@ -25,6 +32,24 @@ def stage_key(stage: str, identity: dict[str, Any], input_keys: dict[str, str], 
     payload = {"stage": stage, "identity": identity, "inputs": input_keys, "format": format_version}
     canonical = json.dumps(payload, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
     return hashlib.sha256(canonical.encode()).hexdigest()[:KEY_LENGTH]
+
+
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while chunk := handle.read(_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def list_files(folder: Path) -> dict[str, dict[str, Any]]:
+    """Every file under `folder` (but the manifest) as {relative path: {size, sha256}}."""
+    files = {}
+    for path in sorted(p for p in folder.rglob("*") if p.is_file()):
+        rel = path.relative_to(folder).as_posix()
+        if rel != MANIFEST_FILE:
+            files[rel] = {"size": path.stat().st_size, "sha256": file_sha256(path)}
+    return files
 
 
 class Store:
@@ -39,8 +64,32 @@ class Store:
     def partial_path(self, stage: str, key: str) -> Path:
         return self.root / stage / f".{key}.partial"
 
+    def lock(self, stage: str, key: str, **options: Any) -> KeyLock:
+        """The key's lock: hold it from checking completeness to committing (see `tasks.keylock`)."""
+        return KeyLock(self.root / stage / f".{key}.lock", **options)
+
+    def problems(self, stage: str, key: str, *, checksums: bool = False) -> list[str]:
+        """Why `stage/key` is not complete (empty when it is): no manifest, or files that do not match it.
+
+        Sizes are always compared; `checksums` also rehashes every file (slow on big outputs)."""
+        folder = self.path(stage, key)
+        manifest_path = folder / MANIFEST_FILE
+        if not manifest_path.is_file():
+            return [f"{folder} has no manifest"]
+        listed = json.loads(manifest_path.read_text()).get("files", {})
+        found = []
+        for rel, expected in listed.items():
+            path = folder / rel
+            if not path.is_file():
+                found.append(f"{rel} is missing")
+            elif path.stat().st_size != expected["size"]:
+                found.append(f"{rel} has {path.stat().st_size} bytes, the manifest says {expected['size']}")
+            elif checksums and file_sha256(path) != expected["sha256"]:
+                found.append(f"{rel} does not match its sha256 in the manifest")
+        return found
+
     def is_complete(self, stage: str, key: str) -> bool:
-        return (self.path(stage, key) / MANIFEST_FILE).is_file()
+        return not self.problems(stage, key)
 
     def manifest(self, stage: str, key: str) -> dict[str, Any]:
         path = self.path(stage, key) / MANIFEST_FILE
@@ -48,8 +97,22 @@ class Store:
             raise FileNotFoundError(f"stage {stage} key {key} is not complete in {self.root}")
         return json.loads(path.read_text())
 
+    def live_path(self, stage: str, key: str) -> Path | None:
+        """Where the key's outputs are now: the committed folder, else a running or crashed attempt's
+        partial folder (training checkpoints appear there first), else None."""
+        for folder in (self.path(stage, key), self.partial_path(stage, key)):
+            if folder.is_dir():
+                return folder
+        return None
+
     def begin(self, stage: str, key: str, *, resumable: bool = False) -> Path:
-        """Return an empty (or, if `resumable`, the previous attempt's) partial folder for the output."""
+        """Return an empty (or, if `resumable`, the previous attempt's) partial folder for the output.
+
+        A committed folder whose files no longer match its manifest is removed first, with a warning."""
+        final = self.path(stage, key)
+        if final.exists():
+            log.warning("store: %s/%s is damaged (%s); redoing it", stage, key, "; ".join(self.problems(stage, key)))
+            shutil.rmtree(final)
         partial = self.partial_path(stage, key)
         if partial.exists() and not resumable:
             shutil.rmtree(partial)
@@ -57,14 +120,12 @@ class Store:
         return partial
 
     def commit(self, stage: str, key: str, manifest: dict[str, Any]) -> Path:
-        """Write the manifest last, then move the partial folder into place atomically."""
+        """List the outputs in the manifest, write it last, then move the partial folder into place atomically."""
         partial = self.partial_path(stage, key)
         final = self.path(stage, key)
         assert partial.is_dir(), f"commit without begin: {partial}"
-        if final.exists():
-            # Another worker finished the same key first; outputs are identical by construction.
-            shutil.rmtree(partial)
-            return final
+        assert not final.exists(), f"{final} exists: commit must run under the key's lock"
+        manifest = {**manifest, "files": list_files(partial)}
         tmp = partial / (MANIFEST_FILE + ".tmp")
         with open(tmp, "w") as handle:
             json.dump(manifest, handle, indent=2, sort_keys=True, default=str)
@@ -73,3 +134,7 @@ class Store:
         os.replace(tmp, partial / MANIFEST_FILE)
         os.replace(partial, final)
         return final
+
+    def partial_folders(self) -> list[Path]:
+        """Every partial folder in the store: running, crashed, or abandoned attempts."""
+        return sorted(self.root.glob("*/.*.partial"))

@@ -2,25 +2,60 @@
 
 One run per stage run (a child of the pipeline's run), one grandchild per proxy run. Runs are
 addressed by id through `MlflowClient` rather than MLflow's thread-local "active run", so
-Prefect may run stages in any thread without runs leaking into each other.
+Prefect may run stages in any thread without runs leaking into each other. `MlflowTracker`
+implements `tasks.tracker.Tracker`, the protocol the stage runner records through.
+
+Metric names are sanitised here, in one place: stats keys carry free-form strings (licences such
+as `BSD-4-Clause-UC (fortune-mod; collected quotations)`) that MLflow rejects as names; the raw
+keys stay in the stage's `stats.json` artifact.
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
+import re
 import time
 import warnings
+from contextlib import contextmanager
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mlflow.data.dataset_source_registry import resolve_dataset_source
 from mlflow.data.meta_dataset import MetaDataset
 from mlflow.entities import DatasetInput, InputTag, Metric, Param, RunTag
 from mlflow.tracking import MlflowClient
 
+if TYPE_CHECKING:
+    from tasks.config import KilnConfig
+
 _MAX_PARAM_VALUE = 6000
 _BATCH = 1000
+_MAX_NAME = 250
+_UNSAFE_NAME = re.compile(r"[^A-Za-z0-9_\-. /]")
+
+
+def metric_name(key: str) -> str:
+    """`key` as a name MLflow accepts (alphanumerics, `_-. /`, at most 250 characters)."""
+    return _UNSAFE_NAME.sub("_", key)[:_MAX_NAME] or "_"
+
+
+@contextmanager
+def _first_use_lock(uri: str):
+    """Serialise opening an SQLite tracking database: two processes creating its schema at once fail
+    (`index ... already exists`)."""
+    if not uri.startswith("sqlite:///"):
+        yield
+        return
+    db = Path(uri.removeprefix("sqlite:///"))
+    db.parent.mkdir(parents=True, exist_ok=True)
+    with open(db.with_name(db.name + ".init.lock"), "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def flatten(data: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
@@ -32,22 +67,27 @@ def flatten(data: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
             flat.update(flatten(value, name + "."))
         else:
             text = value if isinstance(value, str) else json.dumps(value, sort_keys=True, default=str)
-            flat[name] = text[:_MAX_PARAM_VALUE]
+            flat[metric_name(name)] = text[:_MAX_PARAM_VALUE]
     return flat
 
 
-class Tracker:
+class MlflowTracker:
     """Creates and records runs in one MLflow experiment at `uri`."""
 
     def __init__(self, uri: str, experiment: str, artifact_root: Path | None = None):
         self.uri = uri
-        self.client = MlflowClient(tracking_uri=uri)
-        found = self.client.get_experiment_by_name(experiment)
-        if found is None:
-            location = artifact_root.resolve().as_uri() if artifact_root else None
-            self.experiment_id = self.client.create_experiment(experiment, artifact_location=location)
-        else:
-            self.experiment_id = found.experiment_id
+        with _first_use_lock(uri):
+            self.client = MlflowClient(tracking_uri=uri)
+            found = self.client.get_experiment_by_name(experiment)
+            if found is None:
+                location = artifact_root.resolve().as_uri() if artifact_root else None
+                self.experiment_id = self.client.create_experiment(experiment, artifact_location=location)
+            else:
+                self.experiment_id = found.experiment_id
+
+    @classmethod
+    def for_config(cls, cfg: KilnConfig) -> MlflowTracker:
+        return cls(cfg.tracking_uri, cfg.tracking.experiment, Path(cfg.work_dir) / "mlartifacts")
 
     def start_run(self, name: str, *, parent_id: str | None = None, tags: Mapping[str, Any] | None = None,
                   params: Mapping[str, Any] | None = None) -> str:
@@ -68,7 +108,7 @@ class Tracker:
 
     def metric_steps(self, run_id: str, key: str) -> set[int]:
         """The steps at which metric `key` has been logged in the run."""
-        return {m.step for m in self.client.get_metric_history(run_id, key.replace("/", "."))}
+        return {m.step for m in self.client.get_metric_history(run_id, metric_name(key.replace("/", ".")))}
 
     def end_run(self, run_id: str, *, failed: bool = False) -> None:
         self.client.set_terminated(run_id, "FAILED" if failed else "FINISHED")
@@ -83,8 +123,10 @@ class Tracker:
 
     def log_metrics(self, run_id: str, metrics: Mapping[str, float], step: int | None = None) -> None:
         now = int(time.time() * 1000)
-        items = [Metric(k.replace("/", "."), float(v), now, step or 0) for k, v in metrics.items()
-                 if isinstance(v, (int, float)) and not isinstance(v, bool)]
+        # keyed by the sanitised name: two raw keys that sanitise alike must not be one batch's duplicates
+        values = {metric_name(k.replace("/", ".")): float(v) for k, v in metrics.items()
+                  if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        items = [Metric(name, value, now, step or 0) for name, value in values.items()]
         for start in range(0, len(items), _BATCH):
             self.client.log_batch(run_id, metrics=items[start:start + _BATCH])
 

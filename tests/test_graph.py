@@ -3,7 +3,10 @@
 import pytest
 
 from tasks.config import load_config
-from tasks.graph import STAGE_NAMES, downstream_of, stage_keys
+from tasks.graph import downstream_of, stage_keys
+from tasks.stages import REGISTRY
+
+STAGE_NAMES = REGISTRY.pipeline()
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +32,7 @@ def test_minhash_threshold_moves_dedup_and_everything_downstream(base_keys):
 @pytest.mark.parametrize("override", [
     "clean.num_workers=7", "dedup.num_workers=3", "sweep.num_workers=1", "tracking.uri=sqlite:///elsewhere.db",
     "log_level=DEBUG", "work_dir=/tmp/other", "train.run.checkpoint_every=7", "train.run.log_every=1",
-    "evaluate.batch_size=2", "cluster.executor=slurm", "store.root=/tmp/store",
+    "evaluate.batch_size=2", "cluster.launcher=torchrun", "store.root=/tmp/store", "orchestration.retries=4",
 ])
 def test_runtime_settings_move_no_key(base_keys, override):
     assert changed(base_keys, override) == []
@@ -44,6 +47,7 @@ def test_runtime_settings_move_no_key(base_keys, override):
     ("train.run.steps=301", "mix"),
     ("train.optim.weight_decay=0.0", "train"),
     ("train.parallel.dp=2", "train"),
+    ("train.lr=0.001", "train"),
     ("anneal.steps=10", "anneal"),
     ("evaluate.limit=5", "evaluate"),
 ])

@@ -1,12 +1,13 @@
 """Continuous evaluation (the "electrocardiogram"): benchmark scores of training checkpoints against
 their step, while training runs.
 
-The train stage writes DCP checkpoints to `checkpoints/step_{step:07d}/` in its output folder: the
-store's partial folder while it runs, its final folder once committed; training prunes old ones.
-This module finds the committed checkpoints at multiples of `every` that are not evaluated yet,
-loads only their model weights into a plain `Transformer`, scores them with the evaluate stage's
-lm-eval path, and appends each step's scores to a state file beside the data,
-`{work_dir}/continuous_eval/{train key}/{eval key}/evaluated.jsonl`. The state file, not Prefect or
+The train and anneal stages write DCP checkpoints to `checkpoints/step_{step:07d}/` in their output
+folder, which the store reports as the key's `live_path` (the partial folder while the stage runs,
+its final folder once committed); training prunes old ones. This module finds the committed
+checkpoints at multiples of `every` that are not evaluated yet, loads only their model weights into
+a plain `Transformer`, scores them with the evaluate stage's lm-eval path, and appends each step's
+scores to a state file beside the data,
+`{work_dir}/continuous_eval/{stage key}/{eval key}/evaluated.jsonl`. The state file, not Prefect or
 MLflow, decides what is done, so a step is evaluated once however often the schedule fires. A
 checkpoint that is pruned or corrupt before or while it is read is skipped with the reason and not
 recorded: the next run tries it again if it is still there.
@@ -25,12 +26,11 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from pydantic import Field
 
 from tasks.configbase import Section, runtime_field
-from tasks.data.tokenize import TOKENIZER_FILE
 from tasks.errors import ConfigError, InputError
 from tasks.evals.evaluate import RESULTS_FILE, EvaluateConfig, evaluate_model
 from tasks.fingerprint import fingerprint_paths
@@ -39,16 +39,13 @@ from tasks.train.checkpoint import MARKER, checkpoint_dir, sha256_file, steps_on
 from tasks.train.config import ModelConfig
 from tasks.train.model import Transformer, save_model
 
-if TYPE_CHECKING:
-    from tasks.config import KilnConfig
-
 STATE_FILE = "evaluated.jsonl"
 CHECKPOINTS_DIR = "checkpoints"  # where the training loop writes them, inside the stage's output folder
 FORMAT_VERSION = 1
 
 
 class ContinuousEvalConfig(Section):
-    """Which training checkpoints the scheduled continuous-eval flow scores, and how cheaply.
+    """Which training checkpoints (train and anneal) the scheduled continuous-eval flow scores, and how cheaply.
 
     No stage reads this section, so it is in no stage key; `limit` (which changes the scores) goes
     into the eval key of the state folder, `every` (which only picks the steps) does not.
@@ -63,19 +60,25 @@ class ContinuousEvalConfig(Section):
 
 @dataclass(frozen=True)
 class EvalTarget:
-    """What continuous eval scores and where it records it, resolved from the config by `resolve_target`."""
+    """One training stage's checkpoints, the eval settings and the state folder (see `eval_target`)."""
 
-    train_key: str
+    stage: str  # "train" or "anneal"
+    stage_key: str
     eval_key: str
     every: int
     evaluate: EvaluateConfig  # the evaluate stage's settings with continuous_eval.limit applied
-    checkpoint_roots: tuple[Path, ...]  # the train stage's final folder first, then its partial folder
+    store: Store
     tokenizer: Path
     state_dir: Path
 
     @property
     def state_file(self) -> Path:
         return self.state_dir / STATE_FILE
+
+    def checkpoint_root(self) -> Path | None:
+        """Where the stage's checkpoints are now (they move when the stage commits), or None before it starts."""
+        live = self.store.live_path(self.stage, self.stage_key)
+        return live / CHECKPOINTS_DIR if live is not None else None
 
 
 @dataclass(frozen=True)
@@ -100,32 +103,22 @@ class CheckpointOutcome:
     wall_s: float = 0.0
 
 
-def resolve_target(cfg: KilnConfig, keys: Mapping[str, str]) -> EvalTarget:
-    """The train run (by its stage key in `keys`), eval settings and state folder for `cfg`."""
-    checkpoint_every = cfg.train.run.checkpoint_every
-    every = cfg.continuous_eval.every or checkpoint_every
+def eval_target(ce: ContinuousEvalConfig, evaluate: EvaluateConfig, *, stage: str, key: str,
+                checkpoint_every: int, store: Store, tokenizer: Path, work_dir: Path) -> EvalTarget:
+    """The target for the checkpoints of `stage` at `key`, scored with the settings of `evaluate`."""
+    every = ce.every or checkpoint_every
     if every % checkpoint_every:
         raise ConfigError(
             f"continuous_eval.every={every} is not a multiple of train.run.checkpoint_every={checkpoint_every}: "
             f"training writes checkpoints only at multiples of {checkpoint_every}, so some due steps would never "
             "exist; choose a multiple (or leave continuous_eval.every unset to evaluate every checkpoint)"
         )
-    evaluate = cfg.evaluate.model_copy(update={"limit": cfg.continuous_eval.limit or cfg.evaluate.limit})
+    evaluate = evaluate.model_copy(update={"limit": ce.limit or evaluate.limit})
     identity = {"evaluate": evaluate.identity(),
                 "eval_files_sha256": fingerprint_paths(Path(p) for p in evaluate.eval_files)}
-    train_key = keys["train"]
-    eval_key = stage_key("continuous_eval", identity, {"train": train_key}, FORMAT_VERSION)
-    store = Store(cfg.store_root)
-    return EvalTarget(
-        train_key=train_key,
-        eval_key=eval_key,
-        every=every,
-        evaluate=evaluate,
-        checkpoint_roots=(store.path("train", train_key) / CHECKPOINTS_DIR,
-                          store.partial_path("train", train_key) / CHECKPOINTS_DIR),
-        tokenizer=store.path("tokenize", keys["tokenize"]) / TOKENIZER_FILE,
-        state_dir=Path(cfg.work_dir) / "continuous_eval" / train_key / eval_key,
-    )
+    eval_key = stage_key("continuous_eval", identity, {stage: key}, FORMAT_VERSION)
+    return EvalTarget(stage=stage, stage_key=key, eval_key=eval_key, every=every, evaluate=evaluate,
+                      store=store, tokenizer=tokenizer, state_dir=work_dir / "continuous_eval" / key / eval_key)
 
 
 def read_recorded(state_file: Path) -> dict[int, dict[str, Any]]:
@@ -168,25 +161,24 @@ def _steps_in(root: Path) -> list[int]:
 def plan_evaluations(target: EvalTarget) -> EvalPlan:
     """The committed-looking checkpoints at multiples of `every` not yet in the state file, oldest first."""
     recorded = read_recorded(target.state_file)
-    on_disk = {step for root in target.checkpoint_roots for step in _steps_in(root)}
+    root = target.checkpoint_root()
+    on_disk = set(_steps_in(root)) if root is not None else set()
     due = sorted(s for s in on_disk if s % target.every == 0 and s not in recorded)
     newest = max(on_disk, default=0)
     missed = [s for s in range(target.every, newest, target.every) if s not in on_disk and s not in recorded]
     if due and not target.tokenizer.is_file():
         raise InputError(
-            f"the tokenizer {target.tokenizer} does not exist, but the train stage it belongs to has checkpoints: "
+            f"the tokenizer {target.tokenizer} does not exist, but the {target.stage} stage it belongs to has checkpoints: "
             "run continuous eval with the config (and overrides) the training was started with"
         )
     return EvalPlan(due=due, recorded=recorded, missed=missed)
 
 
 def _locate(target: EvalTarget, step: int) -> Path | None:
-    """The step's checkpoint folder now (it moves when the train stage commits), or None when it is gone."""
-    for root in target.checkpoint_roots:
-        path = checkpoint_dir(root, step)
-        if path.is_dir():
-            return path
-    return None
+    """The step's checkpoint folder now (it moves when the stage commits), or None when it is gone."""
+    root = target.checkpoint_root()
+    path = checkpoint_dir(root, step) if root is not None else None
+    return path if path is not None and path.is_dir() else None
 
 
 def _still_complete(path: Path) -> bool:

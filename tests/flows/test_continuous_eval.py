@@ -1,6 +1,7 @@
 """The continuous-eval flow through the real Prefect API and MLflow store, while a real tiny training run
-writes checkpoints into the store's partial folder and then commits: scores land in MLflow at the
-checkpoint steps, each step once, and a run with nothing new changes nothing."""
+writes checkpoints into the store's partial folder and then commits, and then an anneal run does the
+same: scores land in MLflow at the checkpoint steps, each step once, and a run with nothing new
+changes nothing."""
 
 import json
 import os
@@ -11,7 +12,8 @@ from flows.cli import main
 from flows.continuous_eval import continuous_eval
 from tasks.config import load_config
 from tasks.data.tokenize import TOKENIZER_FILE
-from tasks.evals.continuous import read_recorded, resolve_target
+from flows.continuous_eval import eval_targets
+from tasks.evals.continuous import read_recorded
 from tasks.graph import stage_keys
 from tasks.store import Store
 from tasks.train.loop import train_model
@@ -30,20 +32,20 @@ def test_checkpoints_are_scored_in_mlflow_at_their_steps_once(prefect_api, in_re
     tokenizer = write_tokenizer(store.begin("tokenize", keys["tokenize"]) / TOKENIZER_FILE)
     store.commit("tokenize", keys["tokenize"], {"stage": "tokenize"})
 
-    assert continuous_eval(TINY, overrides)["evaluated"] == []  # training has not started: nothing to do
+    assert continuous_eval(TINY, overrides)["train"]["evaluated"] == []  # training has not started: nothing to do
 
     # Training is running: checkpoints 5, 10, 15 in the partial folder; 10 is due.
     mixture = write_mixture(tmp_path / "data", tokenizer)
     partial = store.begin("train", keys["train"], resumable=True)
     train_model(MODEL, OPTIM, RUN, mixture, partial, stop_after=15)
-    first = continuous_eval(TINY, overrides)
+    first = continuous_eval(TINY, overrides)["train"]
     assert (first["evaluated"], first["skipped"], first["missed"]) == ([10], {}, [])
     assert first["mlflow_steps_logged"] == [10]
 
     # Training resumes to step 20 and the stage commits: 20 is read from the final folder.
     train_model(MODEL, OPTIM, RUN, mixture, partial)
     store.commit("train", keys["train"], {"stage": "train"})
-    second = continuous_eval(TINY, overrides)
+    second = continuous_eval(TINY, overrides)["train"]
     assert (second["evaluated"], second["recorded"], second["mlflow_steps_logged"]) == ([20], [10, 20], [20])
     assert second["mlflow_run_id"] == first["mlflow_run_id"]
 
@@ -55,17 +57,24 @@ def test_checkpoints_are_scored_in_mlflow_at_their_steps_once(prefect_api, in_re
     finally:  # the CLI pins PREFECT_HOME, MLFLOW_TRACKING_URI, ... for its process; later tests get theirs back
         os.environ.clear()
         os.environ.update(environ)
-    assert "evaluated steps none new; 2 steps recorded" in capsys.readouterr().out
+    assert f"train {keys['train']}: evaluated steps none new; 2 steps recorded" in capsys.readouterr().out
 
-    target = resolve_target(cfg, keys)
+    target = eval_targets(cfg, keys)[0]
     rows = read_recorded(target.state_file)
     client = MlflowClient(cfg.tracking_uri)
     runs = client.search_runs([client.get_experiment_by_name("kiln").experiment_id],
                               filter_string="tags.`kiln.stage` = 'continuous-eval'")
-    assert [r.info.run_name for r in runs] == [f"continuous-eval/{keys['train']}"]
+    assert [r.info.run_name for r in runs] == [f"continuous-eval/train/{keys['train']}"]
     assert runs[0].data.tags["kiln.eval_key"] == target.eval_key
     history = client.get_metric_history(runs[0].info.run_id, "kiln_heldout.bits_per_byte")
     assert [(m.step, m.value) for m in history] == [
         (step, rows[step]["metrics"]["kiln_heldout/bits_per_byte"]) for step in (10, 20)]
     assert history[1].value < history[0].value
     assert json.loads(runs[0].data.params["evaluate.eval_files"]) == [str(eval_file)]
+
+    # The anneal stage's checkpoints are scored too, in their own series.
+    anneal_partial = store.begin("anneal", keys["anneal"], resumable=True)
+    train_model(MODEL, OPTIM, RUN, mixture, anneal_partial, stop_after=10)
+    annealed = continuous_eval(TINY, overrides)
+    assert annealed["train"]["evaluated"] == [] and annealed["anneal"]["evaluated"] == [10]
+    assert annealed["anneal"]["mlflow_run_id"] != second["mlflow_run_id"]

@@ -6,15 +6,17 @@ from pathlib import Path
 import yaml
 from prefect import Flow
 
-from tasks.graph import STAGE_NAMES
+from tasks.stages import REGISTRY
 
 INFRA = Path(__file__).resolve().parents[2] / "infra"
 
 
-def test_every_stage_the_pipeline_and_continuous_eval_are_deployable():
+def test_every_registered_stage_the_pipeline_and_continuous_eval_are_deployable():
     spec = yaml.safe_load((INFRA / "prefect.yaml").read_text())
     deployments = {d["name"]: d for d in spec["deployments"]}
-    assert set(deployments) == {"pipeline", "continuous-eval", *STAGE_NAMES}
+    assert set(deployments) == {"pipeline", "continuous-eval", *REGISTRY.names()}
+    for stage in REGISTRY:
+        assert deployments[stage.name]["entrypoint"] == f"flows/stages.py:{stage.name.replace('-', '_')}"
     for name, deployment in deployments.items():
         module, attr = deployment["entrypoint"].split(":")
         target = getattr(importlib.import_module(module.removesuffix(".py").replace("/", ".")), attr)

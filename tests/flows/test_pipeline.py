@@ -9,10 +9,12 @@ from mlflow.tracking import MlflowClient
 
 from flows.cli import main
 from tasks.config import load_config
-from tasks.graph import STAGE_NAMES, stage_keys
+from tasks.graph import stage_keys
+from tasks.stages import REGISTRY
 from tasks.store import MANIFEST_FILE, Store
 
 pytestmark = pytest.mark.slow
+STAGE_NAMES = REGISTRY.pipeline()
 TINY = "configs/tiny.yaml"
 DATA_STAGES = ("collect", "clean", "dedup", "decontaminate")
 
@@ -89,8 +91,12 @@ def test_pipeline_end_to_end_then_fully_cached(prefect_api, in_repo, tmp_path, c
 
     # A batch delivered again later is deduplicated against the persisted index: nothing new survives.
     redelivered = store.path("clean", keys["clean"]) / "documents.jsonl"
-    assert main(["dedup-batch", str(redelivered), TINY, f"work_dir={work}", "--out", str(tmp_path / "batch")]) == 0
-    assert f"{manifests['clean']['stats']['num_kept']} new documents: 0 kept" in capsys.readouterr().out
+    assert main(["dedup-batch", str(redelivered), TINY, f"work_dir={work}"]) == 0
+    batch_key = stage_keys(load_config(TINY, [f"work_dir={work}", f"dedup_batch.batch={redelivered.resolve()}"]))
+    batch = store.manifest("dedup-batch", batch_key["dedup-batch"])  # a store entry, with its manifest
+    assert (batch["stats"]["num_in"], batch["stats"]["num_kept"]) == (manifests["clean"]["stats"]["num_kept"], 0)
+    assert client.get_run(batch["mlflow_run_id"]).data.tags["kiln.stage"] == "dedup-batch"
+    assert str(store.path("dedup-batch", batch_key["dedup-batch"])) in capsys.readouterr().out
 
     # The train stage alone, as FSDP2 over 2 torchrun processes: same global batches, the same curve
     # up to float reduction order, and a model the later stages can load.

@@ -14,16 +14,17 @@ from torch.distributed.checkpoint.api import CheckpointException
 import tasks.train.dcp as dcp_module
 from tasks.config import load_config
 from tasks.errors import ConfigError, InputError
+from flows.continuous_eval import eval_targets
 from tasks.evals.continuous import (
     STATE_FILE,
     EvalTarget,
     evaluate_checkpoint,
     plan_evaluations,
     read_recorded,
-    resolve_target,
 )
 from tasks.evals.evaluate import EvaluateConfig, evaluate_model
 from tasks.graph import stage_keys
+from tasks.store import Store
 from tasks.train.checkpoint import MARKER, checkpoint_dir, sha256_file
 from tasks.train.dcp import load_model_weights
 from tasks.train.loop import train_model
@@ -44,12 +45,21 @@ def trained(tmp_path_factory) -> dict[str, Path]:
             "tokenizer": root / "tokenizer.json", "eval_file": write_eval_file(root / "evals" / "heldout.jsonl")}
 
 
-def target_for(trained: dict[str, Path], tmp_path: Path, every: int,
-               roots: tuple[Path, ...] | None = None) -> EvalTarget:
-    return EvalTarget(train_key="train0", eval_key="eval0", every=every,
-                      evaluate=EvaluateConfig(eval_files=[str(trained["eval_file"])]),
-                      checkpoint_roots=roots or (tmp_path / "final", trained["checkpoints"]),
+def target_in(store: Store, trained: dict[str, Path], tmp_path: Path, every: int) -> EvalTarget:
+    """The target of train key `train0` in `store`."""
+    return EvalTarget(stage="train", stage_key="train0", eval_key="eval0", every=every,
+                      evaluate=EvaluateConfig(eval_files=[str(trained["eval_file"])]), store=store,
                       tokenizer=trained["tokenizer"], state_dir=tmp_path / "state")
+
+
+def target_for(trained: dict[str, Path], tmp_path: Path, every: int, checkpoints: Path | None = None) -> EvalTarget:
+    """A target whose train stage is running, with `checkpoints` (default: the trained run's) in its partial folder."""
+    store = Store(tmp_path / "store")
+    partial = store.partial_path("train", "train0")
+    partial.mkdir(parents=True, exist_ok=True)
+    if not (partial / "checkpoints").exists():
+        (partial / "checkpoints").symlink_to(checkpoints or trained["checkpoints"])
+    return target_in(store, trained, tmp_path, every)
 
 
 def copy_checkpoints(trained: dict[str, Path], dest: Path) -> Path:
@@ -67,16 +77,19 @@ def test_due_steps_are_the_multiples_of_every_not_yet_recorded(trained, tmp_path
     assert plan.due == [5, 15, 20] and list(plan.recorded) == [10] and plan.missed == []
 
 
-def test_checkpoints_are_found_in_the_partial_and_the_final_folder_and_pruned_ones_are_reported(trained, tmp_path):
-    # The stage committed while checkpoints 15 and 20 were being written: 5 and 10 moved with the
-    # folder, 15 and 20 are still listed under the old one; 5 was pruned before anyone evaluated it.
-    final, partial = copy_checkpoints(trained, tmp_path / "final"), tmp_path / "partial"
-    partial.mkdir()
-    for step in (15, 20):
-        checkpoint_dir(final, step).rename(checkpoint_dir(partial, step))
-    shutil.rmtree(checkpoint_dir(final, 5))
-    plan = plan_evaluations(target_for(trained, tmp_path, every=5, roots=(final, partial)))
+def test_checkpoints_are_read_where_the_store_has_them_and_pruned_ones_are_reported(trained, tmp_path):
+    # While the stage runs its checkpoints are in the partial folder; 5 was pruned before anyone evaluated it.
+    store = Store(tmp_path / "store")
+    target = target_in(store, trained, tmp_path, every=5)
+    assert plan_evaluations(target).due == []  # the stage has not started
+    partial = copy_checkpoints(trained, store.partial_path("train", "train0") / "checkpoints")
+    shutil.rmtree(checkpoint_dir(partial, 5))
+    plan = plan_evaluations(target)
     assert plan.due == [10, 15, 20] and plan.missed == [5]
+    # The stage commits: the same checkpoints are found in its final folder.
+    store.commit("train", "train0", {"stage": "train"})
+    assert target.checkpoint_root() == store.path("train", "train0") / "checkpoints"
+    assert plan_evaluations(target).due == [10, 15, 20]
 
 
 @pytest.fixture(scope="module")
@@ -121,7 +134,7 @@ def test_weights_loaded_equal_the_saved_model(trained):
 
 def test_pruned_and_corrupt_checkpoints_are_skipped_with_a_reason_and_not_recorded(trained, tmp_path, monkeypatch):
     root = copy_checkpoints(trained, tmp_path / "checkpoints")
-    target = target_for(trained, tmp_path, every=5, roots=(root,))
+    target = target_for(trained, tmp_path, every=5, checkpoints=root)
     assert plan_evaluations(target).due == [5, 10, 15, 20]
     shard = next(checkpoint_dir(root, 5).glob("*.distcp"))
     data = bytearray(shard.read_bytes())
@@ -157,7 +170,7 @@ def test_a_loading_error_with_every_file_present_is_not_hidden_as_a_skip(trained
     marker["sha256"]["train_state.json"] = sha256_file(path / "train_state.json")
     (path / MARKER).write_text(json.dumps(marker))
     with pytest.raises(CheckpointException) as error:
-        evaluate_checkpoint(target_for(trained, tmp_path, every=5, roots=(root,)), 20)
+        evaluate_checkpoint(target_for(trained, tmp_path, every=5, checkpoints=root), 20)
     assert "Size mismatch" in str(error.value.failures)
 
 
@@ -173,22 +186,26 @@ def test_target_resolves_the_train_run_and_eval_settings_from_the_config(monkeyp
 
     def resolved(*overrides: str) -> EvalTarget:
         cfg = load_config("configs/tiny.yaml", [f"work_dir={tmp_path}", *overrides])
-        return resolve_target(cfg, stage_keys(cfg))
+        return eval_targets(cfg, stage_keys(cfg))[0]
 
     base = resolved()
     cfg = load_config("configs/tiny.yaml", [f"work_dir={tmp_path}"])
     keys = stage_keys(cfg)
     store = tmp_path / "store"
-    assert base.train_key == keys["train"] and base.every == cfg.train.run.checkpoint_every == 20
-    assert base.checkpoint_roots == (store / "train" / keys["train"] / "checkpoints",
-                                     store / "train" / f".{keys['train']}.partial" / "checkpoints")
+    train, anneal = eval_targets(cfg, keys)
+    assert (train.stage, anneal.stage, anneal.stage_key) == ("train", "anneal", keys["anneal"])
+    assert anneal.eval_key != base.eval_key and anneal.state_dir.parent.name == keys["anneal"]
+    assert base.stage_key == keys["train"] and base.every == cfg.train.run.checkpoint_every == 20
+    assert base.checkpoint_root() is None  # nothing in the store yet
+    Store(store).partial_path("train", keys["train"]).mkdir(parents=True)
+    assert base.checkpoint_root() == store / "train" / f".{keys['train']}.partial" / "checkpoints"
     assert base.tokenizer == store / "tokenize" / keys["tokenize"] / "tokenizer.json"
     assert base.state_dir == tmp_path / "continuous_eval" / keys["train"] / base.eval_key
     assert base.evaluate.limit == 10  # tiny.yaml's evaluate.limit
     # `every` picks steps, it does not change scores; `limit` does, so it starts a new series.
     assert resolved("continuous_eval.every=40").eval_key == base.eval_key
     fewer = resolved("continuous_eval.limit=3")
-    assert fewer.evaluate.limit == 3 and fewer.eval_key != base.eval_key and fewer.train_key == base.train_key
+    assert fewer.evaluate.limit == 3 and fewer.eval_key != base.eval_key and fewer.stage_key == base.stage_key
     assert resolved("train.run.checkpoint_every=10", "continuous_eval.every=30").every == 30
     with pytest.raises(ConfigError, match=r"every=30 is not a multiple of train.run.checkpoint_every=20"):
         resolved("continuous_eval.every=30")

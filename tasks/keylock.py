@@ -1,0 +1,153 @@
+"""A lock per store key that holds across processes and across machines sharing a filesystem.
+
+The lock is a file created with `O_CREAT | O_EXCL` (atomic on local filesystems and NFSv3+),
+holding its owner's host, pid and a random token. While held, a thread refreshes the file's
+mtime every `heartbeat_s`. A lock is stale when its owner is a dead process on this host, or
+when its heartbeat is older than `stale_after_s` (an owner on another machine that died or lost
+the filesystem). Breaking a stale lock takes a second, short-lived `.break` file, so that two
+waiters cannot both break it and one of them delete the other's fresh lock.
+
+`fcntl.flock` would be simpler, but it does not reach across machines on every shared
+filesystem (Lustre and some NFS setups ignore it), and a stale `flock` cannot be seen.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from pathlib import Path
+from types import TracebackType
+
+log = logging.getLogger(__name__)
+
+HEARTBEAT_S = 5.0
+STALE_AFTER_S = 60.0
+POLL_S = 0.2
+
+
+class LockTimeout(TimeoutError):
+    """The lock stayed held by a live owner for longer than the caller would wait."""
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class KeyLock:
+    """`with KeyLock(path): ...` holds `path` exclusively; waits (polling) while another owner holds it."""
+
+    def __init__(self, path: Path, *, timeout_s: float | None = None, heartbeat_s: float = HEARTBEAT_S,
+                 stale_after_s: float = STALE_AFTER_S, on_wait=None) -> None:
+        self.path = Path(path)
+        self.timeout_s = timeout_s
+        self.heartbeat_s = heartbeat_s
+        self.stale_after_s = stale_after_s
+        self.on_wait = on_wait  # called once with the owner's record when this caller has to wait
+        self.token = uuid.uuid4().hex
+        self._stop = threading.Event()
+        self._beat: threading.Thread | None = None
+
+    def _record(self) -> dict:
+        return {"host": socket.gethostname(), "pid": os.getpid(), "token": self.token, "since": time.time()}
+
+    def _try_create(self) -> bool:
+        try:
+            fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            return False
+        with os.fdopen(fd, "w") as handle:
+            json.dump(self._record(), handle)
+            handle.flush()
+            os.fsync(handle.fileno())
+        return True
+
+    def owner(self) -> dict | None:
+        """The current owner's record (None if free); a half-written record reads as {}."""
+        try:
+            text = self.path.read_text()
+        except FileNotFoundError:
+            return None
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError:
+            return {}
+
+    def _is_stale(self, owner: dict) -> bool:
+        if owner.get("host") == socket.gethostname() and isinstance(owner.get("pid"), int):
+            if not _pid_alive(owner["pid"]):
+                return True
+        try:
+            age = time.time() - self.path.stat().st_mtime
+        except FileNotFoundError:
+            return False
+        return age > self.stale_after_s
+
+    def _break_stale(self, owner: dict) -> None:
+        breaker = self.path.with_name(self.path.name + ".break")
+        try:
+            fd = os.open(breaker, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            # another waiter is breaking it; a breaker that died leaves a file nobody refreshes
+            if time.time() - breaker.stat().st_mtime > self.stale_after_s:
+                breaker.unlink(missing_ok=True)
+            return
+        os.close(fd)
+        try:
+            if self.owner() == owner:  # still the same stale owner, not a fresh lock taken meanwhile
+                log.warning("breaking stale lock %s held by %s", self.path, owner)
+                self.path.unlink(missing_ok=True)
+        finally:
+            breaker.unlink(missing_ok=True)
+
+    def acquire(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        deadline = None if self.timeout_s is None else time.monotonic() + self.timeout_s
+        told = False
+        while not self._try_create():
+            owner = self.owner()
+            if owner is not None and self._is_stale(owner):
+                self._break_stale(owner)
+                continue
+            if not told and self.on_wait is not None and owner:
+                self.on_wait(owner)
+                told = True
+            if deadline is not None and time.monotonic() > deadline:
+                raise LockTimeout(f"{self.path} is held by {owner} for longer than {self.timeout_s}s")
+            time.sleep(POLL_S)
+        self._stop.clear()
+        self._beat = threading.Thread(target=self._heartbeat, name=f"keylock-{self.path.name}", daemon=True)
+        self._beat.start()
+
+    def _heartbeat(self) -> None:
+        while not self._stop.wait(self.heartbeat_s):
+            try:
+                os.utime(self.path)
+            except FileNotFoundError:
+                log.error("lock %s vanished while held (broken by another process?)", self.path)
+                return
+
+    def release(self) -> None:
+        self._stop.set()
+        if self._beat is not None:
+            self._beat.join()
+        if (self.owner() or {}).get("token") == self.token:
+            self.path.unlink(missing_ok=True)
+
+    def __enter__(self) -> KeyLock:
+        self.acquire()
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.release()

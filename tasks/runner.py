@@ -1,0 +1,207 @@
+"""The stage contract in plain Python: lock the key → reuse it if complete, else begin the partial
+folder → run the body → write the manifest → commit → record.
+
+Prefect tasks, the CLI, a Slurm job and a notebook all call `run_stage`, so each gets the same
+manifest, commit and tracking; the Prefect wrapper (`flows/stages.py`) adds only caching,
+retries and artifacts. Two callers that want one key at the same time (two runs, two machines)
+are serialised by the key's lock: the second waits, then reuses what the first committed.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import resource
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from tasks.config import KilnConfig
+from tasks.errors import KilnError
+from tasks.graph import config_value, stage_identity, stage_keys
+from tasks.provenance import code_version, provenance
+from tasks.stage import Registry, Stage, StageContext
+from tasks.store import Store
+from tasks.tracker import NullTracker, Tracker
+
+_SMALL_ARTIFACT_SUFFIXES = (".json", ".md", ".png")
+_SMALL_ARTIFACT_BYTES = 5_000_000
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class StageOutcome:
+    stage: str
+    key: str
+    status: str  # "ran" or "cached"
+    wall_s: float  # the stage's own time when it ran; the lookup's when cached
+    headline: dict[str, Any]
+    path: str
+    mlflow_run_id: str
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class StageRecorder:
+    """What a stage body reports through while it runs: metrics at a step, health events, child runs."""
+
+    def __init__(self, tracker: Tracker, run_id: str, stage: str, key: str,
+                 on_event: Callable[[str, dict[str, Any]], None] | None = None) -> None:
+        self.tracker, self.run_id, self.stage, self.key = tracker, run_id, stage, key
+        self._on_event = on_event
+
+    def metrics(self, step: int, metrics: dict[str, float]) -> None:
+        self.tracker.log_metrics(self.run_id, metrics, step)
+
+    def event(self, event: dict[str, Any]) -> None:
+        """A training health event (rollback, abort, relaunch): a tag and metric here, and the caller's
+        `on_event` (the Prefect flows emit it as an event that automations can alert on)."""
+        self.tracker.set_tags(self.run_id, {f"kiln.health.step_{event['step']}": f"{event['kind']}: {event.get('action')}"})
+        loss = event.get("loss")
+        self.tracker.log_metrics(self.run_id, {"health.event_loss": loss if isinstance(loss, (int, float)) else float("nan")},
+                                 event["step"])
+        if self._on_event is not None:
+            self._on_event(f"kiln.train.{event.get('action', 'event')}", event)
+
+    def child_run(self, name: str, *, params: dict[str, Any], metrics: dict[str, float], stage: str) -> str:
+        """A finished child run (e.g. one sweep trial) under this stage's run."""
+        run_id = self.tracker.start_run(name, parent_id=self.run_id, tags={"kiln.stage": stage}, params=params)
+        self.tracker.log_metrics(run_id, metrics)
+        self.tracker.end_run(run_id)
+        return run_id
+
+
+def _numeric(stats: dict[str, Any], prefix: str = "") -> dict[str, float]:
+    flat: dict[str, float] = {}
+    for key, value in stats.items():
+        if isinstance(value, dict):
+            flat.update(_numeric(value, f"{prefix}{key}."))
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def _params(stage: Stage, cfg: KilnConfig) -> dict[str, Any]:
+    """The stage's config sections as logged params (runtime fields included, for the record)."""
+    params: dict[str, Any] = {}
+    for dotted in stage.sections:
+        value = config_value(cfg, dotted)
+        params[dotted] = value.model_dump(mode="json") if hasattr(value, "model_dump") else value
+    return params
+
+
+def _tags(stage: Stage, key: str, cfg: KilnConfig, flow_run_id: str | None, status: str) -> dict[str, str]:
+    code = code_version()
+    return {"kiln.stage": stage.name, "kiln.key": key, "kiln.status": status,
+            "kiln.prefect_flow_run_id": flow_run_id or "none", "kiln.git_sha": code["git_sha"],
+            "kiln.git_dirty": str(code["git_dirty"]), "kiln.work_dir": cfg.work_dir}
+
+
+def _usage() -> tuple[float, float]:
+    """CPU seconds of this process and its finished children, and the largest peak RSS among them (MiB)."""
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+    return cpu, max(own.ru_maxrss, children.ru_maxrss) / 1024
+
+
+def run_stage(stage: Stage | str, cfg: KilnConfig, *, store: Store | None = None, tracker: Tracker | None = None,
+              registry: Registry | None = None, keys: dict[str, str] | None = None,
+              parent_run_id: str | None = None, flow_run_id: str | None = None,
+              on_event: Callable[[str, dict[str, Any]], None] | None = None) -> StageOutcome:
+    """Run `stage` for `cfg` into the store, or reuse its complete output; returns what happened.
+
+    `keys` (every stage's key for `cfg`) saves recomputing them per stage of a pipeline run;
+    `parent_run_id` nests the tracked run under a pipeline run; `on_event(name, payload)` receives
+    training health events."""
+    if registry is None:
+        from tasks.stages import REGISTRY as registry
+    stage = registry[stage] if isinstance(stage, str) else stage
+    store = store or Store(cfg.store_root)
+    tracker = tracker or NullTracker()
+    keys = keys or stage_keys(cfg, registry)
+    key = keys[stage.name]
+    missing = [i for i in stage.inputs if not store.is_complete(i, keys[i])]
+    if missing:
+        raise KilnError(f"stage {stage.name} needs {', '.join(missing)} first (not complete in {store.root}): "
+                        f"run `kiln run --until {missing[-1]}` or the whole pipeline")
+    started = time.perf_counter()
+
+    def waiting(owner: dict) -> None:
+        log.warning("stage %s/%s is being computed by %s (pid %s); waiting to reuse it",
+                    stage.name, key, owner.get("host"), owner.get("pid"))
+
+    with store.lock(stage.name, key, timeout_s=cfg.orchestration.lock_timeout_s, on_wait=waiting):
+        if store.is_complete(stage.name, key):
+            manifest = store.manifest(stage.name, key)
+            run_id = manifest["mlflow_run_id"]
+            if parent_run_id:
+                run_id = tracker.start_run(stage.name, parent_id=parent_run_id,
+                                           tags={**_tags(stage, key, cfg, flow_run_id, "cached"),
+                                                 "kiln.source_run_id": manifest["mlflow_run_id"]})
+                tracker.end_run(run_id)
+            return StageOutcome(stage.name, key, "cached", time.perf_counter() - started,
+                                manifest["stats"].get("headline", {}), str(store.path(stage.name, key)), run_id)
+        return _execute(stage, cfg, store, tracker, registry, keys, parent_run_id, flow_run_id, on_event)
+
+
+def _execute(stage: Stage, cfg: KilnConfig, store: Store, tracker: Tracker, registry: Registry,
+             keys: dict[str, str], parent_run_id: str | None, flow_run_id: str | None,
+             on_event: Callable[[str, dict[str, Any]], None] | None) -> StageOutcome:
+    key = keys[stage.name]
+    inputs = {i: store.path(i, keys[i]) for i in stage.inputs}
+    run_id = tracker.start_run(stage.name, parent_id=parent_run_id, tags=_tags(stage, key, cfg, flow_run_id, "ran"),
+                               params=_params(stage, cfg))
+    for name, path in inputs.items():
+        tracker.log_input(run_id, name, keys[name], path)
+    out_dir = store.begin(stage.name, key, resumable=stage.resumable)
+    started, (cpu_before, _) = time.perf_counter(), _usage()
+    try:
+        stats = stage.body(StageContext(cfg, out_dir, inputs, store, StageRecorder(tracker, run_id, stage.name, key, on_event)))
+    except BaseException as error:
+        tracker.set_tags(run_id, {"kiln.error": str(error)[:5000]})
+        tracker.end_run(run_id, failed=True)
+        raise
+    wall_s = time.perf_counter() - started
+    cpu_after, peak_rss_mb = _usage()
+    stats = {"headline": stage.headline(stats), **stats}
+    cost = {"wall_s": wall_s, "cpu_s": cpu_after - cpu_before, "peak_rss_mb": peak_rss_mb}
+    manifest = {
+        "stage": stage.name, "key": key, "format_version": stage.version,
+        "inputs": {i: keys[i] for i in stage.inputs}, "identity": stage_identity(stage.name, cfg, registry),
+        "stats": stats, "wall_s": wall_s, "cost": cost, "mlflow_run_id": run_id, "prefect_flow_run_id": flow_run_id,
+        "provenance": provenance(), "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+    (out_dir / "stats.json").write_text(json.dumps(stats, indent=2, default=str))
+    tracker.log_metrics(run_id, {**_numeric({k: v for k, v in stats.items() if k != "headline"}),
+                                 **{f"cost.{k}": v for k, v in cost.items()}})
+    for path in sorted(out_dir.iterdir()):
+        if path.suffix in _SMALL_ARTIFACT_SUFFIXES and path.stat().st_size < _SMALL_ARTIFACT_BYTES:
+            tracker.log_artifact(run_id, path)
+    final = store.commit(stage.name, key, manifest)
+    tracker.log_dict(run_id, store.manifest(stage.name, key), "manifest.json")
+    tracker.end_run(run_id)
+    log.info("stage %s committed to %s in %.1fs", stage.name, final, wall_s)
+    return StageOutcome(stage.name, key, "ran", wall_s, stats["headline"], str(final), run_id)
+
+
+def run_pipeline(cfg: KilnConfig, *, until: str | None = None, registry: Registry | None = None,
+                 store: Store | None = None, tracker: Tracker | None = None,
+                 parent_run_id: str | None = None) -> list[StageOutcome]:
+    """Every pipeline stage in order (up to `until`), without an orchestrator: for notebooks and jobs."""
+    if registry is None:
+        from tasks.stages import REGISTRY as registry
+    keys = stage_keys(cfg, registry)
+    return [run_stage(name, cfg, store=store, tracker=tracker, registry=registry, keys=keys,
+                      parent_run_id=parent_run_id) for name in stages_until(until, registry)]
+
+
+def stages_until(until: str | None, registry: Registry) -> list[str]:
+    names = list(registry.pipeline())
+    if until is None:
+        return names
+    if until not in names:
+        raise KilnError(f"--until {until!r} is not a pipeline stage; stages are: {', '.join(names)}")
+    return names[: names.index(until) + 1]

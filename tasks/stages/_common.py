@@ -1,0 +1,31 @@
+"""Pieces several stage declarations share: the document-count headline and the eval-file check."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from tasks.errors import InputError
+
+if TYPE_CHECKING:
+    from tasks.config import KilnConfig
+
+
+def document_headline(stats: dict[str, Any]) -> dict[str, Any]:
+    return {"docs_in": stats["num_in"], "kept": stats["num_kept"], "removed": stats["num_removed"],
+            "quarantined": stats["num_quarantined"]}
+
+
+def eval_file_paths(cfg: KilnConfig) -> list[Path]:
+    """The configured eval files, each checked to exist (decontamination and evaluation read them)."""
+    paths = [Path(p) for p in cfg.evaluate.eval_files]
+    for i, path in enumerate(paths):
+        if not path.is_file():
+            raise InputError(f"eval file {path} does not exist (config key evaluate.eval_files[{i}]); "
+                             "fix the path or remove the entry")
+    return paths
+
+
+def configured_eval_files(cfg: KilnConfig) -> list[Path]:
+    """The eval files whose content a key hashes (missing ones hash as missing; the stage reports them)."""
+    return [Path(p) for p in cfg.evaluate.eval_files]

@@ -1,0 +1,29 @@
+"""Stage `anneal`: from the trained weights, decay the LR to zero on a mixture shifted to high-quality data."""
+
+from __future__ import annotations
+
+from tasks.data.tokenize import SHARDS_FILE
+from tasks.stage import Stage, StageContext
+from tasks.stages._training import planned_lr, train_headline, train_stats
+from tasks.train.anneal import AnnealConfig, anneal_settings
+from tasks.scaling.sweep import mixture_with_weights
+from tasks.train.loop import train_model
+
+
+def run(ctx: StageContext) -> dict:
+    cfg = ctx.cfg
+    optim, run_cfg = anneal_settings(cfg.anneal, cfg.train.optim, cfg.train.run, planned_lr(ctx))
+    mixture = mixture_with_weights(ctx.read_json("tokenize", SHARDS_FILE), ctx.inputs["tokenize"],
+                                   cfg.anneal.mixture, "anneal.mixture")
+    result = train_model(cfg.train.model, optim, run_cfg, mixture, ctx.out_dir,
+                         init_model_dir=ctx.inputs["train"] / "model", on_metrics=ctx.recorder.metrics,
+                         on_event=ctx.recorder.event)
+    before = ctx.read_json("train", "metrics.json")["val_loss"]
+    return train_stats(result, start_lr=optim.lr, val_loss_before=before)
+
+
+STAGE = Stage(
+    name="anneal", description="LR decay to zero on high-quality data", body=run, inputs=("train", "tokenize", "fit"),
+    config=AnnealConfig, version=3, resumable=True,
+    headline=lambda s: {**train_headline(s), "val_loss_before": round(s["val_loss_before"], 4)},
+)

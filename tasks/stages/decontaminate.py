@@ -1,0 +1,20 @@
+"""Stage `decontaminate`: remove training documents whose n-grams overlap the eval suite."""
+
+from __future__ import annotations
+
+from tasks.data.decontaminate import DecontaminateConfig, decontaminate_documents
+from tasks.data.documents import DOCUMENTS_FILE
+from tasks.stage import Stage, StageContext
+from tasks.stages._common import configured_eval_files, document_headline, eval_file_paths
+
+
+def run(ctx: StageContext) -> dict:
+    return decontaminate_documents(ctx.cfg.decontaminate, ctx.inputs["dedup"] / DOCUMENTS_FILE,
+                                   eval_file_paths(ctx.cfg), ctx.out_dir, eval_tasks=ctx.cfg.evaluate.extra_tasks)
+
+
+STAGE = Stage(
+    name="decontaminate", description="remove training docs that overlap the eval suite", body=run,
+    inputs=("dedup",), config=DecontaminateConfig, reads=("evaluate.eval_files", "evaluate.extra_tasks"),
+    external_files=configured_eval_files, headline=document_headline,
+)

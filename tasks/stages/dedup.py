@@ -1,0 +1,24 @@
+"""Stage `dedup`: exact and MinHash near-duplicate removal, with a persisted LSH index for later batches."""
+
+from __future__ import annotations
+
+from tasks.data.documents import DOCUMENTS_FILE
+from tasks.data.dedup import DedupConfig, dedup_documents
+from tasks.stage import Stage, StageContext
+from tasks.stages._common import document_headline
+
+
+def run(ctx: StageContext) -> dict:
+    input_file = ctx.inputs["clean"] / DOCUMENTS_FILE
+    if ctx.cfg.dedup.engine == "datatrove":
+        from tasks.data.dedup_datatrove import dedup_with_datatrove
+
+        return dedup_with_datatrove(ctx.cfg.dedup, input_file, ctx.out_dir, executor=ctx.cfg.cluster.executor,
+                                    tasks=ctx.cfg.dedup.num_workers)
+    return dedup_documents(ctx.cfg.dedup, input_file, ctx.out_dir)
+
+
+STAGE = Stage(
+    name="dedup", description="exact and MinHash near-duplicate removal", body=run, inputs=("clean",),
+    config=DedupConfig, headline=document_headline,
+)

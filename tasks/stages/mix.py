@@ -1,0 +1,32 @@
+"""Stage `mix`: the mixture manifest (weights, token budgets, epochs, shard lists) the training loader reads."""
+
+from __future__ import annotations
+
+import json
+
+from tasks.data.tokenize import SHARDS_FILE
+from tasks.scaling.fit import PLAN_FILE
+from tasks.scaling.mix import MIXTURE_FILE, MixConfig, build_mixture_manifest
+from tasks.stage import Stage, StageContext
+
+
+def run(ctx: StageContext) -> dict:
+    tokenized = ctx.inputs["tokenize"]
+    plan = ctx.read_json("fit", PLAN_FILE)
+    run_cfg = ctx.cfg.train.run
+    train_tokens = run_cfg.steps * run_cfg.batch_size * run_cfg.seq_len * run_cfg.grad_accum
+    manifest = build_mixture_manifest(ctx.cfg.mix, ctx.read_json("tokenize", SHARDS_FILE),
+                                      tokenized.relative_to(ctx.store.root).as_posix(),
+                                      plan["mixture"]["weights"], train_tokens, run_cfg.seq_len)
+    (ctx.out_dir / MIXTURE_FILE).write_text(json.dumps(manifest, indent=2))
+    domains = manifest["domains"]
+    return {"mixture": plan["mixture"]["name"], "train_tokens": train_tokens,
+            "weights": {d: v["weight"] for d, v in domains.items()},
+            "epochs": {d: v["epochs"] for d, v in domains.items()}}
+
+
+STAGE = Stage(
+    name="mix", description="write the mixture manifest", body=run, inputs=("tokenize", "fit"), config=MixConfig,
+    reads=("train.run",),
+    headline=lambda s: {"mixture": s["mixture"], "train_tokens": s["train_tokens"], "max_epochs": max(s["epochs"].values())},
+)
