@@ -7,6 +7,8 @@ working directories; Kiln keeps the store, the MLflow database and artifacts, an
 
 from __future__ import annotations
 
+import asyncio
+import fcntl
 import logging
 import os
 from pathlib import Path
@@ -30,3 +32,22 @@ def prepare_environment(cfg: KilnConfig) -> None:
         os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     logging.getLogger().setLevel(cfg.log_level)
+    _create_prefect_database(Path(os.environ["PREFECT_HOME"]))
+
+
+def _create_prefect_database(home: Path) -> None:
+    """Create the embedded API's SQLite schema once, under a lock: two runs started at once on a new
+    working directory would otherwise both migrate it. With a server configured there is nothing to do."""
+    from prefect.settings import get_current_settings
+
+    settings = get_current_settings()
+    database = settings.server.database.connection_url
+    if settings.api.url or database is None or not database.get_secret_value().startswith("sqlite"):
+        return
+    home.mkdir(parents=True, exist_ok=True)
+    with open(home / ".kiln-init.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (home / "prefect.db").exists():
+            from prefect.server.database import provide_database_interface
+
+            asyncio.run(provide_database_interface().create_db())

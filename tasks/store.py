@@ -128,7 +128,7 @@ class Store:
         manifest = {**manifest, "files": list_files(partial)}
         tmp = partial / (MANIFEST_FILE + ".tmp")
         with open(tmp, "w") as handle:
-            json.dump(manifest, handle, indent=2, sort_keys=True, default=str)
+            json.dump(manifest, handle, indent=2, default=str)
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(tmp, partial / MANIFEST_FILE)

@@ -3,6 +3,7 @@
 import pytest
 
 from tasks.config import load_config
+from tasks.errors import ConfigError
 from tasks.graph import downstream_of, stage_keys
 from tasks.stages import REGISTRY
 
@@ -73,3 +74,17 @@ def test_source_content_moves_collect(base_keys, tmp_path):
     (src / "a.txt").write_text("another text")
     second = stage_keys(load_config("configs/default.yaml", [override]))
     assert first["collect"] != second["collect"] and first["clean"] != second["clean"]
+
+
+@pytest.mark.parametrize("override,fix", [
+    ("train.optim.lr=0.01", "the learning rate is train.lr"),
+    ("sweep.optim.lr=0.01", "the sweep's learning rates are sweep.lrs"),
+])
+def test_a_learning_rate_that_would_be_ignored_is_refused(override, fix):
+    with pytest.raises(ConfigError, match=fix):
+        load_config("configs/default.yaml", [override])
+
+
+def test_keys_hash_no_learning_rate_that_is_not_used():
+    cfg = load_config("configs/default.yaml")
+    assert "lr" not in cfg.train.identity()["optim"] and "lr" not in cfg.sweep.identity()["optim"]

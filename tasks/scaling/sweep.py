@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass
 from multiprocessing import get_context
 from pathlib import Path
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from tasks.configbase import Section, runtime_field
 from tasks.errors import ConfigError
@@ -44,9 +44,23 @@ class SweepConfig(Section):
         },
         description="candidate domain weights (normalised); the first is the reference for the size axis",
     )
-    optim: OptimConfig = OptimConfig()
+    optim: OptimConfig = Field(OptimConfig(), description="every optimizer setting but lr (the grid is `lrs`)")
     run: TrainRunConfig = Field(default_factory=_default_proxy_run)
     num_workers: int = runtime_field(2)
+
+    @model_validator(mode="after")
+    def _check(self) -> SweepConfig:
+        if "lr" in self.optim.model_fields_set:
+            raise ValueError("sweep.optim.lr is not used: the sweep's learning rates are sweep.lrs")
+        for name, weights in self.mixtures.items():
+            if not weights:
+                raise ValueError(f"sweep.mixtures.{name} is empty: give at least one domain weight")
+        return self
+
+    def identity(self) -> dict:
+        identity = super().identity()
+        del identity["optim"]["lr"]  # never used: each trial takes its lr from the grid
+        return identity
 
 
 @dataclass(frozen=True)

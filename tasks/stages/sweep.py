@@ -25,6 +25,6 @@ def run(ctx: StageContext) -> dict:
 
 STAGE = Stage(
     name="sweep", description="proxy runs over LR, mixture and width", body=run, inputs=("tokenize",),
-    config=SweepConfig,
+    config=SweepConfig, version=2,  # 2: the key no longer hashes the unused sweep.optim.lr
     headline=lambda s: {"trials": s["num_trials"], "best": s["best_trial"], "best_val_loss": round(s["best_val_loss"], 4)},
 )

@@ -3,6 +3,7 @@
 import pytest
 
 from flows.cli import main
+from tasks.stages import REGISTRY
 
 
 def test_help_explains_every_command(capsys):
@@ -24,7 +25,7 @@ def test_config_prints_resolved_values_and_keys(in_repo, capsys):
 def test_status_lists_every_stage_as_missing_in_a_fresh_work_dir(in_repo, tmp_path, capsys):
     assert main(["status", "configs/tiny.yaml", f"work_dir={tmp_path}"]) == 0
     out = capsys.readouterr().out
-    assert out.count("missing") == 12
+    assert out.count("missing") == len(REGISTRY.names())  # the pipeline's stages and dedup-batch
 
 
 def test_bad_arguments_and_config_errors_exit_2_without_traceback(in_repo, capsys):

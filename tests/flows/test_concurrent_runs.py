@@ -1,0 +1,39 @@
+"""Two `kiln run` of one config started at once on one fresh working directory, as real processes:
+for every key one computes and the other waits and reuses; both succeed; the store stays whole."""
+
+import os
+import subprocess
+import sys
+from collections import Counter
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+from tasks.config import load_config
+from tasks.graph import stage_keys
+from tasks.store import Store
+
+pytestmark = pytest.mark.slow
+UNTIL = "tokenize"
+STAGES = ("collect", "clean", "dedup", "decontaminate", "tokenize")
+
+
+def test_two_runs_of_one_config_at_once_compute_each_stage_once(in_repo, tmp_path):
+    work = tmp_path / "work"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "MLFLOW_"))}
+    command = [sys.executable, "-m", "flows.cli", "run", "configs/tiny.yaml", f"work_dir={work}", "--until", UNTIL]
+    runs = [subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            for _ in range(2)]
+    outputs = [run.communicate(timeout=600)[0] for run in runs]
+    assert [run.returncode for run in runs] == [0, 0], "\n\n".join(o[-3000:] for o in outputs)
+
+    cfg = load_config("configs/tiny.yaml", [f"work_dir={work}"])
+    store, keys = Store(cfg.store_root), stage_keys(cfg)
+    assert all(store.problems(s, keys[s], checksums=True) == [] for s in STAGES)
+    assert not store.partial_folders()
+
+    client = MlflowClient(cfg.tracking_uri)
+    children = client.search_runs([client.get_experiment_by_name("kiln").experiment_id],
+                                  filter_string="tags.`kiln.stage` != 'pipeline'")
+    statuses = Counter((r.data.tags["kiln.stage"], r.data.tags["kiln.status"]) for r in children)
+    assert statuses == Counter({(s, status): 1 for s in STAGES for status in ("ran", "cached")})
