@@ -4,9 +4,11 @@ The config is one JSON object: `model`, `optim`, `train` and `parallel` sections
 as in `ModelConfig`, `OptimConfig`, `TrainRunConfig`, `ParallelDims`), plus `manifest` (a mix
 manifest), `data_root` (what its shard paths are relative to), `out_dir` (checkpoints, resume,
 the final model and metrics go there) and optionally `stop_after` (stop once that many steps
-are done, as a stopped job would); `fault_injection` is for tests only (see loop.py). Every rank
-runs `train_model` with the `parallel` layout; rank 0 writes the `TrainResult` as JSON to `--out`. Several `--config C --out O` pairs run one after another
-in the same process group, which saves a torchrun start-up (seconds of imports per process) each.
+are done, as a stopped job would) and `callbacks` (a list of `CallbackSpec`s as JSON: each rank
+builds them from their dotted paths and hands them to `train_model`). Every rank runs
+`train_model` with the `parallel` layout; rank 0 writes the `TrainResult` as JSON to `--out`.
+Several `--config C --out O` pairs run one after another in the same process group, which saves
+a torchrun start-up (seconds of imports per process) each.
 Run without torchrun, it trains as a single process.
 """
 
@@ -21,13 +23,14 @@ import torch.distributed as dist
 from pydantic import ValidationError
 
 from tasks.errors import ConfigError
+from tasks.train.callbacks import CallbackSpec
 from tasks.train.config import ModelConfig, OptimConfig, ParallelDims, TrainRunConfig
 from tasks.train.data_loader import Mixture
 from tasks.train.loop import train_model, write_result
 from tasks.train.rank_hosts import NODE_NAME_ENV, REGISTRY_DIR, register_rank
 
 SECTIONS = {"model": ModelConfig, "optim": OptimConfig, "train": TrainRunConfig, "parallel": ParallelDims}
-OPTIONS = {"stop_after", "fault_injection"}
+OPTIONS = {"stop_after", "callbacks"}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -65,7 +68,14 @@ def _load(config: Path) -> tuple[dict, Mixture, dict]:
     stop_after = raw.get("stop_after")
     if stop_after is not None and (not isinstance(stop_after, int) or stop_after < 1):
         raise ConfigError(f"{config}: stop_after must be a positive integer (steps), got {stop_after!r}")
-    options = {"out_dir": Path(raw["out_dir"]), "stop_after": stop_after, "fault_injection": raw.get("fault_injection")}
+    specs = raw.get("callbacks", [])
+    if not isinstance(specs, list):
+        raise ConfigError(f"{config}: callbacks must be a list of {{'target': ..., 'kwargs': ...}}, got {specs!r}")
+    try:
+        callbacks = [CallbackSpec.from_json(spec).build() for spec in specs]
+    except ConfigError as error:
+        raise ConfigError(f"{config}: {error}") from None
+    options = {"out_dir": Path(raw["out_dir"]), "stop_after": stop_after, "callbacks": callbacks}
     sections = {}
     for key, cls in SECTIONS.items():
         try:

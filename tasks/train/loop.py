@@ -2,19 +2,16 @@
 
 `train_model` builds (or loads) the model, splits it over the parallel layout (`dims`, see
 `tasks.train.distributed`; one process by default, any pp x dp x tp under torchrun), trains it
-with AdamW on batches from a `Mixture`, writes sharded DCP checkpoints (`tasks.train.dcp`),
-resumes from the newest intact one left by a crashed attempt — whatever layout wrote it — and
-finishes with the gathered model, per-domain validation loss, `metrics.json`,
-`train_metrics.jsonl` and `loss_curve.png`. Steps in curves, metrics and checkpoint names count
-completed optimizer updates (1 .. steps). Only rank 0 writes files and calls the callbacks;
-every rank returns the same `TrainResult`.
+with AdamW on batches from a `Mixture`, resumes from the newest intact DCP checkpoint left by a
+crashed attempt — whatever layout wrote it — and finishes with the gathered model, per-domain
+validation loss, `metrics.json` and `loss_curve.png`. Steps in curves, metrics and checkpoint
+names count completed optimizer updates (1 .. steps). Every rank returns the same `TrainResult`.
 
-Self-healing: every step's loss (the global batch's mean, the same on every rank) goes through
-`tasks.train.health.check_loss`; a non-finite loss or a spike rolls the run back to the newest
-checkpoint before it, and the steps up to the bad one are re-run on other batches (see
-`tasks.train.health`). Each rollback is appended to `health_events.jsonl` and reported through
-`on_event`; after `max_rollbacks` the run stops with `TrainingDivergedError`. A run without
-anomalies is bit-identical with or without the monitor.
+The loop is a recipe over a `Trainer` (the state: model, optimizer, curves, skip windows) and
+callbacks (`tasks.train.callbacks`) called at fixed points: the health monitor that rolls a bad
+step back (`tasks.train.rollback`), the progress bar, metric logging to `train_metrics.jsonl` and
+`on_metrics` (throughput, MFU, memory), the checkpoint cadence, and whatever the caller adds
+(tests add `tasks.train.testing_faults.FaultInjection`).
 
 Determinism: on CPU the loop runs under `torch.use_deterministic_algorithms(True)`, so the same
 config and data give a bit-identical loss curve (resume included) for a fixed thread count and
@@ -24,15 +21,10 @@ layout; another layout or thread count changes float summation order, hence the 
 from __future__ import annotations
 
 import json
-import os
-import resource
-import signal
-import sys
 import time
-from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -40,38 +32,21 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-from tqdm import tqdm
 
 from tasks.errors import InputError
-from tasks.train.checkpoint import delete_checkpoints_after
+from tasks.train.callbacks import Checkpointer, Hooks, MetricsLogger, ProgressBar, TrainCallback
 from tasks.train.config import ModelConfig, OptimConfig, ParallelDims, TrainRunConfig, revalidated
-from tasks.train.data_loader import Mixture, batch_sources, validation_batches
+from tasks.train.data_loader import Mixture, validation_batches
 from tasks.train.dcp import latest_intact_dcp, load_dcp, read_train_state, save_dcp
 from tasks.train.distributed import Layout, clip_grad_norm, make_optimizer
-from tasks.train.health import (
-    EVENTS_FILE,
-    Anomaly,
-    SkipWindow,
-    TrainingDivergedError,
-    append_event,
-    check_loss,
-    data_index,
-    data_offset,
-    json_float,
-    lr_factor,
-    read_events,
-    rollback_bound,
-    windows_from_events,
-)
-from tasks.train.model import Transformer, build_model, count_parameters, flops_per_token, load_model, save_model
-from tasks.train.plots import plot_loss_curve
+from tasks.train.health import EVENTS_FILE, SkipWindow, data_index, lr_factor, read_events, windows_from_events
+from tasks.train.model import Transformer, build_model, count_parameters, load_model, save_model
+from tasks.train.plots import LOSS_PLOT, plot_loss_curve
+from tasks.train.rollback import HealthMonitor
 from tasks.train.schedule import lr_at
 
 FINAL_LOSS_WINDOW = 10
-LOSS_PLOT = "loss_curve.png"
-METRICS_LOG = "train_metrics.jsonl"  # every on_metrics call, for runs whose caller is another process
-# test-only faults `train_model(fault_injection=...)` understands
-FAULT_KEYS = {"poison_data_index", "lr_multiplier", "kill_rank_at_step"}
+CURVES = ("loss", "lr", "grad_norm", "batch_checksum")
 
 
 @dataclass
@@ -180,95 +155,6 @@ def train_step(layout: Layout, model: nn.Module, schedule: Any, optimizer: torch
     return loss, grad_norm
 
 
-def _peak_memory_mb(device: torch.device) -> float:
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**20
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return rss / 2**20 if sys.platform == "darwin" else rss / 2**10  # bytes on macOS, KiB on Linux
-
-
-def _check_faults(faults: dict[str, Any]) -> None:
-    unknown = set(faults) - FAULT_KEYS
-    if unknown:
-        raise ValueError(f"unknown fault_injection keys {sorted(unknown)}; known: {sorted(FAULT_KEYS)}")
-
-
-def _inject_faults(
-    faults: dict[str, Any], step: int, index: int, x: torch.Tensor, y: torch.Tensor, lr: float, vocab_size: int
-) -> tuple[torch.Tensor, torch.Tensor, float]:
-    """Test-only faults. `poison_data_index`: batch indices whose batch becomes one token id
-    repeated (vocab_size - 1); a rollback's new indices miss it, as with bad data on disk.
-    `lr_multiplier`: {step: factor} applied every time that step runs, a fault no rollback cures."""
-    if index in faults.get("poison_data_index", ()):
-        x, y = torch.full_like(x, vocab_size - 1), torch.full_like(y, vocab_size - 1)
-    multipliers = {int(k): v for k, v in faults.get("lr_multiplier", {}).items()}  # JSON keys are strings
-    return x, y, lr * multipliers.get(step, 1.0)
-
-
-def _maybe_kill(faults: dict[str, Any], layout: Layout, out_dir: Path, step: int) -> None:
-    """Test-only: `kill_rank_at_step: [rank, step]` SIGKILLs that rank once (a marker in out_dir makes
-    the relaunched job run clean), as a crashed node would."""
-    if "kill_rank_at_step" not in faults:
-        return
-    rank, at_step = faults["kill_rank_at_step"]
-    marker = out_dir / ".fault_injected"
-    if step == at_step and layout.rank == rank and not marker.exists():
-        marker.write_text(f"rank {rank} killed at step {step}\n")
-        os.kill(os.getpid(), signal.SIGKILL)
-
-
-def _ranges(values: list[int]) -> list[list[int]]:
-    """Consecutive runs of `values` as [first, last] pairs."""
-    runs: list[list[int]] = []
-    for v in values:
-        if runs and v == runs[-1][1] + 1:
-            runs[-1][1] = v
-        else:
-            runs.append([v, v])
-    return runs
-
-
-def _skipped_data(
-    mixture: Mixture, run_cfg: TrainRunConfig, windows: list[SkipWindow], first: int, last: int
-) -> dict[str, Any]:
-    """Which batches steps first..last used before a rollback replaced them: the bad step's rows
-    (domain, token offset) in full and a count of rows per domain over all of them."""
-    rows = run_cfg.batch_size * run_cfg.grad_accum
-    indices = [data_index(step, windows) for step in range(first, last + 1)]
-    sources = [batch_sources(mixture, run_cfg.seed, i, 0, 1, rows, run_cfg.seq_len) for i in indices]
-    return {
-        "data_indices": _ranges(indices),
-        "bad_batch": [[domain, offset] for domain, offset in sources[-1]],
-        "rows_by_domain": dict(sorted(Counter(domain for batch in sources for domain, _ in batch).items())),
-    }
-
-
-def _anomaly_record(anomaly: Anomaly) -> dict[str, Any]:
-    return {
-        "step": anomaly.step,
-        "kind": anomaly.kind,
-        "loss": json_float(anomaly.loss),
-        "zscore": anomaly.zscore,
-        "median": anomaly.median,
-    }
-
-
-def _diverged_message(events: list[dict[str, Any]], events_path: Path) -> str:
-    history = "; ".join(
-        f"step {e['step']} {e['kind']} loss={e['loss']}"
-        + (f" -> rolled back to {e['rolled_back_to']}" if e["action"] == "rollback" else " -> gave up")
-        for e in events
-    )
-    return (
-        f"training diverged: the loss was still bad after {sum(e['action'] == 'rollback' for e in events)} "
-        f"rollbacks ({history}). Details in {events_path}. Lower the learning rate, inspect the skipped "
-        "data, or raise train.run.health.max_rollbacks"
-    )
-
-
-CURVES = ("loss", "lr", "grad_norm", "batch_checksum")
-
-
 def train_model(
     model_cfg: ModelConfig,
     optim_cfg: OptimConfig,
@@ -280,7 +166,7 @@ def train_model(
     init_model_dir: Path | None = None,
     on_metrics: Callable[[int, dict[str, float]], None] | None = None,
     on_event: Callable[[dict[str, Any]], None] | None = None,
-    fault_injection: dict[str, Any] | None = None,
+    callbacks: Sequence[TrainCallback] = (),
     stop_after: int | None = None,
 ) -> TrainResult:
     """Train for `run_cfg.steps` steps into out_dir (resuming a crashed attempt found there).
@@ -289,22 +175,15 @@ def train_model(
     of a torchrun job calls this together and out_dir must be on a filesystem they share.
     `on_metrics(step, metrics)` gets train metrics every `log_every` steps and validation loss at
     the end; `on_event(event)` gets each health event (a rollback, or giving up) as it is written
-    to `health_events.jsonl`. `stop_after`: return once that many steps are done, as a stopped job
-    would (no final model). `fault_injection` exists for tests only (see `_inject_faults`).
+    to `health_events.jsonl`; both are called on rank 0 only. `callbacks` run after the health
+    monitor and the progress bar, before metric logging and checkpointing (see
+    `tasks.train.callbacks`). `stop_after`: return once that many steps are done, as a stopped
+    job would (no final model).
     """
     model_cfg, optim_cfg, run_cfg = revalidated(model_cfg), revalidated(optim_cfg), revalidated(run_cfg)
     dims = revalidated(dims) if dims is not None else ParallelDims()
     run_cfg.check_fits(model_cfg)
-    faults = fault_injection or {}
-    _check_faults(faults)
     t_start, started_unix = time.perf_counter(), time.time()
-    ckpt_root = out_dir / "checkpoints"
-    events_path = out_dir / EVENTS_FILE
-    identity = _identity(model_cfg, optim_cfg, run_cfg, mixture.vocab_size)
-    rows_per_step = run_cfg.batch_size * run_cfg.grad_accum
-    tokens_per_step = rows_per_step * run_cfg.seq_len
-    flops_per_step = flops_per_token(model_cfg, mixture.vocab_size, run_cfg.seq_len) * tokens_per_step
-    health = run_cfg.health
     # built first so that a mixture without usable validation data fails before training
     val_batches = validation_batches(mixture, run_cfg.seq_len, run_cfg.eval_batches, run_cfg.batch_size)
     if not val_batches:
@@ -312,194 +191,239 @@ def train_model(
             f"no domain has a validation shard of at least seq_len + 1 = {run_cfg.seq_len + 1} "
             "tokens, so there is no validation loss: give the tokenize stage a larger val split"
         )
+    hooks = Hooks([HealthMonitor(on_event), ProgressBar(), *callbacks, MetricsLogger(on_metrics), Checkpointer()])
 
     with _torch_settings(run_cfg, torch.device(run_cfg.device)):
-        layout = Layout.create(dims, torch.device(run_cfg.device))
-        device, main = layout.device, layout.is_main
-        if main:
-            out_dir.mkdir(parents=True, exist_ok=True)
-        model, schedule = layout.prepare(
-            _initial_model(model_cfg, mixture.vocab_size, run_cfg.seed, init_model_dir).to(device),
-            run_cfg, optim_cfg.z_loss)
-        optimizer = make_optimizer(model, optim_cfg, device)
-        # what a rollback to before the first checkpoint restores
-        fresh_optimizer = optimizer.state_dict()
-        fresh_rng = torch.get_rng_state()
-        curves: dict[str, list] = {name: [] for name in CURVES}
-        mixture_history: list = [[0, mixture_summary(mixture)]]
-        resumed_from = None
-        latest = latest_intact_dcp(ckpt_root)
-        if latest is not None:
-            if read_train_state(latest)["identity"] != identity:
-                raise ValueError(
-                    f"checkpoints in {ckpt_root} were written by a run with a different config (model, optim, "
-                    "train run or vocabulary); use a fresh out_dir or delete that folder"
-                )
-            state = load_dcp(latest, model, optimizer)
-            resumed_from = state["step"]
-            curves = {name: [tuple(p) for p in state["curves"][name]] for name in CURVES}
-            mixture_history = state["mixture_history"]
-            if mixture_history[-1][1] != mixture_summary(mixture):
-                mixture_history.append([resumed_from, mixture_summary(mixture)])
-        # the record of earlier attempts too: their skip windows must apply to this one
-        events = read_events(events_path)
-        windows = windows_from_events(events)
+        trainer = Trainer.start(model_cfg, optim_cfg, run_cfg, mixture, out_dir, dims, init_model_dir, hooks)
+        try:
+            hooks.on_start(trainer)
+            t_train = time.perf_counter()
+            while trainer.step < run_cfg.steps:
+                batch = trainer.next_batch()
+                hooks.pre_step(trainer, batch)
+                out = trainer.train(batch)
+                if not hooks.check_step(trainer, out):
+                    continue  # rolled back: trainer.step is the restored checkpoint's
+                trainer.record(out)
+                hooks.post_step(trainer, out)
+                if stop_after is not None and trainer.step >= stop_after:
+                    break
+            train_s = time.perf_counter() - t_train
+            finished = trainer.step == run_cfg.steps
+            val_by_domain = trainer.evaluate_and_save(val_batches) if finished else {}
+        except BaseException as error:
+            hooks.on_error(trainer, error)
+            raise
 
-        def record(event: dict[str, Any]) -> None:
-            events.append(event)
-            if main:
-                append_event(events_path, event)
-                if on_event is not None:
-                    on_event(event)
-
-        def save(step: int) -> None:
-            train_state = {"identity": identity, "curves": curves, "mixture_history": mixture_history}
-            save_dcp(ckpt_root, step, model, optimizer, train_state, run_cfg.keep_checkpoints, run_cfg.keep_every)
-
-        def roll_back(anomaly: Anomaly) -> int:
-            """Restore the newest checkpoint before the bad step; returns the step to resume at."""
-            t_detect = time.perf_counter()
-            if len(windows) >= health.max_rollbacks:
-                record({**_anomaly_record(anomaly), "action": "abort", "rollbacks": len(windows)})
-                if main:
-                    plot_loss_curve(curves["loss"], [], events, out_dir / LOSS_PLOT)
-                raise TrainingDivergedError(_diverged_message(events, events_path), list(events))
-            found = latest_intact_dcp(ckpt_root, before=rollback_bound(anomaly.step, windows))
-            target = read_train_state(found)["step"] if found is not None else 0
-            deleted = delete_checkpoints_after(ckpt_root, target) if main else []
-            layout.barrier()
-            if found is not None:
-                restored = load_dcp(found, model, optimizer)["curves"]
-                curves.update({name: [tuple(p) for p in restored[name]] for name in CURVES})
-            else:
-                initial = _initial_model(model_cfg, mixture.vocab_size, run_cfg.seed, init_model_dir)
-                set_model_state_dict(model, initial.state_dict(),
-                                     options=StateDictOptions(full_state_dict=True, strict=dims.pp == 1))
-                optimizer.load_state_dict(fresh_optimizer)
-                torch.set_rng_state(fresh_rng)
-                curves.update({name: [] for name in CURVES})
-            optimizer.zero_grad(set_to_none=True)
-            skipped = _skipped_data(mixture, run_cfg, windows, target + 1, anomaly.step)
-            window = SkipWindow(
-                first_step=target + 1,
-                last_step=anomaly.step,
-                data_offset=data_offset(len(windows) + 1, run_cfg.steps),
-                lr_factor=health.rollback_lr_factor,
-                lr_last_step=target + health.rollback_lr_steps,
-            )
-            windows.append(window)
-            record({
-                **_anomaly_record(anomaly),
-                "action": "rollback",
-                "rollback": len(windows),
-                "rolled_back_to": target,
-                "deleted_checkpoints": deleted,
-                "window": asdict(window),
-                "skipped_data": skipped,
-                "time_to_resume_s": time.perf_counter() - t_detect,
-            })
-            return target
-
-        max_norm = optim_cfg.grad_clip if optim_cfg.grad_clip > 0 else float("inf")
-        model.train()
-        start_step = resumed_from or 0
-        t_train = time.perf_counter()
-        t_log, tokens_since_log, steps_run, first_step_unix = t_train, 0, 0, None
-        bar = tqdm(total=run_cfg.steps, initial=start_step, desc="train", unit="step", disable=None if main else True)
-        i = start_step
-        while i < run_cfg.steps:
-            step = i + 1
-            lr = lr_at(i, optim_cfg, run_cfg.steps) * lr_factor(step, windows)
-            index = data_index(step, windows)
-            x, y, checksum = layout.batch(mixture, run_cfg.seed, index, rows_per_step, run_cfg.seq_len)
-            applied_lr = lr
-            if faults:
-                x, y, applied_lr = _inject_faults(faults, step, index, x, y, lr, mixture.vocab_size)
-            for group in optimizer.param_groups:
-                group["lr"] = applied_lr
-            step_loss, grad_norm = train_step(layout, model, schedule, optimizer, x, y, run_cfg.grad_accum,
-                                              max_norm, optim_cfg.z_loss)
-            steps_run += 1
-            tokens_since_log += tokens_per_step
-            if first_step_unix is None:
-                first_step_unix = time.time()
-            anomaly = check_loss(step, step_loss, curves["loss"][-health.spike_window:], health)
-            if anomaly is not None:
-                i = roll_back(anomaly)
-                bar.n = i
-                bar.refresh()
-                continue
-            for name, value in zip(CURVES, (step_loss, lr, grad_norm, checksum)):
-                curves[name].append((step, value))
-            bar.update(1)
-            _maybe_kill(faults, layout, out_dir, step)
-            if step % run_cfg.log_every == 0 or step == run_cfg.steps:
-                now = time.perf_counter()
-                tokens_per_s = tokens_since_log / max(now - t_log, 1e-9)
-                metrics = {"loss": step_loss, "lr": lr, "grad_norm": grad_norm, "tokens_per_s": tokens_per_s,
-                           "peak_memory_mb": _peak_memory_mb(device)}
-                if run_cfg.peak_tflops is not None:
-                    # per device: the whole job's FLOPs over all its devices' peak
-                    steps_per_s = tokens_per_s / tokens_per_step
-                    metrics["mfu"] = flops_per_step * steps_per_s / (run_cfg.peak_tflops * 1e12 * dims.world_size)
-                if main:
-                    with (out_dir / METRICS_LOG).open("a") as log:
-                        log.write(json.dumps({"step": step, **metrics}) + "\n")
-                    if on_metrics is not None:
-                        on_metrics(step, metrics)
-                bar.set_postfix(loss=f"{step_loss:.4f}", lr=f"{lr:.2e}")
-                t_log, tokens_since_log = now, 0
-            if step % run_cfg.checkpoint_every == 0:
-                save(step)
-            i += 1
-            if stop_after is not None and step >= stop_after:
-                break
-        bar.close()
-        train_s = time.perf_counter() - t_train
-
-        finished = i == run_cfg.steps
-        val_by_domain: dict[str, float] = {}
-        model_dir = out_dir / "model" if finished else None
-        if finished:
-            full = layout.full_model(model, model_cfg, mixture.vocab_size)
-            if full is not None:
-                val_by_domain = evaluate(full, val_batches, device)
-                save_model(full, model_cfg, mixture.vocab_size, model_dir)
-            val_by_domain = layout.broadcast(val_by_domain)
-
-    loss_curve = curves["loss"]
-    tail = [loss for _, loss in loss_curve[-FINAL_LOSS_WINDOW:]]
-    val_loss = sum(val_by_domain.values()) / len(val_by_domain) if val_by_domain else None
-    result = TrainResult(
-        steps=run_cfg.steps,
-        tokens_seen=run_cfg.steps * tokens_per_step,
-        num_params=count_parameters(model_cfg, mixture.vocab_size),
-        final_train_loss=sum(tail) / len(tail),
-        val_loss=val_loss,
-        val_loss_by_domain=val_by_domain,
-        loss_curve=loss_curve,
-        lr_curve=curves["lr"],
-        grad_norm_curve=curves["grad_norm"],
-        batch_checksum_curve=curves["batch_checksum"],
-        mixture_history=[tuple(entry) for entry in mixture_history],
-        wall_s=time.perf_counter() - t_start,
-        tokens_per_s=steps_run * tokens_per_step / train_s if train_s > 0 else 0.0,
-        model_dir=model_dir,
-        resumed_from_step=resumed_from,
-        num_rollbacks=len(windows),
-        health_events=events,
-        world_size=dims.world_size,
-        parallel=dims.model_dump(mode="json"),
-        rank0_local_numel=layout.broadcast(layout.local_numel(model)),
-        started_unix=started_unix,
-        first_step_unix=first_step_unix,
-    )
-    if main and finished:
-        if on_metrics is not None:
-            on_metrics(run_cfg.steps, {"val_loss": val_loss, **{f"val_loss/{d}": v for d, v in val_by_domain.items()}})
-        plot_loss_curve(loss_curve, [(run_cfg.steps, val_loss)], events, out_dir / LOSS_PLOT)
+    result = trainer.result(val_by_domain, train_s, wall_s=time.perf_counter() - t_start, started_unix=started_unix)
+    hooks.on_end(trainer, result)
+    if trainer.is_main and finished:
+        plot_loss_curve(result.loss_curve, [(run_cfg.steps, result.val_loss)], trainer.events, out_dir / LOSS_PLOT)
         write_metrics(result, out_dir)
     return result
+
+
+@dataclass
+class Batch:
+    """One optimizer step's data as the loop is about to train on it; a `pre_step` hook may change it."""
+
+    step: int  # the 1-based step it trains
+    index: int  # its `batch_for_step` index (a rollback's skip window shifts it)
+    x: torch.Tensor  # this rank's rows
+    y: torch.Tensor
+    checksum: int  # `batch_checksum` of the global batch as drawn
+    lr: float  # the scheduled learning rate (times a rollback window's factor): what the curves record
+    lr_scale: float = 1.0  # the optimizer runs at lr * lr_scale (testing faults change it)
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    """What one optimizer update produced (the same on every rank)."""
+
+    step: int
+    loss: float  # the global batch's mean cross-entropy
+    lr: float
+    grad_norm: float  # before clipping
+    checksum: int
+
+
+@dataclass
+class Trainer:
+    """One attempt's training state and its moves: what the loop advances and callbacks read.
+
+    `step` counts the updates kept so far; a rollback (`restore`) sets it back. `events` and
+    `windows` are the health record of every attempt in out_dir: their skip windows decide
+    which batch and learning-rate factor each step gets.
+    """
+
+    model_cfg: ModelConfig
+    optim_cfg: OptimConfig
+    run_cfg: TrainRunConfig
+    mixture: Mixture
+    out_dir: Path
+    init_model_dir: Path | None
+    layout: Layout
+    model: nn.Module
+    schedule: Any  # the GPipe schedule under pipeline parallelism, else None
+    optimizer: torch.optim.Optimizer
+    hooks: Hooks
+    identity: dict[str, Any]  # what a checkpoint must have been written with to be resumed from
+    events: list[dict[str, Any]]
+    windows: list[SkipWindow]
+    fresh_state: tuple[dict[str, Any], torch.Tensor]  # optimizer and RNG state at step 0, for a rollback there
+    step: int = 0
+    curves: dict[str, list] = field(default_factory=lambda: {name: [] for name in CURVES})
+    mixture_history: list = field(default_factory=list)  # [steps completed before it applied, summary]
+    resumed_from: int | None = None
+    steps_run: int = 0  # updates this attempt ran, rolled-back ones included
+    first_step_unix: float | None = None  # when this attempt's first update finished
+
+    @classmethod
+    def start(cls, model_cfg: ModelConfig, optim_cfg: OptimConfig, run_cfg: TrainRunConfig, mixture: Mixture,
+              out_dir: Path, dims: ParallelDims, init_model_dir: Path | None, hooks: Hooks) -> Trainer:
+        """Join the layout, build and split the model, and resume from the newest intact checkpoint."""
+        layout = Layout.create(dims, torch.device(run_cfg.device))
+        if layout.is_main:
+            out_dir.mkdir(parents=True, exist_ok=True)
+        model, schedule = layout.prepare(
+            _initial_model(model_cfg, mixture.vocab_size, run_cfg.seed, init_model_dir).to(layout.device),
+            run_cfg, optim_cfg.z_loss)
+        optimizer = make_optimizer(model, optim_cfg, layout.device)
+        # the record of earlier attempts too: their skip windows must apply to this one
+        events = read_events(out_dir / EVENTS_FILE)
+        trainer = cls(model_cfg, optim_cfg, run_cfg, mixture, out_dir, init_model_dir, layout, model, schedule,
+                      optimizer, hooks, _identity(model_cfg, optim_cfg, run_cfg, mixture.vocab_size), events,
+                      windows_from_events(events), (optimizer.state_dict(), torch.get_rng_state()),
+                      mixture_history=[[0, mixture_summary(mixture)]])
+        latest = latest_intact_dcp(trainer.ckpt_root)
+        if latest is not None:
+            if read_train_state(latest)["identity"] != trainer.identity:
+                raise ValueError(
+                    f"checkpoints in {trainer.ckpt_root} were written by a run with a different config (model, "
+                    "optim, train run or vocabulary); use a fresh out_dir or delete that folder"
+                )
+            state = trainer.restore(latest)
+            trainer.resumed_from = trainer.step
+            trainer.mixture_history = state["mixture_history"]
+            if trainer.mixture_history[-1][1] != mixture_summary(mixture):
+                trainer.mixture_history.append([trainer.step, mixture_summary(mixture)])
+        model.train()
+        return trainer
+
+    @property
+    def is_main(self) -> bool:
+        return self.layout.is_main
+
+    @property
+    def device(self) -> torch.device:
+        return self.layout.device
+
+    @property
+    def ckpt_root(self) -> Path:
+        return self.out_dir / "checkpoints"
+
+    @property
+    def rows_per_step(self) -> int:
+        return self.run_cfg.batch_size * self.run_cfg.grad_accum
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.rows_per_step * self.run_cfg.seq_len
+
+    def is_log_step(self, step: int) -> bool:
+        return step % self.run_cfg.log_every == 0 or step == self.run_cfg.steps
+
+    def next_batch(self) -> Batch:
+        """The batch and learning rate of step `self.step + 1`, after any rollback's skip windows."""
+        step = self.step + 1
+        lr = lr_at(self.step, self.optim_cfg, self.run_cfg.steps) * lr_factor(step, self.windows)
+        index = data_index(step, self.windows)
+        x, y, checksum = self.layout.batch(self.mixture, self.run_cfg.seed, index, self.rows_per_step,
+                                           self.run_cfg.seq_len)
+        return Batch(step, index, x, y, checksum, lr)
+
+    def train(self, batch: Batch) -> StepOutput:
+        for group in self.optimizer.param_groups:
+            group["lr"] = batch.lr * batch.lr_scale
+        grad_clip = self.optim_cfg.grad_clip
+        loss, grad_norm = train_step(self.layout, self.model, self.schedule, self.optimizer, batch.x, batch.y,
+                                     self.run_cfg.grad_accum, grad_clip if grad_clip > 0 else float("inf"),
+                                     self.optim_cfg.z_loss)
+        self.steps_run += 1
+        if self.first_step_unix is None:
+            self.first_step_unix = time.time()
+        return StepOutput(batch.step, loss, batch.lr, grad_norm, batch.checksum)
+
+    def record(self, out: StepOutput) -> None:
+        """Keep the update: it joins the curves and `step` moves to it."""
+        for name, value in zip(CURVES, (out.loss, out.lr, out.grad_norm, out.checksum)):
+            self.curves[name].append((out.step, value))
+        self.step = out.step
+
+    def save_checkpoint(self) -> None:
+        train_state = {"identity": self.identity, "curves": self.curves, "mixture_history": self.mixture_history}
+        run_cfg = self.run_cfg
+        save_dcp(self.ckpt_root, self.step, self.model, self.optimizer, train_state, run_cfg.keep_checkpoints,
+                 run_cfg.keep_every)
+        self.hooks.on_checkpoint(self, self.step)
+
+    def restore(self, checkpoint: Path | None) -> dict[str, Any]:
+        """Weights, optimizer, RNG, curves and `step` as `checkpoint` holds them (None: as at step 0);
+        every rank calls it together. Returns the checkpoint's train state ({} for step 0)."""
+        if checkpoint is not None:
+            state = load_dcp(checkpoint, self.model, self.optimizer)
+            self.curves = {name: [tuple(p) for p in state["curves"][name]] for name in CURVES}
+            self.step = state["step"]
+        else:
+            initial = _initial_model(self.model_cfg, self.mixture.vocab_size, self.run_cfg.seed, self.init_model_dir)
+            set_model_state_dict(self.model, initial.state_dict(),
+                                 options=StateDictOptions(full_state_dict=True, strict=self.layout.dims.pp == 1))
+            self.optimizer.load_state_dict(self.fresh_state[0])
+            torch.set_rng_state(self.fresh_state[1])
+            state = {}
+            self.curves = {name: [] for name in CURVES}
+            self.step = 0
+        self.optimizer.zero_grad(set_to_none=True)
+        return state
+
+    def evaluate_and_save(self, val_batches: dict[str, list[tuple[torch.Tensor, torch.Tensor]]]) -> dict[str, float]:
+        """The gathered model's validation loss per domain (on every rank); rank 0 saves it to out_dir/model."""
+        val_by_domain: dict[str, float] = {}
+        full = self.layout.full_model(self.model, self.model_cfg, self.mixture.vocab_size)
+        if full is not None:
+            val_by_domain = evaluate(full, val_batches, self.device)
+            save_model(full, self.model_cfg, self.mixture.vocab_size, self.out_dir / "model")
+        return self.layout.broadcast(val_by_domain)
+
+    def result(self, val_by_domain: dict[str, float], train_s: float, wall_s: float,
+               started_unix: float) -> TrainResult:
+        """The run as it stands (every rank calls it: it broadcasts rank 0's parameter count)."""
+        run_cfg, finished = self.run_cfg, self.step == self.run_cfg.steps
+        tail = [loss for _, loss in self.curves["loss"][-FINAL_LOSS_WINDOW:]]
+        return TrainResult(
+            steps=run_cfg.steps,
+            tokens_seen=run_cfg.steps * self.tokens_per_step,
+            num_params=count_parameters(self.model_cfg, self.mixture.vocab_size),
+            final_train_loss=sum(tail) / len(tail),
+            val_loss=sum(val_by_domain.values()) / len(val_by_domain) if val_by_domain else None,
+            val_loss_by_domain=val_by_domain,
+            loss_curve=self.curves["loss"],
+            lr_curve=self.curves["lr"],
+            grad_norm_curve=self.curves["grad_norm"],
+            batch_checksum_curve=self.curves["batch_checksum"],
+            mixture_history=[tuple(entry) for entry in self.mixture_history],
+            wall_s=wall_s,
+            tokens_per_s=self.steps_run * self.tokens_per_step / train_s if train_s > 0 else 0.0,
+            model_dir=self.out_dir / "model" if finished else None,
+            resumed_from_step=self.resumed_from,
+            num_rollbacks=len(self.windows),
+            health_events=self.events,
+            world_size=self.layout.dims.world_size,
+            parallel=self.layout.dims.model_dump(mode="json"),
+            rank0_local_numel=self.layout.broadcast(self.layout.local_numel(self.model)),
+            started_unix=started_unix,
+            first_step_unix=self.first_step_unix,
+        )
 
 
 def write_metrics(result: TrainResult, out_dir: Path) -> None:

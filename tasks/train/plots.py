@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+LOSS_PLOT = "loss_curve.png"  # the file name every training run leaves it under
 EVENT_COLOURS = {"rollback": "#ccbb44", "abort": "#aa3377"}
 
 

@@ -14,13 +14,14 @@ import json
 import logging
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from tasks.train.callbacks import METRICS_LOG, CallbackSpec
 from tasks.train.config import ModelConfig, OptimConfig, ParallelDims, TrainRunConfig
 from tasks.train.launch import LaunchError, TorchrunLauncher, record_failed_hosts
-from tasks.train.loop import METRICS_LOG, TrainResult, read_result, write_metrics
+from tasks.train.loop import TrainResult, read_result, write_metrics
 from tasks.train.planner import ClusterSpec
 from tasks.train.rank_hosts import REGISTRY_DIR, failed_ranks, hosts_of_failed_ranks, reset_registry
 
@@ -33,16 +34,16 @@ def train_with_torchrun(model_cfg: ModelConfig, optim_cfg: OptimConfig, run_cfg:
                         cluster: ClusterSpec, manifest: Path, data_root: Path, out_dir: Path, *,
                         on_metrics: Callable[[int, dict[str, float]], None] | None = None,
                         on_event: Callable[[dict[str, Any]], None] | None = None,
-                        fault_injection: dict | None = None) -> TrainResult:
+                        callbacks: Sequence[CallbackSpec] = ()) -> TrainResult:
     """Train under torchrun; a failed job is relaunched (up to `cluster.max_restarts` times) and resumes
     from its last DCP checkpoint. Each failure is a `process_failure` event with the failed host and
     the measured time from failure to the relaunched job's first step; it joins the worker's own
-    health events (rollbacks) in the result. `fault_injection` is for tests."""
+    health events (rollbacks) in the result. `callbacks` are built in every worker (see `CallbackSpec`)."""
     config = {
         "model": model_cfg.model_dump(mode="json"), "optim": optim_cfg.model_dump(mode="json"),
         "train": run_cfg.model_dump(mode="json"), "parallel": dims.model_dump(mode="json"),
         "manifest": str(manifest.resolve()), "data_root": str(data_root.resolve()), "out_dir": str(out_dir.resolve()),
-        **({"fault_injection": fault_injection} if fault_injection else {}),
+        **({"callbacks": [spec.to_json() for spec in callbacks]} if callbacks else {}),
     }
     (out_dir / WORKER_CONFIG).write_text(json.dumps(config, indent=2))
     failures_file = out_dir / FAILED_HOSTS_FILE

@@ -6,9 +6,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tasks.train.callbacks import CallbackSpec
 from tasks.train.config import ModelConfig, OptimConfig, ParallelDims, TrainRunConfig
 from tasks.train.loop import train_model
 from tasks.train.planner import ClusterSpec
+from tasks.train.testing_faults import FaultInjection
 from tasks.train.torchrun_stage import train_with_torchrun
 
 
@@ -58,7 +60,7 @@ def test_a_killed_rank_is_relaunched_and_resumes_from_its_checkpoint(tmp_path):
                          health={"enabled": False})
     result = train_with_torchrun(ModelConfig(d_model=32, n_layers=2, n_heads=2, max_seq_len=32), OptimConfig(), run,
                                  ParallelDims(dp=2), ClusterSpec(max_restarts=1), manifest, manifest.parent, out,
-                                 fault_injection={"kill_rank_at_step": [1, 6]})
+                                 callbacks=[CallbackSpec.of(FaultInjection, kill_rank_at_step=[1, 6])])
     assert (out / ".fault_injected").read_text() == "rank 1 killed at step 6\n"
     [event] = result.health_events
     assert event["kind"] == "process_failure" and event["step"] == 4  # resumed from the step-4 checkpoint
@@ -78,15 +80,15 @@ def test_fsdp_run_rolls_back_a_poisoned_step_like_the_single_process_loop(tmp_pa
 
     (tmp_path / "data").mkdir()
     mixture = write_mixture(tmp_path / "data")
-    faults = {"poison_data_index": [BAD_STEP - 1]}
-    single = train_model(MODEL, OPTIM, WATCHED, mixture, tmp_path / "single", fault_injection=faults)
+    poison = {"poison_data_index": [BAD_STEP - 1]}
+    single = train_model(MODEL, OPTIM, WATCHED, mixture, tmp_path / "single", callbacks=[FaultInjection(**poison)])
     out = tmp_path / "fsdp"
     out.mkdir()
     events, metrics = [], []
     result = train_with_torchrun(MODEL, OPTIM, WATCHED, ParallelDims(dp=2), ClusterSpec(),
                                  tmp_path / "data" / "manifest.json", tmp_path / "data", out,
                                  on_metrics=lambda step, m: metrics.append(step), on_event=events.append,
-                                 fault_injection=faults)
+                                 callbacks=[CallbackSpec.of(FaultInjection, **poison)])
     [expected] = single.health_events
     [event] = result.health_events
     assert events == [event] and event["action"] == "rollback" and event["step"] == BAD_STEP

@@ -9,6 +9,8 @@ import numpy as np
 import pytest
 import torch
 
+from tasks.errors import ConfigError
+from tasks.train.callbacks import CallbackSpec
 from tasks.train.config import HealthConfig, TrainRunConfig
 from tasks.train.data_loader import Mixture, batch_for_step, batch_sources
 from tasks.train.health import (
@@ -25,6 +27,7 @@ from tasks.train.health import (
     windows_from_events,
 )
 from tasks.train.loop import train_model
+from tasks.train.testing_faults import FaultInjection
 from tests.tasks.train.test_train_loop import MODEL, OPTIM, RUN, write_mixture
 
 CFG = HealthConfig(spike_zscore=6.0, spike_window=5, min_steps_before_check=3)
@@ -202,7 +205,7 @@ def healed(mixture, tmp_path_factory):
     out = tmp_path_factory.mktemp("healed")
     seen: list[dict] = []
     result = train_model(MODEL, OPTIM, WATCHED, mixture, out, on_event=seen.append,
-                         fault_injection={"poison_data_index": [BAD_STEP - 1]})
+                         callbacks=[FaultInjection(poison_data_index=[BAD_STEP - 1])])
     return out, result, seen
 
 
@@ -263,13 +266,13 @@ def test_crash_after_a_rollback_resumes_with_the_same_skipped_data(healed, mixtu
         if step == 25:
             raise Crash
 
-    faults = {"poison_data_index": [BAD_STEP - 1]}
+    faults = [FaultInjection(poison_data_index=[BAD_STEP - 1])]
     with pytest.raises(Crash):
         train_model(MODEL, OPTIM, WATCHED.model_copy(update={"log_every": 5}), mixture, tmp_path,
-                    on_metrics=crash_at_25, fault_injection=faults)
+                    on_metrics=crash_at_25, callbacks=faults)
     # the restarted process still meets the bad data (the fault is "on disk"); the recorded
     # window sends it around that data, so nothing is detected again
-    resumed = train_model(MODEL, OPTIM, WATCHED, mixture, tmp_path, fault_injection=faults)
+    resumed = train_model(MODEL, OPTIM, WATCHED, mixture, tmp_path, callbacks=faults)
     assert resumed.resumed_from_step == 20
     assert resumed.loss_curve == full.loss_curve
     # the event is the one the crashed attempt wrote (only its timing differs from the full run's)
@@ -281,7 +284,7 @@ def test_crash_after_a_rollback_resumes_with_the_same_skipped_data(healed, mixtu
 def test_lowered_lr_after_rollback(clean, mixture, tmp_path) -> None:
     health = WATCHED.health.model_copy(update={"rollback_lr_factor": 0.5, "rollback_lr_steps": 3})
     run = WATCHED.model_copy(update={"health": health})
-    result = train_model(MODEL, OPTIM, run, mixture, tmp_path, fault_injection={"poison_data_index": [BAD_STEP - 1]})
+    result = train_model(MODEL, OPTIM, run, mixture, tmp_path, callbacks=[FaultInjection(poison_data_index=[BAD_STEP - 1])])
     (event,) = result.health_events
     assert event["window"]["lr_last_step"] == 23
     clean_lr, lr = dict(clean.lr_curve), dict(result.lr_curve)
@@ -295,7 +298,7 @@ def test_persistent_fault_exhausts_rollbacks_and_raises(mixture, tmp_path) -> No
     # a 1e4x learning rate at step 22 wrecks the weights every time step 22 runs
     with pytest.raises(TrainingDivergedError, match="still bad after 2 rollbacks") as err:
         train_model(MODEL, OPTIM, run, mixture, tmp_path, on_event=seen.append,
-                    fault_injection={"lr_multiplier": {22: 1e4}})
+                    callbacks=[FaultInjection(lr_multiplier={22: 1e4})])
     assert [e["action"] for e in err.value.events] == ["rollback", "rollback", "abort"]
     assert seen == err.value.events == read_events(tmp_path / EVENTS_FILE)
     assert [e["step"] for e in seen] == [23, 23, 23]  # the loss after the wrecking update
@@ -308,7 +311,7 @@ def test_no_checkpoint_before_the_bad_step_restarts_from_initialisation(mixture,
     health = HealthConfig(max_rollbacks=1)
     run = RUN.model_copy(update={"steps": 12, "checkpoint_every": 100, "health": health})
     with pytest.raises(TrainingDivergedError) as err:
-        train_model(MODEL, OPTIM, run, mixture, tmp_path, fault_injection={"lr_multiplier": {3: float("nan")}})
+        train_model(MODEL, OPTIM, run, mixture, tmp_path, callbacks=[FaultInjection(lr_multiplier={3: float("nan")})])
     rollback, abort = err.value.events
     # the NaN update at step 3 shows in step 4's loss; no checkpoint yet, so back to the start
     assert rollback["kind"] == "nonfinite" and rollback["step"] == 4 and rollback["loss"] == "nan"
@@ -317,9 +320,9 @@ def test_no_checkpoint_before_the_bad_step_restarts_from_initialisation(mixture,
     assert abort["action"] == "abort" and abort["step"] == 4
 
 
-def test_unknown_fault_is_rejected(mixture, tmp_path) -> None:
-    with pytest.raises(ValueError, match="unknown fault_injection keys"):
-        train_model(MODEL, OPTIM, RUN, mixture, tmp_path, fault_injection={"flip_bits": 1})
+def test_unknown_fault_is_rejected() -> None:
+    with pytest.raises(ConfigError, match="flip_bits"):
+        CallbackSpec.of(FaultInjection, flip_bits=1).build()
 
 
 def test_compile_with_activation_checkpointing_is_refused_clearly():
