@@ -67,3 +67,9 @@ def test_extends_cycle_is_an_error(tmp_path):
 def test_model_shape_error_is_explained():
     with pytest.raises(ConfigError, match="not divisible by model.n_heads"):
         load_config(None, ["train.model.d_model=100", "train.model.n_heads=3"])
+
+
+def test_cluster_settings_no_stage_reads_are_refused_not_ignored():
+    with pytest.raises(ConfigError, match="cluster.image, cluster.partition: read only by the Slurm"):
+        load_config("configs/tiny.yaml", ["cluster.partition=gpu", "cluster.image=kiln"])
+    assert load_config("configs/tiny.yaml", ["cluster.rdzv_port=29600"]).cluster.rdzv_port == 29600

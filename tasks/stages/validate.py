@@ -24,7 +24,7 @@ def run(ctx: StageContext) -> dict:
     if predicted:
         plan["predictions"]["validate"]["observed"] = result.val_loss
         plot_plan(plan, load_trials(ctx.inputs["sweep"] / TRIALS_FILE), ctx.out_dir / PLOT_FILE)
-    if not report.passed and cfg.validate_.enforce:
+    if cfg.validate_.enforce and not report.passed:
         raise ValidationGateError(report.describe())
     return train_stats(result, gate=report.as_dict(), gate_passed=report.passed)
 
