@@ -34,6 +34,7 @@ examples:
   kiln status                                which stages are complete for this config
   kiln config --keys                         the resolved config and every stage key
   kiln ui                                    how to open the MLflow and Prefect UIs
+  kiln up / kiln down                        start / stop local Prefect and MLflow servers
 
 Overrides are dotted keys (section.key=value, YAML values). Every output lands in the
 working directory (work_dir, default ./kiln-work): the store, MLflow's database and
@@ -71,13 +72,20 @@ def _prefect_quiet():
 
 
 def _ui_hint(cfg: KilnConfig) -> str:
+    from flows.servers import read_servers
+
     work = Path(cfg.work_dir).resolve()
+    servers = {s.name: s.ui for s in read_servers(work)}
+    mlflow_ui = servers.get("mlflow") or f"mlflow ui --backend-store-uri {cfg.tracking_uri} --port 5000   → http://127.0.0.1:5000"
+    prefect_ui = servers.get("prefect") or (f"PREFECT_HOME={work / 'prefect'} prefect server start --host 127.0.0.1"
+                                            "   → http://127.0.0.1:4200")
     return (
         "where to look next:\n"
         f"  outputs    {cfg.store_root.resolve()}/<stage>/<key>/  (kiln status lists them)\n"
-        f"  MLflow UI  mlflow ui --backend-store-uri {cfg.tracking_uri} --port 5000   → http://127.0.0.1:5000\n"
-        f"  Prefect UI PREFECT_HOME={work / 'prefect'} prefect server start --host 127.0.0.1   → http://127.0.0.1:4200\n"
-        f"  plots      {cfg.store_root.resolve()}/fit/*/scaling.png, validate/*/scaling.png"
+        f"  MLflow UI  {mlflow_ui}\n"
+        f"  Prefect UI {prefect_ui}\n"
+        f"  plots      {cfg.store_root.resolve()}/fit/*/scaling.png, validate/*/scaling.png\n"
+        f"  servers    kiln up starts both UIs for this working directory; kiln down stops them"
     )
 
 
@@ -194,6 +202,27 @@ def cmd_ui(ns: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_up(ns: argparse.Namespace) -> int:
+    cfg, _, _ = _load(ns)
+    from flows.servers import ENV_FILE, servers_dir, start_servers
+
+    servers = start_servers(cfg.work_dir, prefect_port=ns.prefect_port, mlflow_port=ns.mlflow_port,
+                            prefect_database=ns.prefect_database, mlflow_database=ns.mlflow_database)
+    for server in servers:
+        print(f"{server.name:<8} {server.ui:<24} pid {server.pid}  log {server.log}")
+    print(f"\npoint kiln, workers and deployments at them:  source {servers_dir(cfg.work_dir) / ENV_FILE}")
+    return 0
+
+
+def cmd_down(ns: argparse.Namespace) -> int:
+    cfg, _, _ = _load(ns)
+    from flows.servers import stop_servers
+
+    stopped = stop_servers(cfg.work_dir)
+    print(f"stopped: {', '.join(stopped)}" if stopped else "no kiln servers were running for this working directory")
+    return 0
+
+
 def cmd_plan(ns: argparse.Namespace) -> int:
     from tasks.train.config import ModelConfig
     from tasks.train.planner import ClusterSpec, load_preset, plan_parallelism, render_plan_report
@@ -242,6 +271,15 @@ def build_parser() -> argparse.ArgumentParser:
     add("dedup-batch", "Deduplicate a new batch of documents against the dedup stage's persisted LSH index (no old "
         "signature is recomputed); the result is a store entry of stage dedup-batch with its manifest and MLflow run.",
         cmd_dedup_batch, first=("batch", "new documents (jsonl)"))
+    up = add("up", "Start a local Prefect server and MLflow tracking server (127.0.0.1, SQLite under "
+             "work_dir/servers unless a database URL is given) and wait until both are healthy.", cmd_up)
+    up.add_argument("--prefect-port", type=int, default=4200)
+    up.add_argument("--mlflow-port", type=int, default=5000)
+    up.add_argument("--prefect-database", default=os.environ.get("KILN_PREFECT_DATABASE"), metavar="URL",
+                    help="e.g. postgresql+asyncpg://user:pass@host/prefect (default: $KILN_PREFECT_DATABASE, else SQLite)")
+    up.add_argument("--mlflow-database", default=os.environ.get("KILN_MLFLOW_DATABASE"), metavar="URL",
+                    help="e.g. postgresql://user:pass@host/mlflow (default: $KILN_MLFLOW_DATABASE, else SQLite)")
+    add("down", "Stop the servers `kiln up` started for this working directory.", cmd_down)
     plan = sub.add_parser("plan", help="Pick dp x tp x pp x cp, micro-batch and checkpointing for a model on a cluster.",
                           description="Estimate memory and step time of every parallel layout; reject what does not "
                                       "fit, rank the rest, explain the choice.")

@@ -25,7 +25,6 @@ def prepare_environment(cfg: KilnConfig) -> None:
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
     os.environ.setdefault("PREFECT_LOGGING_LEVEL", cfg.log_level)
     os.environ.setdefault("PREFECT_RESULTS_PERSIST_BY_DEFAULT", "false")
-    os.environ.setdefault("MLFLOW_TRACKING_URI", cfg.tracking_uri)
     if not cfg.evaluate.extra_tasks:
         # Kiln's local eval tasks need no hub; built-in lm-eval tasks (evaluate.extra_tasks) do.
         os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -7,6 +7,7 @@ pipeline that runs for hours must not start on a typo.
 
 from __future__ import annotations
 
+import os
 from functools import lru_cache
 from pathlib import Path
 from typing import Any, Literal
@@ -91,7 +92,9 @@ class KilnConfig(Section):
 
     @property
     def tracking_uri(self) -> str:
-        return self.tracking.uri or f"sqlite:///{(Path(self.work_dir) / 'mlflow.db').resolve()}"
+        """`tracking.uri`, else $MLFLOW_TRACKING_URI (how `kiln up`'s server is found), else SQLite in work_dir."""
+        return (self.tracking.uri or os.environ.get("MLFLOW_TRACKING_URI")
+                or f"sqlite:///{(Path(self.work_dir) / 'mlflow.db').resolve()}")
 
     def section(self, name: str) -> Section:
         """The section at the config key `name` (`validate` lives in the attribute `validate_`)."""

@@ -87,7 +87,10 @@ class MlflowTracker:
 
     @classmethod
     def for_config(cls, cfg: KilnConfig) -> MlflowTracker:
-        return cls(cfg.tracking_uri, cfg.tracking.experiment, Path(cfg.work_dir) / "mlartifacts")
+        uri = cfg.tracking_uri
+        # a tracking server keeps artifacts where it was told to (`kiln up`: work_dir/servers/mlartifacts)
+        local = not uri.startswith(("http://", "https://"))
+        return cls(uri, cfg.tracking.experiment, Path(cfg.work_dir) / "mlartifacts" if local else None)
 
     def start_run(self, name: str, *, parent_id: str | None = None, tags: Mapping[str, Any] | None = None,
                   params: Mapping[str, Any] | None = None) -> str:

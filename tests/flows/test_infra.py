@@ -36,3 +36,11 @@ def test_compose_services_share_the_database():
     assert prefect_db.startswith("postgresql+asyncpg://") and "@postgres:5432/" in prefect_db
     assert "postgresql://" in compose["services"]["mlflow"]["command"]
     assert "CREATE DATABASE mlflow" in (INFRA / "postgres-init.sql").read_text()
+
+
+def test_compose_publishes_on_loopback_only_and_commits_no_password():
+    compose = yaml.safe_load((INFRA / "compose.yaml").read_text())
+    ports = [port for service in compose["services"].values() for port in service.get("ports", [])]
+    assert ports and all(port.startswith("127.0.0.1:") for port in ports)
+    assert compose["services"]["postgres"]["environment"]["POSTGRES_PASSWORD"].startswith("${POSTGRES_PASSWORD:?")
+    assert "kiln:kiln@" not in (INFRA / "compose.yaml").read_text()
