@@ -145,14 +145,14 @@ class TrainRunConfig(Section):
 class ParallelDims(Section):
     """How many ways to split the layers (pp), the data (dp), each sequence (cp) and each layer (tp);
     their product is the world size. train.seq_len must be divisible by cp (checked where it is
-    known: `tasks.train.parallel.check_context_split`)."""
+    known: `tasks.train.parallel.check_context_split`). Activation checkpointing is not a split:
+    it is `run.activation_checkpointing`, for one process and many alike."""
 
     pp: int = Field(1, gt=0)
     dp: int = Field(1, gt=0)
     cp: int = Field(1, gt=0)
     tp: int = Field(1, gt=0)
     dp_mode: Literal["fsdp", "ddp"] = "fsdp"
-    activation_checkpointing: bool = False
 
     @model_validator(mode="after")
     def _check_combinations(self) -> ParallelDims:

@@ -196,23 +196,22 @@ class Layout:
 
     def prepare(self, model: Transformer, run_cfg: TrainRunConfig, z_loss: float) -> tuple[nn.Module, Any]:
         """Split `model` over the layout (in place where possible); returns (module to train, GPipe
-        schedule or None). Activation checkpointing comes from either config. `run.compile` compiles
+        schedule or None), with `run.activation_checkpointing`. `run.compile` compiles
         the whole model on one process, and block by block when sharded (torchtitan's choice: FSDP's
         gathers and the pipeline's cuts sit at block boundaries)."""
         check_divisible(self.dims, model, run_cfg.batch_size)
         check_context_split(self.dims, run_cfg.seq_len)
-        dims = self.dims.model_copy(
-            update={"activation_checkpointing": self.dims.activation_checkpointing or run_cfg.activation_checkpointing}
-        )
+        dims, recompute = self.dims, run_cfg.activation_checkpointing
         if self.mesh is None:
-            if dims.activation_checkpointing:
+            if recompute:
                 apply_activation_checkpointing(model)
             if run_cfg.compile:
                 model.compile()
             return model, None
         if dims.pp > 1:
             pp_mesh = self.mesh["pp"]
-            stage_module = parallelize(pipeline_stage(model, pp_mesh.get_local_rank(), dims.pp), dims, self.mesh)
+            stage_module = parallelize(pipeline_stage(model, pp_mesh.get_local_rank(), dims.pp), dims, self.mesh,
+                                       recompute)
             if run_cfg.compile:
                 _compile_blocks(stage_module)
             stage = PipelineStage(stage_module, pp_mesh.get_local_rank(), dims.pp, self.device,
@@ -227,7 +226,7 @@ class Layout:
             # and scales their gradients by 1 / grad_accum
             self._n_microbatches = run_cfg.grad_accum
             return stage_module, ScheduleGPipe(stage, n_microbatches=run_cfg.grad_accum, loss_fn=loss_fn)
-        model = parallelize(model, dims, self.mesh)
+        model = parallelize(model, dims, self.mesh, recompute)
         if run_cfg.compile:
             _compile_blocks(model)
         return model, None

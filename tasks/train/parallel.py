@@ -256,9 +256,10 @@ def apply_ddp(model: Transformer, dp_mesh: DeviceMesh) -> None:
 
 
 def parallelize(
-    model: Transformer | TransformerStage, dims: ParallelDims, mesh: DeviceMesh
+    model: Transformer | TransformerStage, dims: ParallelDims, mesh: DeviceMesh, activation_checkpointing: bool = False
 ) -> Transformer | TransformerStage:
-    """Apply TP -> CP -> activation checkpointing -> FSDP or DDP (over dp x cp) to `model` in place; returns it.
+    """Apply TP -> CP -> activation checkpointing (when asked) -> FSDP or DDP (over dp x cp) to `model`
+    in place; returns it.
 
     With pp > 1 `model` is this rank's `pipeline_stage` (`ParallelDims` allows only FSDP with it).
     """
@@ -269,7 +270,7 @@ def parallelize(
         apply_tp(model, mesh["tp"])
     if dims.cp > 1:
         apply_context_parallel(model, mesh["cp"])
-    if dims.activation_checkpointing:
+    if activation_checkpointing:
         apply_activation_checkpointing(model)
     if dims.dp * dims.cp > 1:
         # cp ranks hold the same weights but different tokens: their gradients are averaged too

@@ -46,7 +46,7 @@ def run_case(case: dict, model_cfg: ModelConfig, optim_cfg: OptimConfig, data: d
     model.load_state_dict(data["init"])
     check_divisible(dims, model, xs.shape[1])
     check_context_split(dims, xs.shape[2])
-    parallelize(model, dims, mesh)
+    parallelize(model, dims, mesh, case.get("activation_checkpointing", False))
     dp_rank, cp_rank = mesh["dp"].get_local_rank(), mesh["cp"].get_local_rank()
     rows = xs.shape[1] // dims.dp
     loss_mesh = dp_cp_mesh(mesh)

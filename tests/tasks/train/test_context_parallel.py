@@ -109,7 +109,8 @@ def _reference_runs(data: Path) -> dict:
 def torchrun(nproc: int, cases: dict[str, tuple[str, ParallelDims]], data: Path, out: Path) -> dict[str, dict]:
     spec = {
         "model": MODEL.model_dump(), "optim": OPTIM.model_dump(), "data": str(data),
-        "cases": [{"name": name, "kind": kind, "parallel": dims.model_dump()} for name, (kind, dims) in cases.items()],
+        "cases": [{"name": name, "kind": kind, "parallel": dims.model_dump(),
+                   "activation_checkpointing": name.endswith("_ac")} for name, (kind, dims) in cases.items()],
     }
     (out / "spec.json").write_text(json.dumps(spec))
     # 2 cores shared by up to 4 ranks: one thread each, and no OpenMP spin-waiting
@@ -122,10 +123,11 @@ def torchrun(nproc: int, cases: dict[str, tuple[str, ParallelDims]], data: Path,
 
 @pytest.fixture(scope="module")
 def two_proc(data, tmp_path_factory) -> dict[str, dict]:
+    # a case named *_ac recomputes block activations (run.activation_checkpointing)
     return torchrun(2, {
         "grads_cp2": ("grads", ParallelDims(cp=2, dp_mode="ddp")),
         "train_cp2_fsdp": ("train", ParallelDims(cp=2)),
-        "train_cp2_ddp_ac": ("train", ParallelDims(cp=2, dp_mode="ddp", activation_checkpointing=True)),
+        "train_cp2_ddp_ac": ("train", ParallelDims(cp=2, dp_mode="ddp")),
     }, data, tmp_path_factory.mktemp("cp_two"))
 
 

@@ -41,9 +41,9 @@ GRAD_NORM_RTOL = 1e-4
 WEIGHT_ATOL = 1e-4
 # pipeline stages cannot share a weight; TP runs it too, covering a plain head and per-head QK-norm
 VARIANT = MODEL.model_copy(update={"tie_embeddings": False, "qk_norm": True})
-TWO_PROC_MODES = {
+TWO_PROC_MODES = {  # a mode named *_ac also sets run.activation_checkpointing
     "ddp": (ParallelDims(dp=2, dp_mode="ddp"), MODEL),
-    "fsdp_ac": (ParallelDims(dp=2, activation_checkpointing=True), MODEL),
+    "fsdp_ac": (ParallelDims(dp=2), MODEL),
     "tp": (ParallelDims(tp=2), VARIANT),
     "pp": (ParallelDims(pp=2), VARIANT),
     "cp": (ParallelDims(cp=2), MODEL),
@@ -76,7 +76,8 @@ def torchrun(
     args = []
     for name, (dims, model) in runs.items():
         config = {
-            "model": model.model_dump(), "optim": OPTIM.model_dump(), "train": RUN.model_dump(),
+            "model": model.model_dump(), "optim": OPTIM.model_dump(),
+            "train": RUN.model_copy(update={"activation_checkpointing": name.endswith("_ac")}).model_dump(),
             "parallel": dims.model_dump(), "manifest": str(data / "manifest.json"), "data_root": str(data),
             "out_dir": str(out / name),
         }
