@@ -224,8 +224,9 @@ def cmd_down(ns: argparse.Namespace) -> int:
 
 
 def cmd_plan(ns: argparse.Namespace) -> int:
+    from tasks.launch.cluster import ClusterSpec
     from tasks.train.config import ModelConfig
-    from tasks.train.planner import ClusterSpec, load_preset, plan_parallelism, render_plan_report
+    from tasks.train.planner import load_preset, plan_parallelism, render_plan_report
 
     search = plan_parallelism(
         load_preset(ns.model, ModelConfig), ns.vocab_size, ns.seq_len, load_preset(ns.cluster, ClusterSpec),

@@ -18,8 +18,8 @@ from pydantic import Field, ValidationError, create_model, model_validator
 from tasks.configbase import Section, runtime_field
 from tasks.errors import ConfigError
 from tasks.evals.continuous import ContinuousEvalConfig
+from tasks.launch.cluster import ClusterSpec
 from tasks.stage import Registry
-from tasks.train.planner import ClusterSpec
 
 
 class StoreConfig(Section):

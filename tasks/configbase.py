@@ -1,4 +1,4 @@
-"""The base class of every config section, and the marker for runtime-only fields.
+"""The base class of every config section, the marker for runtime-only fields, and the YAML reader.
 
 A section's *identity* (what goes into a stage key) is every field except those marked
 `runtime_field`: settings like worker counts or log levels change how a stage runs,
@@ -7,9 +7,13 @@ never what it produces, so they must never change an output's address.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
+import yaml
 from pydantic import BaseModel, ConfigDict, Field
+
+from tasks.errors import ConfigError
 
 _RUNTIME = "kiln_runtime"
 
@@ -45,3 +49,16 @@ def _identity_of(value: Any) -> Any:
 def runtime_field(default: Any = ..., **kwargs: Any) -> Any:
     """A field that changes how a stage runs but not what it outputs: excluded from keys."""
     return Field(default, json_schema_extra={_RUNTIME: True}, **kwargs)
+
+
+def read_yaml(path: Path) -> Any:
+    """`path`'s YAML document (None when empty); a `ConfigError` naming the file and line when it is
+    not valid YAML, or not UTF-8."""
+    try:
+        return yaml.safe_load(path.read_text(encoding="utf-8"))
+    except yaml.YAMLError as error:
+        mark = getattr(error, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}" if mark else str(path)
+        raise ConfigError(f"{where}: not valid YAML ({getattr(error, 'problem', error)})") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{path}: not UTF-8 text; save the config as UTF-8") from None

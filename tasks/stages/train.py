@@ -49,7 +49,7 @@ def run(ctx: StageContext) -> dict:
     optim = cfg.train.optim.model_copy(update={"lr": lr})
     parallel = cfg.train.parallel
     if parallel.world_size > 1 or cfg.cluster.launcher == "torchrun":
-        from tasks.train.torchrun_stage import train_with_torchrun
+        from tasks.launch.torchrun_stage import train_with_torchrun
 
         result = train_with_torchrun(cfg.train.model, optim, cfg.train.run, parallel, cfg.cluster,
                                      ctx.inputs["mix"] / MIXTURE_FILE, ctx.store.root, ctx.out_dir,

@@ -1,6 +1,6 @@
 """The parallelism planner: pick dp x tp x pp x cp, micro-batch and activation checkpointing for a run.
 
-Given a model shape, a global batch and a cluster (`ClusterSpec`), every legal layout is scored by
+Given a model shape, a global batch and a cluster (`tasks.launch.cluster.ClusterSpec`), every legal layout is scored by
 an analytic memory model (per device, worst pipeline stage) and a step-time model (compute at an
 assumed MFU plus the communication each parallelism adds); layouts that do not fit are rejected
 with the reason, the rest are ranked by step time, and `render_plan_report` explains the choice.
@@ -21,11 +21,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
-import yaml
 from pydantic import ValidationError
 
-from tasks.configbase import Section, runtime_field
+from tasks.configbase import Section, read_yaml
 from tasks.errors import ConfigError
+from tasks.launch.cluster import ClusterSpec
 from tasks.train.config import ModelConfig, ParallelDims
 from tasks.train.model import count_parameters, flops_per_token
 
@@ -41,36 +41,6 @@ TOKEN_ID_BYTES = 8  # int64 ids, kept by the embedding and the loss
 MAX_MICRO_BATCH = 64
 RANK_RESOLUTION = 0.01  # step times closer than this are a tie: the model is not that precise
 SHOWN_SHAPES = 10
-
-
-class ClusterSpec(Section):
-    """The hardware a run gets and how to reach it. Runtime only: it never changes a result's key.
-
-    Field names shared with `ClusterConfig` (nodes, gpus_per_node, partition) keep their meaning
-    and defaults, so the cluster section can be this class plus the executor/launcher choice.
-    Memory is in GiB (an "80 GB" H100 has 80 GiB); bandwidths are GB/s per device, one direction.
-    """
-
-    nodes: int = runtime_field(1, gt=0)
-    gpus_per_node: int = runtime_field(0, ge=0)
-    partition: str | None = runtime_field(None)
-    accelerator: str = runtime_field("H100-SXM-80GB")
-    memory_gb: float = runtime_field(80.0, gt=0)
-    peak_tflops: float = runtime_field(989.0, gt=0)  # dense bf16 (H100 SXM)
-    intra_node_gbps: float = runtime_field(450.0, gt=0)  # NVLink 4, per GPU per direction
-    inter_node_gbps: float = runtime_field(50.0, gt=0)  # one 400 Gb/s NIC per GPU
-    mfu: float = runtime_field(0.4, gt=0, le=1)  # model-FLOPs utilisation assumed for the matmuls
-    reserved_gb: float = runtime_field(4.0, ge=0)  # CUDA context, NCCL buffers, fragmentation
-    time_limit: str = runtime_field("24:00:00")  # Slurm --time
-    image: str | None = runtime_field(None)  # Kubernetes container image
-    namespace: str = runtime_field("default")  # Kubernetes namespace
-    rdzv_port: int = runtime_field(29500, gt=0, lt=65536)
-    exclude_hosts: tuple[str, ...] = runtime_field(())  # never schedule here (plus recorded failures)
-    max_restarts: int = runtime_field(2, ge=0)  # relaunches of a failed training job (it resumes from checkpoints)
-
-    @property
-    def world_size(self) -> int:
-        return self.nodes * self.gpus_per_node
 
 
 S = TypeVar("S", bound=Section)
@@ -94,7 +64,7 @@ def load_section_file(path: Path, cls: type[S]) -> S:
     """A `cls` read from a YAML mapping (a `configs/models/*.yaml` or `configs/clusters/*.yaml`)."""
     if not path.is_file():
         raise ConfigError(f"{path} does not exist (presets live in configs/models/ and configs/clusters/)")
-    data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    data = read_yaml(path) or {}
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a mapping of {cls.__name__} fields, got {type(data).__name__}")
     try:
@@ -188,7 +158,14 @@ def head_activation_bytes(
 
 
 @dataclass(frozen=True)
-class Layout:
+class CandidateLayout:
+    """One point of the planner's search space: a parallel shape, a micro-batch and a recompute choice.
+
+    Not `tasks.train.distributed.Layout`, the running process's place in a live mesh: this is a
+    description to score, and `ParallelDims` plus `run.batch_size` / `run.activation_checkpointing`
+    are what a chosen one becomes in the config.
+    """
+
     dp: int
     tp: int
     pp: int
@@ -226,7 +203,7 @@ class MemoryEstimate:
 
 
 def estimate_memory(
-    cfg: ModelConfig, vocab_size: int, seq_len: int, layout: Layout, num_microbatches: int,
+    cfg: ModelConfig, vocab_size: int, seq_len: int, layout: CandidateLayout, num_microbatches: int,
     cluster: ClusterSpec, precision: Precision = "bf16-mixed",
 ) -> MemoryEstimate:
     """Peak bytes per device for `layout` on the worst pipeline stage."""
@@ -285,7 +262,7 @@ def _ring(group: int, nbytes: float, bandwidth: float) -> float:
 
 
 def estimate_step_time(
-    cfg: ModelConfig, vocab_size: int, seq_len: int, global_batch_seqs: int, layout: Layout,
+    cfg: ModelConfig, vocab_size: int, seq_len: int, global_batch_seqs: int, layout: CandidateLayout,
     cluster: ClusterSpec, precision: Precision = "bf16-mixed",
 ) -> StepTime:
     """Seconds per optimizer step for `layout`: compute at the cluster's assumed MFU plus the
@@ -337,7 +314,7 @@ def estimate_step_time(
 
 @dataclass(frozen=True)
 class Plan:
-    layout: Layout
+    layout: CandidateLayout
     num_microbatches: int  # per pipeline per optimizer step (gradient accumulation)
     memory: MemoryEstimate
     time: StepTime
@@ -418,7 +395,7 @@ def global_batch_in_sequences(seq_len: int, global_batch_seqs: int | None, globa
     return global_batch_seqs
 
 
-def legal_layouts(cfg: ModelConfig, seq_len: int, global_batch_seqs: int, cluster: ClusterSpec) -> list[Layout]:
+def legal_layouts(cfg: ModelConfig, seq_len: int, global_batch_seqs: int, cluster: ClusterSpec) -> list[CandidateLayout]:
     """Every layout meeting the structural constraints that Kiln's trainer can run (memory is judged later).
 
     tp divides the heads and stays inside a node; pp divides the layers; cp splits the sequence
@@ -441,7 +418,7 @@ def legal_layouts(cfg: ModelConfig, seq_len: int, global_batch_seqs: int, cluste
                 for mb in _divisors(global_batch_seqs // dp):
                     if mb > MAX_MICRO_BATCH:
                         break
-                    layouts.extend(Layout(dp, tp, pp, cp, mb, ac) for ac in CHECKPOINTING)
+                    layouts.extend(CandidateLayout(dp, tp, pp, cp, mb, ac) for ac in CHECKPOINTING)
     return layouts
 
 
@@ -536,7 +513,7 @@ def _gib(n: int) -> str:
     return f"{n / GIB:.1f}"
 
 
-def _shape(lo: Layout) -> tuple[int, int, int, int]:
+def _shape(lo: CandidateLayout) -> tuple[int, int, int, int]:
     return lo.dp, lo.tp, lo.pp, lo.cp
 
 
@@ -604,7 +581,7 @@ def _why(search: PlanSearch) -> str:
     notes = [f"{_gib(best.usable_bytes - best.memory.total)} GiB headroom"]
     if lo.checkpointing != "none":
         plain = next((p for p in search.rejected + search.ranked
-                      if p.layout == Layout(lo.dp, lo.tp, lo.pp, lo.cp, lo.micro_batch, "none")), None)
+                      if p.layout == CandidateLayout(lo.dp, lo.tp, lo.pp, lo.cp, lo.micro_batch, "none")), None)
         if plain is not None and not plain.fits:
             notes.append(f"without checkpointing it {plain.rejected}")
         else:

@@ -85,7 +85,7 @@ def torchrun(
         args += ["--config", str(out / f"{name}.config.json"), "--out", str(out / f"{name}.json")]
     # 2 cores shared by up to 4 ranks: one thread each, and no OpenMP spin-waiting
     env = {**os.environ, "OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE", "PYTHONPATH": str(REPO)}
-    cmd = [str(TORCHRUN), "--standalone", f"--nproc_per_node={nproc}", "-m", "tasks.train.dist_worker", *args]
+    cmd = [str(TORCHRUN), "--standalone", f"--nproc_per_node={nproc}", "-m", "tasks.launch.dist_worker", *args]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return {name: json.loads((out / f"{name}.json").read_text()) for name in runs}

@@ -13,11 +13,11 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from tasks.errors import ConfigError
+from tasks.launch.cluster import ClusterSpec
 from tasks.train.config import ModelConfig
 from tasks.train.model import build_model, count_parameters
 from tasks.train.planner import (
-    ClusterSpec,
-    Layout,
+    CandidateLayout,
     activation_bytes_per_layer,
     estimate_memory,
     estimate_step_time,
@@ -128,11 +128,11 @@ def test_activation_exact_numbers_and_sharding() -> None:
 
 def test_pipeline_first_stage_holds_pp_microbatches_in_flight() -> None:
     cfg = preset("7b")
-    one = estimate_memory(cfg, 32000, 4096, Layout(1, 1, 1, 1, 1, "none"), 8, H100)
-    four = estimate_memory(cfg, 32000, 4096, Layout(1, 1, 4, 1, 1, "none"), 8, H100)
+    one = estimate_memory(cfg, 32000, 4096, CandidateLayout(1, 1, 1, 1, 1, "none"), 8, H100)
+    four = estimate_memory(cfg, 32000, 4096, CandidateLayout(1, 1, 4, 1, 1, "none"), 8, H100)
     # 1F1B: stage 0 holds 4 micro-batches of its 8 layers = the whole model's activations
     assert four.activations == one.activations
-    only_two = estimate_memory(cfg, 32000, 4096, Layout(1, 1, 4, 1, 1, "none"), 2, H100)
+    only_two = estimate_memory(cfg, 32000, 4096, CandidateLayout(1, 1, 4, 1, 1, "none"), 2, H100)
     assert only_two.activations * 2 == one.activations
     # weights: 8 of 32 layers plus one V x d matrix, instead of everything
     assert four.model_states < one.model_states / 3
@@ -155,15 +155,15 @@ def test_legal_layouts_respect_the_constraints() -> None:
 
 def test_step_time_terms() -> None:
     cfg = preset("7b")
-    pure = estimate_step_time(cfg, 32000, 4096, 256, Layout(8, 1, 1, 1, 1, "none"), H100)
+    pure = estimate_step_time(cfg, 32000, 4096, 256, CandidateLayout(8, 1, 1, 1, 1, "none"), H100)
     assert pure.tp_comm == pure.pp_comm == pure.cp_comm == pure.bubble == 0.0
     # dp=2, micro-batch 2 -> 64 micro-batches; pp=4 bubble = (pp - 1) / m of the compute
-    piped = estimate_step_time(cfg, 32000, 4096, 256, Layout(2, 1, 4, 1, 2, "none"), H100)
+    piped = estimate_step_time(cfg, 32000, 4096, 256, CandidateLayout(2, 1, 4, 1, 2, "none"), H100)
     assert piped.bubble == pytest.approx(piped.compute * 3 / 64)
     assert piped.compute == pytest.approx(pure.compute)  # same FLOPs, same devices
-    full = estimate_step_time(cfg, 32000, 4096, 256, Layout(8, 1, 1, 1, 1, "full"), H100)
+    full = estimate_step_time(cfg, 32000, 4096, 256, CandidateLayout(8, 1, 1, 1, 1, "full"), H100)
     assert full.recompute == pytest.approx(full.compute / 3, rel=0.01)  # one extra forward of three passes
-    tp = estimate_step_time(cfg, 32000, 4096, 256, Layout(4, 2, 1, 1, 1, "none"), H100)
+    tp = estimate_step_time(cfg, 32000, 4096, 256, CandidateLayout(4, 2, 1, 1, 1, "none"), H100)
     assert tp.tp_comm > 0
 
 
@@ -211,7 +211,7 @@ def test_70b_fits_on_eight_nodes_but_not_with_plain_fsdp_and_no_recompute() -> N
     search = plan_parallelism(preset("70b"), 32000, 4096, cluster, global_batch_seqs=1024)
     best = search.require_best()
     assert best.layout.world_size == 64
-    plain = next(p for p in search.rejected if p.layout == Layout(64, 1, 1, 1, 1, "none"))
+    plain = next(p for p in search.rejected if p.layout == CandidateLayout(64, 1, 1, 1, 1, "none"))
     assert "activations" in plain.rejected
     # pure FSDP only fits by recomputing every block, which costs a third more compute
     pure = [p for p in search.ranked if p.layout.tp == p.layout.pp == p.layout.cp == 1]
@@ -255,6 +255,10 @@ def test_cluster_presets_load_and_bad_keys_name_the_file(tmp_path: Path) -> None
     bad.write_text("nodes: 2\ngpu_per_node: 8\n")
     with pytest.raises(ConfigError, match=r"bad\.yaml.*gpu_per_node"):
         load_section_file(bad, ClusterSpec)
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("nodes: 2\ngpus_per_node: [8\n")
+    with pytest.raises(ConfigError, match=r"broken\.yaml:3: not valid YAML"):  # the config loader's message
+        load_section_file(broken, ClusterSpec)
 
 
 def test_presets_by_name_or_path() -> None:

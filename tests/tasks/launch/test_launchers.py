@@ -12,7 +12,8 @@ import pytest
 import yaml
 
 from tasks.errors import ConfigError
-from tasks.train.launch import (
+from tasks.launch.cluster import ClusterSpec
+from tasks.launch.launchers import (
     KubernetesLauncher,
     LaunchError,
     LocalLauncher,
@@ -22,7 +23,6 @@ from tasks.train.launch import (
     read_failed_hosts,
     record_failed_hosts,
 )
-from tasks.train.planner import ClusterSpec
 
 SLURM = ClusterSpec(nodes=4, gpus_per_node=8, partition="gpu", time_limit="12:00:00", rdzv_port=29400,
                     exclude_hosts=("node-bad",))

@@ -1,4 +1,4 @@
-"""The per-process entry point torchrun runs: `python -m tasks.train.dist_worker --config C --out O`.
+"""The per-process entry point torchrun runs: `python -m tasks.launch.dist_worker --config C --out O`.
 
 The config is one JSON object: `model`, `optim`, `train` and `parallel` sections (their fields
 as in `ModelConfig`, `OptimConfig`, `TrainRunConfig`, `ParallelDims`), plus `manifest` (a mix
@@ -23,11 +23,11 @@ import torch.distributed as dist
 from pydantic import ValidationError
 
 from tasks.errors import ConfigError
+from tasks.launch.rank_hosts import NODE_NAME_ENV, REGISTRY_DIR, register_rank
 from tasks.train.callbacks import CallbackSpec
 from tasks.train.config import ModelConfig, OptimConfig, ParallelDims, TrainRunConfig
 from tasks.train.data_loader import Mixture
 from tasks.train.loop import train_model, write_result
-from tasks.train.rank_hosts import NODE_NAME_ENV, REGISTRY_DIR, register_rank
 
 SECTIONS = {"model": ModelConfig, "optim": OptimConfig, "train": TrainRunConfig, "parallel": ParallelDims}
 OPTIONS = {"stop_after", "callbacks"}

@@ -1,6 +1,6 @@
 """Run a training stage under torchrun and report it as the in-process loop would.
 
-Every rank of the torchrun job runs `tasks.train.dist_worker`, i.e. `train_model` with the
+Every rank of the torchrun job runs `tasks.launch.dist_worker`, i.e. `train_model` with the
 configured parallel layout: sharded DCP checkpoints in `out_dir` (a crashed attempt resumes
 there), the loss monitor's rollbacks, and — from rank 0 — the gathered `model/`, `metrics.json`,
 `train_metrics.jsonl` and the loss plot, so later stages (anneal, evaluate) read the same files
@@ -18,12 +18,12 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from tasks.launch.cluster import ClusterSpec
+from tasks.launch.launchers import LaunchError, TorchrunLauncher, record_failed_hosts
+from tasks.launch.rank_hosts import REGISTRY_DIR, failed_ranks, hosts_of_failed_ranks, reset_registry
 from tasks.train.callbacks import METRICS_LOG, CallbackSpec
 from tasks.train.config import ModelConfig, OptimConfig, ParallelDims, TrainRunConfig
-from tasks.train.launch import LaunchError, TorchrunLauncher, record_failed_hosts
 from tasks.train.loop import TrainResult, read_result, write_metrics
-from tasks.train.planner import ClusterSpec
-from tasks.train.rank_hosts import REGISTRY_DIR, failed_ranks, hosts_of_failed_ranks, reset_registry
 
 WORKER_CONFIG = "dist_config.json"
 WORKER_RESULT = "dist_result.json"
@@ -49,7 +49,7 @@ def train_with_torchrun(model_cfg: ModelConfig, optim_cfg: OptimConfig, run_cfg:
     failures_file = out_dir / FAILED_HOSTS_FILE
     launcher = TorchrunLauncher(cluster, out_dir, job_name="kiln-train", nproc_per_node=dims.world_size,
                                 env={"OMP_NUM_THREADS": "1"}, failed_hosts_file=failures_file)
-    command = ["-m", "tasks.train.dist_worker", "--config", str(out_dir / WORKER_CONFIG),
+    command = ["-m", "tasks.launch.dist_worker", "--config", str(out_dir / WORKER_CONFIG),
                "--out", str(out_dir / WORKER_RESULT)]
     registry = out_dir / REGISTRY_DIR
     failures: list[dict] = []

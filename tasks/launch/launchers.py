@@ -30,7 +30,7 @@ from typing import ClassVar
 import jinja2
 
 from tasks.errors import ConfigError, KilnError
-from tasks.train.planner import ClusterSpec
+from tasks.launch.cluster import ClusterSpec
 
 INFRA_DIR = Path(__file__).resolve().parents[2] / "infra"
 KILL_GRACE_S = 10.0  # after SIGTERM, how long a timed-out job gets to exit before SIGKILL

@@ -6,12 +6,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tasks.launch.cluster import ClusterSpec
+from tasks.launch.torchrun_stage import train_with_torchrun
 from tasks.train.callbacks import CallbackSpec
 from tasks.train.config import ModelConfig, OptimConfig, ParallelDims, TrainRunConfig
 from tasks.train.loop import train_model
-from tasks.train.planner import ClusterSpec
 from tasks.train.testing_faults import FaultInjection
-from tasks.train.torchrun_stage import train_with_torchrun
 
 
 @pytest.mark.slow
