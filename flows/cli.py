@@ -32,6 +32,7 @@ examples:
   kiln run --until tokenize                  only the data stages
   kiln stage train                           one stage (its inputs must be complete)
   kiln status                                which stages are complete for this config
+  kiln prune --dry-run                       partial folders that failed attempts left behind
   kiln config --keys                         the resolved config and every stage key
   kiln ui                                    how to open the MLflow and Prefect UIs
   kiln up / kiln down                        start / stop local Prefect and MLflow servers
@@ -166,8 +167,26 @@ def cmd_status(ns: argparse.Namespace) -> int:
         else:
             state = "missing"
         print(f"  {stage.name:<14} {key}  {state}")
+    abandoned = store.abandoned_partials(keys)
+    if abandoned:
+        print(f"{len(abandoned)} abandoned partial folder(s) of keys this config no longer uses "
+              f"(`kiln prune` removes them): {', '.join(str(p.relative_to(store.root)) for p in abandoned)}")
     if ns.json:
         print(json.dumps(keys, indent=2))
+    return 0
+
+
+def cmd_prune(ns: argparse.Namespace) -> int:
+    cfg, _, _ = _load(ns)
+    from tasks.graph import stage_keys
+    from tasks.store import Store
+
+    store = Store(cfg.store_root)
+    folders = store.abandoned_partials(None if ns.all else stage_keys(cfg))
+    for folder in folders:
+        print(f"{'would remove' if ns.dry_run else 'removing'} {folder}")
+    freed = 0 if ns.dry_run else store.prune(folders)
+    print(f"{len(folders)} partial folder(s), {freed / 1e6:.1f} MB freed")
     return 0
 
 
@@ -265,6 +284,11 @@ def build_parser() -> argparse.ArgumentParser:
     config.add_argument("--keys", action="store_true", help="also print every stage's key")
     status = add("status", "Show each stage's key and whether its output is complete in the store.", cmd_status)
     status.add_argument("--json", action="store_true", help="also print the keys as JSON")
+    prune = add("prune", "Remove partial folders that no running stage writes and that belong to keys this config "
+                "no longer uses (left by failed attempts whose fix changed the key).", cmd_prune)
+    prune.add_argument("--all", action="store_true", help="also remove crashed attempts of this config's keys "
+                       "(a crashed train stage then restarts from step 0 instead of its last checkpoint)")
+    prune.add_argument("--dry-run", action="store_true", help="list what would be removed")
     add("ui", "Print the commands that open the MLflow and Prefect UIs on this run's stores.", cmd_ui)
     add("continuous-eval", "Evaluate the training checkpoints that are due and not yet evaluated, and log "
         "their scores to MLflow at their step (the continuous-eval deployment runs this on a schedule).",

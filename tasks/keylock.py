@@ -83,6 +83,11 @@ class KeyLock:
         except json.JSONDecodeError:
             return {}
 
+    def held(self) -> bool:
+        """Whether a live owner holds the lock now (a stale lock does not count)."""
+        owner = self.owner()
+        return owner is not None and not self._is_stale(owner)
+
     def _is_stale(self, owner: dict) -> bool:
         if owner.get("host") == socket.gethostname() and isinstance(owner.get("pid"), int):
             if not _pid_alive(owner["pid"]):

@@ -138,3 +138,22 @@ class Store:
     def partial_folders(self) -> list[Path]:
         """Every partial folder in the store: running, crashed, or abandoned attempts."""
         return sorted(self.root.glob("*/.*.partial"))
+
+    def abandoned_partials(self, current_keys: dict[str, str] | None = None) -> list[Path]:
+        """Partial folders no live process is writing, except those of `current_keys` (a crashed
+        attempt of a key the config still wants is kept: training resumes from its checkpoints)."""
+        current = {self.partial_path(stage, key) for stage, key in (current_keys or {}).items()}
+        abandoned = []
+        for folder in self.partial_folders():
+            stage, key = folder.parent.name, folder.name[1:-len(".partial")]
+            if folder not in current and not self.lock(stage, key).held():
+                abandoned.append(folder)
+        return abandoned
+
+    def prune(self, folders: list[Path]) -> int:
+        """Delete `folders` (from `abandoned_partials`); returns the bytes freed."""
+        freed = 0
+        for folder in folders:
+            freed += sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+            shutil.rmtree(folder)
+        return freed

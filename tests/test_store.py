@@ -32,3 +32,17 @@ def test_key_depends_on_identity_inputs_and_version():
     assert base != stage_key("dedup", {"threshold": 0.7}, {"clean": "aaa"}, 1)
     assert base != stage_key("dedup", {"threshold": 0.8}, {"clean": "bbb"}, 1)
     assert base != stage_key("dedup", {"threshold": 0.8}, {"clean": "aaa"}, 2)
+
+
+def test_abandoned_partials_spare_current_keys_and_running_writers(tmp_path):
+    store = Store(tmp_path)
+    (store.begin("train", "old", resumable=True) / "checkpoint.pt").write_bytes(b"x" * 1000)
+    (store.begin("train", "now", resumable=True) / "checkpoint.pt").write_bytes(b"y")
+    store.begin("clean", "running")
+    with store.lock("clean", "running"):  # a live writer: never pruned
+        abandoned = store.abandoned_partials({"train": "now"})
+        assert abandoned == [store.partial_path("train", "old")]
+        assert store.prune(abandoned) == 1000
+    assert store.partial_folders() == [store.partial_path("clean", "running"), store.partial_path("train", "now")]
+    # without current keys, the crashed attempt of `now` is abandoned too (its lock is free now)
+    assert store.abandoned_partials() == store.partial_folders()

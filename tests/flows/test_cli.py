@@ -46,3 +46,17 @@ def test_plan_explains_when_nothing_fits(in_repo, capsys):
     assert main(["plan", "--model", "70b", "--cluster", "h100-1node", "--seq-len", "4096",
                  "--global-batch-seqs", "1024"]) == 1
     assert "do not" in capsys.readouterr().out
+
+
+def test_status_lists_abandoned_partial_folders_and_prune_removes_them(in_repo, tmp_path, capsys):
+    from tasks.config import load_config
+    from tasks.store import Store
+
+    store = Store(load_config("configs/tiny.yaml", [f"work_dir={tmp_path}"]).store_root)
+    (store.begin("decontaminate", "0ld0ld0ld0ld") / "documents.jsonl").write_text("{}\n")
+    assert main(["status", "configs/tiny.yaml", f"work_dir={tmp_path}"]) == 0
+    assert "1 abandoned partial folder(s)" in capsys.readouterr().out
+    assert main(["prune", "configs/tiny.yaml", f"work_dir={tmp_path}", "--dry-run"]) == 0
+    assert "would remove" in capsys.readouterr().out and store.partial_folders()
+    assert main(["prune", "configs/tiny.yaml", f"work_dir={tmp_path}"]) == 0
+    assert store.partial_folders() == [] and "1 partial folder(s)" in capsys.readouterr().out
