@@ -20,7 +20,7 @@ from pydantic import Field, model_validator
 from tasks.configbase import Section, runtime_field
 from tasks.errors import ConfigError
 from tasks.train.config import ModelConfig, OptimConfig, TrainRunConfig
-from tasks.train.data_loader import DomainSource, Mixture
+from tasks.train.data_loader import Mixture, mixture_with_weights
 
 TRIALS_FILE = "trials.json"
 
@@ -101,25 +101,6 @@ def design_trials(cfg: SweepConfig) -> list[Trial]:
     for width in sorted(set(cfg.widths) - {base}):
         trials += [Trial(f"w{width}-lr{lr:g}-{reference}", width, lr, reference) for lr in cfg.lrs]
     return trials
-
-
-def mixture_with_weights(shards: dict, shards_root: Path, weights: dict[str, float], where: str) -> Mixture:
-    """A `Mixture` over the tokenize stage's shards with the given (unnormalised) domain weights."""
-    unknown = sorted(set(weights) - set(shards["domains"]))
-    if unknown:
-        raise ConfigError(f"{where}: domains {unknown} are not in the corpus; known: {sorted(shards['domains'])}")
-    total = sum(weights.values())
-    if total <= 0:
-        raise ConfigError(f"{where}: weights must sum to more than 0")
-    domains = {
-        name: DomainSource(
-            weight=weights.get(name, 0.0) / total,
-            train=(shards_root / split["train"]["path"],),
-            val=(shards_root / split["val"]["path"],),
-        )
-        for name, split in shards["domains"].items()
-    }
-    return Mixture(domains=domains, dtype=shards["dtype"], vocab_size=shards["vocab_size"], eos_id=shards["eos_id"])
 
 
 def run_trial(cfg: SweepConfig, trial: Trial, mixture: Mixture, out_dir: Path) -> TrialResult:

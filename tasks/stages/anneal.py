@@ -6,7 +6,7 @@ from tasks.data.tokenize import SHARDS_FILE
 from tasks.stage import Stage, StageContext
 from tasks.stages._training import planned_lr, train_headline, train_stats
 from tasks.train.anneal import AnnealConfig, anneal_settings
-from tasks.scaling.sweep import mixture_with_weights
+from tasks.train.data_loader import mixture_with_weights
 from tasks.train.loop import train_model
 
 

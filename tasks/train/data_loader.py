@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from tasks.errors import InputError
+from tasks.errors import ConfigError, InputError
 
 MANIFEST_FORMAT = 1
 WEIGHT_TOLERANCE = 1e-6
@@ -102,6 +102,27 @@ class Mixture:
             vocab_size=int(need(raw, "vocab_size", "")),
             eos_id=int(need(raw, "eos_id", "")),
         )
+
+
+def mixture_with_weights(shards: dict, shards_root: Path, weights: dict[str, float], where: str) -> Mixture:
+    """A `Mixture` over the tokenize stage's shards (its `shards.json`, paths relative to `shards_root`)
+    with the given unnormalised domain weights; a domain left out gets weight 0. `where` names the
+    config key the weights came from, for errors."""
+    unknown = sorted(set(weights) - set(shards["domains"]))
+    if unknown:
+        raise ConfigError(f"{where}: domains {unknown} are not in the corpus; known: {sorted(shards['domains'])}")
+    total = sum(weights.values())
+    if total <= 0:
+        raise ConfigError(f"{where}: weights must sum to more than 0")
+    domains = {
+        name: DomainSource(
+            weight=weights.get(name, 0.0) / total,
+            train=(shards_root / split["train"]["path"],),
+            val=(shards_root / split["val"]["path"],),
+        )
+        for name, split in shards["domains"].items()
+    }
+    return Mixture(domains=domains, dtype=shards["dtype"], vocab_size=shards["vocab_size"], eos_id=shards["eos_id"])
 
 
 @lru_cache(maxsize=512)

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from tasks.errors import InputError
-from tasks.train.data_loader import Mixture, batch_for_step, validation_batches
+from tasks.errors import ConfigError, InputError
+from tasks.train.data_loader import Mixture, batch_for_step, mixture_with_weights, validation_batches
 
 # each domain's tokens live in its own id range, so a token tells which domain it came from
 RANGES = {"web": (0, 100), "code": (100, 200), "books": (200, 300)}
@@ -149,3 +149,20 @@ def test_validation_skips_short_domain_with_warning(tmp_path) -> None:
     mix = Mixture.from_manifest(write_shards(tmp_path, {"web": 1.0}, val_tokens=10), tmp_path)
     with pytest.warns(UserWarning, match="'web': validation has 10 tokens"):
         assert validation_batches(mix, seq_len=16, eval_batches=2, batch_size=2) == {}
+
+
+SHARDS = {"dtype": "uint16", "vocab_size": 300, "eos_id": 0, "domains": {
+    name: {"train": {"path": f"{name}/train.bin"}, "val": {"path": f"{name}/val.bin"}} for name in RANGES}}
+
+
+def test_mixture_with_weights_normalises_and_zeroes_the_domains_left_out(tmp_path) -> None:
+    mixture = mixture_with_weights(SHARDS, tmp_path, {"web": 3, "code": 1}, "anneal.mixture")
+    assert {n: d.weight for n, d in mixture.domains.items()} == {"web": 0.75, "code": 0.25, "books": 0.0}
+    assert mixture.domains["code"].train == (tmp_path / "code" / "train.bin",) and mixture.vocab_size == 300
+
+
+@pytest.mark.parametrize("weights, error", [({"wiki": 1}, r"anneal\.mixture: domains \['wiki'\] are not in the corpus"),
+                                            ({"web": 0}, "must sum to more than 0")])
+def test_mixture_with_weights_refuses_unknown_domains_and_zero_weights(tmp_path, weights, error) -> None:
+    with pytest.raises(ConfigError, match=error):
+        mixture_with_weights(SHARDS, tmp_path, weights, "anneal.mixture")
