@@ -11,13 +11,15 @@ import hashlib
 import json
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 from prefect import flow
 from prefect.artifacts import create_markdown_artifact
+from prefect.runtime import flow_run
 
 from flows.stages import execute
-from tasks.config import load_config
+from tasks.config import KilnConfig, load_config
 from tasks.graph import stage_keys
 from tasks.provenance import provenance
 from tasks.runner import StageOutcome, stages_until
@@ -45,6 +47,27 @@ def summary_markdown(outcomes: list[StageOutcome]) -> str:
     return "\n".join(lines)
 
 
+def _parent_run(tracker: MlflowTracker, cfg: KilnConfig, config_path: str | None, overrides: list[str],
+                until: str | None) -> str:
+    """One MLflow run per Prefect flow run: a retry (the UI's Retry, `retries=`) continues the
+    first attempt's run, so both attempts' stages sit under one parent. Named by config and hash."""
+    flow_run_id = str(flow_run.get_id() or "")
+    tags = {"kiln.stage": "pipeline", "kiln.prefect_flow_run_id": flow_run_id or "none"}
+    previous = tracker.find_run(tags) if flow_run_id else None
+    if previous is not None:
+        tracker.reopen_run(previous)
+        tracker.set_tags(previous, {"kiln.attempt": flow_run.run_count})
+        return previous
+    config_hash = hashlib.sha256(json.dumps(cfg.identity(), sort_keys=True, default=str).encode()).hexdigest()[:12]
+    name = f"pipeline/{Path(config_path).stem if config_path else 'defaults'}/{config_hash}"
+    parent = tracker.start_run(name, tags={**tags, "kiln.config_hash": config_hash, "kiln.config_path": str(config_path),
+                                           "kiln.attempt": flow_run.run_count},
+                               params={"config_path": str(config_path), "overrides": overrides, "until": until})
+    tracker.log_dict(parent, cfg.to_dict(), "resolved_config.json")
+    tracker.log_dict(parent, provenance(), "provenance.json")
+    return parent
+
+
 @flow(name="kiln-pipeline", description="Kiln: raw text to an evaluated, annealed model.")
 def pipeline(config_path: str | None = "configs/default.yaml", overrides: list[str] | None = None,
              until: str | None = None) -> list[dict[str, Any]]:
@@ -53,12 +76,7 @@ def pipeline(config_path: str | None = "configs/default.yaml", overrides: list[s
     names = stages_until(until, REGISTRY)
     keys = stage_keys(cfg)
     tracker = MlflowTracker.for_config(cfg)
-    config_hash = hashlib.sha256(json.dumps(cfg.identity(), sort_keys=True, default=str).encode()).hexdigest()[:12]
-    parent = tracker.start_run("pipeline", tags={"kiln.stage": "pipeline", "kiln.config_hash": config_hash,
-                                                 "kiln.config_path": str(config_path)},
-                               params={"config_path": str(config_path), "overrides": overrides, "until": until})
-    tracker.log_dict(parent, cfg.to_dict(), "resolved_config.json")
-    tracker.log_dict(parent, provenance(), "provenance.json")
+    parent = _parent_run(tracker, cfg, config_path, overrides, until)
     outcomes: list[StageOutcome] = []
     started = time.perf_counter()
     try:

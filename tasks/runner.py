@@ -161,8 +161,10 @@ def _execute(stage: Stage, cfg: KilnConfig, store: Store, tracker: Tracker, regi
     try:
         stats = stage.body(StageContext(cfg, out_dir, inputs, store, StageRecorder(tracker, run_id, stage.name, key, on_event)))
     except BaseException as error:
-        tracker.set_tags(run_id, {"kiln.error": str(error)[:5000]})
+        tracker.set_tags(run_id, {"kiln.status": "failed", "kiln.error": str(error)[:5000]})
         tracker.end_run(run_id, failed=True)
+        if on_event is not None:  # Prefect turns it into an event that automations alert on
+            on_event("kiln.stage.failed", {"stage": stage.name, "key": key, "error": f"{type(error).__name__}: {error}"})
         raise
     wall_s = time.perf_counter() - started
     cpu_after, peak_rss_mb = _usage()

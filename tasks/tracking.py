@@ -5,14 +5,17 @@ addressed by id through `MlflowClient` rather than MLflow's thread-local "active
 Prefect may run stages in any thread without runs leaking into each other. `MlflowTracker`
 implements `tasks.tracker.Tracker`, the protocol the stage runner records through.
 
-Metric names are sanitised here, in one place: stats keys carry free-form strings (licences such
-as `BSD-4-Clause-UC (fortune-mod; collected quotations)`) that MLflow rejects as names; the raw
-keys stay in the stage's `stats.json` artifact.
+Metric and param names are sanitised here, in one place (`metric_name`): stats keys carry
+free-form strings (licences such as `BSD-4-Clause-UC (fortune-mod; collected quotations)`) that
+MLflow rejects as names. A name that had to change gets a short hash of the raw key, so two raw
+keys never merge into one metric; the raw keys stay in the stage's `stats.json` artifact, and each
+run's renamed metrics are listed in its `metric_names.json` artifact.
 """
 
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import json
 import re
 import time
@@ -33,12 +36,24 @@ if TYPE_CHECKING:
 _MAX_PARAM_VALUE = 6000
 _BATCH = 1000
 _MAX_NAME = 250
-_UNSAFE_NAME = re.compile(r"[^A-Za-z0-9_\-. /]")
+# MLflow's own rule on POSIX (`[/\w.\- :]`), in ASCII; `:` keeps reasons such as `language:ja` readable.
+_UNSAFE_NAME = re.compile(r"[^A-Za-z0-9_\-. /:]")
+_HASH_CHARS = 8
+METRIC_NAMES_ARTIFACT = "metric_names.json"
 
 
 def metric_name(key: str) -> str:
-    """`key` as a name MLflow accepts (alphanumerics, `_-. /`, at most 250 characters)."""
-    return _UNSAFE_NAME.sub("_", key)[:_MAX_NAME] or "_"
+    """`key` as a name MLflow accepts: at most 250 of `A-Za-z0-9_-. /:`, and a path MLflow deems
+    unique (no empty, `.` or `..` segment, no leading `.` or `/`). Unchanged if already valid;
+    otherwise sanitised and suffixed with a hash of `key`, so distinct keys stay distinct."""
+    segments = [segment if segment not in ("", ".", "..") else "_" for segment in _UNSAFE_NAME.sub("_", key).split("/")]
+    name = "/".join(segments)
+    if name.startswith("."):
+        name = "_" + name
+    if name == key and len(name) <= _MAX_NAME:
+        return name
+    digest = hashlib.blake2b(key.encode("utf-8", errors="surrogatepass"), digest_size=_HASH_CHARS // 2).hexdigest()
+    return f"{name[:_MAX_NAME - _HASH_CHARS - 1].rstrip('/')}_{digest}"
 
 
 @contextmanager
@@ -78,6 +93,7 @@ class MlflowTracker:
         self.uri = uri
         with _first_use_lock(uri):
             self.client = MlflowClient(tracking_uri=uri)
+            self._renamed: dict[str, dict[str, str]] = {}  # run id → sanitised metric name → raw key
             found = self.client.get_experiment_by_name(experiment)
             if found is None:
                 location = artifact_root.resolve().as_uri() if artifact_root else None
@@ -116,6 +132,10 @@ class MlflowTracker:
     def end_run(self, run_id: str, *, failed: bool = False) -> None:
         self.client.set_terminated(run_id, "FAILED" if failed else "FINISHED")
 
+    def reopen_run(self, run_id: str) -> None:
+        """Mark an ended run running again: a retried Prefect flow run continues its MLflow run."""
+        self.client.update_run(run_id, status="RUNNING")
+
     def log_params(self, run_id: str, params: Mapping[str, Any]) -> None:
         items = [Param(k, v) for k, v in flatten(params).items()]
         for start in range(0, len(items), 100):
@@ -126,12 +146,18 @@ class MlflowTracker:
 
     def log_metrics(self, run_id: str, metrics: Mapping[str, float], step: int | None = None) -> None:
         now = int(time.time() * 1000)
-        # keyed by the sanitised name: two raw keys that sanitise alike must not be one batch's duplicates
-        values = {metric_name(k.replace("/", ".")): float(v) for k, v in metrics.items()
-                  if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        numeric = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        names = {k: metric_name(k.replace("/", ".")) for k in numeric}
+        # keyed by name: `a/b` and `a.b` (nested stats) are one metric, not one batch's duplicates
+        values = {names[k]: value for k, value in numeric.items()}
         items = [Metric(name, value, now, step or 0) for name, value in values.items()]
         for start in range(0, len(items), _BATCH):
             self.client.log_batch(run_id, metrics=items[start:start + _BATCH])
+        renamed = {name: k for k, name in names.items() if name != k.replace("/", ".")}
+        known = self._renamed.setdefault(run_id, {})
+        if not renamed.keys() <= known.keys():  # the raw keys of renamed metrics, as an artifact
+            known.update(renamed)
+            self.client.log_dict(run_id, dict(sorted(known.items())), METRIC_NAMES_ARTIFACT)
 
     def log_input(self, run_id: str, name: str, digest: str, uri: Path, context: str = "input") -> None:
         """Record a stage input as an MLflow dataset whose digest is the input stage's key."""
