@@ -15,6 +15,7 @@ from typing import Any
 
 from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
+from prefect.cache_policies import CacheKeyFnPolicy
 from prefect.events import emit_event
 from prefect.runtime import flow_run
 
@@ -26,6 +27,8 @@ from tasks.stages import REGISTRY
 from tasks.store import Store
 from tasks.tracking import MlflowTracker
 from tasks.train.health import TrainingDivergedError
+
+PREFECT_CACHE_DIR = ".prefect-cache"  # under the store root
 
 # Failures a retry cannot cure: the user must change the config, the data or the plan.
 _NOT_RETRIED = (KilnError, TrainingDivergedError)
@@ -66,8 +69,12 @@ def execute(name: str, cfg: KilnConfig, keys: dict[str, str], parent_run_id: str
     key = keys[name]
     complete = Store(cfg.store_root).is_complete(name, key)
     orchestration = cfg.orchestration
+    # Cache records and results live in the store, not in this process's PREFECT_HOME: a stage
+    # built by the CLI shows as Cached to a worker sharing the store, and the other way round.
+    shared = Path(cfg.store_root).resolve() / PREFECT_CACHE_DIR
     state = stage_task.with_options(
-        refresh_cache=not complete, retries=orchestration.retries,
+        cache_policy=CacheKeyFnPolicy(cache_key_fn=_cache_key).configure(key_storage=shared),
+        result_storage=shared, refresh_cache=not complete, retries=orchestration.retries,
         retry_delay_seconds=orchestration.retry_delay_seconds,
     )(name, key, cfg, keys, parent_run_id, return_state=True)
     if state.name == "Cached":

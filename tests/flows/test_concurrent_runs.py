@@ -1,6 +1,8 @@
 """Two `kiln run` of one config started at once on one fresh working directory, as real processes:
-for every key one computes and the other waits and reuses; both succeed; the store stays whole."""
+for every key one computes and the other waits and reuses; both succeed; the store stays whole.
+A third process with a Prefect home of its own (a worker's) then sees every stage as Cached."""
 
+import json
 import os
 import subprocess
 import sys
@@ -37,3 +39,22 @@ def test_two_runs_of_one_config_at_once_compute_each_stage_once(in_repo, tmp_pat
                                   filter_string="tags.`kiln.stage` != 'pipeline'")
     statuses = Counter((r.data.tags["kiln.stage"], r.data.tags["kiln.status"]) for r in children)
     assert statuses == Counter({(s, status): 1 for s in STAGES for status in ("ran", "cached")})
+
+    worker_env = {**env, "PREFECT_HOME": str(tmp_path / "worker-home"), "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
+    subprocess.run(command, env=worker_env, check=True, capture_output=True, timeout=600)
+    states = subprocess.run([sys.executable, "-c", READ_TASK_STATES], env=worker_env, check=True,
+                            capture_output=True, text=True, timeout=300).stdout
+    assert json.loads(states.splitlines()[-1]) == {s: "Cached" for s in STAGES}
+
+
+READ_TASK_STATES = """
+import asyncio, json
+from prefect.client.orchestration import get_client
+
+async def states():
+    async with get_client() as client:
+        return {run.name.rsplit("-", 1)[0]: run.state.name  # task runs are named <stage>-<key>
+                for run in await client.read_task_runs()}
+
+print(json.dumps(asyncio.run(states())))
+"""
