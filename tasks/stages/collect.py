@@ -11,7 +11,9 @@ def run(ctx: StageContext) -> dict:
     return collect_documents(ctx.cfg.collect, ctx.out_dir)
 
 
+# version 2: licences normalised to SPDX (documents carry the SPDX expression, the written one in
+# metadata.licence_as_written); lone surrogates repaired; new quarantine reasons; compliance report v2
 STAGE = Stage(
-    name="collect", description="read sources, check licences", body=run, config=CollectConfig,
+    name="collect", description="read sources, check licences", body=run, config=CollectConfig, version=2,
     external_files=lambda cfg: source_paths(cfg.collect), headline=document_headline, reports=("compliance.md",),
 )

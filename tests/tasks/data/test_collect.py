@@ -52,7 +52,7 @@ def _code_source(root: Path) -> Path:
         json.dumps({"body": MIT_GRANT, "licence": "MIT"}),  # 5 missing_text
         json.dumps({"text": MIT_NOTICE}),  # 6 missing_licence
         json.dumps({"text": "   \n", "licence": "MIT"}),  # 7 empty_text
-        json.dumps({"text": GPL_INTRO, "licence": "Proprietary"}),  # 8 licence_not_allowed
+        json.dumps({"text": GPL_INTRO, "licence": "BSD-4-Clause"}),  # 8 licence_not_allowed
         "",  # a blank line is not a record
     ]
     data = ("\n".join(lines) + "\n").encode() + b'{"text": "caf\xe9", "licence": "MIT"}\n'  # 10 non_utf8
@@ -96,7 +96,7 @@ def test_every_record_is_kept_removed_or_quarantined_with_its_location(corpus):
     stats = collect_documents(_config(), corpus)
     assert stats["num_in"] == 15
     assert (stats["num_kept"], stats["num_removed"], stats["num_quarantined"]) == (6, 1, 8)
-    assert stats["removed"] == {"licence_not_allowed:Proprietary": 1}
+    assert stats["removed"] == {"licence_not_allowed:BSD-4-Clause": 1}
     assert stats["quarantined"] == {
         "empty_text": 2,
         "invalid_json": 1,
@@ -124,7 +124,7 @@ def test_every_record_is_kept_removed_or_quarantined_with_its_location(corpus):
     assert _lines(corpus / "quarantine.jsonl")[5]["raw"] == '{"text": "caf\\xe9", "licence": "MIT"}\n'
 
     [removed] = _lines(corpus / "removed.jsonl")
-    assert (removed["reason"], removed["path"], removed["line"]) == ("licence_not_allowed:Proprietary", "a.jsonl", 8)
+    assert (removed["reason"], removed["path"], removed["line"]) == ("licence_not_allowed:BSD-4-Clause", "a.jsonl", 8)
     assert removed["document"]["text"] == GPL_INTRO
 
 
@@ -164,13 +164,13 @@ def test_compliance_report_lists_licences_per_source(corpus):
     compliance = json.loads((corpus / "compliance.json").read_text())
     code = compliance["sources"][0]
     assert code["licences"] == {
-        "GPL-3.0-only": {"allowed": True, "num_docs": 1},
-        "MIT": {"allowed": True, "num_docs": 2},
-        "Proprietary": {"allowed": False, "num_docs": 1},
+        "GPL-3.0-only": {"status": "allowed", "allowed": True, "num_docs": 1, "as_written": {"GPL-3.0-only": 1}},
+        "MIT": {"status": "allowed", "allowed": True, "num_docs": 2, "as_written": {"MIT": 2}},
+        "BSD-4-Clause": {"status": "not_allowed", "allowed": False, "num_docs": 1, "as_written": {"BSD-4-Clause": 1}},
     }
     assert (code["num_files"], code["num_kept"], code["num_removed"], code["num_quarantined"]) == (2, 3, 1, 6)
     markdown = (corpus / "compliance.md").read_text()
-    seen = "GPL-3.0-only (allowed, 1), MIT (allowed, 2), Proprietary (NOT allowed, 1)"
+    seen = "BSD-4-Clause (NOT allowed, 1), GPL-3.0-only (allowed, 1), MIT (allowed, 2)"
     assert f"| code | `data/code` | {seen} | 3 | 1 | 6 |" in markdown
 
 
@@ -231,3 +231,92 @@ def test_duplicate_record_ids_are_quarantined(tmp_path, monkeypatch):
     assert (stats["num_kept"], stats["quarantined"]) == (1, {"duplicate_id": 1})
     [bad] = _lines(tmp_path / "out" / "quarantine.jsonl")
     assert (bad["path"], bad["line"]) == ("one.jsonl", 2) and "'s/7'" in bad["detail"]
+
+
+def _collect_one(tmp_path: Path, lines: list[str], **extra) -> tuple[dict, Path]:
+    """Collect one jsonl file of `lines` (records without a licence get MIT from the source)."""
+    (tmp_path / "in.jsonl").write_bytes(("\n".join(lines) + "\n").encode("utf-8"))
+    source = SourceConfig(name="s", path=str(tmp_path / "in.jsonl"), format="jsonl", domain="code", licence="MIT")
+    out = tmp_path / "out"
+    out.mkdir()
+    return collect_documents(CollectConfig(sources=[source], **extra), out), out
+
+
+def test_lines_that_used_to_kill_the_stage_are_repaired_or_quarantined_with_their_line(tmp_path):
+    lines = [
+        json.dumps({"text": f"{MIT_GRANT} \ud800", "metadata": {"note\udfff": "\ud83d"}}),  # 1 repaired, kept
+        '{"text": "a big number", "n": ' + "9" * 5000 + "}",  # 2 past Python's 4300-digit limit
+        "[" * 100_000 + "]" * 100_000,  # 3 past Python's nesting limit (RecursionError)
+        json.dumps({"text": MIT_NOTICE, "metadata": {"score": 10**30}}),  # 4 past 64 bits (the later stages)
+        '{"text": "not a number", "metadata": {"score": NaN}}',  # 5 not JSON
+        "\x0c",  # 6 a form feed is not a blank line
+    ]
+    stats, out = _collect_one(tmp_path, lines)
+    assert (stats["num_in"], stats["num_kept"], stats["num_repaired"]) == (6, 1, 1)
+    assert stats["quarantined"] == {"invalid_json": 2, "json_number_out_of_range": 2, "json_too_deep": 1}
+    assert [(q["reason"], q["path"], q["line"]) for q in _lines(out / "quarantine.jsonl")] == [
+        ("json_number_out_of_range", "in.jsonl", 2), ("json_too_deep", "in.jsonl", 3),
+        ("json_number_out_of_range", "in.jsonl", 4), ("invalid_json", "in.jsonl", 5), ("invalid_json", "in.jsonl", 6),
+    ]
+    [doc] = _lines(out / "documents.jsonl")
+    assert doc["text"] == f"{MIT_GRANT} \ufffd" and doc["metadata"]["note\ufffd"] == "\ufffd"
+
+
+def test_inputs_over_max_doc_bytes_are_quarantined_as_too_large_in_every_format(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "code").mkdir()
+    (tmp_path / "code" / "a.jsonl").write_text(
+        json.dumps({"text": MIT_GRANT, "licence": "MIT"}) + "\n" + json.dumps({"text": "x" * 400, "licence": "MIT"})
+    )
+    (tmp_path / "prose").mkdir()
+    (tmp_path / "prose" / "big.txt").write_text(MIT_GRANT + MIT_NOTICE)
+    (tmp_path / "prose" / "small.txt").write_text(GPL_INTRO)
+    (tmp_path / "web").mkdir()
+    (tmp_path / "web" / "gpl.html").write_text(PAGE)
+    cfg = CollectConfig(sources=[
+        SourceConfig(name="code", path="code", format="jsonl", domain="code"),
+        SourceConfig(name="prose", path="prose", format="txt", domain="prose", licence="MIT"),
+        SourceConfig(name="web", path="web", format="html", domain="web", licence="GPL-3.0-or-later"),
+    ], max_doc_bytes=400)
+    (tmp_path / "out").mkdir()
+    stats = collect_documents(cfg, tmp_path / "out")
+    assert (stats["num_in"], stats["num_kept"], stats["quarantined"]) == (5, 2, {"too_large": 3})
+    too_large = _lines(tmp_path / "out" / "quarantine.jsonl")
+    assert [(q["source"], q["path"], q.get("line")) for q in too_large] == [
+        ("code", "a.jsonl", 2), ("prose", "big.txt", None), ("web", "gpl.html", None)]
+    assert "max_doc_bytes=400" in too_large[0]["detail"] and too_large[0]["raw_prefix"].startswith('{"text": "xxx')
+
+
+def test_licences_as_real_data_writes_them(tmp_path):
+    lines = [
+        json.dumps({"text": MIT_GRANT, "license": "GPL-2+"}),  # 1 kept, as GPL-2.0-or-later
+        json.dumps({"text": MIT_NOTICE, "licence": "GPL-2.0+ or CC-BY-SA-3.0"}),  # 2 kept: one branch allowed
+        json.dumps({"text": GPL_INTRO, "license": "BSD-4-Clause-UC (fortune-mod; collected quotations)"}),  # 3
+        json.dumps({"text": GPL_PATENTS, "licence": "Frobnicate | see copyright"}),  # 4 unknown
+        json.dumps({"text": GPL_PATENTS, "licence": "MIT", "license": "GPL-2+"}),  # 5 which one?
+        json.dumps({"text": GPL_PATENTS, "licence": ["MIT"]}),  # 6 not a string
+    ]
+    stats, out = _collect_one(tmp_path, lines)
+    assert stats["removed"] == {"licence_not_allowed:BSD-4-Clause-UC": 1, "licence_unknown:Frobnicate | see copyright": 1}
+    assert stats["quarantined"] == {"invalid_licence": 2}
+    docs = _lines(out / "documents.jsonl")
+    assert [(d["licence"], d["metadata"]["licence_as_written"]) for d in docs] == [
+        ("GPL-2.0-or-later", "GPL-2+"), ("GPL-2.0-or-later OR CC-BY-SA-3.0", "GPL-2.0+ or CC-BY-SA-3.0")]
+
+    licences = json.loads((out / "compliance.json").read_text())["sources"][0]["licences"]
+    assert licences["GPL-2.0-or-later"] == {"status": "allowed", "allowed": True, "num_docs": 1,
+                                            "as_written": {"GPL-2+": 1}}
+    assert licences["Frobnicate | see copyright"]["status"] == "unknown"
+    markdown = (out / "compliance.md").read_text()
+    assert "Frobnicate \\| see copyright (UNKNOWN, 1)" in markdown  # escaped: the table holds
+    assert "| s | BSD-4-Clause-UC (fortune-mod; collected quotations) | BSD-4-Clause-UC | NOT allowed | 1 |" in markdown
+    assert "| s | GPL-2+ | GPL-2.0-or-later | allowed | 1 |" in markdown
+
+
+def test_licence_settings_are_checked_before_anything_is_written(corpus):
+    with pytest.raises(ConfigError, match=r"collect.allowed_licences: allowed licence \[1\] 'MIT OR GPL-2\+'"):
+        collect_documents(_config(allowed_licences=["MIT", "MIT OR GPL-2+"]), corpus)
+    bad = SourceConfig(name="prose", path="data/prose", format="txt", domain="prose", licence="MIT OR")
+    with pytest.raises(ConfigError, match=r"collect.sources\[0\].licence: 'MIT OR' is no SPDX licence expression"):
+        collect_documents(CollectConfig(sources=[bad]), corpus)
+    assert list(corpus.iterdir()) == []

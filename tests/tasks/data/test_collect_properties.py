@@ -1,0 +1,157 @@
+"""No input can crash a data stage: random bytes, random JSON and mutated real records go through
+every reader (jsonl, txt, html), then clean and dedup; every stage accounts for every document.
+
+Hypothesis draws the inputs; the example counts are small so the module runs in well under a
+minute on two cores (collect alone is cheap and gets more examples than the three-stage chain).
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tasks.data.clean import CleanConfig, clean_documents
+from tasks.data.collect import CollectConfig, SourceConfig, collect_documents
+from tasks.data.dedup import DedupConfig, dedup_documents
+from tasks.data.documents import DOCUMENTS_FILE, QUARANTINE_FILE, REMOVED_FILE
+
+REPO = Path(__file__).resolve().parents[3]
+REAL_LINES = (REPO / "data/sample/code/code.jsonl").read_bytes().splitlines()
+QUALITY_MODEL = str(REPO / "data/models/quality_classifier.ftz")
+SETTINGS = dict(deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+
+# Any code point, lone surrogates included (Hypothesis leaves them out unless asked).
+any_text = st.text(st.characters(exclude_categories=[]), max_size=40) | st.sampled_from(["a\ud800b", "\udfff", "\ud83d"])
+real_words = st.sampled_from([w for w in REAL_LINES[0].decode().split() if w.isalpha()][:200])
+prose = st.lists(real_words, min_size=0, max_size=80).map(" ".join)
+licences = st.sampled_from([
+    "MIT", "GPL-2+", "GPL-2.0+ or CC-BY-SA-3.0", "BSD-4-Clause-UC (fortune-mod; collected quotations)",
+    "Frobnicate", "()", "", "Expat AND Vim", "PSF-2.0",
+]) | any_text
+numbers = st.integers() | st.integers(min_value=2**63, max_value=2**70) | st.floats()
+json_values = st.recursive(
+    st.none() | st.booleans() | numbers | any_text,
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(any_text, inner, max_size=4),
+    max_leaves=12,
+)
+records = st.fixed_dictionaries(
+    {"text": st.one_of(prose, prose, any_text, json_values)},  # mostly text the stages can keep
+    optional={"id": st.integers() | any_text | json_values, "licence": licences | json_values, "license": licences,
+              "metadata": st.dictionaries(any_text, json_values, max_size=4) | json_values},
+)
+
+
+@st.composite
+def json_lines(draw) -> bytes:
+    """A record as JSON: escaped or raw UTF-8 (raw lone surrogates make invalid UTF-8, also input)."""
+    text = json.dumps(draw(records), ensure_ascii=draw(st.booleans()))
+    return text.encode("utf-8", errors="surrogatepass")
+
+
+@st.composite
+def mutated_real_lines(draw) -> bytes:
+    """A real record of the sample corpus, with bytes inserted, deleted, replaced or cut off."""
+    line = bytearray(draw(st.sampled_from(REAL_LINES)))
+    for _ in range(draw(st.integers(1, 4))):
+        at = draw(st.integers(0, len(line)))
+        kind = draw(st.sampled_from(["insert", "delete", "replace", "cut", "escape"]))
+        if kind == "insert":
+            line[at:at] = draw(st.binary(min_size=1, max_size=4))
+        elif kind == "delete":
+            del line[at:at + draw(st.integers(1, 20))]
+        elif kind == "replace" and at < len(line):
+            line[at] = draw(st.integers(0, 255))
+        elif kind == "cut":
+            del line[at:]
+        else:  # a JSON escape that decodes to a lone surrogate, or a broken one
+            line[at:at] = draw(st.sampled_from([b"\\ud800", b"\\udfff", b"\\u", b"\\ud83d\\ude00"]))
+    return bytes(line).replace(b"\n", b" ")
+
+
+parser_limits = st.sampled_from([
+    b"[" * 5000 + b"]" * 5000, b'{"text": "x", "n": ' + b"9" * 5000 + b"}", b'{"text": "x", "m": 1e999}',
+    b'{"text": "x", "metadata": ' + b"[" * 70 + b"]" * 70 + b"}", b'{"text": "x", "m": NaN}', b"\xef\xbb\xbf{}",
+])
+lines = st.one_of(
+    json_lines(), json_lines(), st.sampled_from(REAL_LINES), mutated_real_lines(), parser_limits,
+    st.binary(max_size=120).map(lambda b: b.replace(b"\n", b"")),
+)
+html_pages = st.one_of(
+    st.binary(max_size=300),
+    st.lists(st.sampled_from(["<html>", "<body>", "<p>", "</p>", "<script>x</script>", "<title>T</title>", "<svg>",
+                              "<?xml version='1.0' encoding='latin1'?>", "&#xD800;", "\x00", "<div>" * 30])
+             | prose, max_size=12).map(lambda parts: "".join(parts).encode()),
+)
+
+
+@st.composite
+def corpora(draw) -> dict[str, bytes]:
+    """One jsonl file, one txt file and one html file."""
+    jsonl = b"\n".join(draw(st.lists(lines, min_size=1, max_size=12))) + draw(st.sampled_from([b"", b"\n"]))
+    txt = draw(st.binary(max_size=200) | mutated_real_lines() | prose.map(str.encode))
+    return {"jsonl/a.jsonl": jsonl, "txt/a.txt": txt, "html/a.html": draw(html_pages)}
+
+
+def _write(root: Path, files: dict[str, bytes]) -> None:
+    for rel, data in files.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_bytes(data)
+
+
+def _count_lines(path: Path) -> int:
+    return len(path.read_bytes().splitlines()) if path.exists() else 0
+
+
+def _collect(root: Path, max_doc_bytes: int) -> tuple[dict, Path]:
+    sources = [
+        SourceConfig(name="j", path=str(root / "jsonl"), format="jsonl", domain="web", licence="MIT"),
+        SourceConfig(name="t", path=str(root / "txt"), format="txt", domain="prose", licence="GPL-2+"),
+        SourceConfig(name="h", path=str(root / "html"), format="html", domain="web", licence="CC-BY-4.0"),
+    ]
+    out = root / "collect"
+    out.mkdir()
+    stats = collect_documents(CollectConfig(sources=sources, max_doc_bytes=max_doc_bytes), out)
+    _assert_accounts(stats, out)
+    quarantined = (out / QUARANTINE_FILE).read_bytes().splitlines() if (out / QUARANTINE_FILE).exists() else []
+    for record in map(json.loads, quarantined):
+        assert record["reason"] and record["path"]  # a reason and a location, always
+        assert "line" in record or record["source"] != "j"
+    return stats, out
+
+
+def _assert_accounts(stats: dict, out: Path) -> None:
+    assert stats["num_in"] == stats["num_kept"] + stats["num_removed"] + stats["num_quarantined"]
+    assert _count_lines(out / DOCUMENTS_FILE) == stats["num_kept"]
+    assert _count_lines(out / REMOVED_FILE) == stats["num_removed"]
+    assert _count_lines(out / QUARANTINE_FILE) == stats["num_quarantined"]
+
+
+@settings(max_examples=150, **SETTINGS)
+@given(files=corpora(), max_doc_bytes=st.sampled_from([10_000_000, 300]))
+def test_collect_turns_any_bytes_into_documents_or_quarantine(files, max_doc_bytes):
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        _write(root, files)
+        stats, _ = _collect(root, max_doc_bytes)
+        assert stats["num_in"] >= 2  # the txt and html files are one input each, whatever they hold
+
+
+@settings(max_examples=20, **SETTINGS)
+@given(files=corpora())
+def test_collect_clean_and_dedup_account_for_every_document(files):
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        _write(root, files)
+        collected, collect_out = _collect(root, 10_000_000)
+        (root / "clean").mkdir()
+        cleaned = clean_documents(CleanConfig(quality_model=QUALITY_MODEL), collect_out / DOCUMENTS_FILE, root / "clean")
+        _assert_accounts(cleaned, root / "clean")
+        assert cleaned["num_in"] == collected["num_kept"]
+        (root / "dedup").mkdir()
+        deduped = dedup_documents(DedupConfig(), root / "clean" / DOCUMENTS_FILE, root / "dedup")
+        _assert_accounts(deduped, root / "dedup")
+        assert deduped["num_in"] == cleaned["num_kept"]

@@ -1,0 +1,78 @@
+"""Licence strings as Debian and real datasets write them → SPDX expressions, judged against an allowlist."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tasks.data.licences import LicencePolicy, normalise
+
+POLICY = LicencePolicy(["MIT", "Apache-2.0", "GPL-2.0-or-later", "GPL-3.0-or-later", "CC-BY-SA-3.0", "public-domain"])
+
+
+@pytest.mark.parametrize(
+    ("written", "spdx"),
+    [
+        ("GPL-2+", "GPL-2.0-or-later"),
+        ("GPL-2", "GPL-2.0-only"),  # DEP-5: a bare version means that version only
+        ("LGPL-2.1+", "LGPL-2.1-or-later"),
+        ("Apache-2", "Apache-2.0"),
+        ("Expat", "MIT"),
+        ("mit", "MIT"),
+        ("BSD-3-clause", "BSD-3-Clause"),
+        ("public-domain", "LicenseRef-public-domain"),
+        ("GPL-2.0+ or CC-BY-SA-3.0", "GPL-2.0-or-later OR CC-BY-SA-3.0"),
+        ("GPL-2+ with OpenSSL exception", "GPL-2.0-or-later WITH OpenSSL-exception"),
+        ("BSD-4-Clause-UC (fortune-mod; collected quotations)", "BSD-4-Clause-UC"),  # a comment is dropped
+        ("(MIT OR GPL-2+) (see debian/copyright)", "MIT OR GPL-2.0-or-later"),  # a real group is kept
+        ("LicenseRef-Debian-FAQ-verbatim", "LicenseRef-Debian-FAQ-verbatim"),
+        ("", None), ("()", None), ("MIT OR", None), ("GPL-2+ or Artistic, and BSD", None),
+    ],
+)
+def test_licence_strings_normalise_to_spdx(written, spdx):
+    assert normalise(written) == spdx
+
+
+@pytest.mark.parametrize(
+    ("written", "status"),
+    [
+        ("GPL-2+", "allowed"),
+        ("GPL-2", "not_allowed"),  # only-2.0 is not on the list; or-later is
+        ("GPL-2.0+ or CC-BY-SA-3.0", "allowed"),
+        ("BSD-4-Clause OR MIT", "allowed"),  # OR: any allowed branch will do
+        ("BSD-4-Clause AND MIT", "not_allowed"),  # AND: every part must be allowed
+        ("CC-BY-SA-3.0 and GPL-2+", "allowed"),
+        ("MIT OR Frobnicate", "allowed"),
+        ("MIT AND Frobnicate", "unknown"),  # cannot be judged
+        ("BSD-4-Clause AND Frobnicate", "not_allowed"),  # forbidden whatever Frobnicate is
+        ("GPL-2+ with OpenSSL exception", "allowed"),  # an exception only adds permissions
+        ("BSD-4-Clause-UC (fortune-mod; collected quotations)", "not_allowed"),
+        ("Proprietary", "unknown"),
+        ("Classpath-exception-2.0", "unknown"),  # an exception is no licence
+        ("x" * 10_000, "unknown"),
+    ],
+)
+def test_expressions_are_judged_by_their_operators(written, status):
+    assert POLICY.judge(written).status == status
+
+
+def test_the_allowlist_is_normalised_and_checked():
+    assert "LicenseRef-public-domain" in POLICY.allowed and "GPL-2.0-or-later" in POLICY.allowed
+    assert LicencePolicy(["GPL-2+"]).allowed == ("GPL-2.0-or-later",)
+    for bad in ["MIT OR Apache-2.0", "Frobnicate", "Classpath-exception-2.0", ""]:
+        with pytest.raises(ValueError, match=r"\[0\].*is not one SPDX licence id"):
+            LicencePolicy([bad])
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.one_of(
+    st.text(max_size=80),
+    st.lists(st.sampled_from(["MIT", "GPL-2+", "and", "OR", "with", "(", ")", "exception", ";", ",", "LicenseRef-x",
+                              "Classpath-exception-2.0", "+", "Expat", "Perl"]), max_size=12).map(" ".join),
+))
+def test_any_string_gets_a_verdict_never_an_exception(written):
+    verdict = POLICY.judge(written)
+    assert verdict.status in ("allowed", "not_allowed", "unknown")
+    if verdict.spdx is not None:  # normalising is idempotent: a normalised licence reads as itself
+        assert normalise(verdict.spdx) == verdict.spdx
