@@ -1,9 +1,10 @@
 """The parallelism planner: pick dp x tp x pp x cp, micro-batch and activation checkpointing for a run.
 
-Given a model shape, a global batch and a cluster (`tasks.launch.cluster.ClusterSpec`), every legal layout is scored by
-an analytic memory model (per device, worst pipeline stage) and a step-time model (compute at an
-assumed MFU plus the communication each parallelism adds); layouts that do not fit are rejected
-with the reason, the rest are ranked by step time, and `render_plan_report` explains the choice.
+Given a model shape, a global batch and a cluster (`ClusterSpec`, owned by `tasks.launch.cluster`),
+every legal `CandidateLayout` is scored by an analytic memory model (per device, worst pipeline
+stage) and a step-time model (compute at an assumed MFU plus the communication each parallelism
+adds); layouts that do not fit are rejected with the reason, the rest are ranked by step time, and
+`render_plan_report` explains the choice.
 
 Conventions the formulas assume (those of torchtitan): FSDP2 / ZeRO-3 shards the fp32 master
 weights, fp32 gradients and both Adam moments (16 bytes per parameter) over the dp x cp ranks and
