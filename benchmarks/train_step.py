@@ -1,19 +1,46 @@
-"""CPU training-step throughput: Kiln's model and step against a plain reference, same run.
+"""CPU training-step throughput: Kiln's model and step against nanoGPT's, same shape, same run.
 
-The reference is the same architecture (RMSNorm, RoPE, SwiGLU, causal attention, tied
-embeddings) written plainly — explicit softmax attention, per-parameter AdamW — as someone
-would write it without caring for speed. Both train on the same random batches; steps are
-timed after a warm-up and the median step time is reported. `--compile` adds Kiln's model
-under `torch.compile`. Last line: `RESULT train_tokens_per_s_ratio <Kiln / reference>`.
+The reference is what a user would compare Kiln with: Karpathy's nanoGPT `model.py` and the step
+of its `train.py`, written as its authors write it — GPT-2 blocks (LayerNorm with biases, one
+fused QKV projection, `scaled_dot_product_attention(is_causal=True)`, a 4x GELU MLP with biases),
+learned positional embeddings, embeddings tied to the output head, and `configure_optimizers`'
+AdamW (decay on 2-D parameters, fused kernel where the device has one). The one departure:
+nanoGPT asks for the fused kernel only on CUDA; torch >= 2.4 has it on CPU too, and it is the
+faster CPU AdamW, so the reference gets it here (a stronger anchor, not a weaker one).
+
+Kiln runs its production step on a one-process layout: `Layout.prepare` (which compiles the
+model when `--compile`, as `train.run.compile` does), `Layout.forward_backward` (fp32
+cross-entropy), `clip_grad_norm` and `make_optimizer`'s fused AdamW — the body of
+`tasks.train.loop.train_step`. The reference step is nanoGPT's: forward with targets,
+backward, `clip_grad_norm_(1.0)`, AdamW step, `zero_grad(set_to_none=True)`.
+
+Shapes (d_model, layers, heads, seq_len, vocab, batch) are the same; parameter counts must agree
+within 1% (nanoGPT's 4 d MLP against Kiln's SwiGLU of width ~8/3 d holds 2 matrices of 4 d^2
+against 3 of ~8/3 d^2 — the same; 5,310,720 against 5,322,240 at the default shape), else the
+script stops: `--ref-mlp-hidden` then sets the reference's width. Every model sees the same batches.
+Steps are interleaved — one step of each model in turn, the order rotating every round — so the
+noise of a shared machine falls on all of them alike; the median step time after `--warmup`
+rounds is reported. Two checks against load that changes mid-run ride along: the median of the
+per-round ratios, and the ratio of median process CPU times (work done, which other processes'
+load barely moves; it misses time lost to imperfect parallelism). Without `--compile` the two
+eager models run; with it, also a compiled copy of each (the reference compiled nanoGPT's way,
+`torch.compile(model)`; nanoGPT compiles by default, so compiled against compiled is the
+comparison its users would make, and compiled Kiln against eager nanoGPT is printed too).
+
+Last line: `RESULT train_tokens_per_s_ratio <Kiln / reference>`, eager against eager, or with
+`--compile` compiled against compiled.
 """
 
 from __future__ import annotations
 
 import argparse
+import inspect
 import math
 import os
 import statistics
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
@@ -21,74 +48,212 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
-from tasks.train.config import ModelConfig, OptimConfig  # noqa: E402
-from tasks.train.distributed import make_optimizer  # noqa: E402
-from tasks.train.model import build_model  # noqa: E402
+from tasks.train.config import ModelConfig, OptimConfig, ParallelDims, TrainRunConfig  # noqa: E402
+from tasks.train.distributed import Layout, clip_grad_norm, make_optimizer  # noqa: E402
+from tasks.train.model import build_model, count_parameters  # noqa: E402
+
+GRAD_CLIP = 1.0  # nanoGPT's train.py default, and Kiln's optim.grad_clip default
 
 
-class PlainBlock(nn.Module):
-    def __init__(self, d: int, heads: int, hidden: int):
+# --- the reference: nanoGPT's model.py (dropout kept at its default 0.0, no generate/from_pretrained)
+
+
+@dataclass
+class GPTConfig:
+    block_size: int = 1024
+    vocab_size: int = 50304  # GPT-2 vocab_size of 50257, padded up to nearest multiple of 64 for efficiency
+    n_layer: int = 12
+    n_head: int = 12
+    n_embd: int = 768
+    mlp_hidden: int | None = None  # None: nanoGPT's 4 * n_embd
+    dropout: float = 0.0
+    bias: bool = True  # True: bias in Linears and LayerNorms, like GPT-2. False: a bit better and faster
+
+
+class LayerNorm(nn.Module):
+    """LayerNorm but with an optional bias. PyTorch doesn't support simply bias=False"""
+
+    def __init__(self, ndim: int, bias: bool) -> None:
         super().__init__()
-        self.heads = heads
-        self.norm1 = nn.Parameter(torch.ones(d))
-        self.norm2 = nn.Parameter(torch.ones(d))
-        self.q, self.k, self.v, self.o = (nn.Linear(d, d, bias=False) for _ in range(4))
-        self.w1, self.w3 = nn.Linear(d, hidden, bias=False), nn.Linear(d, hidden, bias=False)
-        self.w2 = nn.Linear(hidden, d, bias=False)
+        self.weight = nn.Parameter(torch.ones(ndim))
+        self.bias = nn.Parameter(torch.zeros(ndim)) if bias else None
 
-    @staticmethod
-    def rms(x, weight):
-        return x / torch.sqrt((x * x).mean(-1, keepdim=True) + 1e-5) * weight
-
-    def forward(self, x, cos, sin):
-        b, t, d = x.shape
-        h = self.rms(x, self.norm1)
-        q, k, v = (proj(h).view(b, t, self.heads, -1).transpose(1, 2) for proj in (self.q, self.k, self.v))
-        q, k = rope(q, cos, sin), rope(k, cos, sin)
-        scores = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
-        mask = torch.triu(torch.ones(t, t, dtype=torch.bool), 1)
-        attn = torch.softmax(scores.masked_fill(mask, float("-inf")), dim=-1) @ v
-        x = x + self.o(attn.transpose(1, 2).reshape(b, t, d))
-        h = self.rms(x, self.norm2)
-        return x + self.w2(F.silu(self.w1(h)) * self.w3(h))
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(input, self.weight.shape, self.weight, self.bias, 1e-5)
 
 
-def rope(x, cos, sin):
-    x1, x2 = x[..., 0::2], x[..., 1::2]
-    return torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
-
-
-class PlainTransformer(nn.Module):
-    def __init__(self, cfg: ModelConfig, vocab: int):
+class CausalSelfAttention(nn.Module):
+    def __init__(self, config: GPTConfig) -> None:
         super().__init__()
-        self.embed = nn.Embedding(vocab, cfg.d_model)
-        self.blocks = nn.ModuleList(PlainBlock(cfg.d_model, cfg.n_heads, cfg.ffn_hidden) for _ in range(cfg.n_layers))
-        self.norm = nn.Parameter(torch.ones(cfg.d_model))
-        half = cfg.head_dim // 2
-        freqs = 1.0 / (cfg.rope_theta ** (torch.arange(half) / half))
-        angles = torch.outer(torch.arange(cfg.max_seq_len), freqs)
-        self.cos, self.sin = angles.cos(), angles.sin()
+        assert config.n_embd % config.n_head == 0
+        # key, query, value projections for all heads, but in a batch
+        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
+        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        self.resid_dropout = nn.Dropout(config.dropout)
+        self.n_head = config.n_head
+        self.n_embd = config.n_embd
+        self.dropout = config.dropout
 
-    def forward(self, idx):
-        t = idx.shape[1]
-        x = self.embed(idx)
-        for block in self.blocks:
-            x = block(x, self.cos[:t], self.sin[:t])
-        return PlainBlock.rms(x, self.norm) @ self.embed.weight.T
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.size()  # batch size, sequence length, embedding dimensionality (n_embd)
+        q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
+        k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
+        q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
+        v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
+        y = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=None, dropout_p=self.dropout if self.training else 0, is_causal=True
+        )
+        y = y.transpose(1, 2).contiguous().view(B, T, C)  # re-assemble all head outputs side by side
+        return self.resid_dropout(self.c_proj(y))
 
 
-def time_steps(model, optimizer, batches, warmup: int) -> list[float]:
-    times = []
-    for i, (x, y) in enumerate(batches):
-        started = time.perf_counter()
-        loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+class MLP(nn.Module):
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        hidden = config.mlp_hidden or 4 * config.n_embd
+        self.c_fc = nn.Linear(config.n_embd, hidden, bias=config.bias)
+        self.gelu = nn.GELU()
+        self.c_proj = nn.Linear(hidden, config.n_embd, bias=config.bias)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))
+
+
+class Block(nn.Module):
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.ln_1 = LayerNorm(config.n_embd, bias=config.bias)
+        self.attn = CausalSelfAttention(config)
+        self.ln_2 = LayerNorm(config.n_embd, bias=config.bias)
+        self.mlp = MLP(config)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.transformer = nn.ModuleDict(dict(
+            wte=nn.Embedding(config.vocab_size, config.n_embd),
+            wpe=nn.Embedding(config.block_size, config.n_embd),
+            drop=nn.Dropout(config.dropout),
+            h=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
+            ln_f=LayerNorm(config.n_embd, bias=config.bias),
+        ))
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        # weight tying: https://paperswithcode.com/method/weight-tying
+        self.transformer.wte.weight = self.lm_head.weight
+        self.apply(self._init_weights)
+        # apply special scaled init to the residual projections, per GPT-2 paper
+        for pn, p in self.named_parameters():
+            if pn.endswith("c_proj.weight"):
+                torch.nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
+
+    def _init_weights(self, module: nn.Module) -> None:
+        if isinstance(module, nn.Linear):
+            torch.nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            if module.bias is not None:
+                torch.nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            torch.nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        device = idx.device
+        b, t = idx.size()
+        assert t <= self.config.block_size, \
+            f"Cannot forward sequence of length {t}, block size is only {self.config.block_size}"
+        pos = torch.arange(0, t, dtype=torch.long, device=device)  # shape (t)
+        tok_emb = self.transformer.wte(idx)  # token embeddings of shape (b, t, n_embd)
+        pos_emb = self.transformer.wpe(pos)  # position embeddings of shape (t, n_embd)
+        x = self.transformer.drop(tok_emb + pos_emb)
+        for block in self.transformer.h:
+            x = block(x)
+        x = self.transformer.ln_f(x)
+        logits = self.lm_head(x)
+        loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
+        return logits, loss
+
+    def configure_optimizers(self, weight_decay: float, learning_rate: float, betas: tuple[float, float],
+                             device_type: str) -> torch.optim.AdamW:
+        param_dict = {pn: p for pn, p in self.named_parameters() if p.requires_grad}
+        # any parameter that is 2D will be weight decayed, otherwise no:
+        # all weight tensors in matmuls + embeddings decay, all biases and layernorms don't
+        decay_params = [p for n, p in param_dict.items() if p.dim() >= 2]
+        nodecay_params = [p for n, p in param_dict.items() if p.dim() < 2]
+        optim_groups = [
+            {"params": decay_params, "weight_decay": weight_decay},
+            {"params": nodecay_params, "weight_decay": 0.0},
+        ]
+        fused_available = "fused" in inspect.signature(torch.optim.AdamW).parameters
+        use_fused = fused_available and device_type in ("cuda", "cpu")  # nanoGPT: == "cuda" (see the docstring)
+        extra_args = dict(fused=True) if use_fused else dict()
+        return torch.optim.AdamW(optim_groups, lr=learning_rate, betas=betas, **extra_args)
+
+
+# --- the two training steps
+
+
+Step = Callable[[torch.Tensor, torch.Tensor], torch.Tensor | float]  # returns the step's loss
+
+
+def kiln_step(cfg: ModelConfig, vocab: int, optim: OptimConfig, run: TrainRunConfig) -> tuple[Step, int]:
+    torch.manual_seed(0)
+    model = build_model(cfg, vocab)
+    n_params = sum(p.numel() for p in model.parameters())
+    assert n_params == count_parameters(cfg, vocab)
+    layout = Layout.create(ParallelDims(), torch.device("cpu"))
+    optimizer = make_optimizer(model, optim, layout.device)
+    model, schedule = layout.prepare(model, run, optim.z_loss)
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> float:  # tasks.train.loop.train_step
+        loss = layout.forward_backward(model, schedule, x, y, run.grad_accum, optim.z_loss)
+        clip_grad_norm(list(model.parameters()), optim.grad_clip)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        if i >= warmup:
-            times.append(time.perf_counter() - started)
-    return times
+        return loss
+
+    return step, n_params
+
+
+def reference_step(config: GPTConfig, optim: OptimConfig, compile: bool) -> tuple[Step, int]:
+    torch.manual_seed(0)
+    model = GPT(config)
+    n_params = sum(p.numel() for p in model.parameters())
+    optimizer = model.configure_optimizers(optim.weight_decay, optim.lr, (optim.beta1, optim.beta2), "cpu")
+    if compile:
+        model = torch.compile(model)
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:  # nanoGPT's train.py, grad_accum 1, fp32
+        _, loss = model(x, y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), GRAD_CLIP)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss.detach()  # train.py reads it (.item()) only every log_interval steps
+
+    return step, n_params
+
+
+def interleaved_times(steps: dict[str, Step], batches: list[tuple[torch.Tensor, torch.Tensor]],
+                      warmup: int) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+    """(wall-clock, process CPU) seconds of each model's steps after `warmup` rounds; each round
+    runs one step of every model, the starting model rotating from round to round."""
+    names = list(steps)
+    wall: dict[str, list[float]] = {name: [] for name in names}
+    cpu: dict[str, list[float]] = {name: [] for name in names}
+    for i, (x, y) in enumerate(batches):
+        shift = i % len(names)
+        for name in names[shift:] + names[:shift]:
+            started, cpu_started = time.perf_counter(), time.process_time()
+            steps[name](x, y)
+            if i >= warmup:
+                wall[name].append(time.perf_counter() - started)
+                cpu[name].append(time.process_time() - cpu_started)
+    return wall, cpu
 
 
 def main() -> None:
@@ -99,42 +264,58 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--vocab", type=int, default=8192)
-    parser.add_argument("--steps", type=int, default=12)
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
-    parser.add_argument("--compile", action="store_true", help="also time Kiln's model under torch.compile")
+    parser.add_argument("--steps", type=int, default=20, help="timed steps per model")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed rounds first (they absorb compilation)")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--ref-mlp-hidden", type=int, default=None,
+                        help="the reference MLP's width (default nanoGPT's 4 * d_model)")
+    parser.add_argument("--compile", action="store_true", help="also time compiled copies of both models")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+
     cfg = ModelConfig(d_model=args.d_model, n_layers=args.layers, n_heads=args.heads, max_seq_len=args.seq_len)
-    generator = torch.Generator().manual_seed(0)
-    batches = [(torch.randint(0, args.vocab, (args.batch, args.seq_len), generator=generator),) * 2
-               for _ in range(args.steps + args.warmup)]
-    tokens = args.batch * args.seq_len
+    gpt = GPTConfig(block_size=args.seq_len, vocab_size=args.vocab, n_layer=args.layers, n_head=args.heads,
+                    n_embd=args.d_model, mlp_hidden=args.ref_mlp_hidden)
+    optim = OptimConfig(lr=1e-3)
+    run = TrainRunConfig(batch_size=args.batch, seq_len=args.seq_len)
 
-    torch.manual_seed(0)
-    reference = PlainTransformer(cfg, args.vocab)
-    plain_adamw = torch.optim.AdamW(reference.parameters(), lr=1e-3, foreach=False)
-    torch.manual_seed(0)
-    kiln = build_model(cfg, args.vocab)
-    kiln_adamw = make_optimizer(kiln, OptimConfig(lr=1e-3), torch.device("cpu"))
-
-    results = {}
-    # Interleave the two so that machine noise hits both alike.
-    ref_times, kiln_times = [], []
-    for _ in range(2):
-        ref_times += time_steps(reference, plain_adamw, batches, args.warmup)
-        kiln_times += time_steps(kiln, kiln_adamw, batches, args.warmup)
-    results["reference"] = tokens / statistics.median(ref_times)
-    results["kiln"] = tokens / statistics.median(kiln_times)
+    steps: dict[str, Step] = {}
+    steps["kiln eager"], kiln_params = kiln_step(cfg, args.vocab, optim, run)
+    steps["nanoGPT eager"], ref_params = reference_step(gpt, optim, compile=False)
     if args.compile:
-        compiled = torch.compile(kiln)
-        results["kiln+compile"] = tokens / statistics.median(time_steps(compiled, kiln_adamw, batches, args.warmup))
+        steps["kiln compiled"], _ = kiln_step(cfg, args.vocab, optim, run.model_copy(update={"compile": True}))
+        steps["nanoGPT compiled"], _ = reference_step(gpt, optim, compile=True)
+    ref_hidden = args.ref_mlp_hidden or 4 * args.d_model
+    print(f"parameters: kiln {kiln_params:,} (SwiGLU width {cfg.ffn_hidden}), "
+          f"nanoGPT {ref_params:,} (GELU width {ref_hidden}): {ref_params / kiln_params - 1:+.2%}")
+    if abs(ref_params / kiln_params - 1) > 0.01:
+        raise SystemExit(f"parameter counts differ by more than 1%: set --ref-mlp-hidden (now {ref_hidden})")
 
-    print(f"model d={args.d_model} L={args.layers} H={args.heads} T={args.seq_len} B={args.batch} V={args.vocab}, "
-          f"{args.threads} thread(s), median of {len(ref_times)} steps")
-    for name, value in results.items():
-        print(f"{name:<14} {value:10.0f} tokens/s   {value / results['reference']:.2f}x")
-    print(f"RESULT train_tokens_per_s_ratio {results['kiln'] / results['reference']:.3f}")
+    generator = torch.Generator().manual_seed(0)
+    batches = []
+    for _ in range(args.warmup + args.steps):
+        tokens = torch.randint(0, args.vocab, (args.batch, args.seq_len + 1), generator=generator)
+        batches.append((tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()))
+    times, cpu_times = interleaved_times(steps, batches, args.warmup)
+
+    tokens_per_step = args.batch * args.seq_len
+    rate = {name: tokens_per_step / statistics.median(t) for name, t in times.items()}
+    print(f"d={args.d_model} L={args.layers} H={args.heads} T={args.seq_len} B={args.batch} V={args.vocab}, "
+          f"{args.threads} thread(s), median of {args.steps} interleaved steps after {args.warmup} warm-up rounds")
+    for name, value in rate.items():
+        print(f"{name:<17} {1e3 * statistics.median(times[name]):8.1f} ms/step {value:9.0f} tokens/s "
+              f"(CPU time {1e3 * statistics.median(cpu_times[name]):7.1f} ms/step)")
+    pairs = [("kiln eager", "nanoGPT eager")]
+    if args.compile:
+        pairs += [("kiln compiled", "nanoGPT compiled"), ("kiln compiled", "nanoGPT eager")]
+    for kiln, ref in pairs:
+        # the same ratio from each round's pair of steps: robust to load that changes mid-run
+        paired = statistics.median(r / k for k, r in zip(times[kiln], times[ref]))
+        by_cpu = statistics.median(cpu_times[ref]) / statistics.median(cpu_times[kiln])
+        print(f"{kiln} / {ref}: {rate[kiln] / rate[ref]:.3f} "
+              f"(median of per-round ratios {paired:.3f}, by CPU time {by_cpu:.3f})")
+    kiln, ref = pairs[-2] if args.compile else pairs[0]
+    print(f"RESULT train_tokens_per_s_ratio {rate[kiln] / rate[ref]:.3f}")
 
 
 if __name__ == "__main__":
