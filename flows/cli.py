@@ -243,14 +243,10 @@ def cmd_down(ns: argparse.Namespace) -> int:
 
 
 def cmd_plan(ns: argparse.Namespace) -> int:
-    from tasks.launch.cluster import ClusterSpec
-    from tasks.train.config import ModelConfig
-    from tasks.train.planner import load_preset, plan_parallelism, render_plan_report
+    from tasks.train.planner import plan_presets, render_plan_report
 
-    search = plan_parallelism(
-        load_preset(ns.model, ModelConfig), ns.vocab_size, ns.seq_len, load_preset(ns.cluster, ClusterSpec),
-        global_batch_seqs=ns.global_batch_seqs, global_batch_tokens=ns.global_batch_tokens, precision=ns.precision,
-    )
+    search = plan_presets(ns.model, ns.cluster, ns.vocab_size, ns.seq_len, ns.global_batch_seqs,
+                          ns.global_batch_tokens, ns.precision)
     print(json.dumps(search.to_dict(), indent=2) if ns.json else render_plan_report(search), end="")
     return 0 if search.best else 1
 

@@ -15,7 +15,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import Field, ValidationError, create_model, model_validator
 
-from tasks.configbase import Section, runtime_field
+from tasks.configbase import Section, read_yaml, runtime_field
 from tasks.errors import ConfigError
 from tasks.evals.continuous import ContinuousEvalConfig
 from tasks.launch.cluster import ClusterSpec
@@ -147,14 +147,7 @@ def _load_file(path: Path, origins: dict[str, str], seen: tuple[Path, ...]) -> d
         raise ConfigError(f"config file {path} does not exist (check the path; configs live in configs/)")
     if path.resolve() in seen:
         raise ConfigError(f"{path}: `extends` forms a cycle through {' -> '.join(map(str, seen))}")
-    try:
-        loaded = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
-    except yaml.YAMLError as error:
-        mark = getattr(error, "problem_mark", None)
-        where = f"{path}:{mark.line + 1}" if mark else str(path)
-        raise ConfigError(f"{where}: not valid YAML ({getattr(error, 'problem', error)})") from None
-    except UnicodeDecodeError:
-        raise ConfigError(f"{path}: not UTF-8 text; save the config as UTF-8") from None
+    loaded = read_yaml(path) or {}
     if not isinstance(loaded, dict):
         raise ConfigError(f"{path}: expected a mapping of sections at the top level, got {type(loaded).__name__}")
     base: dict[str, Any] = {}

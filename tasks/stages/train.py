@@ -63,7 +63,8 @@ def run(ctx: StageContext) -> dict:
 
 # version 2: DCP checkpoints (version 1's torch.save checkpoints in a partial folder are not resumable)
 # version 3: the key hashes train.lr instead of the unused train.optim.lr
+# version 4: train.parallel no longer holds activation_checkpointing (train.run does)
 STAGE = Stage(
     name="train", description="production training", body=run, inputs=("mix", "fit", "validate"),
-    config=TrainConfig, version=3, resumable=True, headline=train_headline,
+    config=TrainConfig, version=4, resumable=True, headline=train_headline,
 )

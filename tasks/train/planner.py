@@ -472,6 +472,13 @@ def plan_parallelism(
     return PlanSearch(cfg, vocab_size, seq_len, seqs, cluster, precision, fitting, rejected)
 
 
+def plan_presets(model: str, cluster: str, vocab_size: int, seq_len: int, global_batch_seqs: int | None = None,
+                 global_batch_tokens: int | None = None, precision: Precision = "bf16-mixed") -> PlanSearch:
+    """`plan_parallelism` for a model and a cluster given as preset names or YAML paths (`kiln plan`)."""
+    return plan_parallelism(load_preset(model, ModelConfig), vocab_size, seq_len, load_preset(cluster, ClusterSpec),
+                            global_batch_seqs, global_batch_tokens, precision)
+
+
 def _rank_key(plans: list[Plan]) -> Any:
     """Fastest first, but within 1% (the model's resolution) prefer the simpler plan.
 
