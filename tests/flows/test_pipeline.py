@@ -12,6 +12,7 @@ from tasks.config import load_config
 from tasks.graph import stage_keys
 from tasks.stages import REGISTRY
 from tasks.store import MANIFEST_FILE, Store
+from tests.fixtures import toy_stage
 
 pytestmark = pytest.mark.slow
 STAGE_NAMES = REGISTRY.pipeline()
@@ -118,6 +119,19 @@ def test_pipeline_end_to_end_then_fully_cached(prefect_api, in_repo, tmp_path, c
     parent = latest_pipeline_run(client)
     assert stage_statuses(client, parent.info.run_id) == {s: "cached" for s in STAGE_NAMES}
     assert "12 stages (12 cached)" in capsys.readouterr().out
+
+    # A new stage is one module and one registry entry: registered, it runs through the pipeline
+    # flow behind the cached stages, with its config section, store entry and MLflow run.
+    REGISTRY.register(toy_stage.STAGE)
+    try:
+        assert main(["run", TINY, f"work_dir={work}", "toy_count.min_chars=500"]) == 0
+        assert "13 stages (12 cached)" in capsys.readouterr().out
+        statuses = stage_statuses(client, latest_pipeline_run(client).info.run_id)
+        assert statuses == {**{s: "cached" for s in STAGE_NAMES}, "toy-count": "ran"}
+        toy_cfg = load_config(TINY, [f"work_dir={work}", "toy_count.min_chars=500"])
+        assert store.manifest("toy-count", stage_keys(toy_cfg)["toy-count"])["stats"]["num_long"] > 0
+    finally:
+        REGISTRY.unregister(toy_stage.STAGE.name)
 
 
 def test_failed_stage_then_rerun_redoes_only_it_and_what_follows(prefect_api, in_repo, tmp_path, capsys):
