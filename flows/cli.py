@@ -68,6 +68,10 @@ def _load(ns: argparse.Namespace) -> tuple[KilnConfig, str | None, list[str]]:
 def _prefect_quiet():
     from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
 
+    from flows import embedded_api
+
+    embedded_api.wait_until_ready()  # started by prepare_environment, while the CLI imported the rest
+
     # Heartbeats detect crashed runs under a worker; local runs would spend ~1 s per subflow joining them.
     return temporary_settings({PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None})
 

@@ -11,8 +11,10 @@ import asyncio
 import fcntl
 import logging
 import os
+import sys
 from pathlib import Path
 
+from flows import embedded_api
 from tasks.config import KilnConfig
 
 
@@ -31,18 +33,41 @@ def prepare_environment(cfg: KilnConfig) -> None:
         os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     logging.getLogger().setLevel(cfg.log_level)
-    _create_prefect_database(Path(os.environ["PREFECT_HOME"]))
+    home = Path(os.environ["PREFECT_HOME"])
+    if "prefect" in sys.modules:  # imported already (a notebook, the tests): its settings decide
+        if _embedded_sqlite_from_settings():
+            _create_sqlite_schema(home)
+        return
+    if _server_configured(home):
+        return
+    embedded_api.reserve()  # before Prefect is first imported: its settings read PREFECT_API_URL once
+    if not _database_url().startswith(("postgresql", "mysql")):
+        _create_sqlite_schema(home)
+    embedded_api.start()
 
 
-def _create_prefect_database(home: Path) -> None:
-    """Create the embedded API's SQLite schema once, under a lock: two runs started at once on a new
-    working directory would otherwise both migrate it. With a server configured there is nothing to do."""
+def _database_url() -> str:
+    return (os.environ.get("PREFECT_SERVER_DATABASE_CONNECTION_URL")
+            or os.environ.get("PREFECT_API_DATABASE_CONNECTION_URL") or "sqlite")
+
+
+def _server_configured(home: Path) -> bool:
+    """A Prefect server given by the environment or by the profile in PREFECT_HOME."""
+    profiles = home / "profiles.toml"
+    return "PREFECT_API_URL" in os.environ or (profiles.is_file() and "PREFECT_API_URL" in profiles.read_text())
+
+
+def _embedded_sqlite_from_settings() -> bool:
     from prefect.settings import get_current_settings
 
     settings = get_current_settings()
     database = settings.server.database.connection_url
-    if settings.api.url or database is None or not database.get_secret_value().startswith("sqlite"):
-        return
+    return not settings.api.url and database is not None and database.get_secret_value().startswith("sqlite")
+
+
+def _create_sqlite_schema(home: Path) -> None:
+    """Create the embedded API's SQLite schema once, under a lock: two runs started at once on a new
+    working directory would otherwise both migrate it."""
     home.mkdir(parents=True, exist_ok=True)
     with open(home / ".kiln-init.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
