@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from tasks.errors import KilnError
+from tasks.keylock import pid_alive
 
 HOST = "127.0.0.1"
 STATE_FILE = "servers.json"
@@ -106,7 +107,7 @@ def start_servers(work_dir: str | Path, *, prefect_port: int = 4200, mlflow_port
     deadline = time.monotonic() + timeout_s
     for server in servers:
         while not _healthy(server.health):
-            if not _alive(server.pid):
+            if not pid_alive(server.pid):
                 stop_servers(work_dir)
                 raise KilnError(f"the {server.name} server exited while starting; its log: {server.log}")
             if time.monotonic() > deadline:
@@ -123,23 +124,13 @@ def _write_state(folder: Path, servers: list[Server]) -> None:
                                    f"export MLFLOW_TRACKING_URI={urls['mlflow']}\n")
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def read_servers(work_dir: str | Path) -> list[Server]:
     """The servers `up` started for this working directory that are still alive."""
     state = servers_dir(work_dir) / STATE_FILE
     if not state.is_file():
         return []
     servers = [Server(**entry) for entry in json.loads(state.read_text())]
-    return servers if all(_alive(s.pid) for s in servers) else []
+    return servers if all(pid_alive(s.pid) for s in servers) else []
 
 
 def stop_servers(work_dir: str | Path, timeout_s: float = 30.0) -> list[str]:
@@ -150,11 +141,11 @@ def stop_servers(work_dir: str | Path, timeout_s: float = 30.0) -> list[str]:
     servers = [Server(**entry) for entry in json.loads(state.read_text())]
     stopped = []
     for server in servers:
-        if not _alive(server.pid):
+        if not pid_alive(server.pid):
             continue
         _signal_group(server.pid, signal.SIGTERM)
         deadline = time.monotonic() + timeout_s
-        while _alive(server.pid) and time.monotonic() < deadline:
+        while pid_alive(server.pid) and time.monotonic() < deadline:
             _reap(server.pid)
             time.sleep(0.2)
         _signal_group(server.pid, signal.SIGKILL)

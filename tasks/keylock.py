@@ -34,7 +34,8 @@ class LockTimeout(TimeoutError):
     """The lock stayed held by a live owner for longer than the caller would wait."""
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether process `pid` exists on this host (one we may not signal counts as alive)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -90,7 +91,7 @@ class KeyLock:
 
     def _is_stale(self, owner: dict) -> bool:
         if owner.get("host") == socket.gethostname() and isinstance(owner.get("pid"), int):
-            if not _pid_alive(owner["pid"]):
+            if not pid_alive(owner["pid"]):
                 return True
         try:
             age = time.time() - self.path.stat().st_mtime
