@@ -1,4 +1,7 @@
-"""Stage `fit`: pick the LR and mixture, fit the scaling law, predict the validate run's loss (the plan)."""
+"""Stage `fit`: pick the LR and mixture, fit the scaling law, predict the validate run's loss (the plan).
+
+Uses the sweep's finished trials only; refuses (`NotEnoughTrialsError`) when failures left too few.
+"""
 
 from __future__ import annotations
 
@@ -14,7 +17,7 @@ def run(ctx: StageContext) -> dict:
     cfg = ctx.cfg
     trials = load_trials(ctx.inputs["sweep"] / TRIALS_FILE)
     targets = {"validate": count_parameters(cfg.validate_.model, 0)}  # non-embedding N, as the sweep's points
-    plan = fit_plan(cfg.fit, trials, cfg.sweep.model.d_model, cfg.sweep.mixtures, targets)
+    plan = fit_plan(cfg.fit, trials, cfg.sweep.model.d_model, cfg.sweep.mixtures, targets, cfg.sweep.run.batch_size)
     (ctx.out_dir / PLAN_FILE).write_text(json.dumps(plan, indent=2))
     plot_plan(plan, trials, ctx.out_dir / PLOT_FILE)
     return {"plan": plan}

@@ -12,7 +12,8 @@ from tasks.scaling.validate import check_gate
 
 
 def trial(width, lr, mixture, params, loss):
-    return TrialResult(f"w{width}-lr{lr:g}-{mixture}", width, lr, mixture, params + 100, params, loss, loss, {}, 1000, 1.0)
+    return TrialResult(f"w{width}-lr{lr:g}-{mixture}-bs8", width, lr, mixture, 8, params + 100, params, loss, loss, {},
+                       1000, 1.0)
 
 
 def test_power_law_recovers_exact_parameters():
@@ -32,7 +33,7 @@ def test_plan_picks_best_lr_and_mixture_and_uses_best_lr_per_width():
         trial(32, 1e-3, "a", 400, 4.4), trial(32, 3e-3, "a", 400, 4.6),
         trial(96, 1e-3, "a", 2000, 3.3), trial(96, 3e-3, "a", 2000, 3.6),
     ]
-    plan = fit_plan(FitConfig(), trials, 64, {"a": {"x": 1}, "b": {"x": 1, "y": 3}}, {"validate": 8000})
+    plan = fit_plan(FitConfig(), trials, 64, {"a": {"x": 1}, "b": {"x": 1, "y": 3}}, {"validate": 8000}, batch_size=8)
     assert plan["lr"] == 3e-3 and plan["mixture"]["name"] == "b"
     assert plan["mixture"]["weights"] == {"x": 0.25, "y": 0.75}
     assert [(p["width"], p["val_loss"]) for p in plan["size_points"]] == [(32, 4.4), (64, 3.5), (96, 3.3)]
@@ -42,14 +43,16 @@ def test_plan_picks_best_lr_and_mixture_and_uses_best_lr_per_width():
 
 def test_too_few_widths_means_no_power_law():
     trials = [trial(64, 1e-3, "a", 1000, 4.0), trial(32, 1e-3, "a", 400, 4.5)]
-    plan = fit_plan(FitConfig(min_points_for_power_law=3), trials, 64, {"a": {"x": 1}}, {"validate": 8000})
+    plan = fit_plan(FitConfig(min_points_for_power_law=3), trials, 64, {"a": {"x": 1}}, {"validate": 8000},
+                    batch_size=8)
     assert plan["power_law"] is None and plan["predictions"] == {}
 
 
 def test_sweep_design_is_named_by_hyperparameters():
     cfg = SweepConfig(widths=[32, 64], lrs=[1e-3, 1e-2], mixtures={"u": {"web": 1}, "p": {"prose": 1}})
     names = [t.name for t in design_trials(cfg)]
-    assert names == ["w64-lr0.001-u", "w64-lr0.01-u", "w64-lr0.001-p", "w64-lr0.01-p", "w32-lr0.001-u", "w32-lr0.01-u"]
+    assert names == ["w64-lr0.001-u-bs8", "w64-lr0.01-u-bs8", "w64-lr0.001-p-bs8", "w64-lr0.01-p-bs8",
+                     "w32-lr0.001-u-bs8", "w32-lr0.01-u-bs8"]
 
 
 SHARDS = {"dtype": "uint16", "vocab_size": 500, "eos_id": 0, "domains": {
