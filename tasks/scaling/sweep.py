@@ -260,6 +260,8 @@ def run_sweep(cfg: SweepConfig, shards: dict, shards_root: Path, out_dir: Path,
     trials = design_trials(cfg)
     trials_dir = out_dir / TRIALS_DIR
     trials_dir.mkdir(parents=True, exist_ok=True)
+    for torn in trials_dir.glob("*.json.tmp"):  # a result being written when the last attempt died
+        torn.unlink()
     results: dict[str, TrialResult] = {}
     for trial in trials:
         if (kept := load_finished(trials_dir, trial)) is not None:

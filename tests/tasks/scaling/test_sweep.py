@@ -86,10 +86,12 @@ def test_an_interrupted_sweep_reruns_only_unfinished_and_failed_trials(shards, t
     save_trial(TrialResult(names[2], 16, 3e-3, "u", 4, 1, 1, None, None, {}, 0, 0.0, status="failed",
                            reason="its worker process died"), tmp_path / TRIALS_DIR)
 
+    (tmp_path / TRIALS_DIR / f"{names[1]}.json.tmp").write_text("{")  # torn by the interrupt
     calls: list[tuple[str, bool]] = []
     results = run_sweep(cfg, *shards, tmp_path, lambda r, resumed: calls.append((r.name, resumed)))
     assert calls == [(names[0], True), (names[1], False), (names[2], False)]
     assert [r.status for r in results] == ["ok"] * 3
+    assert not list((tmp_path / TRIALS_DIR).glob("*.tmp"))
 
 
 def test_every_trial_failing_fails_the_sweep_clearly(shards, tmp_path):
