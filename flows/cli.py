@@ -14,8 +14,7 @@ import time
 import traceback
 from pathlib import Path
 
-# OpenMP threads that spin while waiting make torch on a busy 2-core machine ~10x slower
-# (measured: 4.0 s vs 0.4 s per step); must be set before torch loads libgomp.
+# before torch loads libgomp (see flows/environment.py)
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import yaml  # noqa: E402
@@ -32,10 +31,12 @@ examples:
   kiln run --until tokenize                  only the data stages
   kiln stage train                           one stage (its inputs must be complete)
   kiln status                                which stages are complete for this config
+  kiln export anneal --out hf-model          the annealed model as a Hugging Face folder
   kiln prune --dry-run                       partial folders that failed attempts left behind
   kiln config --keys                         the resolved config and every stage key
   kiln ui                                    how to open the MLflow and Prefect UIs
   kiln up / kiln down                        start / stop local Prefect and MLflow servers
+  kiln deploy && kiln worker                 deployments on that server, and a worker to run them
 
 Overrides are dotted keys (section.key=value, YAML values). Every output lands in the
 working directory (work_dir, default ./kiln-work): the store, MLflow's database and
@@ -202,6 +203,21 @@ def cmd_dedup_batch(ns: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_export(ns: argparse.Namespace) -> int:
+    """Write a Kiln model as a Hugging Face folder (transformers, lm-eval's `hf` model) with its model card."""
+    cfg, _, _ = _load(ns)
+    from tasks.evals.export_hf import export_source
+    from tasks.graph import stage_keys
+    from tasks.store import Store
+
+    written = export_source(Store(cfg.store_root), ns.source, Path(ns.out), keys=stage_keys(cfg),
+                            tokenizer=Path(ns.tokenizer) if ns.tokenizer else None, dtype=ns.dtype)
+    print(f"{written['architecture']}, {written['num_params']:,} parameters ({written['dtype']}), from "
+          f"{written['exported_from']}, tokenizer {written['tokenizer']}\n→ {Path(ns.out).resolve()}\n"
+          f"try: lm_eval --model hf --model_args pretrained={Path(ns.out).resolve()} --tasks ...")
+    return 0
+
+
 def cmd_continuous_eval(ns: argparse.Namespace) -> int:
     """Evaluate the train and anneal checkpoints that are due and not yet evaluated, once (the deployment repeats it)."""
     cfg, config_path, overrides = _load(ns)
@@ -243,6 +259,30 @@ def cmd_down(ns: argparse.Namespace) -> int:
 
     stopped = stop_servers(cfg.work_dir)
     print(f"stopped: {', '.join(stopped)}" if stopped else "no kiln servers were running for this working directory")
+    return 0
+
+
+def cmd_deploy(ns: argparse.Namespace) -> int:
+    from flows.deploy import POOL, deploy
+
+    print(deploy(ns.continuous_eval, ns.overrides))
+    watching = f"continuous eval scores {ns.continuous_eval} every 10 minutes" if ns.continuous_eval else \
+        "continuous eval is deployed with its schedule off (kiln deploy --continuous-eval CONFIG turns it on)"
+    print(f"deployed to {os.environ['PREFECT_API_URL']} (work pool {POOL}); {watching}\nstart a worker: kiln worker")
+    return 0
+
+
+def cmd_worker(ns: argparse.Namespace) -> int:
+    from flows.deploy import run_worker
+
+    run_worker()
+    return 0
+
+
+def cmd_serve(ns: argparse.Namespace) -> int:
+    from flows.deploy import serve
+
+    serve(ns.continuous_eval, ns.overrides)
     return 0
 
 
@@ -296,6 +336,14 @@ def build_parser() -> argparse.ArgumentParser:
     add("dedup-batch", "Deduplicate a new batch of documents against the dedup stage's persisted LSH index (no old "
         "signature is recomputed); the result is a store entry of stage dedup-batch with its manifest and MLflow run.",
         cmd_dedup_batch, first=("batch", "new documents (jsonl)"))
+    export = add("export", "Write a model as a Hugging Face folder (config.json, model.safetensors, tokenizer, model card) "
+                 "that transformers and `lm_eval --model hf` load.", cmd_export,
+                 first=("source", "a stage name (this config's output of it, e.g. anneal), a stage key, or a model "
+                        "folder or checkpoints/step_N folder"))
+    export.add_argument("--out", required=True, metavar="DIR", help="the folder to write (new or empty)")
+    export.add_argument("--tokenizer", metavar="FILE", help="tokenizer.json (default: the source's tokenize input, "
+                        "else this config's tokenize output)")
+    export.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     up = add("up", "Start a local Prefect server and MLflow tracking server (127.0.0.1, SQLite under "
              "work_dir/servers unless a database URL is given) and wait until both are healthy.", cmd_up)
     up.add_argument("--prefect-port", type=int, default=4200)
@@ -305,6 +353,20 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--mlflow-database", default=os.environ.get("KILN_MLFLOW_DATABASE"), metavar="URL",
                     help="e.g. postgresql://user:pass@host/mlflow (default: $KILN_MLFLOW_DATABASE, else SQLite)")
     add("down", "Stop the servers `kiln up` started for this working directory.", cmd_down)
+    for name, func, help_text in (
+        ("deploy", cmd_deploy, "Register every deployment (pipeline, each stage, continuous eval) with the Prefect "
+                               "server at PREFECT_API_URL, creating the process work pool if needed."),
+        ("serve", cmd_serve, "Serve the pipeline and every stage (and continuous eval, given a config) from this "
+                             "process: deployments without a worker, for a laptop."),
+    ):
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        p.add_argument("--continuous-eval", metavar="CONFIG.yaml",
+                       help="schedule continuous eval (every 10 minutes) on this config; off when not given")
+        p.add_argument("overrides", nargs="*", metavar="key=value", help="overrides for the continuous-eval config")
+        p.set_defaults(func=func)
+    worker = sub.add_parser("worker", help="Start a Prefect worker for Kiln's work pool (kiln-process), with the "
+                            "process settings CLI runs get.", description="Start a Prefect worker for Kiln's pool.")
+    worker.set_defaults(func=cmd_worker)
     plan = sub.add_parser("plan", help="Pick dp x tp x pp x cp, micro-batch and checkpointing for a model on a cluster.",
                           description="Estimate memory and step time of every parallel layout; reject what does not "
                                       "fit, rank the rest, explain the choice.")

@@ -19,6 +19,7 @@ from prefect.artifacts import create_table_artifact
 from prefect.cache_policies import NO_CACHE
 from prefect.runtime import flow_run
 
+from flows.environment import apply_run_settings
 from tasks.config import KilnConfig, load_config
 from tasks.data.tokenize import TOKENIZER_FILE
 from tasks.evals.continuous import (
@@ -88,6 +89,7 @@ def _publish(target: EvalTarget, rows: list[dict[str, Any]]) -> None:
 def continuous_eval(config_path: str | None = "configs/default.yaml",
                     overrides: list[str] | None = None) -> dict[str, dict[str, Any]]:
     cfg = load_config(config_path, list(overrides or []))
+    apply_run_settings(cfg)  # a worker's flow-run process gets what the CLI sets
     return {target.stage: _evaluate_target(cfg, target) for target in eval_targets(cfg, stage_keys(cfg))}
 
 

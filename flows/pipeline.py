@@ -19,6 +19,7 @@ from prefect.artifacts import create_markdown_artifact
 from prefect.runtime import flow_run
 
 from flows.stages import execute
+from flows.environment import apply_run_settings
 from tasks.config import KilnConfig, load_config
 from tasks.graph import stage_keys
 from tasks.provenance import provenance
@@ -73,6 +74,7 @@ def pipeline(config_path: str | None = "configs/default.yaml", overrides: list[s
              until: str | None = None) -> list[dict[str, Any]]:
     overrides = list(overrides or [])
     cfg = load_config(config_path, overrides)
+    apply_run_settings(cfg)  # a worker's flow-run process gets what the CLI sets
     names = stages_until(until, REGISTRY)
     keys = stage_keys(cfg)
     tracker = MlflowTracker.for_config(cfg)

@@ -19,6 +19,7 @@ from prefect.cache_policies import CacheKeyFnPolicy
 from prefect.events import emit_event
 from prefect.runtime import flow_run
 
+from flows.environment import apply_run_settings
 from tasks.config import KilnConfig, load_config
 from tasks.errors import KilnError
 from tasks.graph import stage_keys
@@ -104,6 +105,7 @@ def _publish(outcome: StageOutcome) -> None:
 def _make_stage_flow(name: str):
     def run_one(config_path: str | None = "configs/default.yaml", overrides: list[str] | None = None) -> dict[str, Any]:
         cfg = load_config(config_path, list(overrides or []))
+        apply_run_settings(cfg)  # a worker's flow-run process gets what the CLI sets
         return execute(name, cfg, stage_keys(cfg)).as_dict()
 
     run_one.__name__ = name.replace("-", "_")

@@ -25,7 +25,7 @@ def test_every_registered_stage_the_pipeline_and_continuous_eval_are_deployable(
         assert set(deployment["parameters"]) <= set(target.parameters.properties)
     # Only continuous eval runs on its own, every 10 minutes, one run at a time.
     assert [name for name, d in deployments.items() if d.get("schedules")] == ["continuous-eval"]
-    assert deployments["continuous-eval"]["schedules"] == [{"interval": 600}]
+    assert deployments["continuous-eval"]["schedules"] == [{"interval": 600, "active": False}]  # kiln deploy --continuous-eval
     assert deployments["continuous-eval"]["concurrency_limit"] == {"limit": 1, "collision_strategy": "CANCEL_NEW"}
 
 
