@@ -265,7 +265,7 @@ def cmd_down(ns: argparse.Namespace) -> int:
 def cmd_deploy(ns: argparse.Namespace) -> int:
     from flows.deploy import POOL, deploy
 
-    print(deploy(ns.continuous_eval, ns.overrides))
+    print(deploy(ns.continuous_eval, ns.overrides, ns.alert_webhook))
     watching = f"continuous eval scores {ns.continuous_eval} every 10 minutes" if ns.continuous_eval else \
         "continuous eval is deployed with its schedule off (kiln deploy --continuous-eval CONFIG turns it on)"
     print(f"deployed to {os.environ['PREFECT_API_URL']} (work pool {POOL}); {watching}\nstart a worker: kiln worker")
@@ -364,6 +364,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="schedule continuous eval (every 10 minutes) on this config; off when not given")
         p.add_argument("overrides", nargs="*", metavar="key=value", help="overrides for the continuous-eval config")
         p.set_defaults(func=func)
+        if name == "deploy":
+            p.add_argument("--alert-webhook", metavar="URL", default=os.environ.get("KILN_ALERT_WEBHOOK"),
+                           help="post alerts (failed stage, training rollback/abort, crashed run) to this "
+                                "Slack-compatible webhook (default: $KILN_ALERT_WEBHOOK; none: no alerts)")
     worker = sub.add_parser("worker", help="Start a Prefect worker for Kiln's work pool (kiln-process), with the "
                             "process settings CLI runs get.", description="Start a Prefect worker for Kiln's pool.")
     worker.set_defaults(func=cmd_worker)

@@ -46,15 +46,21 @@ def _prefect(*args: str, check: bool = True) -> subprocess.CompletedProcess:
     return result
 
 
-def deploy(continuous_eval_config: str | None = None, overrides: list[str] | None = None) -> str:
+def deploy(continuous_eval_config: str | None = None, overrides: list[str] | None = None,
+           alert_webhook: str | None = None) -> str:
     """Register every deployment; with `continuous_eval_config`, point the continuous-eval schedule
-    at that config and switch it on. Returns `prefect deploy`'s summary."""
+    at that config and switch it on; with `alert_webhook`, create the alert automations
+    (`flows.alerts`). Returns `prefect deploy`'s summary."""
     _require_server()
     if _prefect("work-pool", "inspect", POOL, check=False).returncode != 0:
         _prefect("work-pool", "create", POOL, "--type", "process")
     summary = _prefect("--no-prompt", "deploy", "--prefect-file", str(PREFECT_FILE), "--all").stdout
     if continuous_eval_config is not None:
         asyncio.run(_watch(continuous_eval_config, list(overrides or [])))
+    if alert_webhook:
+        from flows.alerts import create_alerts
+
+        summary += f"\nalerts to {alert_webhook}: {', '.join(create_alerts(alert_webhook))}"
     return summary
 
 

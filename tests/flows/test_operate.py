@@ -1,6 +1,7 @@
 """Kiln operated as its users do: `kiln up`, `kiln deploy`, `kiln worker`, a pipeline deployment run
 that fails in a middle stage, and the Prefect UI's Retry (the exact API call its button makes).
 
+A failed stage posts an alert to a webhook through the automation `kiln deploy` created.
 The retry must reuse the upstream stages (Cached, same keys and files), run the failed stage and
 what follows, end Completed as the same flow run, and keep one MLflow pipeline run. A single stage
 re-run from its own deployment with the same parameters is Cached. Every process is stopped at
@@ -16,8 +17,10 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -77,6 +80,35 @@ def digests(folder: Path) -> dict[str, str]:
             for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
+class WebhookReceiver(ThreadingHTTPServer):
+    """A chat webhook on loopback that keeps every JSON body posted to it."""
+
+    def __init__(self):
+        self.received: list[dict] = []
+        receiver = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self):
+                receiver.received.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
+                self.send_response(200)
+                self.end_headers()
+
+            def log_message(self, *args):
+                pass
+
+        super().__init__(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.serve_forever, daemon=True).start()
+
+    def wait_for(self, text: str, timeout_s: float = 120) -> str:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            for body in self.received:
+                if text in body.get("text", ""):
+                    return body["text"]
+            time.sleep(0.5)
+        raise AssertionError(f"no alert mentioning {text!r} within {timeout_s}s; received {self.received}")
+
+
 def test_ui_retry_of_a_deployment_run_reuses_what_succeeded(in_repo, tmp_path, capsys):
     servers = tmp_path / "servers-home"
     eval_file = tmp_path / "eval.jsonl"  # missing at first: decontaminate, the 4th stage, fails
@@ -90,10 +122,12 @@ def test_ui_retry_of_a_deployment_run_reuses_what_succeeded(in_repo, tmp_path, c
     api = PrefectApi(env["PREFECT_API_URL"])
     kiln = [sys.executable, "-m", "flows.cli"]
     worker = None
+    webhook = WebhookReceiver()
     try:
-        deployed = subprocess.run([*kiln, "deploy"], env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
+        deployed = subprocess.run([*kiln, "deploy", "--alert-webhook", f"http://127.0.0.1:{webhook.server_port}/hook"],
+                                  env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
         assert deployed.returncode == 0, deployed.stderr[-3000:]
-        assert "schedule off" in deployed.stdout
+        assert "schedule off" in deployed.stdout and "kiln-stage-failed" in deployed.stdout
         worker = subprocess.Popen([*kiln, "worker"], env=env, cwd=REPO, start_new_session=True,
                                   stdout=open(tmp_path / "worker.log", "w"), stderr=subprocess.STDOUT)
 
@@ -103,6 +137,8 @@ def test_ui_retry_of_a_deployment_run_reuses_what_succeeded(in_repo, tmp_path, c
         assert api.wait(flow_run_id, {"FAILED", "CRASHED", "COMPLETED"})["state_type"] == "FAILED"
         store = tmp_path / "work" / "store"
         before = {stage: digests(store / stage) for stage in UPSTREAM}
+        alert = webhook.wait_for("Kiln: a stage failed")  # the automation posted the runner's event
+        assert "kiln.stage.failed" in alert and "decontaminate" in alert and "does not exist" in alert
 
         eval_file.write_text((REPO / "data" / "evals" / "heldout.jsonl").read_text())  # the fix
         api.retry_like_the_ui(flow_run_id)
@@ -131,4 +167,5 @@ def test_ui_retry_of_a_deployment_run_reuses_what_succeeded(in_repo, tmp_path, c
         if worker is not None:
             os.killpg(worker.pid, signal.SIGTERM)
             worker.wait(timeout=60)
+        webhook.shutdown()
         assert main(["down", f"work_dir={servers}"]) == 0
