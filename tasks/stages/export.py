@@ -1,0 +1,36 @@
+"""Stage `export`: the annealed model and its tokenizer as a Hugging Face Llama folder, with a model card."""
+
+from __future__ import annotations
+
+from tasks.data.tokenize import TOKENIZER_FILE
+from tasks.evals.export_hf import ExportConfig, export_hf
+from tasks.evals.model_card import COMPLIANCE_FILE, lineage, render_model_card
+from tasks.stage import Stage, StageContext
+from tasks.train.model import load_model
+
+HF_DIR = "hf"  # the folder to hand over: `from_pretrained(...)` and `lm_eval --model hf` read it
+
+
+def run(ctx: StageContext) -> dict:
+    model, model_cfg = load_model(ctx.inputs["anneal"] / "model")
+    anneal_key = ctx.inputs["anneal"].name
+    # the evaluate stage's lineage holds the model's (collect … anneal) and the evaluation itself
+    manifests = lineage(ctx.store, "evaluate", ctx.inputs["evaluate"].name)
+    evaluations = ctx.read_json("evaluate", "stats.json")["metrics"]["anneal"]
+    name = ctx.cfg.export.name or f"kiln-{anneal_key}"
+
+    def card(summary: dict) -> str:
+        return render_model_card(name=name, exported_from=f"Kiln stage `anneal` output `{anneal_key}`", export=summary,
+                                 model_config=model_cfg.model_dump(mode="json"), manifests=manifests,
+                                 evaluations=evaluations, compliance=ctx.read_json("collect", COMPLIANCE_FILE))
+
+    written = export_hf(model, ctx.inputs["tokenize"] / TOKENIZER_FILE, ctx.out_dir / HF_DIR, card=card,
+                        dtype=ctx.cfg.export.dtype)
+    return {**written, "name": name, "folder": HF_DIR, "lineage": {stage: m["key"] for stage, m in manifests.items()}}
+
+
+STAGE = Stage(
+    name="export", description="Hugging Face folder and model card", body=run,
+    inputs=("anneal", "tokenize", "evaluate", "collect"), config=ExportConfig,
+    headline=lambda s: {"architecture": s["architecture"], "params": s["num_params"], "MB": round(s["num_bytes"] / 1e6, 2)},
+)

@@ -1,0 +1,179 @@
+"""The Hugging Face export: transformers loads the folder offline and computes Kiln's logits and
+greedy tokens, and lm-eval's own CLI scores it (`--model hf`) as Kiln's adapter scores Kiln's model."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from tokenizers import Tokenizer
+
+os.environ["HF_HUB_OFFLINE"] = "1"  # before transformers is imported: nothing may come from the hub
+os.environ["HF_DATASETS_OFFLINE"] = "1"
+
+import transformers  # noqa: E402
+
+from tasks.data.tokenize import EOS_TOKEN, TokenizeConfig, train_tokenizer  # noqa: E402
+from tasks.errors import InputError  # noqa: E402
+from tasks.evals.export_hf import export_hf, hf_state_dict, load_kiln_model  # noqa: E402
+from tasks.evals.heldout_task import task_name_for, write_heldout_task  # noqa: E402
+from tasks.train.config import ModelConfig  # noqa: E402
+from tasks.train.model import Transformer, save_model  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[3]
+SAMPLE = REPO / "data" / "sample" / "prose" / "coreutils-man"
+# configs/tiny.yaml's train model; the second flavour covers untied embeddings and QK-norm
+TINY = ModelConfig(d_model=64, n_layers=2, n_heads=4, max_seq_len=64)
+UNTIED_QK_NORM = TINY.model_copy(update={"tie_embeddings": False, "qk_norm": True, "rope_theta": 500.0})
+MAX_LOGIT_DIFF = 1e-4
+
+
+def sample_texts() -> list[str]:
+    return [path.read_text(encoding="utf-8") for path in sorted(SAMPLE.glob("*.txt"))]
+
+
+@pytest.fixture(scope="module")
+def tokenizer_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("tokenizer") / "tokenizer.json"
+    train_tokenizer(sample_texts(), TokenizeConfig(vocab_size=512)).save(str(path))
+    return path
+
+
+def sharp_model(cfg: ModelConfig, vocab_size: int, seed: int = 0) -> Transformer:
+    """A random model whose attention is far from uniform and whose norm gains are not all one, so
+    a wrong RoPE layout, head split or norm mapping shows in the logits (Kiln's 0.02 init would
+    make every attention score ~0 and hide them)."""
+    torch.manual_seed(seed)
+    model = Transformer(cfg, vocab_size)
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dim() >= 2:
+                param.normal_(0.0, 0.3)
+            else:
+                param.uniform_(0.5, 1.5)
+    return model.eval()
+
+
+def real_windows(tokenizer, length: int) -> torch.Tensor:
+    """Two windows of real man-page text, as the exported tokenizer encodes them."""
+    ids = tokenizer("\n".join(sample_texts()[:3]))["input_ids"]
+    return torch.tensor([ids[:length], ids[1000 : 1000 + length]])
+
+
+def kiln_greedy(model: Transformer, prompt: list[int], steps: int) -> list[int]:
+    """Kiln's decoding rule (as the lm-eval adapter's generate_until): argmax after the whole context."""
+    tokens = list(prompt)
+    with torch.no_grad():
+        for _ in range(steps):
+            tokens.append(int(model(torch.tensor([tokens]))[0, -1].argmax()))
+    return tokens[len(prompt):]
+
+
+def export(model: Transformer, tokenizer_path: Path, out: Path) -> Path:
+    export_hf(model, tokenizer_path, out, card=lambda summary: f"# test export\n{summary}\n")
+    return out
+
+
+@pytest.mark.parametrize("cfg", [TINY, UNTIED_QK_NORM], ids=["llama-tied", "qwen3-untied-qk-norm"])
+def test_transformers_computes_kilns_logits_and_greedy_tokens(cfg, tokenizer_path, tmp_path):
+    model = sharp_model(cfg, 512)
+    out = export(model, tokenizer_path, tmp_path / "hf")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    assert type(hf).__name__ == ("Qwen3ForCausalLM" if cfg.qk_norm else "LlamaForCausalLM")
+    assert hf.dtype == torch.float32
+    tokenizer = transformers.AutoTokenizer.from_pretrained(out)
+    assert tokenizer.is_fast and tokenizer.eos_token == tokenizer.bos_token == tokenizer.pad_token == EOS_TOKEN
+    text = sample_texts()[0][:300]
+    assert tokenizer(text)["input_ids"] == Tokenizer.from_file(str(tokenizer_path)).encode(text).ids
+    assert tokenizer.decode(tokenizer(text)["input_ids"]) == text  # no special tokens added, bytes round-trip
+
+    ids = real_windows(tokenizer, cfg.max_seq_len)
+    with torch.no_grad():
+        kiln_logits, hf_logits = model(ids), hf(ids).logits
+    diff = (kiln_logits - hf_logits).abs().max().item()
+    print(f"{type(hf).__name__}: max |logit diff| {diff:.2e} (logits up to {kiln_logits.abs().max():.1f})")
+    assert diff < MAX_LOGIT_DIFF
+
+    # generate() decodes with a KV cache, one position at a time: the rotary offsets must match too
+    prompt = ids[0, :20]
+    generated = hf.generate(prompt[None], max_new_tokens=10, do_sample=False, min_new_tokens=10)
+    assert generated[0, 20:].tolist() == kiln_greedy(model, prompt.tolist(), 10)
+
+
+def test_the_meta_rope_permutation_would_break_the_logits(tokenizer_path, tmp_path):
+    """Kiln rotates (first half, second half) pairs like HF's rotate_half, so the export permutes
+    nothing; the permutation checkpoints with interleaved pairs need would change the logits."""
+    model = sharp_model(TINY, 512)
+    ids = torch.randint(0, 512, (1, 64), generator=torch.Generator().manual_seed(1))
+    state = hf_state_dict(model)
+    heads, dim = TINY.n_heads, TINY.d_model
+
+    def meta_to_hf(w: torch.Tensor) -> torch.Tensor:
+        return w.view(heads, dim // heads // 2, 2, dim).transpose(1, 2).reshape(dim, dim)
+
+    for name in list(state):
+        if name.endswith(("q_proj.weight", "k_proj.weight")):
+            state[name] = meta_to_hf(state[name])
+    config = transformers.LlamaConfig(
+        vocab_size=512, hidden_size=dim, intermediate_size=TINY.ffn_hidden, num_hidden_layers=TINY.n_layers,
+        num_attention_heads=heads, num_key_value_heads=heads, max_position_embeddings=64, rms_norm_eps=TINY.norm_eps,
+        tie_word_embeddings=True)
+    permuted = transformers.LlamaForCausalLM(config).eval()
+    permuted.load_state_dict(state, strict=False)
+    permuted.tie_weights()
+    with torch.no_grad():
+        assert (model(ids) - permuted(ids).logits).abs().max().item() > 1e-2
+
+
+def test_export_refuses_a_tokenizer_of_another_size_and_a_non_empty_folder(tokenizer_path, tmp_path):
+    with pytest.raises(InputError, match="512 tokens but the model's embedding has 600 rows"):
+        export(sharp_model(TINY, 600), tokenizer_path, tmp_path / "a")
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "old.txt").write_text("x")
+    with pytest.raises(InputError, match="is not empty"):
+        export(sharp_model(TINY, 512), tokenizer_path, tmp_path / "b")
+
+
+def test_load_kiln_model_reads_a_model_folder_and_a_stage_output(tmp_path):
+    model = sharp_model(TINY, 300)
+    save_model(model, TINY, 300, tmp_path / "stage" / "model")
+    for path in (tmp_path / "stage", tmp_path / "stage" / "model"):
+        loaded, what = load_kiln_model(path)
+        assert torch.equal(loaded.tok_emb.weight, model.tok_emb.weight) and "model folder" in what
+    with pytest.raises(InputError, match="holds no Kiln model"):
+        load_kiln_model(tmp_path)
+
+
+def test_lm_eval_cli_scores_the_export_as_kilns_adapter_scores_kilns_model(tokenizer_path, tmp_path):
+    """`lm_eval --model hf --model_args pretrained=DIR` on Kiln's local held-out task, offline."""
+    from tasks.evals.adapter import KilnLM
+    from tasks.evals.evaluate import EvaluateConfig, evaluate_lm
+
+    model = sharp_model(TINY, 512, seed=3)
+    out = export(model, tokenizer_path, tmp_path / "hf")
+    eval_file = REPO / "data" / "evals" / "heldout.jsonl"
+    task = task_name_for(eval_file)
+    write_heldout_task(eval_file, tmp_path / "tasks", task)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+           "HF_HOME": str(tmp_path / "hf_home"), "TOKENIZERS_PARALLELISM": "false"}
+    command = [sys.executable, "-m", "lm_eval", "--model", "hf", "--model_args", f"pretrained={out},dtype=float32",
+               "--tasks", task, "--include_path", str(tmp_path / "tasks"), "--limit", "3", "--batch_size", "2",
+               "--device", "cpu", "--output_path", str(tmp_path / "results")]
+    done = subprocess.run(command, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    (results_file,) = (tmp_path / "results").rglob("results_*.json")
+    scores = json.loads(results_file.read_text())["results"][task]
+    print(f"lm_eval --model hf: {scores}")
+    assert all(math.isfinite(scores[f"{m},none"]) for m in ("word_perplexity", "byte_perplexity", "bits_per_byte"))
+
+    # the same documents through Kiln's own adapter and model: the same numbers
+    tokenizer = Tokenizer.from_file(str(tokenizer_path))
+    lm = KilnLM(model, tokenizer, TINY.max_seq_len, tokenizer.token_to_id(EOS_TOKEN))
+    kiln = evaluate_lm(EvaluateConfig(eval_files=[str(eval_file)], limit=3), lm, tmp_path / "kiln")
+    assert scores["bits_per_byte,none"] == pytest.approx(kiln[f"{task}/bits_per_byte"], rel=1e-5)
