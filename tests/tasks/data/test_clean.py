@@ -147,8 +147,12 @@ def test_clean_keeps_removes_and_accounts_exactly(tmp_path: Path) -> None:
         },
         "quarantined": {"empty_text": 1},
         "languages": {"de": 1, "en": 1, "fr": 1},
-        "removed_by_filter": {"language": 1, "gopher_repetition": 1, "gopher_quality": 1, "quality_classifier": 0},
-        "pii": {"num_docs_redacted": 0, "num_replacements": {"email": 0, "ip": 0}},
+        "removed_by_filter": {
+            "url_blocklist": 0, "word_blocklist": 0, "language": 1, "gopher_repetition": 1, "gopher_quality": 1,
+            "c4_quality": 0, "fineweb_quality": 0, "code_rules": 0, "quality_classifier": 0,
+        },
+        "removed_by_domain": {"prose": {"gopher_quality": 1, "language": 1}, "web": {"gopher_repetition": 1}},
+        "pii": {"num_docs_redacted": 0, "num_replacements": {"email": 0, "ip": 0, "card": 0, "phone": 0}},
     }
     assert sorted(p.name for p in out.iterdir()) == sorted(
         ["documents.jsonl", "quarantine.jsonl", "removed.jsonl", STATS_FILE]

@@ -70,8 +70,8 @@ def test_classifier_removes_boilerplate_in_its_domains(tmp_path: Path) -> None:
         _doc("navigation", NAVIGATION, "prose"),
         _doc("index-as-code", INDEX_PAGE, "code"),  # outside quality_model_domains: not judged
     ]
-    # No language ID or Gopher rules here (they drop such pages first): the classifier alone decides.
-    rules_off = {"language_domains": [], "quality_domains": []}
+    # No language ID or prose rules here (they drop such pages first): the classifier alone decides.
+    rules_off = {"language_domains": [], "quality_domains": [], "c4": {"domains": []}, "fineweb": {"domains": []}}
     stats, out = _run(tmp_path, corpus, "classified", **rules_off)
     kept = list(read_documents(out / "documents.jsonl"))
     assert [(d.id, d.metadata.get("quality_score")) for d in kept] == [("prose", 1.0), ("index-as-code", None)]
@@ -104,28 +104,28 @@ def test_pii_is_redacted_and_counted_without_removing_documents(tmp_path: Path) 
     assert kept["code"].text == AUTHORED_CODE  # code is not in the default pii_domains
     assert kept["de"].text == DE
     assert (stats["num_in"], stats["num_kept"], stats["num_removed"], stats["num_quarantined"]) == (3, 3, 0, 0)
-    assert stats["pii"] == {"num_docs_redacted": 1, "num_replacements": {"email": 2, "ip": 1}}
+    assert stats["pii"] == {"num_docs_redacted": 1, "num_replacements": {"email": 2, "ip": 1, "card": 0, "phone": 0}}
     assert all("kiln_pii_replacements" not in d.metadata for d in kept.values())
 
     stats, out = _run(tmp_path, PII_CORPUS, "with-code", pii_domains=["web", "code"])
     assert [d.text for d in read_documents(out / "documents.jsonl")][1] == (
         "# Author: Guido van Rossum <email@example.com>\n" + CODE
     )
-    assert stats["pii"] == {"num_docs_redacted": 2, "num_replacements": {"email": 3, "ip": 1}}
+    assert stats["pii"] == {"num_docs_redacted": 2, "num_replacements": {"email": 3, "ip": 1, "card": 0, "phone": 0}}
 
     stats, out = _run(tmp_path, PII_CORPUS, "verbatim", pii_redaction=False)
     assert [d.text for d in read_documents(out / "documents.jsonl")] == [CONTACT, AUTHORED_CODE, DE]
-    assert stats["pii"] == {"num_docs_redacted": 0, "num_replacements": {"email": 0, "ip": 0}}
+    assert stats["pii"] == {"num_docs_redacted": 0, "num_replacements": {"email": 0, "ip": 0, "card": 0, "phone": 0}}
     assert CleanConfig(pii_redaction=False).identity() != CleanConfig().identity()
 
 
 def test_pii_and_classifier_output_does_not_depend_on_num_workers(tmp_path: Path) -> None:
     corpus = [*PII_CORPUS, _doc("index", INDEX_PAGE, "web"), _doc("contact-2", CONTACT, "prose")]
-    rules_off = {"language_domains": [], "quality_domains": []}
+    rules_off = {"language_domains": [], "quality_domains": [], "c4": {"domains": []}, "fineweb": {"domains": []}}
     stats1, out1 = _run(tmp_path, corpus, "w1", **rules_off, num_workers=1)
     stats2, out2 = _run(tmp_path, corpus, "w2", **rules_off, num_workers=2)
     assert stats1 == stats2
-    assert stats1["pii"] == {"num_docs_redacted": 2, "num_replacements": {"email": 4, "ip": 2}}
+    assert stats1["pii"] == {"num_docs_redacted": 2, "num_replacements": {"email": 4, "ip": 2, "card": 0, "phone": 0}}
     assert stats1["num_in"] == stats1["num_kept"] + stats1["num_removed"] + stats1["num_quarantined"] == 5
     assert _removed(out1) == {"index": ("quality_classifier:low_quality", 0.0)}
     for name in ("documents.jsonl", "removed.jsonl"):
