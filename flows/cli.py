@@ -32,7 +32,9 @@ examples:
   kiln stage train                           one stage (its inputs must be complete)
   kiln status                                which stages are complete for this config
   kiln export anneal --out hf-model          the annealed model as a Hugging Face folder
+  kiln eval --model hf --model_args pretrained=hf-model --tasks ...   lm-eval's own CLI, plus --model kiln
   kiln prune --dry-run                       partial folders that failed attempts left behind
+  kiln lineage store/anneal/<key>/model      which data, settings and runs produced this model
   kiln config --keys                         the resolved config and every stage key
   kiln ui                                    how to open the MLflow and Prefect UIs
   kiln up / kiln down                        start / stop local Prefect and MLflow servers
@@ -181,6 +183,17 @@ def cmd_status(ns: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_lineage(ns: argparse.Namespace) -> int:
+    cfg, _, _ = _load(ns)
+    from tasks.lineage import as_json, lineage, locate, render_table
+    from tasks.store import Store
+
+    store = Store(cfg.store_root)
+    links = lineage(store, *locate(store, ns.ref))
+    print(as_json(links) if ns.json else render_table(links))
+    return 0
+
+
 def cmd_prune(ns: argparse.Namespace) -> int:
     cfg, _, _ = _load(ns)
     from tasks.graph import stage_keys
@@ -215,6 +228,20 @@ def cmd_export(ns: argparse.Namespace) -> int:
     print(f"{written['architecture']}, {written['num_params']:,} parameters ({written['dtype']}), from "
           f"{written['exported_from']}, tokenizer {written['tokenizer']}\n→ {Path(ns.out).resolve()}\n"
           f"try: lm_eval --model hf --model_args pretrained={Path(ns.out).resolve()} --tasks ...")
+    return 0
+
+
+def cmd_eval(ns: argparse.Namespace) -> int:
+    """lm-eval's own command line (every flag of `lm_eval run`), with Kiln's adapter registered as `--model kiln`."""
+    import tasks.evals.adapter  # noqa: F401  (registering the model is the import's effect)
+    from lm_eval.__main__ import cli_evaluate
+
+    argv = sys.argv
+    sys.argv = ["lm_eval", *ns.lm_eval_args]  # lm-eval's parser reads sys.argv itself
+    try:
+        cli_evaluate()
+    finally:
+        sys.argv = argv
     return 0
 
 
@@ -324,6 +351,10 @@ def build_parser() -> argparse.ArgumentParser:
     config.add_argument("--keys", action="store_true", help="also print every stage's key")
     status = add("status", "Show each stage's key and whether its output is complete in the store.", cmd_status)
     status.add_argument("--json", action="store_true", help="also print the keys as JSON")
+    lineage = add("lineage", "Print the chain of store entries behind an output, from raw sources to the model: "
+                  "keys, config, output digests, MLflow and Prefect runs, code version, licences.", cmd_lineage,
+                  first=("ref", "a stage key, stage/key, an MLflow run id, or a path inside the store (a checkpoint)"))
+    lineage.add_argument("--json", action="store_true", help="print the chain as JSON")
     prune = add("prune", "Remove partial folders that no running stage writes and that belong to keys this config "
                 "no longer uses (left by failed attempts whose fix changed the key).", cmd_prune)
     prune.add_argument("--all", action="store_true", help="also remove crashed attempts of this config's keys "
@@ -333,6 +364,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("continuous-eval", "Evaluate the training checkpoints that are due and not yet evaluated, and log "
         "their scores to MLflow at their step (the continuous-eval deployment runs this on a schedule).",
         cmd_continuous_eval)
+    sub.add_parser("eval", add_help=False, help="lm-eval's own CLI with Kiln's model registered: kiln eval --model kiln "
+                   "--model_args model_dir=DIR,tokenizer=FILE --tasks ... (any lm_eval flag; kiln eval --help lists them)")
     add("dedup-batch", "Deduplicate a new batch of documents against the dedup stage's persisted LSH index (no old "
         "signature is recomputed); the result is a store entry of stage dedup-batch with its manifest and MLflow run.",
         cmd_dedup_batch, first=("batch", "new documents (jsonl)"))
@@ -389,7 +422,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    ns = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["eval"]:  # the rest is lm-eval's command line, its flags unknown to this parser
+        ns = argparse.Namespace(func=cmd_eval, lm_eval_args=argv[1:])
+    else:
+        ns = parser.parse_args(argv)
     try:
         return ns.func(ns)
     except KilnError as error:

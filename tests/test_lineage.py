@@ -1,0 +1,50 @@
+"""`kiln lineage`: the chain of store entries behind an output, found by key, run id or path."""
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from tasks.config import load_config
+from tasks.errors import KilnError
+from tasks.lineage import as_json, lineage, locate, render_table
+from tasks.runner import run_pipeline
+from tasks.stage import Registry
+from tasks.stages import collect as collect_stage
+from tasks.store import Store
+from tests.fixtures import toy_stage
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def built(monkeypatch, tmp_path):
+    monkeypatch.chdir(REPO)
+    registry = Registry([collect_stage.STAGE, toy_stage.STAGE])
+    cfg = load_config("tests/fixtures/toy.yaml", [f"work_dir={tmp_path}"], registry=registry)
+    return Store(cfg.store_root), run_pipeline(cfg, registry=registry)
+
+
+def test_lineage_walks_from_any_reference_back_to_the_sources(built):
+    store, (collect, toy) = built
+    by_path = locate(store, str(Path(toy.path) / "long_ids.json"))
+    assert by_path == locate(store, toy.key) == locate(store, f"toy-count/{toy.key}") == locate(store, toy.mlflow_run_id)
+    links = lineage(store, *by_path)
+    assert [(link.stage, link.key) for link in links] == [("collect", collect.key), ("toy-count", toy.key)]
+    assert links[1].inputs == {"collect": collect.key} and links[1].config_sections == ["toy_count"]
+    licences = json.loads((Path(collect.path) / "compliance.json").read_text())
+    assert links[0].licences and set(links[0].licences) <= set(licences["allowed_licences"])
+    assert sum(links[0].licences.values()) == store.manifest("collect", collect.key)["stats"]["num_kept"]
+    table = render_table(links)
+    assert collect.key in table and toy.key in table and "training-data licences" in table
+    assert [entry["key"] for entry in json.loads(as_json(links))] == [collect.key, toy.key]
+
+
+def test_a_bad_reference_or_a_broken_chain_is_a_clear_error(built):
+    store, (collect, toy) = built
+    with pytest.raises(KilnError, match="names no committed entry"):
+        locate(store, "feedfeedfeed")
+    shutil.rmtree(collect.path)
+    with pytest.raises(KilnError, match=f"collect/{collect.key} is not complete"):
+        lineage(store, "toy-count", toy.key)
