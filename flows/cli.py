@@ -160,11 +160,14 @@ def cmd_status(ns: argparse.Namespace) -> int:
     store = Store(cfg.store_root)
     keys = stage_keys(cfg)
     print(f"store: {store.root.resolve()}")
+    totals: dict[str, float] = {}
     for stage in REGISTRY:
         key = keys[stage.name]
         problems = store.problems(stage.name, key)
         if not problems:
             manifest = store.manifest(stage.name, key)
+            for name, value in manifest.get("cost", {}).items():
+                totals[name] = max(totals.get(name, 0.0), value) if name == "peak_rss_mb" else totals.get(name, 0.0) + value
             headline = ", ".join(f"{k}={v}" for k, v in manifest["stats"].get("headline", {}).items())
             state = f"complete  {manifest['wall_s']:6.1f}s  {headline}"
         elif store.path(stage.name, key).exists():
@@ -174,6 +177,10 @@ def cmd_status(ns: argparse.Namespace) -> int:
         else:
             state = "missing"
         print(f"  {stage.name:<14} {key}  {state}")
+    if totals:
+        print(f"cost of the complete stages: {totals.get('wall_s', 0):.0f} s wall, {totals.get('cpu_s', 0):.0f} s CPU, "
+              f"{totals.get('accelerator_s', 0) / 3600:.2f} accelerator-hours, "
+              f"peak memory {totals.get('peak_rss_mb', 0):.0f} MiB")
     abandoned = store.abandoned_partials(keys)
     if abandoned:
         print(f"{len(abandoned)} abandoned partial folder(s) of keys this config no longer uses "

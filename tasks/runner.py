@@ -169,7 +169,9 @@ def _execute(stage: Stage, cfg: KilnConfig, store: Store, tracker: Tracker, regi
     wall_s = time.perf_counter() - started
     cpu_after, peak_rss_mb = _usage()
     stats = {"headline": stage.headline(stats), **stats}
-    cost = {"wall_s": wall_s, "cpu_s": cpu_after - cpu_before, "peak_rss_mb": peak_rss_mb}
+    # accelerator-seconds: devices held (a training stage's num_accelerators; 0 on CPU) x wall time
+    cost = {"wall_s": wall_s, "cpu_s": cpu_after - cpu_before, "peak_rss_mb": peak_rss_mb,
+            "accelerator_s": stats.get("num_accelerators", 0) * wall_s}
     manifest = {
         "stage": stage.name, "key": key, "format_version": stage.version,
         "inputs": {i: keys[i] for i in stage.inputs}, "identity": stage_identity(stage.name, cfg, registry),

@@ -22,8 +22,9 @@ def plan_mixture(ctx: StageContext) -> Mixture:
     return Mixture.from_manifest(ctx.inputs["mix"] / MIXTURE_FILE, ctx.store.root)
 
 
-def train_stats(result: TrainResult, **extra: Any) -> dict[str, Any]:
-    return {"steps": result.steps, "tokens_seen": result.tokens_seen, "num_params": result.num_params,
+def train_stats(result: TrainResult, *, device: str, world_size: int = 1, **extra: Any) -> dict[str, Any]:
+    """The stage stats of a training run; `num_accelerators` (0 on CPU) prices its accelerator-seconds."""
+    return {"num_accelerators": world_size if device != "cpu" else 0, "world_size": world_size, "steps": result.steps, "tokens_seen": result.tokens_seen, "num_params": result.num_params,
             "final_train_loss": result.final_train_loss, "val_loss": result.val_loss,
             "val_loss_by_domain": result.val_loss_by_domain, "tokens_per_s": result.tokens_per_s,
             "resumed_from_step": result.resumed_from_step, "num_rollbacks": result.num_rollbacks, **extra}

@@ -19,7 +19,7 @@ def run(ctx: StageContext) -> dict:
                          init_model_dir=ctx.inputs["train"] / "model", on_metrics=ctx.recorder.metrics,
                          on_event=ctx.recorder.event)
     before = ctx.read_json("train", "metrics.json")["val_loss"]
-    return train_stats(result, start_lr=optim.lr, val_loss_before=before)
+    return train_stats(result, device=run_cfg.device, start_lr=optim.lr, val_loss_before=before)
 
 
 STAGE = Stage(

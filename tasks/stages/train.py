@@ -55,10 +55,11 @@ def run(ctx: StageContext) -> dict:
                                      ctx.inputs["mix"] / MIXTURE_FILE, ctx.store.root, ctx.out_dir,
                                      on_metrics=ctx.recorder.metrics, on_event=ctx.recorder.event)
         restarts = sum(e["kind"] == "process_failure" for e in result.health_events)
-        return train_stats(result, lr=lr, world_size=parallel.world_size, num_restarts=restarts)
+        return train_stats(result, device=cfg.train.run.device, lr=lr, world_size=parallel.world_size,
+                           num_restarts=restarts)
     result = train_model(cfg.train.model, optim, cfg.train.run, plan_mixture(ctx), ctx.out_dir,
                          on_metrics=ctx.recorder.metrics, on_event=ctx.recorder.event)
-    return train_stats(result, lr=lr)
+    return train_stats(result, device=cfg.train.run.device, lr=lr)
 
 
 # version 2: DCP checkpoints (version 1's torch.save checkpoints in a partial folder are not resumable)

@@ -26,7 +26,7 @@ def run(ctx: StageContext) -> dict:
         plot_plan(plan, load_trials(ctx.inputs["sweep"] / TRIALS_FILE), ctx.out_dir / PLOT_FILE)
     if cfg.validate_.enforce and not report.passed:
         raise ValidationGateError(report.describe())
-    return train_stats(result, gate=report.as_dict(), gate_passed=report.passed)
+    return train_stats(result, device=cfg.sweep.run.device, gate=report.as_dict(), gate_passed=report.passed)
 
 
 STAGE = Stage(

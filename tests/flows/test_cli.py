@@ -60,3 +60,19 @@ def test_status_lists_abandoned_partial_folders_and_prune_removes_them(in_repo, 
     assert "would remove" in capsys.readouterr().out and store.partial_folders()
     assert main(["prune", "configs/tiny.yaml", f"work_dir={tmp_path}"]) == 0
     assert store.partial_folders() == [] and "1 partial folder(s)" in capsys.readouterr().out
+
+
+def test_status_totals_the_cost_recorded_in_the_manifests(in_repo, tmp_path, capsys):
+    from tasks.config import load_config
+    from tasks.graph import stage_keys
+    from tasks.store import Store
+
+    cfg = load_config("configs/tiny.yaml", [f"work_dir={tmp_path}"])
+    store, keys = Store(cfg.store_root), stage_keys(cfg)
+    for stage, wall in (("collect", 30.0), ("clean", 12.0)):
+        store.begin(stage, keys[stage])
+        store.commit(stage, keys[stage], {"stats": {}, "wall_s": wall, "cost": {
+            "wall_s": wall, "cpu_s": 2 * wall, "peak_rss_mb": wall * 10, "accelerator_s": 3600 * wall / 6}})
+    assert main(["status", "configs/tiny.yaml", f"work_dir={tmp_path}"]) == 0
+    out = capsys.readouterr().out
+    assert "cost of the complete stages: 42 s wall, 84 s CPU, 7.00 accelerator-hours, peak memory 300 MiB" in out

@@ -77,6 +77,9 @@ def test_pipeline_end_to_end_then_fully_cached(prefect_api, in_repo, tmp_path, c
     assert evaluate["anneal"]["kiln_heldout/contamination_rate"] == rates["kiln_heldout"]
     assert 0 <= rates["kiln_heldout"] <= 1
     assert train["val_loss"] > 0 and manifests["validate"]["stats"]["gate_passed"] is True
+    # Cost: every manifest prices its stage; on CPU no accelerator-seconds are spent.
+    assert all(m["cost"]["wall_s"] > 0 and m["cost"]["cpu_s"] >= 0 for m in manifests.values())
+    assert (train["num_accelerators"], manifests["train"]["cost"]["accelerator_s"]) == (0, 0)
 
     # MLflow: one parent run, a child per stage with the stage key as input digest, trials as grandchildren.
     client = MlflowClient(cfg.tracking_uri)
