@@ -176,4 +176,5 @@ def test_lm_eval_cli_scores_the_export_as_kilns_adapter_scores_kilns_model(token
     tokenizer = Tokenizer.from_file(str(tokenizer_path))
     lm = KilnLM(model, tokenizer, TINY.max_seq_len, tokenizer.token_to_id(EOS_TOKEN))
     kiln = evaluate_lm(EvaluateConfig(eval_files=[str(eval_file)], limit=3), lm, tmp_path / "kiln")
+    print(f"Kiln's adapter: bits_per_byte {kiln[f'{task}/bits_per_byte']}")
     assert scores["bits_per_byte,none"] == pytest.approx(kiln[f"{task}/bits_per_byte"], rel=1e-5)
