@@ -150,6 +150,18 @@ def test_load_kiln_model_reads_a_model_folder_and_a_stage_output(tmp_path):
         load_kiln_model(tmp_path)
 
 
+def test_load_kiln_model_reads_a_training_checkpoint(tmp_path):
+    from tasks.train.dcp import save_dcp
+
+    model = sharp_model(TINY, 300)
+    optimizer = torch.optim.AdamW(model.parameters())
+    identity = {"model": TINY.identity(), "vocab_size": 300}  # what the training loop records
+    path = save_dcp(tmp_path / "checkpoints", 20, model, optimizer, {"identity": identity}, keep=1)
+    loaded, what = load_kiln_model(path)
+    assert all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(), model.state_dict().values()))
+    assert "step 20" in what
+
+
 def test_lm_eval_cli_scores_the_export_as_kilns_adapter_scores_kilns_model(tokenizer_path, tmp_path):
     """`lm_eval --model hf --model_args pretrained=DIR` on Kiln's local held-out task, offline."""
     from tasks.evals.adapter import KilnLM
