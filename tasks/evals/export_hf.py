@@ -152,7 +152,7 @@ def export_hf(model: Transformer, tokenizer_path: Path, out_dir: Path, *, card: 
     """Write the HF folder for `model` and the `tokenizer.json` it was trained with into out_dir
     (created; must be empty or absent). `card(summary)` renders the README from what was written;
     returns that summary."""
-    from safetensors.torch import save_file  # the only user of safetensors; kept out of `import tasks...`
+    from safetensors.torch import save_file  # imported when used: the config tree imports this module
 
     cfg, vocab_size = model.cfg, model.vocab_size
     tokenizer, eos_id = eos_id_of(tokenizer_path)
@@ -208,7 +208,8 @@ def export_source(store: Store, source: str, out_dir: Path, *, keys: dict[str, s
     model, what = load_kiln_model(path)
     manifests = lineage(store, stage, key) if stage and key else {}
     # a checkpoint inside a stage output is not the model the stage's evaluation scored
-    is_final = stage is not None and path in (store.path(stage, key), store.path(stage, key) / "model")
+    is_final = stage is not None and path.resolve() in (store.path(stage, key).resolve(),
+                                                        (store.path(stage, key) / "model").resolve())
     if tokenizer is None:
         tokenize_key = manifests["tokenize"]["key"] if "tokenize" in manifests else keys.get("tokenize")
         if tokenize_key is None or not store.is_complete("tokenize", tokenize_key):
