@@ -92,25 +92,29 @@ def _link(store: Store, stage: str, key: str) -> Link:
                 licences=_licences(store.path(stage, key)))
 
 
-def lineage(store: Store, stage: str, key: str) -> list[Link]:
-    """`stage/key` and every entry it was built from, sources first (each once)."""
-    ordered: list[Link] = []
-    seen: set[tuple[str, str]] = set()
+def lineage_manifests(store: Store, stage: str, key: str) -> dict[str, dict[str, Any]]:
+    """The manifests of `stage`/`key` and of every entry it was built from, by stage, sources first."""
+    manifests: dict[str, dict[str, Any]] = {}
 
     def visit(entry_stage: str, entry_key: str) -> None:
-        if (entry_stage, entry_key) in seen:
+        if entry_stage in manifests:
             return
-        seen.add((entry_stage, entry_key))
         if not store.is_complete(entry_stage, entry_key):
             raise KilnError(f"{entry_stage}/{entry_key} is not complete in {store.root}: its lineage is broken "
                             "(was it pruned or damaged?)")
-        link = _link(store, entry_stage, entry_key)
-        for input_stage, input_key in link.inputs.items():
+        manifest = store.manifest(entry_stage, entry_key)
+        for input_stage, input_key in manifest.get("inputs", {}).items():
             visit(input_stage, input_key)
-        ordered.append(link)
+        manifests[entry_stage] = manifest
 
     visit(stage, key)
-    return ordered
+    return manifests
+
+
+def lineage(store: Store, stage: str, key: str) -> list[Link]:
+    """`stage`/`key` and every entry it was built from, sources first, as table rows."""
+    return [_link(store, entry_stage, manifest["key"])
+            for entry_stage, manifest in lineage_manifests(store, stage, key).items()]
 
 
 def render_table(links: list[Link]) -> str:

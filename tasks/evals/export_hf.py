@@ -34,7 +34,8 @@ from tokenizers import Tokenizer
 from tasks.configbase import Section
 from tasks.data.tokenize import EOS_TOKEN
 from tasks.errors import InputError
-from tasks.evals.model_card import evaluations_of, lineage, read_compliance, render_model_card
+from tasks.evals.model_card import evaluations_of, read_compliance, render_model_card
+from tasks.lineage import lineage_manifests
 from tasks.store import Store
 from tasks.train.config import ModelConfig
 from tasks.train.model import CONFIG_FILE, MODEL_FILE, Transformer, load_model
@@ -206,7 +207,7 @@ def export_source(store: Store, source: str, out_dir: Path, *, keys: dict[str, s
     tokenizer; otherwise `tokenizer` (default: this config's tokenize output) is used."""
     path, stage, key = _resolve(store, source, keys)
     model, what = load_kiln_model(path)
-    manifests = lineage(store, stage, key) if stage and key else {}
+    manifests = lineage_manifests(store, stage, key) if stage and key else {}
     # a checkpoint inside a stage output is not the model the stage's evaluation scored
     is_final = stage is not None and path.resolve() in (store.path(stage, key).resolve(),
                                                         (store.path(stage, key) / "model").resolve())

@@ -11,26 +11,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from tasks.lineage import COMPLIANCE_FILE
 from tasks.store import MANIFEST_FILE, Store
-
-COMPLIANCE_FILE = "compliance.json"  # written by the collect stage (tasks/data/collect.py)
-
-
-def lineage(store: Store, stage: str, key: str) -> dict[str, dict[str, Any]]:
-    """The manifests of `stage`/`key` and of every output it was made from, inputs first."""
-    manifests: dict[str, dict[str, Any]] = {}
-
-    def visit(name: str, name_key: str) -> None:
-        if name in manifests:
-            return
-        manifest = store.manifest(name, name_key)
-        for input_name, input_key in manifest["inputs"].items():
-            visit(input_name, input_key)
-        manifests[name] = manifest
-
-    visit(stage, key)
-    return manifests
-
 
 def evaluations_of(store: Store, stage: str, key: str) -> dict[str, float | int]:
     """The evaluate stage's scores of the model `stage`/`key` (the newest evaluation, if several)."""

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from tasks.data.tokenize import TOKENIZER_FILE
 from tasks.evals.export_hf import ExportConfig, export_hf
-from tasks.evals.model_card import COMPLIANCE_FILE, lineage, render_model_card
+from tasks.evals.model_card import render_model_card
+from tasks.lineage import COMPLIANCE_FILE, lineage_manifests
 from tasks.stage import Stage, StageContext
 from tasks.train.model import load_model
 
@@ -15,7 +16,7 @@ def run(ctx: StageContext) -> dict:
     model, model_cfg = load_model(ctx.inputs["anneal"] / "model")
     anneal_key = ctx.inputs["anneal"].name
     # the evaluate stage's lineage holds the model's (collect … anneal) and the evaluation itself
-    manifests = lineage(ctx.store, "evaluate", ctx.inputs["evaluate"].name)
+    manifests = lineage_manifests(ctx.store, "evaluate", ctx.inputs["evaluate"].name)
     evaluations = ctx.read_json("evaluate", "stats.json")["metrics"]["anneal"]
     name = ctx.cfg.export.name or f"kiln-{anneal_key}"
 
