@@ -26,6 +26,8 @@ from tasks.errors import KilnError
 
 _SERVER: subprocess.Popen | None = None
 _URL: str | None = None
+_STARTUP_FAILED = 3  # uvicorn's exit code when the app's start-up fails
+_MAX_RESTARTS = 3
 
 
 def _free_port() -> int:
@@ -55,24 +57,30 @@ def start() -> None:
     if _SERVER is not None:
         return
     reserve()
+    _SERVER = _spawn()
+    atexit.register(stop)
+
+
+def _spawn() -> subprocess.Popen:
     prefect_parent = Path(importlib.util.find_spec("prefect").origin).parent.parent
     port = _URL.rsplit(":", 1)[1].split("/")[0]
     env = {**os.environ, "PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1", "PREFECT__SERVER_FINAL": "1"}
     env.pop("PREFECT_API_URL")  # the server must not think of itself as a client of another
-    _SERVER = subprocess.Popen(
+    return subprocess.Popen(
         [sys.executable, "-m", "uvicorn", "--app-dir", str(prefect_parent), "--factory",
          "prefect.server.api.server:create_app", "--host", "127.0.0.1", "--port", port,
          "--log-level", "error", "--lifespan", "on"],
         env=env, stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent,
     )
-    atexit.register(stop)
 
 
 def wait_until_ready() -> None:
     """Block until the API started by `start` answers its health check."""
+    global _SERVER
     if _SERVER is None or _URL is None:
         return
     timeout_s = float(os.environ.get("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120"))
+    restarts = 0
     deadline = time.monotonic() + timeout_s
     while True:
         try:
@@ -81,7 +89,12 @@ def wait_until_ready() -> None:
                     return
         except OSError:
             pass
-        if _SERVER.poll() is not None:
+        if _SERVER.poll() == _STARTUP_FAILED and restarts < _MAX_RESTARTS:
+            # two runs starting at once on a new database race to seed it (a unique-constraint error
+            # at start-up); the loser starts again, as Prefect's own temporary server does
+            restarts += 1
+            _SERVER = _spawn()
+        elif _SERVER.poll() is not None:
             raise KilnError(f"the embedded Prefect API exited with code {_SERVER.returncode} while starting; "
                             "run with log_level=DEBUG, or start a server with `kiln up`")
         if time.monotonic() > deadline:

@@ -55,8 +55,8 @@ def _emit(name: str, key: str):
     return on_event
 
 
-@task(name="stage", cache_key_fn=_cache_key, persist_result=True, task_run_name="{name}-{key}",
-      retry_condition_fn=_retry_unexpected_only)
+@task(name="stage", cache_policy=CacheKeyFnPolicy(cache_key_fn=_cache_key), persist_result=True,
+      task_run_name="{name}-{key}", retry_condition_fn=_retry_unexpected_only)
 def stage_task(name: str, key: str, cfg: KilnConfig, keys: dict[str, str], parent_run_id: str | None) -> dict[str, Any]:
     """Run (or reuse) one stage through the runner; the result is its outcome."""
     outcome = run_stage(name, cfg, tracker=MlflowTracker.for_config(cfg), keys=keys, parent_run_id=parent_run_id,
@@ -74,7 +74,6 @@ def execute(name: str, cfg: KilnConfig, keys: dict[str, str], parent_run_id: str
     # built by the CLI shows as Cached to a worker sharing the store, and the other way round.
     shared = Path(cfg.store_root).resolve() / PREFECT_CACHE_DIR
     state = stage_task.with_options(
-        cache_policy=CacheKeyFnPolicy(cache_key_fn=_cache_key).configure(key_storage=shared),
         result_storage=shared, refresh_cache=not complete, retries=orchestration.retries,
         retry_delay_seconds=orchestration.retry_delay_seconds,
     )(name, key, cfg, keys, parent_run_id, return_state=True)
