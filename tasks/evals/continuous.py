@@ -37,7 +37,6 @@ from tasks.fingerprint import fingerprint_paths
 from tasks.store import Store, stage_key
 from tasks.train.checkpoint import MARKER, checkpoint_dir, sha256_file, steps_on_disk
 from tasks.train.config import ModelConfig
-from tasks.train.model import Transformer, save_model
 
 STATE_FILE = "evaluated.jsonl"
 CHECKPOINTS_DIR = "checkpoints"  # where the training loop writes them, inside the stage's output folder
@@ -197,6 +196,7 @@ def evaluate_checkpoint(target: EvalTarget, step: int) -> CheckpointOutcome:
     from torch.distributed.checkpoint.api import CheckpointException
 
     from tasks.train.dcp import load_model_weights, read_train_state
+    from tasks.train.model import Transformer, save_model  # torch: only where a checkpoint is scored
 
     started = time.perf_counter()
 

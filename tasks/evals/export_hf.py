@@ -25,13 +25,11 @@ import re
 import shutil
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
-from pydantic import Field
 from tokenizers import Tokenizer
 
-from tasks.configbase import Section
 from tasks.data.tokenize import EOS_TOKEN
 from tasks.errors import InputError
 from tasks.evals.model_card import evaluations_of, read_compliance, render_model_card
@@ -62,15 +60,6 @@ _BLOCK_NAMES = {
 _TOP_NAMES = {"tok_emb.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
               "lm_head.weight": "lm_head.weight"}
 _BLOCK = re.compile(r"blocks\.(\d+)\.(.+)")
-
-
-class ExportConfig(Section):
-    """How the `export` stage writes the annealed model as a Hugging Face folder."""
-
-    # float32 is the trained weights exactly; bfloat16 halves the folder (logits then differ ~1e-2)
-    dtype: Literal["float32", "bfloat16"] = "float32"
-    # the model card's title and the repository name it suggests; None: `kiln-<anneal key>`
-    name: str | None = Field(None, min_length=1)
 
 
 def architecture(cfg: ModelConfig) -> str:

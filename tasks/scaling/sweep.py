@@ -31,12 +31,10 @@ from pydantic import Field, model_validator
 
 from tasks.configbase import Section, runtime_field
 from tasks.errors import ConfigError, KilnError
-from tasks.train.callbacks import TrainCallback
 from tasks.train.config import ModelConfig, OptimConfig, TrainRunConfig
-from tasks.train.data_loader import Mixture, mixture_with_weights
 
-if TYPE_CHECKING:
-    from tasks.train.loop import Trainer
+if TYPE_CHECKING:  # torch-backed: imported where trials run, so that the config tree stays light
+    from tasks.train.data_loader import Mixture
 
 TRIALS_FILE = "trials.json"  # every trial in design order: the fit's input
 TRIALS_DIR = "trials"  # trials/<name>/: a trial's training run; trials/<name>.json: its result, once finished
@@ -158,33 +156,20 @@ def design_trials(cfg: SweepConfig) -> list[Trial]:
     return trials
 
 
-class _Reached(TrainCallback):
-    """Keeps hold of the trainer, so a trial that raises can still report its steps and curve."""
-
-    trainer: Trainer | None = None
-
-    def on_start(self, trainer: Trainer) -> None:
-        self.trainer = trainer
-
-    def steps_and_curve(self) -> tuple[int, list[tuple[int, float]]]:
-        if self.trainer is None:
-            return 0, []
-        return self.trainer.step, list(self.trainer.curves["loss"])
-
-
 def run_trial(cfg: SweepConfig, trial: Trial, mixture: Mixture, out_dir: Path) -> TrialResult:
     """Train one trial into out_dir (resuming a crashed attempt there). A divergence or an exception
     becomes a result with status "diverged" or "failed"; a `KilnError` (the user's to fix: the same
     for every trial) is raised."""
     import torch
 
+    from tasks.train.callbacks import TrainerHandle
     from tasks.train.health import TrainingDivergedError
     from tasks.train.loop import train_model
     from tasks.train.model import count_parameters
 
     torch.set_num_threads(1)  # results must not depend on how many trials share the machine
     model = model_at_width(cfg.model, trial.width)
-    reached = _Reached()
+    reached = TrainerHandle()
     try:
         result = train_model(
             model,
@@ -209,7 +194,7 @@ def run_trial(cfg: SweepConfig, trial: Trial, mixture: Mixture, out_dir: Path) -
                        steps=result.steps, loss_curve=[(s, v) for s, v in result.loss_curve])
 
 
-TrialFn = Callable[[SweepConfig, Trial, Mixture, Path], TrialResult]
+TrialFn = Callable[[SweepConfig, Trial, "Mixture", Path], TrialResult]
 
 
 def _run_and_save(trial_fn: TrialFn, cfg: SweepConfig, trial: Trial, mixture: Mixture, trials_dir: Path) -> TrialResult:
@@ -255,6 +240,8 @@ def run_sweep(cfg: SweepConfig, shards: dict, shards_root: Path, out_dir: Path,
     `on_trial(result, resumed)` is called once per trial: first for the results a previous attempt
     left (resumed=True), then for each trial as it finishes. Raises `SweepFailedError` when no
     trial succeeded."""
+    from tasks.train.data_loader import mixture_with_weights
+
     mixtures = {name: mixture_with_weights(shards, shards_root, weights, f"sweep.mixtures.{name}")
                 for name, weights in cfg.mixtures.items()}
     trials = design_trials(cfg)

@@ -3,13 +3,16 @@ mixture, and how a `TrainResult` becomes stage stats."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tasks.scaling.fit import PLAN_FILE
 from tasks.scaling.mix import MIXTURE_FILE
 from tasks.stage import StageContext
-from tasks.train.data_loader import Mixture
-from tasks.train.loop import TrainResult
+
+if TYPE_CHECKING:  # torch-backed: stage modules import training code in their bodies, so that the
+    # config tree, keys and cached reruns never load torch
+    from tasks.train.data_loader import Mixture
+    from tasks.train.loop import TrainResult
 
 
 def planned_lr(ctx: StageContext) -> float:
@@ -19,6 +22,8 @@ def planned_lr(ctx: StageContext) -> float:
 
 
 def plan_mixture(ctx: StageContext) -> Mixture:
+    from tasks.train.data_loader import Mixture
+
     return Mixture.from_manifest(ctx.inputs["mix"] / MIXTURE_FILE, ctx.store.root)
 
 

@@ -6,11 +6,12 @@ from tasks.data.tokenize import SHARDS_FILE
 from tasks.stage import Stage, StageContext
 from tasks.stages._training import planned_lr, train_headline, train_stats
 from tasks.train.anneal import AnnealConfig, anneal_settings
-from tasks.train.data_loader import mixture_with_weights
-from tasks.train.loop import train_model
 
 
 def run(ctx: StageContext) -> dict:
+    from tasks.train.data_loader import mixture_with_weights
+    from tasks.train.loop import train_model
+
     cfg = ctx.cfg
     optim, run_cfg = anneal_settings(cfg.anneal, cfg.train.optim, cfg.train.run, planned_lr(ctx))
     mixture = mixture_with_weights(ctx.read_json("tokenize", SHARDS_FILE), ctx.inputs["tokenize"],

@@ -2,17 +2,32 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
+from pydantic import Field
+
+from tasks.configbase import Section
 from tasks.data.tokenize import TOKENIZER_FILE
-from tasks.evals.export_hf import ExportConfig, export_hf
 from tasks.evals.model_card import render_model_card
 from tasks.lineage import COMPLIANCE_FILE, lineage_manifests
 from tasks.stage import Stage, StageContext
-from tasks.train.model import load_model
 
 HF_DIR = "hf"  # the folder to hand over: `from_pretrained(...)` and `lm_eval --model hf` read it
 
 
+class ExportConfig(Section):
+    """How the `export` stage writes the annealed model as a Hugging Face folder."""
+
+    # float32 is the trained weights exactly; bfloat16 halves the folder (logits then differ ~1e-2)
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    # the model card's title and the repository name it suggests; None: `kiln-<anneal key>`
+    name: str | None = Field(None, min_length=1)
+
+
 def run(ctx: StageContext) -> dict:
+    from tasks.evals.export_hf import export_hf
+    from tasks.train.model import load_model
+
     model, model_cfg = load_model(ctx.inputs["anneal"] / "model")
     anneal_key = ctx.inputs["anneal"].name
     # the evaluate stage's lineage holds the model's (collect … anneal) and the evaluation itself

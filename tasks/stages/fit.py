@@ -10,10 +10,11 @@ import json
 from tasks.scaling.fit import PLAN_FILE, PLOT_FILE, FitConfig, fit_plan, plot_plan
 from tasks.scaling.sweep import TRIALS_FILE, load_trials
 from tasks.stage import Stage, StageContext
-from tasks.train.model import count_parameters
 
 
 def run(ctx: StageContext) -> dict:
+    from tasks.train.model import count_parameters
+
     cfg = ctx.cfg
     trials = load_trials(ctx.inputs["sweep"] / TRIALS_FILE)
     targets = {"validate": count_parameters(cfg.validate_.model, 0)}  # non-embedding N, as the sweep's points

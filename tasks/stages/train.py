@@ -11,7 +11,6 @@ from tasks.configbase import Section
 from tasks.stage import Stage, StageContext
 from tasks.stages._training import plan_mixture, planned_lr, train_headline, train_stats
 from tasks.train.config import ModelConfig, OptimConfig, ParallelDims, TrainRunConfig
-from tasks.train.loop import train_model
 from tasks.scaling.mix import MIXTURE_FILE
 
 
@@ -44,6 +43,8 @@ class TrainConfig(Section):
 
 
 def run(ctx: StageContext) -> dict:
+    from tasks.train.loop import train_model
+
     cfg = ctx.cfg
     lr = planned_lr(ctx)
     optim = cfg.train.optim.model_copy(update={"lr": lr})

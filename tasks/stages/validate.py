@@ -9,10 +9,11 @@ from tasks.scaling.sweep import TRIALS_FILE, load_trials
 from tasks.scaling.validate import REPORT_FILE, ValidateConfig, ValidationGateError, check_gate
 from tasks.stage import Stage, StageContext
 from tasks.stages._training import plan_mixture, train_headline, train_stats
-from tasks.train.loop import train_model
 
 
 def run(ctx: StageContext) -> dict:
+    from tasks.train.loop import train_model
+
     cfg = ctx.cfg
     plan = ctx.read_json("fit", PLAN_FILE)
     optim = cfg.sweep.optim.model_copy(update={"lr": plan["lr"]})

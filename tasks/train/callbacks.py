@@ -220,3 +220,17 @@ class Checkpointer(TrainCallback):
     def post_step(self, trainer: Trainer, out: StepOutput) -> None:
         if out.step % trainer.run_cfg.checkpoint_every == 0:
             trainer.save_checkpoint()
+
+
+class TrainerHandle(TrainCallback):
+    """Keeps hold of the trainer, so a caller whose run raised can still read its steps and curve."""
+
+    trainer: Trainer | None = None
+
+    def on_start(self, trainer: Trainer) -> None:
+        self.trainer = trainer
+
+    def steps_and_curve(self) -> tuple[int, list[tuple[int, float]]]:
+        if self.trainer is None:
+            return 0, []
+        return self.trainer.step, list(self.trainer.curves["loss"])
