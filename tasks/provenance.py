@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import platform
 import subprocess
+import sys
 from functools import lru_cache
 from importlib import metadata
 from pathlib import Path
@@ -13,6 +14,7 @@ from typing import Any
 _PACKAGES = ("kiln", "torch", "prefect", "mlflow", "datatrove", "datasketch", "fasttext-numpy2-wheel",
              "lm-eval", "tokenizers", "numpy")
 _REPO = Path(__file__).resolve().parent.parent
+_NVIDIA_PROC = Path("/proc/driver/nvidia/gpus")
 
 
 def _git(*args: str) -> str | None:
@@ -44,16 +46,25 @@ def package_versions() -> dict[str, str]:
 
 @lru_cache(maxsize=1)
 def hardware() -> dict[str, Any]:
-    import torch
-
+    """The machine. CUDA devices come from torch when the process has loaded it (it honours
+    CUDA_VISIBLE_DEVICES), else from the NVIDIA driver's /proc entries: a cached rerun must not pay
+    torch's import to describe itself."""
     info: dict[str, Any] = {
         "platform": platform.platform(),
         "python": platform.python_version(),
         "cpu_count": os.cpu_count(),
-        "cuda_devices": torch.cuda.device_count(),
     }
-    if torch.cuda.is_available():
-        info["cuda_device_name"] = torch.cuda.get_device_name(0)
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        info["cuda_devices"] = torch.cuda.device_count()
+        if torch.cuda.is_available():
+            info["cuda_device_name"] = torch.cuda.get_device_name(0)
+        return info
+    gpus = sorted(_NVIDIA_PROC.glob("*/information")) if _NVIDIA_PROC.is_dir() else []
+    info["cuda_devices"] = len(gpus)
+    if gpus:
+        model = next((line for line in gpus[0].read_text().splitlines() if line.startswith("Model:")), "")
+        info["cuda_device_name"] = model.removeprefix("Model:").strip()
     return info
 
 

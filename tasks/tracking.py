@@ -86,6 +86,9 @@ def flatten(data: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
     return flat
 
 
+_TRACKERS: dict[tuple[str, str, Path | None], MlflowTracker] = {}
+
+
 class MlflowTracker:
     """Creates and records runs in one MLflow experiment at `uri`."""
 
@@ -103,10 +106,15 @@ class MlflowTracker:
 
     @classmethod
     def for_config(cls, cfg: KilnConfig) -> MlflowTracker:
+        """The tracker of `cfg`'s store and experiment, made once per process (a client costs ~0.1 s)."""
         uri = cfg.tracking_uri
         # a tracking server keeps artifacts where it was told to (`kiln up`: work_dir/servers/mlartifacts)
         local = not uri.startswith(("http://", "https://"))
-        return cls(uri, cfg.tracking.experiment, Path(cfg.work_dir) / "mlartifacts" if local else None)
+        artifact_root = (Path(cfg.work_dir) / "mlartifacts").resolve() if local else None
+        key = (uri, cfg.tracking.experiment, artifact_root)
+        if key not in _TRACKERS:
+            _TRACKERS[key] = cls(uri, cfg.tracking.experiment, artifact_root)
+        return _TRACKERS[key]
 
     def start_run(self, name: str, *, parent_id: str | None = None, tags: Mapping[str, Any] | None = None,
                   params: Mapping[str, Any] | None = None) -> str:
