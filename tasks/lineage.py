@@ -128,7 +128,8 @@ def render_table(links: list[Link]) -> str:
     lines = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in rows]
     licences = {label: n for link in links for label, n in link.licences.items()}
     if licences:
-        lines.append("\ntraining-data licences (kept documents): " + ", ".join(f"{k} {v}" for k, v in licences.items()))
+        kept = ", ".join(f"{label} {n}" for label, n in licences.items())
+        lines.append(f"\nlicences of the documents collect kept (the training data before cleaning): {kept}")
     return "\n".join(lines)
 
 

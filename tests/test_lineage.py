@@ -37,7 +37,7 @@ def test_lineage_walks_from_any_reference_back_to_the_sources(built):
     assert links[0].licences and set(links[0].licences) <= set(licences["allowed_licences"])
     assert sum(links[0].licences.values()) == store.manifest("collect", collect.key)["stats"]["num_kept"]
     table = render_table(links)
-    assert collect.key in table and toy.key in table and "training-data licences" in table
+    assert collect.key in table and toy.key in table and "licences of the documents collect kept" in table
     assert [entry["key"] for entry in json.loads(as_json(links))] == [collect.key, toy.key]
 
 
