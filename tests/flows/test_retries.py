@@ -3,7 +3,6 @@ redoes what failed, and stays one MLflow pipeline run tagged with the Prefect fl
 
 from __future__ import annotations
 
-import pytest
 from mlflow.tracking import MlflowClient
 
 import flows.pipeline
