@@ -70,9 +70,17 @@ class PrefectApi:
         self.call("POST", f"/flow_runs/{flow_run_id}/set_state", {
             "state": {"type": "SCHEDULED", "name": "AwaitingRetry", "message": "Retry from the UI"}, "force": True})
 
-    def task_states(self, flow_run_id: str) -> list[tuple[str, str]]:
-        runs = self.call("POST", "/task_runs/filter", {"flow_runs": {"id": {"any_": [flow_run_id]}}})
-        return [(r["name"].rsplit("-", 1)[0], r["state_name"]) for r in sorted(runs, key=lambda r: r["expected_start_time"])]
+    def task_states(self, flow_run_id: str, timeout_s: float = 60) -> list[tuple[str, str]]:
+        """The flow run's task runs (stage, state) in start order, once all are final: task-run
+        states reach the server as events, so they may lag the flow run's own final state."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            runs = self.call("POST", "/task_runs/filter", {"flow_runs": {"id": {"any_": [flow_run_id]}}})
+            final = all(r["state_type"] in ("COMPLETED", "FAILED", "CRASHED", "CANCELLED") for r in runs)
+            if final or time.monotonic() > deadline:
+                return [(r["name"].rsplit("-", 1)[0], r["state_name"])
+                        for r in sorted(runs, key=lambda r: r["expected_start_time"])]
+            time.sleep(0.5)
 
 
 def digests(folder: Path) -> dict[str, str]:
