@@ -11,7 +11,8 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
 # torch is installed first and exactly: a looser request lets pip resolve a multi-GB CUDA build.
-$(STAMP): $(BIN)/python pyproject.toml
+$(STAMP): $(BIN)/python pyproject.toml infra/system-packages.sh
+	bash infra/system-packages.sh
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet torch==2.13.0
 	$(BIN)/python -m pip install --quiet -e ".[dev]"

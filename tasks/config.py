@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import Field, ValidationError, create_model, model_validator
+from pydantic import Field, ValidationError, create_model
 
 from tasks.configbase import Section, read_yaml, runtime_field
 from tasks.errors import ConfigError
@@ -44,33 +44,19 @@ class OrchestrationConfig(Section):
     lock_timeout_s: float | None = runtime_field(None, gt=0)  # None: wait for another run's same key forever
 
 
-# The hardware model (for `kiln plan --cluster`) and Slurm/Kubernetes settings: accepted here they
-# would be ignored, so they are refused until the scale-out launchers read them.
-_NOT_READ_BY_LOCAL_LAUNCHERS = frozenset({
-    "partition", "accelerator", "memory_gb", "peak_tflops", "intra_node_gbps", "inter_node_gbps", "mfu",
-    "reserved_gb", "time_limit", "image", "namespace",
-})
-
-
 class ClusterConfig(ClusterSpec):
     """How and where work is launched; never part of a key (it changes where work runs, not its result).
 
-    `launcher: local` trains in this process when the layout is one process and under local torchrun
-    otherwise; `torchrun` always goes through torchrun. Slurm and Kubernetes launchers and the
-    Slurm/Ray data executors exist as renders but are not wired into the stages yet, so they, and
-    the fields only they read, are refused rather than silently ignored.
+    `launcher` runs the training stages (train, validate, anneal): `local` trains in this process
+    when the layout is one process and under local torchrun otherwise; `torchrun` always goes through
+    torchrun; `slurm` submits an sbatch job (torchrun under srun) and follows it; `kubernetes` applies
+    an indexed Job with kubectl. `executor` runs the data stages (clean, dedup) on datatrove's local,
+    Slurm or Ray executor. The hardware fields describe the cluster to the parallelism planner
+    (`train.parallel: auto`, `kiln plan`).
     """
 
-    executor: Literal["local"] = runtime_field("local")
-    launcher: Literal["local", "torchrun"] = runtime_field("local")
-
-    @model_validator(mode="after")
-    def _refuse_what_no_launcher_reads(self) -> ClusterConfig:
-        unused = sorted(self.model_fields_set & _NOT_READ_BY_LOCAL_LAUNCHERS)
-        if unused:
-            raise ValueError(f"{', '.join('cluster.' + f for f in unused)}: read only by the Slurm/Kubernetes launchers and `kiln plan`'s "
-                             f"cluster presets, which the stages do not use yet; remove {'them' if len(unused) > 1 else 'it'}")
-        return self
+    executor: Literal["local", "slurm", "ray"] = runtime_field("local")
+    launcher: Literal["local", "torchrun", "slurm", "kubernetes"] = runtime_field("local")
 
 
 class KilnConfig(Section):

@@ -4,3 +4,24 @@ import os
 
 # Spinning OpenMP workers make torch ~10x slower on a shared 2-core machine (see flows/cli.py).
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster(tmp_path_factory):
+    """A real single-node Slurm cluster for the session; clients reach it through SLURM_CONF (set here).
+
+    It fails (never skips) when Slurm is missing: `make setup` installs it."""
+    from tasks.launch.local_slurm import LocalSlurmCluster
+
+    cluster = LocalSlurmCluster(tmp_path_factory.mktemp("slurm")).start()
+    previous = os.environ.get("SLURM_CONF")
+    os.environ.update(cluster.env)
+    yield cluster
+    cluster.stop()
+    if previous is None:
+        os.environ.pop("SLURM_CONF", None)
+    else:
+        os.environ["SLURM_CONF"] = previous

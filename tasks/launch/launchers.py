@@ -209,6 +209,11 @@ class TorchrunLauncher(Launcher):
         return self._run_owned(self.argv(command))
 
 
+def render_template(template_dir: Path, name: str, **variables: object) -> str:
+    """Render an infra template; a missing variable is an error, not an empty string."""
+    return _templates(template_dir).get_template(name).render(**variables)
+
+
 def _templates(template_dir: Path) -> jinja2.Environment:
     env = jinja2.Environment(
         loader=jinja2.FileSystemLoader(str(template_dir)),
@@ -223,86 +228,17 @@ def _templates(template_dir: Path) -> jinja2.Environment:
     return env
 
 
-class SlurmLauncher(Launcher):
-    """An sbatch script from `infra/slurm/train.sbatch.j2`: one srun task per node, each a torchrun
-    whose c10d rendezvous runs on the allocation's first node."""
+def launchers() -> dict[str, type[Launcher]]:
+    """Every launcher by its `cluster.launcher` name (the cluster ones import lazily: they are leaf modules)."""
+    from tasks.launch.kubernetes import KubernetesLauncher
+    from tasks.launch.slurm import SlurmLauncher
 
-    name = "slurm"
-    template = "slurm/train.sbatch.j2"
-    filename = "train.sbatch"
-
-    def __init__(self, *args, template_dir: Path = INFRA_DIR, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.template_dir = template_dir
-
-    def render(self, command: list[str]) -> str:
-        c = self.cluster
-        return _templates(self.template_dir).get_template(self.template).render(
-            job_name=self.job_name, nodes=c.nodes, gpus_per_node=c.gpus_per_node, nproc_per_node=self.nproc_per_node,
-            partition=c.partition, time_limit=c.time_limit, exclude=self.exclude_hosts(), log_dir=str(self.out_dir),
-            workdir=str(self.workdir), env=self.env, rdzv_port=c.rdzv_port, command=command,
-        )
-
-    def launch(self, command: list[str]) -> LaunchResult:
-        path = self._write(self.filename, self.render(command))
-        sbatch = self._client("sbatch")
-        if sbatch is None:
-            return LaunchResult(self.name, submitted=False, rendered=path,
-                                message=f"sbatch is not on PATH: wrote {path}; submit it with `sbatch {path}`")
-        done = subprocess.run([sbatch, "--parsable", str(path)], capture_output=True, text=True, check=False)
-        if done.returncode != 0:
-            raise LaunchError(f"sbatch rejected {path} (exit {done.returncode}): {done.stderr.strip()}")
-        job_id = done.stdout.strip().split(";")[0]
-        return LaunchResult(self.name, submitted=True, job_id=job_id, rendered=path,
-                            message=f"submitted Slurm job {job_id} from {path}")
-
-
-class KubernetesLauncher(Launcher):
-    """An indexed Job (one pod per node, kept off failed nodes) plus the headless Service its pods
-    use to find pod 0, from `infra/k8s/train-job.yaml.j2`."""
-
-    name = "kubernetes"
-    template = "k8s/train-job.yaml.j2"
-    filename = "train-job.yaml"
-
-    def __init__(self, *args, template_dir: Path = INFRA_DIR, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.template_dir = template_dir
-
-    def render(self, command: list[str]) -> str:
-        c = self.cluster
-        if not c.image:
-            raise ConfigError("cluster.image is not set: the kubernetes launcher needs the training container image")
-        rdzv_host = f"{self.job_name}-0.{self.job_name}"  # indexed pods are named {job}-{index}
-        torchrun = ["torchrun", "--nnodes", str(c.nodes), "--nproc_per_node", str(self.nproc_per_node),
-                    "--rdzv_backend", "c10d", "--rdzv_endpoint", f"{rdzv_host}:{c.rdzv_port}",
-                    "--rdzv_id", self.job_name, *command]
-        return _templates(self.template_dir).get_template(self.template).render(
-            job_name=self.job_name, namespace=c.namespace, nodes=c.nodes, gpus_per_node=c.gpus_per_node,
-            image=c.image, exclude=self.exclude_hosts(), workdir=str(self.workdir), env=self.env,
-            rdzv_port=c.rdzv_port, shell_command="exec " + shlex.join(torchrun),
-        )
-
-    def launch(self, command: list[str]) -> LaunchResult:
-        path = self._write(self.filename, self.render(command))
-        kubectl = self._client("kubectl")
-        if kubectl is None:
-            return LaunchResult(self.name, submitted=False, rendered=path,
-                                message=f"kubectl is not on PATH: wrote {path}; apply it with `kubectl apply -f {path}`")
-        done = subprocess.run([kubectl, "apply", "-f", str(path)], capture_output=True, text=True, check=False)
-        if done.returncode != 0:
-            raise LaunchError(f"kubectl apply -f {path} failed (exit {done.returncode}): {done.stderr.strip()}")
-        return LaunchResult(self.name, submitted=True, job_id=self.job_name, rendered=path,
-                            message=f"applied {path}: Job {self.cluster.namespace}/{self.job_name}")
-
-
-LAUNCHERS: dict[str, type[Launcher]] = {
-    cls.name: cls for cls in (LocalLauncher, TorchrunLauncher, SlurmLauncher, KubernetesLauncher)
-}
+    return {cls.name: cls for cls in (LocalLauncher, TorchrunLauncher, SlurmLauncher, KubernetesLauncher)}
 
 
 def make_launcher(kind: str, cluster: ClusterSpec, out_dir: Path, **kwargs) -> Launcher:
     """The launcher named by `cluster.launcher` (local, torchrun, slurm, kubernetes)."""
-    if kind not in LAUNCHERS:
-        raise ConfigError(f"cluster.launcher={kind!r} is not one of {', '.join(LAUNCHERS)}")
-    return LAUNCHERS[kind](cluster, out_dir, **kwargs)
+    known = launchers()
+    if kind not in known:
+        raise ConfigError(f"cluster.launcher={kind!r} is not one of {', '.join(known)}")
+    return known[kind](cluster, out_dir, **kwargs)

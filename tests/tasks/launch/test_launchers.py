@@ -13,16 +13,16 @@ import yaml
 
 from tasks.errors import ConfigError
 from tasks.launch.cluster import ClusterSpec
+from tasks.launch.kubernetes import KubernetesLauncher
 from tasks.launch.launchers import (
-    KubernetesLauncher,
     LaunchError,
     LocalLauncher,
-    SlurmLauncher,
     TorchrunLauncher,
     make_launcher,
     read_failed_hosts,
     record_failed_hosts,
 )
+from tasks.launch.slurm import SlurmLauncher
 
 SLURM = ClusterSpec(nodes=4, gpus_per_node=8, partition="gpu", time_limit="12:00:00", rdzv_port=29400,
                     exclude_hosts=("node-bad",))
