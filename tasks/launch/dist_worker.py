@@ -4,7 +4,7 @@ The config is one JSON object: `model`, `optim`, `train` and `parallel` sections
 as in `ModelConfig`, `OptimConfig`, `TrainRunConfig`, `ParallelDims`), plus `manifest` (a mix
 manifest), `data_root` (what its shard paths are relative to), `out_dir` (checkpoints, resume,
 the final model and metrics go there) and optionally `stop_after` (stop once that many steps
-are done, as a stopped job would) and `callbacks` (a list of `CallbackSpec`s as JSON: each rank
+are done, as a stopped job would), `init_model_dir` (a saved model to start from) and `callbacks` (a list of `CallbackSpec`s as JSON: each rank
 builds them from their dotted paths and hands them to `train_model`). Every rank runs
 `train_model` with the `parallel` layout; rank 0 writes the `TrainResult` as JSON to `--out`.
 Several `--config C --out O` pairs run one after another in the same process group, which saves
@@ -30,7 +30,7 @@ from tasks.train.data_loader import Mixture
 from tasks.train.loop import train_model, write_result
 
 SECTIONS = {"model": ModelConfig, "optim": OptimConfig, "train": TrainRunConfig, "parallel": ParallelDims}
-OPTIONS = {"stop_after", "callbacks"}
+OPTIONS = {"stop_after", "callbacks", "init_model_dir"}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -75,7 +75,9 @@ def _load(config: Path) -> tuple[dict, Mixture, dict]:
         callbacks = [CallbackSpec.from_json(spec).build() for spec in specs]
     except ConfigError as error:
         raise ConfigError(f"{config}: {error}") from None
-    options = {"out_dir": Path(raw["out_dir"]), "stop_after": stop_after, "callbacks": callbacks}
+    init = raw.get("init_model_dir")
+    options = {"out_dir": Path(raw["out_dir"]), "stop_after": stop_after, "callbacks": callbacks,
+               "init_model_dir": Path(init) if init else None}
     sections = {}
     for key, cls in SECTIONS.items():
         try:

@@ -34,16 +34,18 @@ def train_with_torchrun(model_cfg: ModelConfig, optim_cfg: OptimConfig, run_cfg:
                         cluster: ClusterSpec, manifest: Path, data_root: Path, out_dir: Path, *,
                         on_metrics: Callable[[int, dict[str, float]], None] | None = None,
                         on_event: Callable[[dict[str, Any]], None] | None = None,
-                        callbacks: Sequence[CallbackSpec] = ()) -> TrainResult:
+                        callbacks: Sequence[CallbackSpec] = (), init_model_dir: Path | None = None) -> TrainResult:
     """Train under torchrun; a failed job is relaunched (up to `cluster.max_restarts` times) and resumes
     from its last DCP checkpoint. Each failure is a `process_failure` event with the failed host and
     the measured time from failure to the relaunched job's first step; it joins the worker's own
-    health events (rollbacks) in the result. `callbacks` are built in every worker (see `CallbackSpec`)."""
+    health events (rollbacks) in the result. `callbacks` are built in every worker (see `CallbackSpec`);
+    `init_model_dir` is a saved model to start from (anneal), as in `train_model`."""
     config = {
         "model": model_cfg.model_dump(mode="json"), "optim": optim_cfg.model_dump(mode="json"),
         "train": run_cfg.model_dump(mode="json"), "parallel": dims.model_dump(mode="json"),
         "manifest": str(manifest.resolve()), "data_root": str(data_root.resolve()), "out_dir": str(out_dir.resolve()),
         **({"callbacks": [spec.to_json() for spec in callbacks]} if callbacks else {}),
+        **({"init_model_dir": str(init_model_dir.resolve())} if init_model_dir is not None else {}),
     }
     (out_dir / WORKER_CONFIG).write_text(json.dumps(config, indent=2))
     failures_file = out_dir / FAILED_HOSTS_FILE
