@@ -321,10 +321,30 @@ def cmd_serve(ns: argparse.Namespace) -> int:
 
 
 def cmd_plan(ns: argparse.Namespace) -> int:
-    from tasks.train.planner import plan_presets, render_plan_report
+    from tasks.launch.cluster import ClusterSpec
+    from tasks.train.config import ModelConfig
+    from tasks.train.planner import load_preset, plan_parallelism, plan_presets, render_plan_report, resolve_parallel
 
-    search = plan_presets(ns.model, ns.cluster, ns.vocab_size, ns.seq_len, ns.global_batch_seqs,
-                          ns.global_batch_tokens, ns.precision)
+    if ns.config is not None:  # what `train.parallel: auto` picks for this config's train stage
+        cfg = load_config(ns.config, ns.overrides)
+        cluster = load_preset(ns.cluster, ClusterSpec) if ns.cluster else cfg.cluster
+        model = load_preset(ns.model, ModelConfig) if ns.model else cfg.train.model
+        run = cfg.train.run.model_copy(update={"device": "cuda"}) if cluster.gpus_per_node else cfg.train.run
+        dims, run = resolve_parallel("auto", model, run, cfg.tokenize.vocab_size, cluster)
+        if not cluster.gpus_per_node:
+            print(f"train.parallel: auto on a CPU cluster is data parallel, one process per node: {dims.model_dump()} "
+                  f"(grad_accum {run.grad_accum}); describe GPUs (cluster.gpus_per_node, or --cluster PRESET) to plan")
+            return 0
+        search = plan_parallelism(model, cfg.tokenize.vocab_size, run.seq_len, cluster, global_batch_seqs=run.batch_size,
+                                  precision=ns.precision)
+    else:
+        missing = [flag for flag, value in (("--model", ns.model), ("--cluster", ns.cluster), ("--seq-len", ns.seq_len),
+                                            ("--global-batch-seqs/--global-batch-tokens",
+                                             ns.global_batch_seqs or ns.global_batch_tokens)) if not value]
+        if missing:
+            raise KilnError(f"kiln plan needs {', '.join(missing)} (or a CONFIG to plan its train stage)")
+        search = plan_presets(ns.model, ns.cluster, ns.vocab_size, ns.seq_len, ns.global_batch_seqs,
+                              ns.global_batch_tokens, ns.precision)
     print(json.dumps(search.to_dict(), indent=2) if ns.json else render_plan_report(search), end="")
     return 0 if search.best else 1
 
@@ -414,11 +434,16 @@ def build_parser() -> argparse.ArgumentParser:
     plan = sub.add_parser("plan", help="Pick dp x tp x pp x cp, micro-batch and checkpointing for a model on a cluster.",
                           description="Estimate memory and step time of every parallel layout; reject what does not "
                                       "fit, rank the rest, explain the choice.")
-    plan.add_argument("--model", required=True, help="a configs/models preset (7b, 70b, ...) or a ModelConfig .yaml")
-    plan.add_argument("--cluster", required=True, help="a configs/clusters preset (h100-1node, ...) or a .yaml")
-    plan.add_argument("--seq-len", type=int, required=True)
+    plan.add_argument("config", nargs="?", help="a Kiln config: plan its train stage (model, run.seq_len, the global "
+                      "batch run.batch_size, its cluster section, tokenize.vocab_size) as `train.parallel: auto` does")
+    plan.add_argument("overrides", nargs="*", help="key=value overrides of CONFIG")
+    plan.add_argument("--model", help="a configs/models preset (7b, 70b, ...) or a ModelConfig .yaml "
+                      "(with CONFIG: replaces train.model)")
+    plan.add_argument("--cluster", help="a configs/clusters preset (h100-1node, ...) or a .yaml "
+                      "(with CONFIG: replaces its cluster section)")
+    plan.add_argument("--seq-len", type=int)
     plan.add_argument("--vocab-size", type=int, default=32000)
-    batch = plan.add_mutually_exclusive_group(required=True)
+    batch = plan.add_mutually_exclusive_group()
     batch.add_argument("--global-batch-seqs", type=int, help="sequences per optimizer step")
     batch.add_argument("--global-batch-tokens", type=int, help="tokens per optimizer step (a multiple of --seq-len)")
     plan.add_argument("--precision", choices=["bf16-mixed", "fp32"], default="bf16-mixed")

@@ -34,6 +34,8 @@ def test_minhash_threshold_moves_dedup_and_everything_downstream(base_keys):
     "clean.num_workers=7", "dedup.num_workers=3", "sweep.num_workers=1", "tracking.uri=sqlite:///elsewhere.db",
     "log_level=DEBUG", "work_dir=/tmp/other", "train.run.checkpoint_every=7", "train.run.log_every=1",
     "evaluate.batch_size=2", "cluster.launcher=torchrun", "store.root=/tmp/store", "orchestration.retries=4",
+    # the layout and the micro-batch are runtime: the global batch is the science
+    "train.parallel.dp=2", "train.parallel=auto", "train.run.grad_accum=2", "cluster.launcher=slurm",
 ])
 def test_runtime_settings_move_no_key(base_keys, override):
     assert changed(base_keys, override) == []
@@ -47,7 +49,7 @@ def test_runtime_settings_move_no_key(base_keys, override):
     ("sweep.lrs=[0.002]", "sweep"),
     ("train.run.steps=301", "mix"),
     ("train.optim.weight_decay=0.0", "train"),
-    ("train.parallel.dp=2", "train"),
+    ("train.run.batch_size=16", "mix"),
     ("train.lr=0.001", "train"),
     ("anneal.steps=10", "anneal"),
     ("evaluate.limit=5", "evaluate"),

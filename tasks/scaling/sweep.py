@@ -186,7 +186,7 @@ def run_trial(cfg: SweepConfig, trial: Trial, mixture: Mixture, out_dir: Path) -
         steps, curve = reached.steps_and_curve()
         return TrialResult(trial.name, trial.width, trial.lr, trial.mixture, trial.batch_size,
                            count_parameters(model, mixture.vocab_size), count_parameters(model, 0), None, None, {},
-                           steps * trial.batch_size * cfg.run.grad_accum * cfg.run.seq_len, 0.0,
+                           steps * trial.batch_size * cfg.run.seq_len, 0.0,
                            status=status, reason=f"{type(error).__name__}: {error}", steps=steps, loss_curve=curve)
     return TrialResult(trial.name, trial.width, trial.lr, trial.mixture, trial.batch_size, result.num_params,
                        count_parameters(model, 0), result.val_loss, result.final_train_loss,

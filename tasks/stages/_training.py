@@ -1,8 +1,10 @@
 """What the training stages (validate, train, anneal) share: the planned learning rate, the plan's
-mixture, and how a `TrainResult` becomes stage stats."""
+mixture, where training runs (this process or the configured launcher, in the resolved layout), and
+how a `TrainResult` becomes stage stats."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tasks.scaling.fit import PLAN_FILE
@@ -11,8 +13,11 @@ from tasks.stage import StageContext
 
 if TYPE_CHECKING:  # torch-backed: stage modules import training code in their bodies, so that the
     # config tree, keys and cached reruns never load torch
+    from tasks.train.config import ModelConfig, OptimConfig, ParallelDims, TrainRunConfig
     from tasks.train.data_loader import Mixture
     from tasks.train.loop import TrainResult
+
+LAUNCHED_MIXTURE_FILE = "launched_mixture.json"  # what a launched job's workers read (paths relative to the store)
 
 
 def planned_lr(ctx: StageContext) -> float:
@@ -25,6 +30,43 @@ def plan_mixture(ctx: StageContext) -> Mixture:
     from tasks.train.data_loader import Mixture
 
     return Mixture.from_manifest(ctx.inputs["mix"] / MIXTURE_FILE, ctx.store.root)
+
+
+def training_layout(ctx: StageContext, model_cfg: ModelConfig, run_cfg: TrainRunConfig, vocab_size: int
+                    ) -> tuple[ParallelDims, TrainRunConfig]:
+    """`train.parallel` resolved for this cluster (`auto`: the planner's choice), checked against the
+    global batch; a layout that cannot hold it is a ConfigError that says why."""
+    from tasks.errors import ConfigError
+    from tasks.train.planner import resolve_parallel
+
+    dims, run_cfg = resolve_parallel(ctx.cfg.train.parallel, model_cfg, run_cfg, vocab_size, ctx.cfg.cluster)
+    try:
+        dims.check_holds_batch(run_cfg)
+    except ValueError as error:
+        raise ConfigError(f"train.parallel={dims.model_dump(exclude_defaults=True)}: {error}") from None
+    return dims, run_cfg
+
+
+def run_training(ctx: StageContext, model_cfg: ModelConfig, optim: OptimConfig, run_cfg: TrainRunConfig,
+                 mixture: Mixture, *, init_model_dir: Path | None = None) -> TrainResult:
+    """Train into the stage's folder: in this process when the layout is one process and
+    `cluster.launcher` is `local`, else through the launcher. Layout and launcher are runtime: a run
+    stopped under one resumes under another, from its DCP checkpoints, with the same global batches."""
+    dims, run_cfg = training_layout(ctx, model_cfg, run_cfg, mixture.vocab_size)
+    launcher = ctx.cfg.cluster.launcher
+    if dims.world_size == 1 and launcher == "local":
+        from tasks.train.loop import train_model
+
+        return train_model(model_cfg, optim, run_cfg, mixture, ctx.out_dir, init_model_dir=init_model_dir,
+                           on_metrics=ctx.recorder.metrics, on_event=ctx.recorder.event)
+    from tasks.launch.torchrun_stage import train_with_torchrun
+    from tasks.train.data_loader import write_manifest
+
+    manifest = write_manifest(mixture, ctx.out_dir / LAUNCHED_MIXTURE_FILE, ctx.store.root)
+    result = train_with_torchrun(model_cfg, optim, run_cfg, dims, ctx.cfg.cluster, manifest, ctx.store.root,
+                                 ctx.out_dir, init_model_dir=init_model_dir, on_metrics=ctx.recorder.metrics,
+                                 on_event=ctx.recorder.event)
+    return result
 
 
 def train_stats(result: TrainResult, *, device: str, world_size: int = 1, **extra: Any) -> dict[str, Any]:

@@ -4,23 +4,21 @@ from __future__ import annotations
 
 from tasks.data.tokenize import SHARDS_FILE
 from tasks.stage import Stage, StageContext
-from tasks.stages._training import planned_lr, train_headline, train_stats
+from tasks.stages._training import planned_lr, run_training, train_headline, train_stats
 from tasks.train.anneal import AnnealConfig, anneal_settings
 
 
 def run(ctx: StageContext) -> dict:
     from tasks.train.data_loader import mixture_with_weights
-    from tasks.train.loop import train_model
 
     cfg = ctx.cfg
     optim, run_cfg = anneal_settings(cfg.anneal, cfg.train.optim, cfg.train.run, planned_lr(ctx))
     mixture = mixture_with_weights(ctx.read_json("tokenize", SHARDS_FILE), ctx.inputs["tokenize"],
                                    cfg.anneal.mixture, "anneal.mixture")
-    result = train_model(cfg.train.model, optim, run_cfg, mixture, ctx.out_dir,
-                         init_model_dir=ctx.inputs["train"] / "model", on_metrics=ctx.recorder.metrics,
-                         on_event=ctx.recorder.event)
+    result = run_training(ctx, cfg.train.model, optim, run_cfg, mixture, init_model_dir=ctx.inputs["train"] / "model")
     before = ctx.read_json("train", "metrics.json")["val_loss"]
-    return train_stats(result, device=run_cfg.device, start_lr=optim.lr, val_loss_before=before)
+    return train_stats(result, device=run_cfg.device, world_size=result.world_size, start_lr=optim.lr,
+                       val_loss_before=before)
 
 
 STAGE = Stage(

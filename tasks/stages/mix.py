@@ -14,7 +14,7 @@ def run(ctx: StageContext) -> dict:
     tokenized = ctx.inputs["tokenize"]
     plan = ctx.read_json("fit", PLAN_FILE)
     run_cfg = ctx.cfg.train.run
-    train_tokens = run_cfg.steps * run_cfg.batch_size * run_cfg.seq_len * run_cfg.grad_accum
+    train_tokens = run_cfg.steps * run_cfg.batch_size * run_cfg.seq_len
     manifest = build_mixture_manifest(ctx.cfg.mix, ctx.read_json("tokenize", SHARDS_FILE),
                                       tokenized.relative_to(ctx.store.root).as_posix(),
                                       plan["mixture"]["weights"], train_tokens, run_cfg.seq_len)

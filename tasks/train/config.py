@@ -101,14 +101,17 @@ class HealthConfig(Section):
 class TrainRunConfig(Section):
     """One training run's budget and runtime settings.
 
-    `batch_size` is the micro-batch (rows per forward pass); one optimizer step sees
-    `batch_size * grad_accum` rows of `seq_len` tokens per rank.
+    `batch_size` is the global batch: the sequences (of `seq_len` tokens) one optimizer step sees,
+    whatever the layout. It is science, part of the key. How the step's rows are split is runtime:
+    each of the layout's dp ranks takes `batch_size / dp` rows and runs them as `grad_accum`
+    micro-batches of `batch_size / (dp * grad_accum)` rows, so a run can change its layout or its
+    micro-batch (to fit memory, or after losing a node) and resume under the same key.
     """
 
     steps: int = Field(200, gt=0)
     batch_size: int = Field(16, gt=0)
     seq_len: int = Field(128, gt=0)
-    grad_accum: int = Field(1, gt=0)
+    grad_accum: int = runtime_field(1, gt=0)
     seed: int = Field(0, ge=0)
     eval_batches: int = Field(8, gt=0)  # fixed validation windows per domain
     checkpoint_every: int = runtime_field(100, gt=0)
@@ -185,3 +188,18 @@ class ParallelDims(Section):
     @property
     def world_size(self) -> int:
         return self.pp * self.dp * self.cp * self.tp
+
+    def check_holds_batch(self, run: TrainRunConfig) -> None:
+        """ValueError saying why, when this layout cannot split `run`'s global batch evenly."""
+        if run.batch_size % self.dp:
+            raise ValueError(
+                f"train.run.batch_size={run.batch_size} (the global batch, sequences per step) does not split "
+                f"over parallel.dp={self.dp} data-parallel ranks: choose a dp that divides it"
+            )
+        per_rank = run.batch_size // self.dp
+        if per_rank % run.grad_accum:
+            raise ValueError(
+                f"each of parallel.dp={self.dp} ranks gets {per_rank} of the {run.batch_size} sequences per step, "
+                f"which do not split into train.run.grad_accum={run.grad_accum} equal micro-batches: choose a "
+                f"grad_accum that divides {per_rank}"
+            )

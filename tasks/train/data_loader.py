@@ -104,6 +104,18 @@ class Mixture:
         )
 
 
+def write_manifest(mixture: Mixture, path: Path, root: Path) -> Path:
+    """`mixture` as a manifest `Mixture.from_manifest(path, root)` reads back (shard paths relative to `root`)."""
+    def relative(paths: tuple[Path, ...]) -> list[str]:
+        return [str(p.resolve().relative_to(root.resolve())) for p in paths]
+
+    domains = {name: {"weight": d.weight, "train": relative(d.train), "val": relative(d.val)}
+               for name, d in mixture.domains.items()}
+    path.write_text(json.dumps({"format": MANIFEST_FORMAT, "dtype": mixture.dtype, "vocab_size": mixture.vocab_size,
+                                "eos_id": mixture.eos_id, "domains": domains}, indent=2) + "\n")
+    return path
+
+
 def mixture_with_weights(shards: dict, shards_root: Path, weights: dict[str, float], where: str) -> Mixture:
     """A `Mixture` over the tokenize stage's shards (its `shards.json`, paths relative to `shards_root`)
     with the given unnormalised domain weights; a domain left out gets weight 0. `where` names the

@@ -7,7 +7,7 @@ mesh, and `prepare` splits the model (`tasks.train.parallel`): TP, context paral
 checkpointing, FSDP2 or DDP, or a pipeline stage driven by a GPipe schedule. Each data-parallel
 rank trains on its own rows of the step's global batch (`batch`; TP, CP and PP ranks of one dp
 group share rows, and each CP rank takes its own chunk of every sequence), so the global batch
-per step is `batch_size * grad_accum` rows whatever the world size — exactly the rows a single
+per step is `batch_size` rows whatever the world size — exactly the rows a single
 process uses — and a parallel run's loss curve matches the single-process one up to float
 summation order. `batch_checksum` digests each step's global batch, so runs with different layouts
 (or a resumed run) can be compared step by step.
@@ -199,7 +199,7 @@ class Layout:
         schedule or None), with `run.activation_checkpointing`. `run.compile` compiles
         the whole model on one process, and block by block when sharded (torchtitan's choice: FSDP's
         gathers and the pipeline's cuts sit at block boundaries)."""
-        check_divisible(self.dims, model, run_cfg.batch_size)
+        check_divisible(self.dims, model)
         check_context_split(self.dims, run_cfg.seq_len)
         dims, recompute = self.dims, run_cfg.activation_checkpointing
         if self.mesh is None:

@@ -183,6 +183,7 @@ def train_model(
     model_cfg, optim_cfg, run_cfg = revalidated(model_cfg), revalidated(optim_cfg), revalidated(run_cfg)
     dims = revalidated(dims) if dims is not None else ParallelDims()
     run_cfg.check_fits(model_cfg)
+    dims.check_holds_batch(run_cfg)
     t_start, started_unix = time.perf_counter(), time.time()
     # built first so that a mixture without usable validation data fails before training
     val_batches = validation_batches(mixture, run_cfg.seq_len, run_cfg.eval_batches, run_cfg.batch_size)
@@ -324,7 +325,7 @@ class Trainer:
 
     @property
     def rows_per_step(self) -> int:
-        return self.run_cfg.batch_size * self.run_cfg.grad_accum
+        return self.run_cfg.batch_size
 
     @property
     def tokens_per_step(self) -> int:

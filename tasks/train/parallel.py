@@ -60,15 +60,14 @@ from tasks.train.model import Transformer
 _aten = torch.ops.aten
 
 
-def check_divisible(dims: ParallelDims, model: Transformer, batch_size: int) -> None:
-    """ValueError naming the setting when heads, widths or the batch do not split evenly."""
+def check_divisible(dims: ParallelDims, model: Transformer) -> None:
+    """ValueError naming the setting when heads or widths do not split evenly (the batch: see
+    `ParallelDims.check_holds_batch`)."""
     cfg = model.cfg
     if cfg.n_heads % dims.tp:
         raise ValueError(f"model.n_heads={cfg.n_heads} is not divisible by parallel.tp={dims.tp}")
     if cfg.ffn_hidden % dims.tp:
         raise ValueError(f"SwiGLU width {cfg.ffn_hidden} is not divisible by parallel.tp={dims.tp}")
-    if batch_size % dims.dp:
-        raise ValueError(f"train.batch_size={batch_size} is not divisible by parallel.dp={dims.dp}")
     if dims.pp > 1 and cfg.tie_embeddings:
         raise ValueError(
             "parallel.pp > 1 needs model.tie_embeddings=false: the embedding and output head sit on different stages"

@@ -27,7 +27,7 @@ from pydantic import ValidationError
 from tasks.configbase import Section, read_yaml
 from tasks.errors import ConfigError
 from tasks.launch.cluster import ClusterSpec
-from tasks.train.config import ModelConfig, ParallelDims
+from tasks.train.config import ModelConfig, ParallelDims, TrainRunConfig
 from tasks.train.model import count_parameters, flops_per_token
 
 Checkpointing = Literal["none", "selective", "full"]
@@ -602,3 +602,23 @@ def _why(search: PlanSearch) -> str:
     elif pure:
         notes.append(f"pure FSDP does not fit: at best it {pure[0].rejected}")
     return "; ".join(notes)
+
+
+def resolve_parallel(parallel: ParallelDims | Literal["auto"], model: ModelConfig, run: TrainRunConfig,
+                     vocab_size: int, cluster: ClusterSpec) -> tuple[ParallelDims, TrainRunConfig]:
+    """The layout a training stage runs with, and its run settings with the layout's runtime fields.
+
+    A given `ParallelDims` is used as is. `auto` on accelerators takes the planner's best layout for
+    the run's global batch (`run.batch_size` sequences) on `cluster`, with its micro-batch (as
+    `grad_accum`) and activation checkpointing; on CPUs (`run.device: cpu` or no GPUs) it is plain
+    data parallelism, one process per node. Neither choice enters the key: the batch does.
+    """
+    if parallel != "auto":
+        return parallel, run
+    if run.device == "cpu" or cluster.gpus_per_node == 0:
+        return ParallelDims(dp=cluster.nodes), run
+    best = plan_parallelism(model, vocab_size, run.seq_len, cluster, global_batch_seqs=run.batch_size).require_best()
+    lo = best.layout
+    dims = ParallelDims(pp=lo.pp, dp=lo.dp, cp=lo.cp, tp=lo.tp)
+    return dims, run.model_copy(update={"grad_accum": best.num_microbatches,
+                                        "activation_checkpointing": lo.checkpointing != "none"})

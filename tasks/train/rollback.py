@@ -116,7 +116,7 @@ def _skipped_data(
 ) -> dict[str, Any]:
     """Which batches steps first..last used before a rollback replaced them: the bad step's rows
     (domain, token offset) in full and a count of rows per domain over all of them."""
-    rows = run_cfg.batch_size * run_cfg.grad_accum
+    rows = run_cfg.batch_size
     indices = [data_index(step, windows) for step in range(first, last + 1)]
     sources = [batch_sources(mixture, run_cfg.seed, i, 0, 1, rows, run_cfg.seq_len) for i in indices]
     return {

@@ -3,7 +3,13 @@ torch and lm-eval, on the tiny config: end to end, cached rerun, and resume afte
 
 import hashlib
 import json
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
 
+import psutil
 import pytest
 from mlflow.tracking import MlflowClient
 
@@ -17,6 +23,7 @@ from tests.fixtures import toy_stage
 pytestmark = pytest.mark.slow
 STAGE_NAMES = REGISTRY.pipeline()
 TINY = "configs/tiny.yaml"
+REPO = Path(__file__).resolve().parents[2]
 DATA_STAGES = ("collect", "clean", "dedup", "decontaminate")
 
 
@@ -28,6 +35,25 @@ def output_digests(store: Store, keys: dict[str, str]) -> dict[str, str]:
         for path in sorted(p for p in root.rglob("*") if p.is_file() and p.name != MANIFEST_FILE):
             digests[str(path.relative_to(store.root))] = hashlib.sha256(path.read_bytes()).hexdigest()
     return digests
+
+
+def stop_train_after_checkpoint(partial: Path, step: int, args: list[str]) -> int:
+    """Run `kiln stage train ARGS` in a subprocess and SIGKILL it, torchrun and its workers included,
+    as soon as the checkpoint of `step` is complete in the stage's partial folder (as a lost node
+    would); returns the newest complete checkpoint's step."""
+    proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "stage", "train", *args], cwd=REPO,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+    marker = partial / "checkpoints" / f"step_{step:07d}" / "COMPLETE"
+    deadline = time.monotonic() + 300
+    while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert proc.poll() is None, f"the train stage ended before its step-{step} checkpoint: {proc.stderr.read()[-2000:]}"
+    tree = psutil.Process(proc.pid)
+    for child in [*tree.children(recursive=True), tree]:
+        child.kill()
+    proc.wait()
+    done = [int(p.parent.name.split("_")[1]) for p in (partial / "checkpoints").glob("step_*/COMPLETE")]
+    return max(done)
 
 
 def stage_statuses(client: MlflowClient, parent_id: str) -> dict[str, str]:
@@ -102,17 +128,26 @@ def test_pipeline_end_to_end_then_fully_cached(prefect_api, in_repo, tmp_path, c
     assert client.get_run(batch["mlflow_run_id"]).data.tags["kiln.stage"] == "dedup-batch"
     assert str(store.path("dedup-batch", batch_key["dedup-batch"])) in capsys.readouterr().out
 
-    # The train stage alone, as FSDP2 over 2 torchrun processes: same global batches, the same curve
-    # up to float reduction order, and a model the later stages can load.
-    assert main(["stage", "train", TINY, f"work_dir={work}", "train.parallel.dp=2"]) == 0
-    fsdp_cfg = load_config(TINY, [f"work_dir={work}", "train.parallel.dp=2"])
-    fsdp_dir = store.path("train", stage_keys(fsdp_cfg)["train"])
-    fsdp_curve = json.loads((fsdp_dir / "metrics.json").read_text())["loss_curve"]
-    assert [s for s, _ in fsdp_curve] == [s for s, _ in curve]
-    # summation-order differences start at 1e-7 and grow over 40 steps at this LR (measured 3.3e-4 by step 37)
-    relative = [abs(a - b) / b for (_, a), (_, b) in zip(fsdp_curve, curve)]
+    # Layouts are runtime, the global batch is science: the train stage stopped (killed) just after its
+    # step-20 checkpoint while running as FSDP2 over 2 torchrun processes, then rerun as one process
+    # with 2 micro-batches per step, resumes at step 20 under the same key, sees the same global
+    # batches, and ends within float tolerance of the uninterrupted single-process run.
+    reference = json.loads((store.path("train", keys["train"]) / "metrics.json").read_text())
+    shutil.move(store.path("train", keys["train"]), tmp_path / "train-reference")
+    killed_at = stop_train_after_checkpoint(store.partial_path("train", keys["train"]), 20,
+                                            [TINY, f"work_dir={work}", "train.parallel.dp=2"])
+    assert killed_at == 20
+    assert main(["stage", "train", TINY, f"work_dir={work}", "train.run.grad_accum=2"]) == 0
+    assert stage_keys(load_config(TINY, [f"work_dir={work}", "train.parallel.dp=2", "train.run.grad_accum=2"])) == keys
+    resumed = json.loads((store.path("train", keys["train"]) / "metrics.json").read_text())
+    assert resumed["resumed_from_step"] == 20 and store.manifest("train", keys["train"])["stats"]["resumed_from_step"] == 20
+    assert resumed["batch_checksum_curve"] == reference["batch_checksum_curve"]
+    assert [s for s, _ in resumed["loss_curve"]] == [s for s, _ in curve]
+    # summation-order differences (FSDP's reduction, then 2 micro-batches) start at 1e-7 and grow
+    # over 40 steps at this LR to a few 1e-4
+    relative = [abs(a - b) / b for (_, a), (_, b) in zip(resumed["loss_curve"], curve)]
     assert max(relative[:10]) < 1e-5 and max(relative) < 1e-3
-    assert (fsdp_dir / "model" / "model.pt").is_file() and (fsdp_dir / "checkpoints").is_dir()
+    assert (store.path("train", keys["train"]) / "model" / "model.pt").is_file()
     capsys.readouterr()
 
     # The second run reuses everything and changes nothing.

@@ -44,7 +44,7 @@ def run_case(case: dict, model_cfg: ModelConfig, optim_cfg: OptimConfig, data: d
     mesh = build_mesh(dims, "cpu")
     model = Transformer(model_cfg, data["vocab_size"])
     model.load_state_dict(data["init"])
-    check_divisible(dims, model, xs.shape[1])
+    check_divisible(dims, model)
     check_context_split(dims, xs.shape[2])
     parallelize(model, dims, mesh, case.get("activation_checkpointing", False))
     dp_rank, cp_rank = mesh["dp"].get_local_rank(), mesh["cp"].get_local_rank()

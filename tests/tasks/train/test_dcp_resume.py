@@ -40,10 +40,10 @@ V = 64
 MODEL = ModelConfig(d_model=32, n_layers=2, n_heads=2, max_seq_len=32)
 OPTIM = OptimConfig(lr=1e-2, warmup_steps=3)
 RUN = TrainRunConfig(
-    steps=10, batch_size=2, grad_accum=2, seq_len=16, eval_batches=1, log_every=1, num_threads=1,
+    steps=10, batch_size=4, grad_accum=2, seq_len=16, eval_batches=1, log_every=1, num_threads=1,
     checkpoint_every=3, keep_checkpoints=2,
 )
-ROWS = RUN.batch_size * RUN.grad_accum
+ROWS = RUN.batch_size
 STOP = 7
 LOSS_RTOL = 1e-5
 FSDP = ParallelDims(dp=2)

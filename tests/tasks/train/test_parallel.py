@@ -35,7 +35,7 @@ TORCHRUN = Path(sys.executable).parent / "torchrun"
 V = 64
 MODEL = ModelConfig(d_model=32, n_layers=2, n_heads=2, max_seq_len=32)
 OPTIM = OptimConfig(lr=1e-2, warmup_steps=3)
-RUN = TrainRunConfig(steps=10, batch_size=2, grad_accum=2, seq_len=16, eval_batches=1, log_every=1, num_threads=1)
+RUN = TrainRunConfig(steps=10, batch_size=4, grad_accum=2, seq_len=16, eval_batches=1, log_every=1, num_threads=1)
 LOSS_RTOL = 1e-5
 GRAD_NORM_RTOL = 1e-4
 WEIGHT_ATOL = 1e-4
@@ -208,15 +208,23 @@ def test_pipeline_parallel_matches_single_process(two_proc, reference_variant) -
     assert two_proc["pp"]["rank0_local_numel"] == V * d + 4 * d * d + 3 * d * f + 2 * d + 2 * hd
 
 
+def test_a_layout_that_cannot_hold_the_global_batch_is_refused_with_why() -> None:
+    ParallelDims(dp=2).check_holds_batch(RUN)  # 4 sequences: 2 per rank, 2 micro-batches of 1
+    with pytest.raises(ValueError, match=r"batch_size=4 \(the global batch, sequences per step\) does not split "
+                                         r"over parallel.dp=3"):
+        ParallelDims(dp=3).check_holds_batch(RUN)
+    with pytest.raises(ValueError, match="each of parallel.dp=2 ranks gets 2 of the 4 sequences per step, which do "
+                                         "not split into train.run.grad_accum=4"):
+        ParallelDims(dp=2).check_holds_batch(RUN.model_copy(update={"grad_accum": 4}))
+
+
 def test_parallel_dims_reject_what_cannot_split() -> None:
     with pytest.raises(ValueError, match="dp_mode='ddp' cannot be combined with parallel.tp=2"):
         ParallelDims(dp=2, tp=2, dp_mode="ddp")
     model = Transformer(ModelConfig(d_model=48, n_heads=3, max_seq_len=8), V)
     with pytest.raises(ValueError, match="model.n_heads=3 is not divisible by parallel.tp=2"):
-        check_divisible(ParallelDims(tp=2), model, batch_size=4)
-    with pytest.raises(ValueError, match="train.batch_size=3 is not divisible by parallel.dp=2"):
-        check_divisible(ParallelDims(dp=2), model, batch_size=3)
+        check_divisible(ParallelDims(tp=2), model)
     with pytest.raises(ValueError, match="parallel.pp > 1 needs model.tie_embeddings=false"):
-        check_divisible(ParallelDims(pp=2), model, batch_size=4)
+        check_divisible(ParallelDims(pp=2), model)
     with pytest.raises(ValueError, match="pipeline parallel does not compose with tensor parallel"):
         ParallelDims(pp=2, tp=2)

@@ -14,7 +14,7 @@ from torch.utils.checkpoint import checkpoint
 
 from tasks.errors import ConfigError
 from tasks.launch.cluster import ClusterSpec
-from tasks.train.config import ModelConfig
+from tasks.train.config import ModelConfig, ParallelDims, TrainRunConfig
 from tasks.train.model import build_model, count_parameters
 from tasks.train.planner import (
     CandidateLayout,
@@ -29,6 +29,7 @@ from tasks.train.planner import (
     model_state_bytes,
     plan_parallelism,
     render_plan_report,
+    resolve_parallel,
 )
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -266,3 +267,22 @@ def test_presets_by_name_or_path() -> None:
     assert load_preset(str(ROOT / "configs" / "clusters" / "h100-1node.yaml"), ClusterSpec).gpus_per_node == 8
     with pytest.raises(ConfigError, match="use one of 125m, 13b, 1b, 350m, 70b, 7b, tiny"):
         load_preset("3b", ModelConfig)
+
+
+def test_auto_layout_is_the_planners_choice_with_its_micro_batch_and_recompute() -> None:
+    model, cluster = load_preset("7b", ModelConfig), load_preset("h100-1node", ClusterSpec)
+    run = TrainRunConfig(batch_size=512, seq_len=4096, device="cuda")
+    dims, resolved = resolve_parallel("auto", model, run, 32000, cluster)
+    best = plan_parallelism(model, 32000, 4096, cluster, global_batch_seqs=512).require_best()
+    assert (dims.dp, dims.tp, dims.pp, dims.cp) == (best.layout.dp, best.layout.tp, best.layout.pp, best.layout.cp)
+    assert resolved.grad_accum == best.num_microbatches == 512 // (dims.dp * best.layout.micro_batch)
+    assert resolved.activation_checkpointing == (best.layout.checkpointing != "none")
+    assert resolved.identity() == run.identity()  # only runtime fields moved: the key stays
+    dims.check_holds_batch(resolved)
+
+
+def test_auto_on_cpus_is_one_data_parallel_process_per_node_and_a_given_layout_is_kept() -> None:
+    run = TrainRunConfig(batch_size=8)
+    assert resolve_parallel("auto", ModelConfig(), run, 512, ClusterSpec(nodes=2)) == (ParallelDims(dp=2), run)
+    given = ParallelDims(dp=2, tp=1)
+    assert resolve_parallel(given, ModelConfig(), run, 512, ClusterSpec()) == (given, run)

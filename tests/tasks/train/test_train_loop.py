@@ -138,7 +138,7 @@ def test_resume_refuses_other_config(full_run, mixture, tmp_path) -> None:
 
 def test_grad_accum_sees_the_same_rows(mixture, tmp_path) -> None:
     one = RUN.model_copy(update={"steps": 3, "batch_size": 4})
-    two = RUN.model_copy(update={"steps": 3, "batch_size": 2, "grad_accum": 2})
+    two = RUN.model_copy(update={"steps": 3, "batch_size": 4, "grad_accum": 2})
     a = train_model(MODEL, OPTIM, one, mixture, tmp_path / "a")
     b = train_model(MODEL, OPTIM, two, mixture, tmp_path / "b")
     assert a.tokens_seen == b.tokens_seen
