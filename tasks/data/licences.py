@@ -40,7 +40,7 @@ _OPERATORS = {"and", "or", "with"}
 _TOKEN = re.compile(r"[A-Za-z0-9][A-Za-z0-9.\-+_:]*")
 _DEBIAN_VERSION = re.compile(r"(?P<name>.+?)-(?P<version>\d+(?:\.\d+)*)(?P<plus>\+?)")
 # DEP-5 writes exceptions as a phrase: "GPL-2+ with OpenSSL exception".
-_DEBIAN_EXCEPTION = re.compile(r"\bwith\s+([A-Za-z0-9.\-+]+)\s+exception\b", re.IGNORECASE)
+_DEBIAN_EXCEPTION = re.compile(r"\bwith\s+([A-Za-z0-9.\-+]+)(?<!-exception)\s+exception\b", re.IGNORECASE)
 _INNERMOST_GROUP = re.compile(r"\(([^()]*)\)")
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from tasks.data.licences import LicencePolicy, normalise
@@ -71,6 +71,7 @@ def test_the_allowlist_is_normalised_and_checked():
     st.lists(st.sampled_from(["MIT", "GPL-2+", "and", "OR", "with", "(", ")", "exception", ";", ",", "LicenseRef-x",
                               "Classpath-exception-2.0", "+", "Expat", "Perl"]), max_size=12).map(" ".join),
 ))
+@example("0 WITH 0 EXCEPTION EXCEPTION")  # a DEP-5 exception phrase must not be rewritten twice
 def test_any_string_gets_a_verdict_never_an_exception(written):
     verdict = POLICY.judge(written)
     assert verdict.status in ("allowed", "not_allowed", "unknown")
