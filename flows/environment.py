@@ -35,8 +35,8 @@ def apply_run_settings(cfg: KilnConfig) -> None:
     for name, value in PROCESS_SETTINGS.items():
         os.environ.setdefault(name, value)
     evaluate = getattr(cfg, "evaluate", None)  # a registry without the evaluate stage has no section
-    if evaluate is None or not evaluate.extra_tasks:
-        # Kiln's local eval tasks need no hub; built-in lm-eval tasks (evaluate.extra_tasks) do.
+    if evaluate is None or not evaluate.online_tasks():
+        # Kiln's local eval tasks need no hub; lm-eval's (evaluate.standard_suite, extra_tasks) do.
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     logging.getLogger().setLevel(cfg.log_level)

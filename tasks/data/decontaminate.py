@@ -28,6 +28,7 @@ from tasks.configbase import Section
 from tasks.data.dedup import strip_punctuation
 from tasks.data.documents import DOCUMENTS_FILE, REMOVED_FILE, ReasonLog, read_documents
 from tasks.errors import InputError
+from tasks.evals.evaluate import Contamination, require_hub
 from tasks.evals.heldout_task import read_eval_records, task_name_for
 
 CONTAMINATION_FILE = "contamination.json"
@@ -127,6 +128,8 @@ def _task_docs(names: Sequence[str], include_path: Path | None) -> dict[str, lis
     from lm_eval.tasks import TaskManager  # lm-eval takes seconds to import; only task names need it
 
     path = str(include_path) if include_path else None
+    if path is None:
+        require_hub(names)  # before indexing lm-eval's tasks (seconds) to find out the data cannot come
     manager = TaskManager(include_path=path, include_defaults=False) if path else None
     if manager is None or any(name not in manager.all_tasks for name in names):
         manager = TaskManager(include_path=path)  # indexing every built-in task takes several seconds
@@ -301,3 +304,13 @@ def contamination_markdown(report: dict[str, Any]) -> str:
         lines += ["", f"## {name}", ""]
         lines += [f"- `{e['doc_id']}`: \"{e['ngram']}\" — {e['snippet']}" for e in b["examples"]]
     return "\n".join(lines) + "\n"
+
+
+def read_contamination(out_dir: Path) -> Contamination:
+    """What a decontaminate output found, keyed as the evaluate stage names its tasks: each eval file's
+    contaminated documents (by its bits-per-byte task's name) and each lm-eval task's rate."""
+    report = json.loads((out_dir / CONTAMINATION_FILE).read_text(encoding="utf-8"))
+    rates = json.loads((out_dir / RATES_FILE).read_text(encoding="utf-8"))
+    ids = {b["task_name"]: set(b["contaminated_eval_docs"]) for b in report["benchmarks"].values()
+           if not b["source"].startswith("lm-eval:")}
+    return Contamination(rates=rates, contaminated_ids=ids)

@@ -1,16 +1,25 @@
-"""The evaluate stage: runs lm-eval on a trained Kiln model through Kiln's own adapter.
+"""The evaluate stage's work: runs lm-eval on a trained Kiln model through Kiln's own adapter.
 
-Held-out JSON-lines files become local perplexity tasks that run fully offline. Built-in
-lm-eval tasks named in `extra_tasks` (e.g. `hellaswag`) download their data from the
-Hugging Face hub, so they work only on a machine that is online; offline they fail with
-lm-eval's `OfflineModeIsEnabled`/connection error.
+The suite (`tasks.evals.suite`) is built from the held-out eval files: per-file (per-domain) bits
+per byte, a multiple-choice continuation task and, for code, a line-completion task, all local and
+offline. lm-eval's standard suite (`standard_suite`) and any built-in task named in `extra_tasks`
+download their data from the Hugging Face hub, so they work only on a machine that is online;
+offline they fail at once with an `InputError` that says so.
+
+Every result carries its task's version (`results.json`: `versions`) and, given what the
+decontaminate stage found, its contamination rate: the share of the task's evaluated items drawn
+from eval documents that share n-grams with the training data.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import math
+import os
 import shutil
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -18,10 +27,13 @@ from pydantic import Field
 
 from tasks.configbase import Section, runtime_field
 from tasks.errors import ConfigError, InputError
-from tasks.evals.heldout_task import HF_CACHE_DIR, task_name_for, write_heldout_task
+from tasks.evals.heldout_task import HF_CACHE_DIR, task_name_for
+from tasks.evals.suite import STANDARD_SUITE, ChoiceTaskConfig, LinesTaskConfig, LocalTask, build_local_suite
 
 if TYPE_CHECKING:
     from lm_eval.api.model import LM
+
+log = logging.getLogger(__name__)
 
 RESULTS_FILE = "results.json"
 TASKS_DIR = "tasks"
@@ -33,12 +45,57 @@ _DETERMINISTIC_KEYS = (
 
 
 class EvaluateConfig(Section):
-    eval_files: list[str] = ["data/evals/heldout.jsonl"]
-    # Evaluate only the first `limit` documents of each task (for quick checks).
-    limit: int | None = Field(None, gt=0)
-    # Built-in lm-eval task names; these fetch data from the hub and so need a network.
+    # Held-out documents (JSON lines: text, optional id and domain), one domain per file: each
+    # gives a bits-per-byte task, a multiple-choice task and, for `lines.domains`, a line-completion task.
+    eval_files: list[str] = ["data/evals/heldout.jsonl", "data/evals/heldout_code.jsonl"]
+    choice: ChoiceTaskConfig = ChoiceTaskConfig()
+    lines: LinesTaskConfig = LinesTaskConfig()
+    # lm-eval's standard suite (hellaswag, arc_easy, arc_challenge, piqa, winogrande, lambada_openai,
+    # mmlu): data from the Hugging Face hub, so online only; decontamination then indexes it too.
+    standard_suite: bool = False
+    # Further built-in lm-eval task names; these fetch data from the hub and so need a network.
     extra_tasks: list[str] = []
+    # Evaluate only the first `limit` items of each task (for quick checks).
+    limit: int | None = Field(None, gt=0)
     batch_size: int = runtime_field(8, gt=0)
+
+    def online_tasks(self) -> list[str]:
+        """The lm-eval tasks whose data comes from the hub: the standard suite if chosen, then `extra_tasks`."""
+        return list(dict.fromkeys([*(STANDARD_SUITE if self.standard_suite else ()), *self.extra_tasks]))
+
+
+@dataclass(frozen=True)
+class Contamination:
+    """What the decontaminate stage found, keyed by the evaluate stage's task names."""
+
+    rates: dict[str, float] = field(default_factory=dict)  # an eval file's bits-per-byte task, or an online task
+    contaminated_ids: dict[str, set[str]] = field(default_factory=dict)  # eval file's task -> its documents found
+
+    def rate(self, task: LocalTask | str, num_items: int | None = None) -> float | None:
+        """A local task's rate over its first `num_items` items (those evaluated); an online task's as reported."""
+        if isinstance(task, str):
+            return self.rates.get(task)
+        ids = self.contaminated_ids.get(task_name_for(task.eval_file))
+        if ids is None:
+            return None
+        sources = task.source_ids[:num_items] if num_items else task.source_ids
+        return sum(i in ids for i in sources) / len(sources)
+
+
+def require_hub(tasks: Sequence[str]) -> None:
+    """Fail at once, with the fix, when hub tasks are configured in a process told to stay offline."""
+    if not tasks:
+        return
+    from huggingface_hub import constants  # imported here: only hub tasks need it
+
+    offline = constants.HF_HUB_OFFLINE or os.environ.get("HF_DATASETS_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE")
+    if offline:
+        raise InputError(
+            f"lm-eval tasks {list(tasks)} (evaluate.standard_suite / evaluate.extra_tasks) load their data from the "
+            "Hugging Face hub, but this process is offline (HF_HUB_OFFLINE or HF_DATASETS_OFFLINE is set). "
+            "Run on a machine with network access without those variables, or set evaluate.standard_suite: false "
+            "and evaluate.extra_tasks: [] to evaluate on the local held-out suite only"
+        )
 
 
 def evaluate_model(
@@ -47,20 +104,22 @@ def evaluate_model(
     tokenizer_path: Path,
     out_dir: Path,
     *,
-    contamination_rates: dict[str, float] | None = None,
+    contamination: Contamination | None = None,
+    tasks: Collection[str] | None = None,
 ) -> dict:
     """Evaluate the model in `model_dir`; writes `tasks/` and `results.json` into `out_dir`.
 
-    Returns flat metrics `{"<task>/<metric>": value, ..., "num_eval_docs": n}`. Given the
-    decontaminate stage's `{task: rate}`, each task's contamination rate is recorded beside its
-    score as `"<task>/contamination_rate"` (and under `contamination_rates` in results.json).
+    Returns flat metrics `{"<task>/<metric>": value, ..., "num_eval_docs": n}`. Given what the
+    decontaminate stage found, each task's contamination rate is recorded beside its score as
+    `"<task>/contamination_rate"` (and under `contamination_rates` in results.json). `tasks`
+    evaluates only the named tasks of the suite.
     """
     from tasks.evals.adapter import KilnLM
 
     # Check the inputs before paying for loading the model.
-    eval_paths = _eval_paths(cfg)
+    eval_paths = eval_paths_of(cfg)
     lm = KilnLM.from_dirs(model_dir, tokenizer_path, batch_size=cfg.batch_size)
-    return evaluate_lm(cfg, lm, out_dir, eval_paths, contamination_rates=contamination_rates)
+    return evaluate_lm(cfg, lm, out_dir, eval_paths, contamination=contamination, tasks=tasks)
 
 
 def evaluate_lm(
@@ -69,27 +128,36 @@ def evaluate_lm(
     out_dir: Path,
     eval_paths: list[Path] | None = None,
     *,
-    contamination_rates: dict[str, float] | None = None,
+    contamination: Contamination | None = None,
+    tasks: Collection[str] | None = None,
 ) -> dict:
     """`evaluate_model` for a model already wrapped in an lm-eval `LM` (e.g. `KilnLM`)."""
     # Imported here: lm-eval takes seconds to import and only this stage needs it.
     import lm_eval
     from lm_eval.tasks import TaskManager
 
-    eval_paths = _eval_paths(cfg) if eval_paths is None else eval_paths
-    task_names = [task_name_for(path) for path in eval_paths]
+    eval_paths = eval_paths_of(cfg) if eval_paths is None else eval_paths
     task_dir = out_dir / TASKS_DIR
-    for path, task_name in zip(eval_paths, task_names, strict=True):
-        write_heldout_task(path, task_dir, task_name)
-
-    task_manager = TaskManager(include_path=str(task_dir), include_defaults=bool(cfg.extra_tasks))
-    unknown = [name for name in cfg.extra_tasks if name not in task_manager.all_tasks]
+    suite, skipped = build_local_suite(eval_paths, task_dir, cfg.choice, cfg.lines)
+    for name, reason in skipped.items():
+        log.warning("eval task %s not built: %s", name, reason)
+    online = cfg.online_tasks()
+    names = [task.name for task in suite] + online
+    unknown_wanted = sorted(set(tasks or ()) - set(names))
+    assert not unknown_wanted, f"tasks {unknown_wanted} are not in the configured suite"
+    if tasks is not None:
+        suite = [task for task in suite if task.name in tasks]
+        online = [name for name in online if name in tasks]
+        names = [task.name for task in suite] + online
+    task_manager = TaskManager(include_path=str(task_dir), include_defaults=bool(online))
+    unknown = [name for name in online if name not in task_manager.all_tasks]
     if unknown:
         raise ConfigError(f"evaluate.extra_tasks: {unknown} are not lm-eval tasks; see `lm_eval ls tasks`")
+    require_hub(online)
 
     results = lm_eval.simple_evaluate(
         model=lm,
-        tasks=task_names + list(cfg.extra_tasks),
+        tasks=names,
         task_manager=task_manager,
         limit=cfg.limit,
         log_samples=False,
@@ -97,16 +165,25 @@ def evaluate_lm(
     # The dataset cache is a copy of the documents already beside the task files.
     shutil.rmtree(task_dir / HF_CACHE_DIR, ignore_errors=True)
     kept = {key: results[key] for key in _DETERMINISTIC_KEYS if key in results}
-    if contamination_rates is not None:
-        kept["contamination_rates"] = dict(contamination_rates)
+    kept["kiln_tasks"] = {task.name: {"kind": task.kind, "eval_file": str(task.eval_file), "num_items": len(task.source_ids)}
+                          for task in suite}
+    kept["kiln_skipped_tasks"] = skipped
+    rates: dict[str, float] = {}
+    if contamination is not None:
+        for task in suite:
+            rate = contamination.rate(task, cfg.limit)
+            if rate is not None:
+                rates[task.name] = rate
+        rates.update({name: contamination.rates[name] for name in online if name in contamination.rates})
+        kept["contamination_rates"] = rates
     (out_dir / RESULTS_FILE).write_text(json.dumps(_json_safe(kept), indent=2, sort_keys=True), encoding="utf-8")
     flat = flatten_results(kept)
-    for task, rate in (contamination_rates or {}).items():
+    for task, rate in rates.items():
         flat[f"{task}/contamination_rate"] = float(rate)
     return flat
 
 
-def _eval_paths(cfg: EvaluateConfig) -> list[Path]:
+def eval_paths_of(cfg: EvaluateConfig) -> list[Path]:
     """The eval files as absolute paths (relative ones from the current directory), checked."""
     eval_paths = [Path(name).absolute() for name in cfg.eval_files]
     for name, path in zip(cfg.eval_files, eval_paths, strict=True):
@@ -121,8 +198,9 @@ def _eval_paths(cfg: EvaluateConfig) -> list[Path]:
             f"evaluate.eval_files: {cfg.eval_files} give duplicate task names {task_names}; "
             "each eval file needs a distinct file name"
         )
-    if not task_names and not cfg.extra_tasks:
-        raise ConfigError("evaluate.eval_files and evaluate.extra_tasks are both empty: name at least one")
+    if not task_names and not cfg.online_tasks():
+        raise ConfigError("evaluate.eval_files is empty and neither evaluate.standard_suite nor evaluate.extra_tasks "
+                          "names a task: give at least one")
     return eval_paths
 
 

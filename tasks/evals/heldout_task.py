@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
@@ -17,6 +18,16 @@ from tasks.errors import InputError
 
 DOCS_FILE_SUFFIX = ".docs.jsonl"
 HF_CACHE_DIR = "hf_cache"
+BITS_PER_BYTE_VERSION = 1  # bump when the task's definition changes (continuous eval then re-scores it)
+
+
+@dataclass(frozen=True)
+class EvalDoc:
+    """One held-out document: its id (the key of decontamination's report), text and domain, if given."""
+
+    id: str
+    text: str
+    domain: str | None = None
 
 
 def task_name_for(eval_file: Path) -> str:
@@ -25,8 +36,13 @@ def task_name_for(eval_file: Path) -> str:
 
 
 def read_eval_records(eval_file: Path) -> list[tuple[str, str]]:
-    """(id, text) of every record: the record's string `id`, else `line N`. The one reader of eval
-    files (the held-out task and decontamination both use it): blank lines are skipped, anything
+    """(id, text) of every record (see `read_eval_docs`)."""
+    return [(doc.id, doc.text) for doc in read_eval_docs(eval_file)]
+
+
+def read_eval_docs(eval_file: Path) -> list[EvalDoc]:
+    """Every record: its string `id` (else `line N`), text and string `domain`. The one reader of eval
+    files (the eval tasks and decontamination both use it): blank lines are skipped, anything
     else malformed is an `InputError` naming the file and line."""
     if not eval_file.is_file():
         raise InputError(f"eval file {eval_file} does not exist: create it or fix the path")
@@ -47,14 +63,15 @@ def read_eval_records(eval_file: Path) -> list[tuple[str, str]]:
             raise InputError(f'{where} has no string "text" field: each record needs {{"text": "..."}}')
         if not record["text"].strip():
             raise InputError(f'{where} has an empty "text": an eval item needs text; drop the line')
-        doc_id = record.get("id")
-        records.append((doc_id if isinstance(doc_id, str) else f"line {line_no}", record["text"]))
+        doc_id, domain = record.get("id"), record.get("domain")
+        records.append(EvalDoc(doc_id if isinstance(doc_id, str) else f"line {line_no}", record["text"],
+                               domain if isinstance(domain, str) else None))
     if not records:
         raise InputError(f"eval file {eval_file} holds no records: add at least one {{\"text\": ...}} line")
     return records
 
 
-def write_heldout_task(eval_file: Path, task_dir: Path, task_name: str) -> str:
+def write_heldout_task(eval_file: Path, task_dir: Path, task_name: str, version: str | int = BITS_PER_BYTE_VERSION) -> str:
     """Write `<task_name>.yaml` and its documents into `task_dir`; returns the task name.
 
     lm-eval resolves relative `data_files` against the working directory, so the copy's path
@@ -84,7 +101,7 @@ def write_heldout_task(eval_file: Path, task_dir: Path, task_name: str) -> str:
             {"metric": "byte_perplexity", "aggregation": "weighted_perplexity", "higher_is_better": False},
             {"metric": "bits_per_byte", "aggregation": "bits_per_byte", "higher_is_better": False},
         ],
-        "metadata": {"version": 1.0},
+        "metadata": {"version": version},
     }
     (task_dir / f"{task_name}.yaml").write_text(yaml.safe_dump(config, sort_keys=False), encoding="utf-8")
     return task_name

@@ -10,11 +10,11 @@ from tasks.stages._common import configured_eval_files, document_headline, eval_
 
 def run(ctx: StageContext) -> dict:
     return decontaminate_documents(ctx.cfg.decontaminate, ctx.inputs["dedup"] / DOCUMENTS_FILE,
-                                   eval_file_paths(ctx.cfg), ctx.out_dir, eval_tasks=ctx.cfg.evaluate.extra_tasks)
+                                   eval_file_paths(ctx.cfg), ctx.out_dir, eval_tasks=ctx.cfg.evaluate.online_tasks())
 
 
 STAGE = Stage(
     name="decontaminate", description="remove training docs that overlap the eval suite", body=run,
-    inputs=("dedup",), config=DecontaminateConfig, reads=("evaluate.eval_files", "evaluate.extra_tasks"),
+    inputs=("dedup",), config=DecontaminateConfig, reads=("evaluate.eval_files", "evaluate.standard_suite", "evaluate.extra_tasks"),
     external_files=configured_eval_files, headline=document_headline,
 )

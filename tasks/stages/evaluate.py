@@ -1,36 +1,57 @@
-"""Stage `evaluate`: lm-eval on the trained and the annealed model, with contamination rates."""
+"""Stage `evaluate`: lm-eval on the trained and the annealed model, with task versions, contamination
+rates and the report table (what annealing changed, task by task)."""
 
 from __future__ import annotations
 
+import json
+
 from tasks.data.tokenize import TOKENIZER_FILE
-from tasks.evals.evaluate import EvaluateConfig
+from tasks.evals.evaluate import RESULTS_FILE, EvaluateConfig
+from tasks.evals.report import REPORT_FILE, mlflow_table_tag, write_report
+from tasks.evals.suite import primary_metric
 from tasks.stage import Stage, StageContext
 from tasks.stages._common import configured_eval_files, eval_file_paths
 
+BASELINE = "train"  # the report's changes are each model's score minus the trained model's
+
 
 def run(ctx: StageContext) -> dict:
+    from tasks.data.decontaminate import read_contamination
     from tasks.evals.evaluate import evaluate_model  # lm-eval takes seconds to import
 
     eval_file_paths(ctx.cfg)
     tokenizer = ctx.inputs["tokenize"] / TOKENIZER_FILE
-    rates = ctx.read_json("decontaminate", "contamination_rates.json")
-    results = {}
-    for name in ("anneal", "train"):
+    contamination = read_contamination(ctx.inputs["decontaminate"])
+    metrics, results = {}, {}
+    for name in (BASELINE, "anneal"):
         out = ctx.out_dir / name
         out.mkdir()
-        results[name] = evaluate_model(ctx.cfg.evaluate, ctx.inputs[name] / "model", tokenizer, out,
-                                       contamination_rates=rates)
-    return {"metrics": results}
+        metrics[name] = evaluate_model(ctx.cfg.evaluate, ctx.inputs[name] / "model", tokenizer, out,
+                                       contamination=contamination)
+        results[name] = json.loads((out / RESULTS_FILE).read_text(encoding="utf-8"))
+    rows = write_report(ctx.out_dir, results, BASELINE)
+    versions = {task: str(version) for task, version in results[BASELINE]["versions"].items()}
+    ctx.recorder.tracker.set_tags(ctx.recorder.run_id, {**mlflow_table_tag(),
+                                                       **{f"kiln.task_version.{t}": v for t, v in versions.items()}})
+    tasks = {task: {"version": version, "contamination_rate": results[BASELINE].get("contamination_rates", {}).get(task),
+                    "primary_metric": primary_metric([r["metric"] for r in rows if r["task"] == task])}
+             for task, version in versions.items()}
+    return {"metrics": metrics, "tasks": tasks}
 
 
 def headline(stats: dict) -> dict:
-    return {f"{model}/{metric.split('/')[-1]}": round(value, 4)
-            for model, metrics in stats["metrics"].items() for metric, value in metrics.items()
-            if metric.endswith(("byte_perplexity", "bits_per_byte", "contamination_rate")) and isinstance(value, float)}
+    """Each task's main score for each model (bits per byte, normalised accuracy, exact match)."""
+    out = {}
+    for task, info in stats.get("tasks", {}).items():
+        metric = info["primary_metric"]
+        for model, metrics in stats["metrics"].items():
+            if metric and f"{task}/{metric}" in metrics:
+                out[f"{model}/{task}/{metric}"] = round(metrics[f"{task}/{metric}"], 4)
+    return out
 
 
 STAGE = Stage(
-    name="evaluate", description="lm-eval on held-out text", body=run,
+    name="evaluate", description="lm-eval on held-out tasks: perplexity, multiple choice, code lines", body=run,
     inputs=("anneal", "train", "tokenize", "decontaminate"), config=EvaluateConfig,
-    external_files=configured_eval_files, headline=headline,
+    external_files=configured_eval_files, headline=headline, reports=(REPORT_FILE,), version=2,
 )

@@ -90,6 +90,49 @@ def test_evaluate_model_reports_perplexities_from_the_adapter(setup: dict[str, P
     assert sorted(p.name for p in (out_dir / "tasks").iterdir()) == ["kiln_heldout.docs.jsonl", "kiln_heldout.yaml"]
 
 
+def test_choice_and_line_tasks_score_as_the_adapter_does(setup: dict[str, Path], tmp_path: Path) -> None:
+    # TEXTS are one-sentence passages: room for 4 words of passage and 3 of continuation.
+    code = tmp_path / "code.jsonl"
+    code.write_text("".join(json.dumps({"id": f"c{i}", "text": text, "domain": "code"}) + "\n" for i, text in enumerate([
+        "def area(width, height):\n    product = width * height\n    return product\n",
+        "import os\n\ndef home():\n    path = os.path.expanduser('~')\n    return path\n",
+    ])))
+    out = tmp_path / "out"
+    out.mkdir()
+    config = EvaluateConfig(eval_files=[str(setup["eval_file"]), str(code)],
+                            choice={"context_words": 4, "continuation_words": 3})
+    stats = evaluate_model(config, setup["root"] / "trained", setup["tokenizer"], out)
+    results = json.loads((out / "results.json").read_text())
+    assert results["kiln_skipped_tasks"] == {"kiln_code_choice": "fewer than 4 documents of at least 7 words "
+                                             "(evaluate.choice: num_choices, context_words + continuation_words)"}
+    lm = KilnLM.from_dirs(setup["root"] / "trained", setup["tokenizer"])
+
+    def items(task: str) -> list[dict]:
+        return [json.loads(line) for line in (out / "tasks" / f"{task}.docs.jsonl").read_text().splitlines()]
+
+    choice = items("kiln_heldout_choice")
+    assert stats["kiln_heldout_choice/num_docs"] == len(choice) == 2 * len(TEXTS)
+    correct = correct_norm = 0
+    for item in choice:
+        scores = [lp for lp, _ in lm.loglikelihood([Instance("loglikelihood", {}, (item["context"], c), 0)
+                                                   for c in item["choices"]])]
+        correct += max(range(len(scores)), key=scores.__getitem__) == item["label"]
+        normed = [lp / len(c) for lp, c in zip(scores, item["choices"], strict=True)]
+        correct_norm += max(range(len(normed)), key=normed.__getitem__) == item["label"]
+    assert stats["kiln_heldout_choice/acc"] == pytest.approx(correct / len(choice))
+    assert stats["kiln_heldout_choice/acc_norm"] == pytest.approx(correct_norm / len(choice))
+    assert stats["kiln_heldout_choice/acc"] > 0.5  # 40 steps on these very texts: mostly right, chance is 0.25
+
+    lines = items("kiln_code_lines")
+    assert [(i["id"], i["target"]) for i in lines] == [("c0:2", " = width * height"), ("c0:3", " product"),
+                                                         ("c1:3", " home():"), ("c1:4", " = os.path.expanduser('~')"), ("c1:5", " path")]
+    generated = lm.generate_until([Instance("generate_until", {}, (i["context"], {"until": ["\n"], "max_gen_toks": 32}), 0)
+                                   for i in lines])
+    matches = [g.strip() == i["target"].strip() for g, i in zip(generated, lines, strict=True)]
+    assert stats["kiln_code_lines/exact_match"] == pytest.approx(sum(matches) / len(lines))
+    assert results["versions"]["kiln_code_lines"].startswith("1+")
+
+
 def test_trained_model_has_lower_perplexity(setup: dict[str, Path]) -> None:
     untrained = run(setup, "untrained", "cmp_untrained")
     trained = run(setup, "trained", "cmp_trained")

@@ -1,0 +1,126 @@
+"""The evaluate report: one table of every task's scores for every evaluated model.
+
+A row is one score of one task (bits per byte, accuracy, ...); columns give the task's version,
+its contamination rate, the number of items scored, each model's score and each later model's
+change against the baseline (the trained model, so `anneal − train` is what annealing did; an
+ablation branch gets its own column and change). Written as Markdown (the stage publishes it as a
+Prefect artifact) and as JSON in MLflow's table format (`mlflow.load_table` reads it).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+REPORT_FILE = "report.md"
+TABLE_FILE = "eval_table.json"
+MLFLOW_TABLE_TAG = "mlflow.loggedArtifacts"  # how MLflow's UI finds a run's tables (as `log_table` sets it)
+# Redundant with bits_per_byte: the same log-likelihood, normalised differently.
+_SKIPPED_METRICS = ("word_perplexity", "byte_perplexity")
+
+
+def _scores(task_results: Mapping[str, Any]) -> dict[str, float]:
+    scores = {}
+    for key, value in task_results.items():
+        if "," not in key or isinstance(value, bool) or not isinstance(value, (int, float)):
+            continue
+        metric, filter_name = key.split(",", 1)
+        if metric.endswith("_stderr") or metric in _SKIPPED_METRICS:
+            continue
+        scores[metric if filter_name == "none" else f"{metric}_{filter_name}"] = float(value)
+    return scores
+
+
+def report_rows(results: Mapping[str, Mapping[str, Any]], baseline: str) -> list[dict[str, Any]]:
+    """One row per (task, score) over every model's `results.json`; `baseline` is the model others are compared to."""
+    assert baseline in results, f"the baseline {baseline!r} has no results"
+    later = [name for name in results if name != baseline]
+    tasks = list(dict.fromkeys(task for r in results.values() for task in r["results"]))
+    rows = []
+    for task in tasks:
+        per_model = {name: _scores(r["results"].get(task, {})) for name, r in results.items()}
+        any_results = next(r for r in results.values() if task in r["results"])
+        higher = any_results.get("higher_is_better", {}).get(task, {})
+        versions = sorted({str(r["versions"][task]) for r in results.values() if task in r.get("versions", {})})
+        rates = sorted({r["contamination_rates"][task] for r in results.values()
+                        if task in r.get("contamination_rates", {})})
+        counts = sorted({r["n-samples"][task]["effective"] for r in results.values() if task in r.get("n-samples", {})})
+        for metric in dict.fromkeys(m for scores in per_model.values() for m in scores):
+            row: dict[str, Any] = {
+                "task": task, "metric": metric, "higher_is_better": higher.get(metric),
+                "version": " / ".join(versions) or None,
+                "contamination_rate": rates[0] if len(rates) == 1 else None,
+                "num_items": counts[0] if len(counts) == 1 else None,
+            }
+            base = per_model[baseline].get(metric)
+            row[baseline] = base
+            for name in later:
+                value = per_model[name].get(metric)
+                row[name] = value
+                row[f"{name} - {baseline}"] = value - base if value is not None and base is not None else None
+            rows.append(row)
+    return rows
+
+
+def _cell(value: Any, digits: int = 4) -> str:
+    if value is None:
+        return "–"
+    if isinstance(value, float):
+        return f"{value:.{digits}f}"
+    return str(value)
+
+
+def _change(value: float | None, higher_is_better: bool | None) -> str:
+    if value is None:
+        return "–"
+    if higher_is_better is None or value == 0:
+        return f"{value:+.4f}"
+    return f"{value:+.4f} ({'better' if (value > 0) == higher_is_better else 'worse'})"
+
+
+def report_markdown(rows: Sequence[Mapping[str, Any]], models: Sequence[str], baseline: str,
+                    skipped: Mapping[str, str] | None = None) -> str:
+    later = [m for m in models if m != baseline]
+    header = ["task", "metric", "version", "contamination", "items", baseline]
+    for name in later:
+        header += [name, f"{name} − {baseline}"]
+    lines = [
+        "# Evaluation",
+        "",
+        f"Scores of each model on each task. `{baseline}` is the baseline; `X − {baseline}` is the change model X "
+        f"makes (annealing, for `anneal`). ↑: higher is better, ↓: lower is better. Contamination: the share of the "
+        "task's scored items drawn from eval documents that share an n-gram with the training data.",
+        "",
+        "| " + " | ".join(header) + " |",
+        "|" + "|".join(["---"] * 3 + ["---:"] * (len(header) - 3)) + "|",
+    ]
+    for row in rows:
+        arrow = {True: " ↑", False: " ↓"}.get(row["higher_is_better"], "")
+        rate = row["contamination_rate"]
+        cells = [row["task"], f"{row['metric']}{arrow}", row["version"] or "–",
+                 "–" if rate is None else f"{rate:.1%}", _cell(row["num_items"]), _cell(row[baseline])]
+        for name in later:
+            cells += [_cell(row[name]), _change(row[f"{name} - {baseline}"], row["higher_is_better"])]
+        lines.append("| " + " | ".join(str(c) for c in cells) + " |")
+    if skipped:
+        lines += ["", "Tasks not built from these eval files:", ""]
+        lines += [f"- `{name}`: {reason}" for name, reason in skipped.items()]
+    return "\n".join(lines) + "\n"
+
+
+def write_report(out_dir: Path, results: Mapping[str, Mapping[str, Any]], baseline: str) -> list[dict[str, Any]]:
+    """Write `report.md` and `eval_table.json` (MLflow's split-orient table) into `out_dir`; returns the rows."""
+    rows = report_rows(results, baseline)
+    skipped = {name: reason for r in results.values() for name, reason in r.get("kiln_skipped_tasks", {}).items()}
+    (out_dir / REPORT_FILE).write_text(report_markdown(rows, list(results), baseline, skipped), encoding="utf-8")
+    columns = list(dict.fromkeys(key for row in rows for key in row))
+    table = {"columns": columns, "data": [[row.get(c) for c in columns] for row in rows]}
+    (out_dir / TABLE_FILE).write_text(json.dumps(table, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+    return rows
+
+
+def mlflow_table_tag() -> dict[str, str]:
+    """The run tag that makes MLflow's UI list `eval_table.json` as a table (what `MlflowClient.log_table` sets)."""
+    return {MLFLOW_TABLE_TAG: json.dumps([{"path": TABLE_FILE, "type": "table"}])}

@@ -1,0 +1,55 @@
+"""The evaluate report: one row per task score, each model's value, the change against the trained model."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tasks.evals.report import REPORT_FILE, TABLE_FILE, mlflow_table_tag, write_report
+
+
+def results(bpb: float, acc: float, acc_norm: float, *, skipped: dict | None = None) -> dict:
+    """The parts of an evaluate `results.json` the report reads."""
+    return {
+        "results": {"kiln_heldout": {"alias": "kiln_heldout", "bits_per_byte,none": bpb, "bits_per_byte_stderr,none": "N/A",
+                                     "word_perplexity,none": 9.0, "byte_perplexity,none": 2.0},
+                    "kiln_heldout_choice": {"acc,none": acc, "acc_stderr,none": 0.1, "acc_norm,none": acc_norm}},
+        "higher_is_better": {"kiln_heldout": {"bits_per_byte": False, "word_perplexity": False},
+                             "kiln_heldout_choice": {"acc": True, "acc_norm": True}},
+        "versions": {"kiln_heldout": "1+aaaa", "kiln_heldout_choice": "1+bbbb"},
+        "n-samples": {"kiln_heldout": {"original": 63, "effective": 10}, "kiln_heldout_choice": {"original": 126, "effective": 10}},
+        "contamination_rates": {"kiln_heldout": 0.1, "kiln_heldout_choice": 0.05},
+        "kiln_skipped_tasks": skipped or {},
+    }
+
+
+def test_one_row_per_task_score_with_version_contamination_and_the_change_annealing_made(tmp_path):
+    rows = write_report(tmp_path, {"train": results(2.5, 0.4, 0.5),
+                                   "anneal": results(2.25, 0.5, 0.25, skipped={"kiln_code_lines": "no line"}),
+                                   "ablation/web": results(2.75, 0.4, 0.5)}, baseline="train")
+    assert [(r["task"], r["metric"]) for r in rows] == [
+        ("kiln_heldout", "bits_per_byte"), ("kiln_heldout_choice", "acc"), ("kiln_heldout_choice", "acc_norm")]
+    bpb = rows[0]
+    assert (bpb["version"], bpb["contamination_rate"], bpb["num_items"], bpb["higher_is_better"]) == ("1+aaaa", 0.1, 10, False)
+    assert (bpb["train"], bpb["anneal"], bpb["anneal - train"], bpb["ablation/web - train"]) == (2.5, 2.25, -0.25, 0.25)
+    assert rows[2]["anneal - train"] == -0.25
+
+    markdown = (tmp_path / REPORT_FILE).read_text()
+    assert "| task | metric | version | contamination | items | train | anneal | anneal − train | ablation/web |" in markdown
+    assert "| kiln_heldout | bits_per_byte ↓ | 1+aaaa | 10.0% | 10 | 2.5000 | 2.2500 | -0.2500 (better) " in markdown
+    assert "| kiln_heldout_choice | acc_norm ↑ | 1+bbbb | 5.0% | 10 | 0.5000 | 0.2500 | -0.2500 (worse) " in markdown
+    assert "- `kiln_code_lines`: no line" in markdown
+
+    table = json.loads((tmp_path / TABLE_FILE).read_text())  # MLflow's table format (pandas split orient)
+    assert table["columns"][:3] == ["task", "metric", "higher_is_better"]
+    assert len(table["data"]) == 3 and table["data"][0][table["columns"].index("anneal - train")] == -0.25
+    assert json.loads(mlflow_table_tag()["mlflow.loggedArtifacts"]) == [{"path": TABLE_FILE, "type": "table"}]
+
+
+def test_the_table_loads_as_mlflow_loads_a_logged_table(tmp_path):
+    pandas = pytest.importorskip("pandas")
+    write_report(tmp_path, {"train": results(2.5, 0.4, 0.5), "anneal": results(2.25, 0.5, 0.25)}, baseline="train")
+    frame = pandas.read_json(tmp_path / TABLE_FILE, orient="split")  # what mlflow.load_table does with it
+    assert list(frame["task"]) == ["kiln_heldout", "kiln_heldout_choice", "kiln_heldout_choice"]
+    assert frame["anneal - train"].tolist() == pytest.approx([-0.25, 0.1, -0.25])
