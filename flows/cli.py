@@ -264,8 +264,13 @@ def cmd_continuous_eval(ns: argparse.Namespace) -> int:
         summaries = continuous_eval(config_path, overrides)
     for stage, summary in summaries.items():
         skipped = "".join(f"\n  step {step} skipped: {reason}" for step, reason in summary["skipped"].items())
+        regressed = "".join(f"\n  regression: {r['task']} {r['metric']} at step {r['step']}: {r['current']:.4f}, "
+                            f"best {r['best']:.4f} at step {r['best_step']}" for r in summary["regressions"])
         print(f"{stage} {summary['key']}: evaluated steps {summary['evaluated'] or 'none new'}; "
-              f"{len(summary['recorded'])} steps recorded in {summary['state_file']}{skipped}")
+              f"{len(summary['recorded'])} steps recorded in {summary['state_file']}{skipped}{regressed}")
+    ecg = next((s["ecg"] for s in summaries.values() if s["ecg"]), None)
+    if ecg:
+        print(f"ECG (each task's score against the step): {ecg}")
     return 0
 
 
@@ -297,12 +302,15 @@ def cmd_down(ns: argparse.Namespace) -> int:
 
 
 def cmd_deploy(ns: argparse.Namespace) -> int:
-    from flows.deploy import POOL, deploy
+    from flows.deploy import deploy, work_pool
 
-    print(deploy(ns.continuous_eval, ns.overrides, ns.alert_webhook))
+    print(deploy(ns.continuous_eval, ns.overrides, ns.alert_webhook, ns.work_pool, ns.image))
     watching = f"continuous eval scores {ns.continuous_eval} every 10 minutes" if ns.continuous_eval else \
         "continuous eval is deployed with its schedule off (kiln deploy --continuous-eval CONFIG turns it on)"
-    print(f"deployed to {os.environ['PREFECT_API_URL']} (work pool {POOL}); {watching}\nstart a worker: kiln worker")
+    pool = work_pool(ns.work_pool)["name"]
+    worker = "kiln worker" if ns.work_pool == "process" else \
+        f"in the cluster, prefect worker start --pool {pool} --type kubernetes (needs prefect-kubernetes)"
+    print(f"deployed to {os.environ['PREFECT_API_URL']} (work pool {pool}); {watching}\nstart a worker: {worker}")
     return 0
 
 
@@ -425,6 +433,13 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("overrides", nargs="*", metavar="key=value", help="overrides for the continuous-eval config")
         p.set_defaults(func=func)
         if name == "deploy":
+            p.add_argument("--work-pool", choices=["process", "kubernetes"], default="process",
+                           help="where flow runs run: local processes started by `kiln worker` (default), or pods "
+                                "of the kiln-kubernetes pool (infra/work-pools/kubernetes.json); every deployment "
+                                "moves to that pool")
+            p.add_argument("--image", default=os.environ.get("KILN_IMAGE"),
+                           help="with --work-pool kubernetes: the flow-run image, with Kiln at /opt/kiln and "
+                                "kubectl (default: $KILN_IMAGE)")
             p.add_argument("--alert-webhook", metavar="URL", default=os.environ.get("KILN_ALERT_WEBHOOK"),
                            help="post alerts (failed stage, training rollback/abort, crashed run) to this "
                                 "Slack-compatible webhook (default: $KILN_ALERT_WEBHOOK; none: no alerts)")

@@ -5,22 +5,23 @@ The train and anneal stages write DCP checkpoints to `checkpoints/step_{step:07d
 folder, which the store reports as the key's `live_path` (the partial folder while the stage runs,
 its final folder once committed); training prunes old ones. This module finds the committed
 checkpoints at multiples of `every` that are not evaluated yet, loads only their model weights into
-a plain `Transformer`, scores them with the evaluate stage's lm-eval path, and appends each step's
-scores to a state file beside the data,
+a plain `Transformer`, scores them with the evaluate stage's lm-eval path, and records one row per
+checkpoint step, task and task version in a state file beside the data,
 `{work_dir}/continuous_eval/{stage key}/{eval key}/evaluated.jsonl`. The state file, not Prefect or
 MLflow, decides what is done, so a step is evaluated once however often the schedule fires. A
 checkpoint that is pruned or corrupt before or while it is read is skipped with the reason and not
 recorded: the next run tries it again if it is still there.
 
-The eval key hashes the settings that shape the scores (eval files and their content, extra tasks,
-the document limit), so changing them starts a new series instead of mixing two in one curve.
+Evaluations are deduplicated by (checkpoint, task, task version): adding a task scores only that
+task on the checkpoints already evaluated, and a task whose version changes (its eval file, its
+settings, or lm-eval's own version of it) is scored again. The eval key hashes only the item limit,
+which changes every score, so changing it starts a new series instead of mixing two in one curve.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
 import tempfile
 import time
 from collections.abc import Mapping, Sequence
@@ -32,15 +33,15 @@ from pydantic import Field
 
 from tasks.configbase import Section, runtime_field
 from tasks.errors import ConfigError, InputError
-from tasks.evals.evaluate import RESULTS_FILE, EvaluateConfig, evaluate_model
-from tasks.fingerprint import fingerprint_paths
+from tasks.evals.evaluate import RESULTS_FILE, EvaluateConfig, eval_paths_of, evaluate_model
+from tasks.evals.suite import build_local_suite, online_task_versions
 from tasks.store import Store, stage_key
 from tasks.train.checkpoint import MARKER, checkpoint_dir, sha256_file, steps_on_disk
 from tasks.train.config import ModelConfig
 
 STATE_FILE = "evaluated.jsonl"
 CHECKPOINTS_DIR = "checkpoints"  # where the training loop writes them, inside the stage's output folder
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: one row per step, task and task version
 
 
 class ContinuousEvalConfig(Section):
@@ -55,6 +56,9 @@ class ContinuousEvalConfig(Section):
     every: int | None = runtime_field(None, gt=0)
     # Documents per eval task, to keep scoring cheap beside training; None: evaluate.limit.
     limit: int | None = Field(None, gt=0)
+    # A task's main score (bits per byte, normalised accuracy, exact match) more than this much worse
+    # than its best so far in the series emits the Prefect event `kiln.eval.regression`. None: never.
+    regression_tolerance: float | None = Field(0.05, ge=0)
 
 
 @dataclass(frozen=True)
@@ -82,10 +86,11 @@ class EvalTarget:
 
 @dataclass(frozen=True)
 class EvalPlan:
-    """One look at the disk: steps to evaluate now, steps already recorded, due steps that are gone."""
+    """One look at the disk: what to evaluate now, what is recorded, due steps that are gone."""
 
-    due: list[int]
-    recorded: dict[int, dict[str, Any]]
+    due: dict[int, list[str]]  # step -> the tasks whose current version it has not been scored on
+    recorded: dict[tuple[int, str], dict[str, Any]]  # (step, task) -> its row in the state file
+    versions: dict[str, str]  # the configured suite: task -> current version
     # multiples of `every` below the newest checkpoint that are neither on disk nor recorded:
     # pruned before any run evaluated them (or never written, e.g. before a resume)
     missed: list[int] = field(default_factory=list)
@@ -100,6 +105,7 @@ class CheckpointOutcome:
     metrics: dict[str, float] = field(default_factory=dict)
     reason: str | None = None
     wall_s: float = 0.0
+    tasks: tuple[str, ...] = ()  # the tasks scored (or meant to be)
 
 
 def eval_target(ce: ContinuousEvalConfig, evaluate: EvaluateConfig, *, stage: str, key: str,
@@ -113,41 +119,58 @@ def eval_target(ce: ContinuousEvalConfig, evaluate: EvaluateConfig, *, stage: st
             "exist; choose a multiple (or leave continuous_eval.every unset to evaluate every checkpoint)"
         )
     evaluate = evaluate.model_copy(update={"limit": ce.limit or evaluate.limit})
-    identity = {"evaluate": evaluate.identity(),
-                "eval_files_sha256": fingerprint_paths(Path(p) for p in evaluate.eval_files)}
-    eval_key = stage_key("continuous_eval", identity, {stage: key}, FORMAT_VERSION)
+    # The task set and each task's content are in the task versions the rows carry, not in the key.
+    eval_key = stage_key("continuous_eval", {"limit": evaluate.limit}, {stage: key}, FORMAT_VERSION)
     return EvalTarget(stage=stage, stage_key=key, eval_key=eval_key, every=every, evaluate=evaluate,
                       store=store, tokenizer=tokenizer, state_dir=work_dir / "continuous_eval" / key / eval_key)
 
 
-def read_recorded(state_file: Path) -> dict[int, dict[str, Any]]:
-    """The rows of the state file by step (empty when nothing has been evaluated yet)."""
+def read_recorded(state_file: Path) -> dict[tuple[int, str], dict[str, Any]]:
+    """The rows of the state file by (step, task) (empty when nothing has been evaluated yet)."""
     if not state_file.is_file():
         return {}
-    rows: dict[int, dict[str, Any]] = {}
+    rows: dict[tuple[int, str], dict[str, Any]] = {}
     for line_no, line in enumerate(state_file.read_text(encoding="utf-8").splitlines(), start=1):
         try:
             row = json.loads(line)
-            rows[int(row["step"])] = row
+            rows[int(row["step"]), str(row["task"])] = row
         except (json.JSONDecodeError, KeyError, TypeError, ValueError):
             raise InputError(
-                f"{state_file}:{line_no} is not a continuous-eval record ({{\"step\": ..., \"metrics\": ...}}): "
+                f"{state_file}:{line_no} is not a continuous-eval record "
+                "({\"step\": ..., \"task\": ..., \"version\": ..., \"metrics\": ...}): "
                 "delete that line and the next run evaluates its checkpoint again"
             ) from None
     return rows
 
 
-def _record(state_file: Path, row: dict[str, Any]) -> None:
-    """Add `row` to the state file, rewritten whole and renamed into place: a crash leaves the old file."""
+def recorded_steps(recorded: Mapping[tuple[int, str], Any]) -> list[int]:
+    return sorted({step for step, _ in recorded})
+
+
+def _record(state_file: Path, new_rows: Sequence[dict[str, Any]]) -> None:
+    """Add `new_rows` (replacing a row of the same step and task), the file rewritten whole and renamed
+    into place: a crash leaves the old file."""
     rows = read_recorded(state_file)
-    rows[row["step"]] = row
+    rows.update({(row["step"], row["task"]): row for row in new_rows})
     tmp = state_file.with_name(state_file.name + ".tmp")
     with open(tmp, "w", encoding="utf-8") as handle:
-        for step in sorted(rows):
-            handle.write(json.dumps(rows[step], sort_keys=True) + "\n")
+        for key in sorted(rows):
+            handle.write(json.dumps(rows[key], sort_keys=True) + "\n")
         handle.flush()
         os.fsync(handle.fileno())
     os.replace(tmp, state_file)
+
+
+def suite_versions(evaluate: EvaluateConfig) -> dict[str, str]:
+    """Every configured task and its current version, without evaluating: the local tasks are built in
+    a temporary folder (cheap); the versions of lm-eval's own tasks come from its task index."""
+    with tempfile.TemporaryDirectory(prefix="kiln-suite-") as tmp:
+        suite, _ = build_local_suite(eval_paths_of(evaluate), Path(tmp), evaluate.choice, evaluate.lines)
+    versions = {task.name: task.version for task in suite}
+    online = evaluate.online_tasks()
+    if online:
+        versions.update(online_task_versions(online))
+    return versions
 
 
 def _steps_in(root: Path) -> list[int]:
@@ -157,20 +180,27 @@ def _steps_in(root: Path) -> list[int]:
         return []
 
 
-def plan_evaluations(target: EvalTarget) -> EvalPlan:
-    """The committed-looking checkpoints at multiples of `every` not yet in the state file, oldest first."""
+def plan_evaluations(target: EvalTarget, versions: Mapping[str, str] | None = None) -> EvalPlan:
+    """The committed-looking checkpoints at multiples of `every`, oldest first, each with the configured
+    tasks it has not been scored on at their current version (`versions`: default, the configured suite's)."""
     recorded = read_recorded(target.state_file)
+    versions = dict(suite_versions(target.evaluate) if versions is None else versions)
     root = target.checkpoint_root()
     on_disk = set(_steps_in(root)) if root is not None else set()
-    due = sorted(s for s in on_disk if s % target.every == 0 and s not in recorded)
+    due: dict[int, list[str]] = {}
+    for step in sorted(s for s in on_disk if s % target.every == 0):
+        tasks = [t for t, v in versions.items() if recorded.get((step, t), {}).get("version") != v]
+        if tasks:
+            due[step] = tasks
     newest = max(on_disk, default=0)
-    missed = [s for s in range(target.every, newest, target.every) if s not in on_disk and s not in recorded]
+    done = set(recorded_steps(recorded))
+    missed = [s for s in range(target.every, newest, target.every) if s not in on_disk and s not in done]
     if due and not target.tokenizer.is_file():
         raise InputError(
             f"the tokenizer {target.tokenizer} does not exist, but the {target.stage} stage it belongs to has checkpoints: "
             "run continuous eval with the config (and overrides) the training was started with"
         )
-    return EvalPlan(due=due, recorded=recorded, missed=missed)
+    return EvalPlan(due=due, recorded=recorded, versions=versions, missed=missed)
 
 
 def _locate(target: EvalTarget, step: int) -> Path | None:
@@ -189,9 +219,10 @@ def _still_complete(path: Path) -> bool:
     return all((path / name).is_file() for name in names)
 
 
-def evaluate_checkpoint(target: EvalTarget, step: int) -> CheckpointOutcome:
-    """Score the checkpoint of `step` and record it in the state file, or skip it with the reason
-    when it is gone, incomplete or corrupt (training prunes checkpoints as it goes)."""
+def evaluate_checkpoint(target: EvalTarget, step: int, tasks: Sequence[str] | None = None) -> CheckpointOutcome:
+    """Score the checkpoint of `step` on `tasks` (default: the whole configured suite) and record one row
+    per task in the state file, or skip it with the reason when it is gone, incomplete or corrupt
+    (training prunes checkpoints as it goes)."""
     # Imported here: torch.distributed.checkpoint takes a second to import and the config loads this module.
     from torch.distributed.checkpoint.api import CheckpointException
 
@@ -201,7 +232,7 @@ def evaluate_checkpoint(target: EvalTarget, step: int) -> CheckpointOutcome:
     started = time.perf_counter()
 
     def skipped(reason: str) -> CheckpointOutcome:
-        return CheckpointOutcome(step, False, reason=reason, wall_s=time.perf_counter() - started)
+        return CheckpointOutcome(step, False, reason=reason, wall_s=time.perf_counter() - started, tasks=tuple(tasks or ()))
 
     path = _locate(target, step)
     if path is None:
@@ -225,22 +256,53 @@ def evaluate_checkpoint(target: EvalTarget, step: int) -> CheckpointOutcome:
         model_dir, out_dir = Path(tmp) / "model", Path(tmp) / "eval"
         save_model(model, model_cfg, vocab_size, model_dir)
         out_dir.mkdir()
-        metrics = evaluate_model(target.evaluate, model_dir, target.tokenizer, out_dir)
-        shutil.copyfile(out_dir / RESULTS_FILE, target.state_dir / f"step_{step:07d}.{RESULTS_FILE}")
+        metrics = evaluate_model(target.evaluate, model_dir, target.tokenizer, out_dir, tasks=tasks)
+        results = json.loads((out_dir / RESULTS_FILE).read_text(encoding="utf-8"))
+    _merge_results(target.state_dir / f"step_{step:07d}.{RESULTS_FILE}", results)
     wall_s = time.perf_counter() - started
-    _record(target.state_file, {"step": step, "metrics": metrics, "wall_s": wall_s, "marker_sha256": marker_sha256,
-                                "evaluated_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
-    return CheckpointOutcome(step, True, metrics=metrics, wall_s=wall_s)
+    evaluated_at = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    scored = [t for t in results["versions"] if tasks is None or t in tasks]
+    _record(target.state_file, [
+        {"step": step, "task": task, "version": str(results["versions"][task]), "wall_s": wall_s,
+         "metrics": {k: v for k, v in metrics.items() if k.startswith(f"{task}/")},
+         "marker_sha256": marker_sha256, "evaluated_at": evaluated_at}
+        for task in scored])
+    return CheckpointOutcome(step, True, metrics=metrics, wall_s=wall_s, tasks=tuple(scored))
 
 
-def scores_table(recorded: Mapping[int, Mapping[str, Any]], outcomes: Sequence[CheckpointOutcome],
-                 missed: Sequence[int]) -> list[dict[str, Any]]:
-    """One row per step, oldest first: every recorded score (the curve so far) and this run's skips."""
+def _merge_results(path: Path, results: dict[str, Any]) -> None:
+    """lm-eval's results of one step, merged task by task over earlier evaluations of the same step."""
+    merged = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+    for key, value in results.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key].update(value)
+        else:
+            merged[key] = value
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(merged, indent=2, sort_keys=True), encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def current_rows(recorded: Mapping[tuple[int, str], dict[str, Any]],
+                 versions: Mapping[str, str]) -> dict[tuple[int, str], dict[str, Any]]:
+    """The rows of the configured tasks at their current versions: the curves (older versions' rows
+    stay in the state file for steps pruned before they could be scored again)."""
+    return {key: row for key, row in recorded.items() if versions.get(key[1]) == row["version"]}
+
+
+def scores_table(recorded: Mapping[tuple[int, str], dict[str, Any]], versions: Mapping[str, str],
+                 outcomes: Sequence[CheckpointOutcome], missed: Sequence[int]) -> list[dict[str, Any]]:
+    """One row per step, oldest first: each task's main score (the curve so far) and this run's skips."""
+    from tasks.evals.suite import primary_metric
+
     new = {o.step for o in outcomes if o.evaluated}
-    rows: list[dict[str, Any]] = []
-    for step, row in recorded.items():
-        scores = {k: round(v, 4) for k, v in row["metrics"].items() if k.endswith(("bits_per_byte", "byte_perplexity"))}
-        rows.append({"step": step, "status": "evaluated now" if step in new else "recorded", **scores})
+    by_step: dict[int, dict[str, Any]] = {}
+    for (step, task), row in sorted(current_rows(recorded, versions).items()):
+        metric = primary_metric([k.split("/", 1)[1] for k in row["metrics"]])
+        entry = by_step.setdefault(step, {"step": step, "status": "evaluated now" if step in new else "recorded"})
+        if metric is not None:
+            entry[f"{task}/{metric}"] = round(row["metrics"][f"{task}/{metric}"], 4)
+    rows = list(by_step.values())
     rows += [{"step": o.step, "status": f"skipped: {o.reason}"} for o in outcomes if not o.evaluated]
     rows += [{"step": s, "status": "missed: pruned before it was evaluated (set train.run.keep_every)"} for s in missed]
     return sorted(rows, key=lambda r: r["step"])

@@ -1,15 +1,16 @@
 """The continuous-eval flow through the real Prefect API and MLflow store, while a real tiny training run
 writes checkpoints into the store's partial folder and then commits, and then an anneal run does the
-same: scores land in MLflow at the checkpoint steps, each step once, and a run with nothing new
-changes nothing."""
+same: scores land in MLflow at the checkpoint steps, each step once, a run with nothing new changes
+nothing, a regressed score is a `kiln.eval.regression` event, and the ECG is drawn."""
 
 import json
 import os
+import time
 
 from mlflow.tracking import MlflowClient
 
 from flows.cli import main
-from flows.continuous_eval import continuous_eval
+from flows.continuous_eval import continuous_eval, ecg_path
 from tasks.config import load_config
 from tasks.data.tokenize import TOKENIZER_FILE
 from flows.continuous_eval import eval_targets
@@ -40,7 +41,15 @@ def test_checkpoints_are_scored_in_mlflow_at_their_steps_once(prefect_api, in_re
     train_model(MODEL, OPTIM, RUN, mixture, partial, stop_after=15)
     first = continuous_eval(TINY, overrides)["train"]
     assert (first["evaluated"], first["skipped"], first["missed"]) == ([10], {}, [])
-    assert first["mlflow_steps_logged"] == [10]
+    assert first["mlflow_steps_logged"] == [10] and first["regressions"] == []
+    assert first["ecg"] == str(ecg_path(cfg, keys)) and ecg_path(cfg, keys).read_bytes()[:4] == b"\x89PNG"
+
+    # Pretend step 10 scored far better than it did: step 20 then regresses from that best.
+    state_file = eval_targets(cfg, keys)[0].state_file
+    step10 = json.loads(state_file.read_text())
+    logged_bits = step10["metrics"]["kiln_heldout/bits_per_byte"]
+    step10["metrics"]["kiln_heldout/bits_per_byte"] = 0.5
+    state_file.write_text(json.dumps(step10) + "\n")
 
     # Training resumes to step 20 and the stage commits: 20 is read from the final folder.
     train_model(MODEL, OPTIM, RUN, mixture, partial)
@@ -48,6 +57,14 @@ def test_checkpoints_are_scored_in_mlflow_at_their_steps_once(prefect_api, in_re
     second = continuous_eval(TINY, overrides)["train"]
     assert (second["evaluated"], second["recorded"], second["mlflow_steps_logged"]) == ([20], [10, 20], [20])
     assert second["mlflow_run_id"] == first["mlflow_run_id"]
+    [regression] = second["regressions"]
+    assert (regression["task"], regression["step"], regression["best"], regression["best_step"]) == ("kiln_heldout", 20, 0.5, 10)
+    assert regression["current"] > 0.5 + regression["tolerance"] and regression["tolerance"] == 0.05
+    event = _wait_for_event("kiln.eval.regression")  # emitted to the Prefect API, for the alert automation
+    assert event.resource.id == "kiln.eval.tiny"
+    assert {k: event.payload[k] for k in ("task", "step", "best", "tolerance")} == {
+        "task": "kiln_heldout", "step": 20, "best": 0.5, "tolerance": 0.05}
+    assert event.payload["current"] == regression["current"]
 
     # Nothing new: the CLI's run evaluates nothing and logs nothing.
     capsys.readouterr()
@@ -60,7 +77,7 @@ def test_checkpoints_are_scored_in_mlflow_at_their_steps_once(prefect_api, in_re
     assert f"train {keys['train']}: evaluated steps none new; 2 steps recorded" in capsys.readouterr().out
 
     target = eval_targets(cfg, keys)[0]
-    rows = read_recorded(target.state_file)
+    rows = {step: row for (step, _), row in read_recorded(target.state_file).items()}
     client = MlflowClient(cfg.tracking_uri)
     runs = client.search_runs([client.get_experiment_by_name("kiln").experiment_id],
                               filter_string="tags.`kiln.stage` = 'continuous-eval'")
@@ -68,8 +85,9 @@ def test_checkpoints_are_scored_in_mlflow_at_their_steps_once(prefect_api, in_re
     assert runs[0].data.tags["kiln.eval_key"] == target.eval_key
     history = client.get_metric_history(runs[0].info.run_id, "kiln_heldout.bits_per_byte")
     assert [(m.step, m.value) for m in history] == [
-        (step, rows[step]["metrics"]["kiln_heldout/bits_per_byte"]) for step in (10, 20)]
+        (10, logged_bits), (20, rows[20]["metrics"]["kiln_heldout/bits_per_byte"])]
     assert history[1].value < history[0].value
+    assert [a.path for a in client.list_artifacts(runs[0].info.run_id) if a.path.endswith(".png")] == ["ecg.png"]
     assert json.loads(runs[0].data.params["evaluate.eval_files"]) == [str(eval_file)]
 
     # The anneal stage's checkpoints are scored too, in their own series.
@@ -78,3 +96,18 @@ def test_checkpoints_are_scored_in_mlflow_at_their_steps_once(prefect_api, in_re
     annealed = continuous_eval(TINY, overrides)
     assert annealed["train"]["evaluated"] == [] and annealed["anneal"]["evaluated"] == [10]
     assert annealed["anneal"]["mlflow_run_id"] != second["mlflow_run_id"]
+
+
+def _wait_for_event(name: str, timeout_s: float = 30.0):
+    """The newest event called `name` once the Prefect API has stored it (events are written asynchronously)."""
+    from prefect.client.orchestration import get_client
+    from prefect.events.filters import EventFilter, EventNameFilter
+
+    deadline = time.monotonic() + timeout_s
+    with get_client(sync_client=True) as client:
+        while True:
+            events = client.read_events(EventFilter(event=EventNameFilter(name=[name])), limit=10).events
+            if events or time.monotonic() > deadline:
+                assert events, f"no {name} event reached the Prefect API in {timeout_s}s"
+                return events[0]
+            time.sleep(0.5)

@@ -3,6 +3,7 @@ once, weights equal to the trained model's, pruned and corrupt checkpoints skipp
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -68,56 +69,81 @@ def copy_checkpoints(trained: dict[str, Path], dest: Path) -> Path:
 
 
 def test_due_steps_are_the_multiples_of_every_not_yet_recorded(trained, tmp_path):
-    assert plan_evaluations(target_for(trained, tmp_path, every=10)).due == [10, 20]
+    assert list(plan_evaluations(target_for(trained, tmp_path, every=10)).due) == [10, 20]
     target = target_for(trained, tmp_path, every=5)
-    assert plan_evaluations(target).due == [5, 10, 15, 20]
-    target.state_dir.mkdir()
-    target.state_file.write_text(json.dumps({"step": 10, "metrics": {}}) + "\n")
     plan = plan_evaluations(target)
-    assert plan.due == [5, 15, 20] and list(plan.recorded) == [10] and plan.missed == []
+    assert plan.due == {step: ["kiln_heldout"] for step in (5, 10, 15, 20)}
+    target.state_dir.mkdir()
+    version = plan.versions["kiln_heldout"]
+    target.state_file.write_text(json.dumps({"step": 10, "task": "kiln_heldout", "version": version, "metrics": {}}) + "\n")
+    plan = plan_evaluations(target)
+    assert list(plan.due) == [5, 15, 20] and list(plan.recorded) == [(10, "kiln_heldout")] and plan.missed == []
+
+
+def test_evaluations_are_deduplicated_by_checkpoint_task_and_task_version(trained, tmp_path):
+    target = target_for(trained, tmp_path, every=10)
+    target.state_dir.mkdir()
+    versions = plan_evaluations(target).versions
+    rows = [{"step": s, "task": "kiln_heldout", "version": versions["kiln_heldout"], "metrics": {}} for s in (10, 20)]
+    target.state_file.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert plan_evaluations(target).due == {}
+    # A task added to the suite is due on the checkpoints already scored, and only it.
+    with_choice = {**versions, "kiln_heldout_choice": "1+abc"}
+    assert plan_evaluations(target, with_choice).due == {10: ["kiln_heldout_choice"], 20: ["kiln_heldout_choice"]}
+    # A changed version (its eval file, its settings, or lm-eval's version of it) is scored again.
+    assert plan_evaluations(target, {"kiln_heldout": "2+def"}).due == {10: ["kiln_heldout"], 20: ["kiln_heldout"]}
+    # The real thing: editing the eval file changes the bits-per-byte task's version.
+    edited = tmp_path / "heldout.jsonl"
+    edited.write_text(trained["eval_file"].read_text().replace("cat", "dog"))
+    moved = dataclasses.replace(target, evaluate=EvaluateConfig(eval_files=[str(edited)]))
+    assert plan_evaluations(moved).versions["kiln_heldout"] != versions["kiln_heldout"]
+    assert list(plan_evaluations(moved).due) == [10, 20]
 
 
 def test_checkpoints_are_read_where_the_store_has_them_and_pruned_ones_are_reported(trained, tmp_path):
     # While the stage runs its checkpoints are in the partial folder; 5 was pruned before anyone evaluated it.
     store = Store(tmp_path / "store")
     target = target_in(store, trained, tmp_path, every=5)
-    assert plan_evaluations(target).due == []  # the stage has not started
+    assert plan_evaluations(target).due == {}  # the stage has not started
     partial = copy_checkpoints(trained, store.partial_path("train", "train0") / "checkpoints")
     shutil.rmtree(checkpoint_dir(partial, 5))
     plan = plan_evaluations(target)
-    assert plan.due == [10, 15, 20] and plan.missed == [5]
+    assert list(plan.due) == [10, 15, 20] and plan.missed == [5]
     # The stage commits: the same checkpoints are found in its final folder.
     store.commit("train", "train0", {"stage": "train"})
     assert target.checkpoint_root() == store.path("train", "train0") / "checkpoints"
-    assert plan_evaluations(target).due == [10, 15, 20]
+    assert list(plan_evaluations(target).due) == [10, 15, 20]
 
 
 @pytest.fixture(scope="module")
 def evaluated(trained, tmp_path_factory):
     """Continuous eval of every 10th step, run once."""
     target = target_for(trained, tmp_path_factory.mktemp("evaluated"), every=10)
-    outcomes = [evaluate_checkpoint(target, step) for step in plan_evaluations(target).due]
+    outcomes = [evaluate_checkpoint(target, step, tasks) for step, tasks in plan_evaluations(target).due.items()]
     return target, outcomes
 
 
 def test_each_due_checkpoint_is_scored_once_and_recorded_beside_the_data(evaluated, trained, tmp_path):
     target, outcomes = evaluated
-    assert [(o.step, o.evaluated, o.reason) for o in outcomes] == [(10, True, None), (20, True, None)]
+    assert [(o.step, o.evaluated, o.reason, o.tasks) for o in outcomes] == [
+        (10, True, None, ("kiln_heldout",)), (20, True, None, ("kiln_heldout",))]
     rows = read_recorded(target.state_file)
-    assert list(rows) == [10, 20]
+    assert list(rows) == [(10, "kiln_heldout"), (20, "kiln_heldout")]
     assert [r["marker_sha256"] for r in rows.values()] == [
         sha256_file(checkpoint_dir(trained["checkpoints"], s) / MARKER) for s in (10, 20)]
-    bits = {step: row["metrics"]["kiln_heldout/bits_per_byte"] for step, row in rows.items()}
+    assert {r["version"] for r in rows.values()} == {plan_evaluations(target).versions["kiln_heldout"]}
+    bits = {step: row["metrics"]["kiln_heldout/bits_per_byte"] for (step, _), row in rows.items()}
     assert 0 < bits[20] < bits[10]  # the electrocardiogram: training on the text improves its score
-    assert rows[20]["metrics"]["num_eval_docs"] == len(TEXTS)
+    assert rows[20, "kiln_heldout"]["metrics"]["kiln_heldout/num_docs"] == len(TEXTS)
     assert sorted(p.name for p in target.state_dir.iterdir()) == [
         STATE_FILE, "step_0000010.results.json", "step_0000020.results.json"]  # the temporary model is gone
     # Step 20 is the last step: its scores are exactly the evaluate stage's on the final saved model.
     out = tmp_path / "final_eval"
     out.mkdir()
-    assert evaluate_model(target.evaluate, trained["model"], trained["tokenizer"], out) == rows[20]["metrics"]
+    final = evaluate_model(target.evaluate, trained["model"], trained["tokenizer"], out)
+    assert {k: v for k, v in final.items() if k.startswith("kiln_heldout/")} == rows[20, "kiln_heldout"]["metrics"]
     # Idempotent: the state file says both are done.
-    assert plan_evaluations(target).due == []
+    assert plan_evaluations(target).due == {}
 
 
 def test_weights_loaded_equal_the_saved_model(trained):
@@ -135,7 +161,7 @@ def test_weights_loaded_equal_the_saved_model(trained):
 def test_pruned_and_corrupt_checkpoints_are_skipped_with_a_reason_and_not_recorded(trained, tmp_path, monkeypatch):
     root = copy_checkpoints(trained, tmp_path / "checkpoints")
     target = target_for(trained, tmp_path, every=5, checkpoints=root)
-    assert plan_evaluations(target).due == [5, 10, 15, 20]
+    assert list(plan_evaluations(target).due) == [5, 10, 15, 20]
     shard = next(checkpoint_dir(root, 5).glob("*.distcp"))
     data = bytearray(shard.read_bytes())
     data[-1] ^= 0xFF  # a flipped bit
@@ -176,8 +202,12 @@ def test_a_loading_error_with_every_file_present_is_not_hidden_as_a_skip(trained
 
 def test_a_malformed_state_file_line_is_an_error_naming_the_line(tmp_path):
     state = tmp_path / STATE_FILE
-    state.write_text(json.dumps({"step": 5, "metrics": {}}) + "\nnot json\n")
+    state.write_text(json.dumps({"step": 5, "task": "kiln_heldout", "version": "1", "metrics": {}}) + "\nnot json\n"
+                     + json.dumps({"step": 6, "metrics": {}}) + "\n")
     with pytest.raises(InputError, match=f"{state}:2 .*delete that line"):
+        read_recorded(state)
+    state.write_text(json.dumps({"step": 6, "metrics": {}}) + "\n")  # a row of format 1: no task
+    with pytest.raises(InputError, match=f"{state}:1 .*delete that line"):
         read_recorded(state)
 
 
