@@ -45,7 +45,7 @@ def test_runtime_settings_move_no_key(base_keys, override):
     ("clean.language_threshold=0.5", "clean"),
     ("tokenize.vocab_size=1024", "tokenize"),
     ("dedup.engine=datatrove", "dedup"),
-    ("decontaminate.max_ngram_doc_frequency=5", "decontaminate"),
+    ("decontaminate.eval_boilerplate_min_docs=5", "decontaminate"),
     ("sweep.lrs=[0.002]", "sweep"),
     ("train.run.steps=301", "mix"),
     ("train.optim.weight_decay=0.0", "train"),

@@ -1,21 +1,34 @@
 """The decontaminate stage: drop (or flag) training documents that share word n-grams with eval sets.
 
 Each eval set — a JSON-lines file, or an lm-eval task whose documents come through lm-eval's
-`TaskManager` — becomes an index of hashed word n-grams (NFKC, lowercased, punctuation stripped)
-that remembers which eval documents hold each one. A training document sharing at least
-`min_overlap_ngrams` of them with an eval set is contaminated by it; n-grams that many training
-documents hold (licence notices, page footers) are boilerplate, not leaked test data, and are
-ignored, so a first pass counts each eval n-gram's training document frequency. The report works in both
-directions: per benchmark, which training documents overlap (with examples), and which eval
-documents any training document touches — the contamination rate the evaluate stage records beside
-each task's score (`contamination_rates.json`, keyed by the evaluate stage's task names).
+`TaskManager` — becomes an index of hashed word n-grams (NFKC, lowercased, punctuation stripped,
+whitespace-split, so case and layout changes in a copy do not hide it) that remembers which eval
+documents hold each one. A training document sharing at least `min_overlap_ngrams` of them with an
+eval set is contaminated by it.
+
+Some eval n-grams are boilerplate, not leaked test data, and never count. Boilerplate is decided by
+evidence about the text itself, never by how many training documents hold it — a benchmark item
+copied into many documents is the worst contamination, not boilerplate:
+
+- *known*: mostly made of Kiln's list of licence notices and documentation footers
+  (`tasks.data.decontam_boilerplate`), if `known_boilerplate`;
+- *configured*: mostly made of the paragraphs of `boilerplate_files` (your sources' footers);
+- *eval-frequent*: held by at least `eval_boilerplate_min_docs` eval documents across all eval sets
+  (prompt templates, answer formats, a footer the eval documents share).
+
+The report says what was ignored and why, with examples from the training documents that held it.
+It works in both directions: per benchmark, which training documents overlap (with examples), and
+which eval documents any training document touches — the contamination rate the evaluate stage
+records beside each task's score (`contamination_rates.json`, keyed by the evaluate stage's task names).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import re
 import unicodedata
+from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -25,6 +38,7 @@ from pydantic import Field
 
 from tasks.accounting import DocCounts
 from tasks.configbase import Section
+from tasks.data.decontam_boilerplate import KNOWN_BOILERPLATE
 from tasks.data.dedup import strip_punctuation
 from tasks.data.documents import DOCUMENTS_FILE, REMOVED_FILE, ReasonLog, read_documents
 from tasks.errors import InputError
@@ -36,19 +50,37 @@ CONTAMINATION_REPORT = "contamination.md"
 RATES_FILE = "contamination_rates.json"
 _NUM_EXAMPLES = 5
 _SNIPPET_CONTEXT = 12  # words either side of a matched n-gram in an example's snippet
+_MIN_PHRASE_WORDS = 4  # shorter clauses of a boilerplate text ("and exit") would cover ordinary prose
+_PHRASE_KEY_WORDS = 4  # phrases are found by their first words
+# An eval n-gram is boilerplate when more than this share of its words lie in boilerplate phrases:
+# one that straddles a footer and real content still counts.
+_BOILERPLATE_SHARE = 0.5
+KNOWN, CONFIGURED, EVAL_FREQUENT = "known_boilerplate", "configured_boilerplate", "eval_frequent"
 
 
 class DecontaminateConfig(Section):
     ngram_size: int = Field(13, ge=1)  # words; 13 follows GPT-3's decontamination
     min_overlap_ngrams: int = Field(1, ge=1)  # a doc sharing >= this many eval n-grams is contaminated
     action: Literal["remove", "flag"] = "remove"
-    # Eval n-grams held by more than this many training documents are boilerplate (licence
-    # notices, man-page footers) and ignored, as in GPT-3's decontamination; None counts all.
-    max_ngram_doc_frequency: int | None = Field(10, ge=1)
+    # Boilerplate eval n-grams never count (see the module docstring); how many training documents
+    # hold an n-gram is no evidence: a widely copied benchmark item is the worst contamination.
+    known_boilerplate: bool = True  # Kiln's licence notices and documentation footers
+    boilerplate_files: list[str] = []  # your sources' licence/footer texts, paragraphs split by blank lines
+    # An n-gram held by at least this many eval documents (all eval sets together) is template text
+    # of the eval sets; None: no n-gram is boilerplate for being frequent there.
+    eval_boilerplate_min_docs: int | None = Field(3, ge=2)
+
+
+_FOLD = str.maketrans({"ı": "i"})  # Turkish dotless i: "I".lower() is "i", so a copy in capitals loses the dot
 
 
 def words(text: str) -> list[str]:
-    text = unicodedata.normalize("NFKC", text).lower()
+    """Case-, accent- and layout-blind words: a copy in capitals or re-wrapped still matches."""
+    if not text.isascii():
+        # Accents go (NFKD, then combining marks dropped): "İ".lower() is "i" plus a combining dot.
+        decomposed = unicodedata.normalize("NFKD", text)
+        text = unicodedata.normalize("NFKC", "".join(c for c in decomposed if not unicodedata.combining(c)))
+    text = text.casefold().translate(_FOLD)
     # Punctuation becomes nothing, not a space, so "don't" and "dont" match.
     return strip_punctuation(text).split()
 
@@ -66,6 +98,57 @@ def ngram_positions(tokens: list[str], size: int) -> dict[int, int]:
     return positions
 
 
+def _phrase_token(token: str) -> str:
+    """Numbers match any number in a boilerplate phrase: years and versions change, the notice does not."""
+    return "#" if token.isdigit() else token
+
+
+class Phrases:
+    """Boilerplate texts as normalised word sequences (their sentences and clauses), found by their first words."""
+
+    def __init__(self) -> None:
+        self._by_key: dict[tuple[str, ...], list[tuple[tuple[str, ...], str]]] = {}
+        self.num_phrases = 0
+
+    def add_text(self, text: str, reason: str) -> None:
+        """Every clause of `text` of at least `_MIN_PHRASE_WORDS` words; `#` lines are comments."""
+        for paragraph in re.split(r"\n\s*\n", text):
+            paragraph = "\n".join(line for line in paragraph.splitlines() if not line.lstrip().startswith("#"))
+            for clause in re.split(r"(?<=[.;:!?])\s+", paragraph):
+                phrase = tuple(_phrase_token(t) for t in words(clause))
+                if len(phrase) >= _MIN_PHRASE_WORDS:
+                    self._by_key.setdefault(phrase[:_PHRASE_KEY_WORDS], []).append((phrase, reason))
+                    self.num_phrases += 1
+
+    def cover(self, tokens: list[str]) -> list[str | None]:
+        """For each token, the reason of a phrase occurrence covering it (None: ordinary text)."""
+        covered: list[str | None] = [None] * len(tokens)
+        if not self._by_key:
+            return covered
+        keyed = [_phrase_token(t) for t in tokens]
+        for i in range(len(keyed) - _MIN_PHRASE_WORDS + 1):
+            for phrase, reason in self._by_key.get(tuple(keyed[i : i + _PHRASE_KEY_WORDS]), ()):
+                if tuple(keyed[i : i + len(phrase)]) == phrase:
+                    covered[i : i + len(phrase)] = [reason] * len(phrase)
+        return covered
+
+
+def boilerplate_phrases(cfg: DecontaminateConfig) -> Phrases:
+    """Kiln's known boilerplate (if `known_boilerplate`) and the paragraphs of `boilerplate_files`."""
+    phrases = Phrases()
+    if cfg.known_boilerplate:
+        phrases.add_text(KNOWN_BOILERPLATE, KNOWN)
+    for i, name in enumerate(cfg.boilerplate_files):
+        path = Path(name)
+        if not path.is_file():
+            raise InputError(f"decontaminate.boilerplate_files[{i}]: {path} does not exist; fix the path or remove it")
+        try:
+            phrases.add_text(path.read_text(encoding="utf-8"), CONFIGURED)
+        except UnicodeDecodeError as err:
+            raise InputError(f"decontaminate.boilerplate_files[{i}]: {path} is not UTF-8 ({err})") from err
+    return phrases
+
+
 @dataclass
 class EvalIndex:
     """The n-grams of one eval set, which eval documents hold them, and what training data matched."""
@@ -76,11 +159,15 @@ class EvalIndex:
     doc_ids: list[str]
     holders: dict[int, list[int]]  # n-gram hash -> indices of the eval documents holding it
     num_eval_docs_too_short: int  # shorter than one n-gram: cannot be detected
-    ignored: set[int] = field(default_factory=set)  # n-grams too common in the training data to count
-    shared: set[int] = field(default_factory=set)  # n-grams any training document holds (not ignored)
+    boilerplate: dict[int, str] = field(default_factory=dict)  # n-gram hash -> why it never counts
+    shared: set[int] = field(default_factory=set)  # n-grams any training document holds (not boilerplate)
     matched: set[int] = field(default_factory=set)  # n-grams held by contaminated training documents
     num_docs_contaminated: int = 0
     examples: list[dict[str, str]] = field(default_factory=list)
+    # what boilerplate the training data held: reason -> n-grams found, documents holding them, examples
+    ignored_found: dict[str, set[int]] = field(default_factory=dict)
+    ignored_docs: Counter = field(default_factory=Counter)
+    ignored_examples: dict[str, list[dict[str, str]]] = field(default_factory=dict)
 
     def contaminated_eval_docs(self) -> list[str]:
         """Eval documents sharing any n-gram with the training data, in eval order."""
@@ -98,29 +185,42 @@ class EvalIndex:
             "num_eval_docs": len(self.doc_ids),
             "num_eval_docs_too_short": self.num_eval_docs_too_short,
             "num_eval_ngrams": len(self.holders),
-            "num_ngrams_ignored_as_common": len(self.ignored),
+            "num_eval_ngrams_boilerplate": dict(sorted(Counter(self.boilerplate.values()).items())),
             "num_eval_docs_contaminated": len(contaminated),
             "contamination_rate": len(contaminated) / len(self.doc_ids),
             "contaminated_eval_docs": contaminated,
             "num_docs_contaminated": self.num_docs_contaminated,
             "num_overlapping_ngrams": len(self.matched),
             "examples": self.examples,
+            "ignored": {reason: {"num_ngrams": len(grams), "num_training_docs": self.ignored_docs[reason],
+                                 "examples": self.ignored_examples.get(reason, [])}
+                        for reason, grams in sorted(self.ignored_found.items())},
         }
 
 
-def _index(name: str, task: str, source: str, docs: Iterable[tuple[str, str]], size: int) -> EvalIndex:
+def _index(name: str, task: str, source: str, docs: Iterable[tuple[str, str]], size: int,
+           phrases: Phrases) -> EvalIndex:
     doc_ids: list[str] = []
     holders: dict[int, list[int]] = {}
+    boilerplate: dict[int, str] = {}
     too_short = 0
     for i, (doc_id, text) in enumerate(docs):
         doc_ids.append(doc_id)
-        grams = ngram_positions(words(text), size)
+        tokens = words(text)
+        grams = ngram_positions(tokens, size)
         too_short += not grams
         for gram in grams:
             holders.setdefault(gram, []).append(i)
+        covered = phrases.cover(tokens)
+        if any(covered):
+            for start in range(len(tokens) - size + 1):
+                window = [reason for reason in covered[start : start + size] if reason]
+                if len(window) > _BOILERPLATE_SHARE * size:
+                    gram = _hash(" ".join(tokens[start : start + size]))
+                    boilerplate.setdefault(gram, Counter(window).most_common(1)[0][0])
     if not doc_ids:
         raise InputError(f"eval set {source!r} holds no documents; point the suite at a non-empty one")
-    return EvalIndex(name, task, source, doc_ids, holders, too_short)
+    return EvalIndex(name, task, source, doc_ids, holders, too_short, boilerplate)
 
 
 def _task_docs(names: Sequence[str], include_path: Path | None) -> dict[str, list[tuple[str, str]]]:
@@ -164,18 +264,22 @@ def _task_doc_text(task: Any, doc: dict) -> str:
 
 
 def index_ngrams(
-    eval_files: Sequence[Path], eval_tasks: Sequence[str], size: int, *, task_include_path: Path | None = None
+    eval_files: Sequence[Path], eval_tasks: Sequence[str], size: int, *, task_include_path: Path | None = None,
+    phrases: Phrases | None = None, eval_boilerplate_min_docs: int | None = None,
 ) -> list[EvalIndex]:
-    """One n-gram index per eval file (named by its stem) and per lm-eval task (named by the task).
+    """One n-gram index per eval file (named by its stem) and per lm-eval task (named by the task), each
+    with its boilerplate n-grams: mostly made of `phrases`, or held by at least `eval_boilerplate_min_docs`
+    eval documents of all the sets together.
 
     `task_include_path` is a folder of extra lm-eval task YAMLs (lm-eval's `include_path`).
     """
+    phrases = phrases or Phrases()
     indexes = [
-        _index(Path(path).stem, task_name_for(Path(path)), str(path), read_eval_records(Path(path)), size)
+        _index(Path(path).stem, task_name_for(Path(path)), str(path), read_eval_records(Path(path)), size, phrases)
         for path in eval_files
     ]
     for name, docs in _task_docs(eval_tasks, task_include_path).items() if eval_tasks else ():
-        indexes.append(_index(name, name, f"lm-eval:{name}", docs, size))
+        indexes.append(_index(name, name, f"lm-eval:{name}", docs, size, phrases))
     by_name: dict[str, str] = {}
     for index in indexes:
         if index.name in by_name:
@@ -184,6 +288,15 @@ def index_ngrams(
                 "reports and removal reasons are keyed by it: rename one"
             )
         by_name[index.name] = index.source
+    if eval_boilerplate_min_docs is not None:
+        num_docs = Counter()
+        for index in indexes:
+            for gram, docs in index.holders.items():
+                num_docs[gram] += len(docs)
+        for index in indexes:
+            for gram in index.holders:
+                if num_docs[gram] >= eval_boilerplate_min_docs:
+                    index.boilerplate.setdefault(gram, EVAL_FREQUENT)
     return indexes
 
 
@@ -197,34 +310,27 @@ def decontaminate_documents(
     task_include_path: Path | None = None,
 ) -> dict:
     """Remove (or flag) training documents overlapping the eval sets; write the contamination reports."""
-    indexes = index_ngrams(eval_files, eval_tasks, cfg.ngram_size, task_include_path=task_include_path)
-    # Pass 1: which eval n-grams each training document holds, and in how many documents each occurs.
-    matches: dict[int, list[dict[int, int]]] = {}  # doc number -> per index: n-gram -> position
-    doc_frequency: dict[int, int] = {}
-    for n, doc in enumerate(read_documents(input_file)):
-        doc_grams = ngram_positions(words(doc.text), cfg.ngram_size)
-        found = [{gram: doc_grams[gram] for gram in index.holders.keys() & doc_grams.keys()} for index in indexes]
-        if any(found):
-            matches[n] = found
-            for gram in set().union(*found):
-                doc_frequency[gram] = doc_frequency.get(gram, 0) + 1
-    limit = cfg.max_ngram_doc_frequency
-    common = {gram for gram, df in doc_frequency.items() if limit is not None and df > limit}
-    for index in indexes:
-        index.ignored = common & index.holders.keys()
-
-    # Pass 2: decide and write, in input order.
+    indexes = index_ngrams(eval_files, eval_tasks, cfg.ngram_size, task_include_path=task_include_path,
+                           phrases=boilerplate_phrases(cfg), eval_boilerplate_min_docs=cfg.eval_boilerplate_min_docs)
     counts = DocCounts()
     num_flagged = 0
     with (
         open(out_dir / DOCUMENTS_FILE, "w", encoding="utf-8") as out,
         ReasonLog(out_dir / REMOVED_FILE) as removed,
     ):
-        for n, doc in enumerate(read_documents(input_file)):
+        for doc in read_documents(input_file):
             counts.num_in += 1
             overlaps: dict[str, int] = {}
-            for index, found in zip(indexes, matches.get(n, [{}] * len(indexes)), strict=True):
-                shared = found.keys() - common
+            tokens = words(doc.text)
+            doc_grams = ngram_positions(tokens, cfg.ngram_size)
+            for index in indexes:
+                found = index.holders.keys() & doc_grams.keys()
+                if not found:
+                    continue
+                ignored = found & index.boilerplate.keys()
+                if ignored:
+                    _note_ignored(index, doc.id, tokens, ignored, doc_grams, cfg.ngram_size)
+                shared = found - ignored
                 index.shared |= shared
                 if len(shared) < cfg.min_overlap_ngrams:
                     continue
@@ -232,8 +338,7 @@ def decontaminate_documents(
                 index.matched |= shared
                 index.num_docs_contaminated += 1
                 if len(index.examples) < _NUM_EXAMPLES:
-                    gram = min(shared)
-                    index.examples.append(_example(doc.id, words(doc.text), found[gram], cfg.ngram_size))
+                    index.examples.append(_example(doc.id, tokens, doc_grams[min(shared)], cfg.ngram_size))
             if overlaps:
                 doc.metadata["contamination"] = overlaps
             if overlaps and cfg.action == "remove":
@@ -247,8 +352,9 @@ def decontaminate_documents(
     report = {
         "ngram_size": cfg.ngram_size,
         "min_overlap_ngrams": cfg.min_overlap_ngrams,
-        "max_ngram_doc_frequency": cfg.max_ngram_doc_frequency,
         "action": cfg.action,
+        "boilerplate": {"known_boilerplate": cfg.known_boilerplate, "boilerplate_files": list(cfg.boilerplate_files),
+                        "eval_boilerplate_min_docs": cfg.eval_boilerplate_min_docs},
         "benchmarks": {index.name: index.report() for index in indexes},
     }
     (out_dir / CONTAMINATION_FILE).write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
@@ -263,10 +369,25 @@ def decontaminate_documents(
                 "num_docs_contaminated": index.num_docs_contaminated,
                 "num_overlapping_ngrams": len(index.matched),
                 "contamination_rate": index.contamination_rate(),
+                "num_training_docs_with_ignored_boilerplate": dict(index.ignored_docs),
             }
             for index in indexes
         },
     }
+
+
+def _note_ignored(index: EvalIndex, doc_id: str, tokens: list[str], ignored: set[int], doc_grams: dict[int, int],
+                  size: int) -> None:
+    """Count a training document holding boilerplate n-grams of `index`, by reason, with a few examples."""
+    by_reason: dict[str, set[int]] = {}
+    for gram in ignored:
+        by_reason.setdefault(index.boilerplate[gram], set()).add(gram)
+    for reason, grams in by_reason.items():
+        index.ignored_found.setdefault(reason, set()).update(grams)
+        index.ignored_docs[reason] += 1
+        examples = index.ignored_examples.setdefault(reason, [])
+        if len(examples) < _NUM_EXAMPLES:
+            examples.append(_example(doc_id, tokens, doc_grams[min(grams)], size))
 
 
 def _example(doc_id: str, tokens: list[str], start: int, size: int) -> dict[str, str]:
@@ -299,11 +420,27 @@ def contamination_markdown(report: dict[str, Any]) -> str:
             f"| {b['num_docs_contaminated']} | {b['num_overlapping_ngrams']} |"
         )
     for name, b in benchmarks.items():
-        if not b["examples"]:
+        if not b["examples"] and not b["ignored"]:
             continue
         lines += ["", f"## {name}", ""]
         lines += [f"- `{e['doc_id']}`: \"{e['ngram']}\" — {e['snippet']}" for e in b["examples"]]
+        if b["ignored"]:
+            lines += ["", "Ignored as boilerplate (these n-grams never count as contamination):", "",
+                      "| reason | eval n-grams | found in training data | training docs holding them |",
+                      "|---|---:|---:|---:|"]
+            lines += [f"| {reason} | {b['num_eval_ngrams_boilerplate'].get(reason, 0)} | {i['num_ngrams']} "
+                      f"| {i['num_training_docs']} |" for reason, i in b["ignored"].items()]
+            for reason, i in b["ignored"].items():
+                lines += ["", f"Examples ({_REASON_TEXT[reason]}):", ""]
+                lines += [f"- `{e['doc_id']}`: \"{e['ngram']}\"" for e in i["examples"]]
     return "\n".join(lines) + "\n"
+
+
+_REASON_TEXT = {
+    KNOWN: "mostly Kiln's known licence and documentation-footer text",
+    CONFIGURED: "mostly text of decontaminate.boilerplate_files",
+    EVAL_FREQUENT: "held by at least decontaminate.eval_boilerplate_min_docs eval documents",
+}
 
 
 def read_contamination(out_dir: Path) -> Contamination:

@@ -88,7 +88,8 @@ def test_documents_quoting_an_eval_passage_are_removed(tmp_path):
     ]
     assert stats["removed"] == {"contaminated:licence_qa": 2}
     assert stats["contamination"] == {
-        "licence_qa": {"num_docs_contaminated": 2, "num_overlapping_ngrams": 29, "contamination_rate": 0.5}
+        "licence_qa": {"num_docs_contaminated": 2, "num_overlapping_ngrams": 29, "contamination_rate": 0.5,
+                       "num_training_docs_with_ignored_boilerplate": {}}
     }
     qa = report["benchmarks"]["licence_qa"]
     assert (qa["num_eval_docs"], qa["num_eval_docs_too_short"]) == (2, 0)
@@ -128,15 +129,70 @@ def test_ngram_size_and_minimum_overlap_are_respected(tmp_path):
     assert report["benchmarks"]["licence_qa"]["contamination_rate"] == 0.5
 
 
-def test_ngrams_common_in_the_training_data_are_ignored(tmp_path):
-    # THIRTEEN is in 3 training documents: boilerplate at max_ngram_doc_frequency=2.
+def test_a_passage_many_training_documents_hold_still_counts(tmp_path):
+    # A benchmark item copied widely is the worst contamination: how often it occurs is no excuse.
     docs = [("a", f"{GPL_RIGHTS} {THIRTEEN}"), ("b", f"{GPL_FREEDOM} {THIRTEEN}"), ("c", f"{THIRTEEN} {GPL_RIGHTS}")]
-    stats, kept, _, report = _run(tmp_path, docs, name="common", max_ngram_doc_frequency=2)
-    assert [d["id"] for d in kept] == ["a", "b", "c"]
-    qa = report["benchmarks"]["licence_qa"]
-    assert (qa["num_ngrams_ignored_as_common"], qa["contamination_rate"]) == (1, 0.0)
-    stats, kept, _, _ = _run(tmp_path, docs, name="counted", max_ngram_doc_frequency=3)
+    stats, kept, _, report = _run(tmp_path, docs, name="common")
     assert kept == [] and stats["removed"] == {"contaminated:licence_qa": 3}
+    assert report["benchmarks"]["licence_qa"]["ignored"] == {}
+
+
+# The GPL v3 notice (in Kiln's known boilerplate) with years and a name that differ from the list's.
+GPL_NOTICE = (
+    "Copyright (C) 2019 Jane Doe. This program is free software: you can redistribute it and/or modify it under "
+    "the terms of the GNU General Public License as published by the Free Software Foundation, either version 3 of "
+    "the License, or (at your option) any later version."
+)
+
+
+def _run_evals(tmp_path: Path, evals: list[str], docs: list[tuple[str, str]], **cfg) -> tuple[dict, dict]:
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    eval_file = _write_jsonl(tmp_path / "qa.jsonl", [{"id": f"q{i}", "text": t} for i, t in enumerate(evals)])
+    input_file = tmp_path / "in.jsonl"
+    write_documents(input_file, [Document(i, t, "prose", "prose", "GPL-3.0-or-later") for i, t in docs])
+    (tmp_path / "out").mkdir()
+    stats = decontaminate_documents(DecontaminateConfig(**cfg), input_file, [eval_file], tmp_path / "out")
+    return stats, json.loads((tmp_path / "out" / "contamination.json").read_text())["benchmarks"]["qa"]
+
+
+def test_known_licence_text_in_an_eval_item_is_boilerplate_and_reported_with_examples(tmp_path):
+    evals = [f"{APACHE_DERIVATIVE} {GPL_NOTICE.upper()}"]
+    docs = [("licensed", f"A tool for sorting files.\n\n{GPL_NOTICE.replace('2019 Jane Doe', '2003 John Roe')}"),
+            ("quoting", APACHE_DERIVATIVE)]
+    stats, report = _run_evals(tmp_path / "known", evals, docs)
+    assert stats["removed"] == {"contaminated:qa": 1} and report["examples"][0]["doc_id"] == "quoting"
+    assert report["num_eval_ngrams_boilerplate"]["known_boilerplate"] >= 25
+    ignored = report["ignored"]["known_boilerplate"]
+    assert ignored["num_training_docs"] == 1 and ignored["examples"][0]["doc_id"] == "licensed"
+    assert "general public license" in ignored["examples"][0]["ngram"]
+    assert stats["contamination"]["qa"]["num_training_docs_with_ignored_boilerplate"] == {"known_boilerplate": 1}
+    # Without the list, the licence notice alone removes the document that carries it.
+    stats, report = _run_evals(tmp_path / "bare", evals, docs, known_boilerplate=False)
+    assert stats["removed"] == {"contaminated:qa": 2} and report["ignored"] == {}
+
+
+def test_configured_boilerplate_files_and_text_frequent_across_eval_items(tmp_path):
+    footer = "Questions about this manual go to the documentation team at the address printed on the back cover."
+    evals = [f"{APACHE_DERIVATIVE} {footer}", f"{APACHE_CONTRIBUTION} {footer}", f"{GPL_RIGHTS} {footer}"]
+    docs = [("footer", f"A page about printers. {footer}")]
+    # The footer is in all three eval items: template text of the eval set, not a leaked item.
+    stats, report = _run_evals(tmp_path / "frequent", evals, docs)
+    assert stats["num_removed"] == 0 and report["ignored"]["eval_frequent"]["num_training_docs"] == 1
+    stats, _ = _run_evals(tmp_path / "counted", evals, docs, eval_boilerplate_min_docs=4)
+    assert stats["num_removed"] == 1
+    # Or the user names it: a file of footers, one paragraph each.
+    footers = tmp_path / "footers.txt"
+    footers.write_text(f"# our documentation footers\n{footer}\n\nAnother footer of ours.\n", encoding="utf-8")
+    stats, report = _run_evals(tmp_path / "configured", evals, docs, eval_boilerplate_min_docs=4,
+                               boilerplate_files=[str(footers)])
+    assert stats["num_removed"] == 0 and set(report["ignored"]) == {"configured_boilerplate"}
+    with pytest.raises(InputError, match=r"decontaminate.boilerplate_files\[0\]: .*nowhere.txt does not exist"):
+        _run_evals(tmp_path / "missing", evals, docs, boilerplate_files=[str(tmp_path / "nowhere.txt")])
+
+
+def test_copies_in_other_case_layout_or_accents_match():
+    assert words("İSTANBUL'da ılık bir GÜN") == words("istanbulda ILIK bir gün") == ["istanbulda", "ilik", "bir", "gun"]
+    assert words("Straße\n\n  and\tmore") == words("STRASSE AND MORE")
 
 
 def test_eval_texts_shorter_than_one_ngram_are_reported(tmp_path):
@@ -195,13 +251,15 @@ def test_decontaminating_the_collected_prose_finds_the_leaked_eval_documents(tmp
         return removed, heldout
 
     # The leaked pages share 100-129 13-grams with their eval copies. Other coreutils pages share
-    # option descriptions with them (mkfifo/mknod with mkdir: 23-30) or a help line (1-8).
+    # option descriptions with them (mkfifo/mknod with mkdir) or a line such as `-z, --zero ...`.
     removed, heldout = run("strict", min_overlap_ngrams=50)
     assert removed == holders
-    assert heldout["num_ngrams_ignored_as_common"] == 55  # GNU licence notice and footer, in > 10 pages
-    removed, _ = run("defaults")  # GPT-3's rule: any one 13-gram not in more than 10 training documents
-    assert len(removed) == 27 and set(holders) <= set(removed)
-    removed, _ = run("boilerplate_counts", max_ngram_doc_frequency=None)
+    removed, heldout = run("defaults")  # the licence notice and the GNU footer are known boilerplate
+    assert len(removed) == 11 and set(holders) <= set(removed)
+    assert all(doc_id.startswith("prose/coreutils-man/") for doc_id in removed)
+    known = heldout["ignored"]["known_boilerplate"]
+    assert known["num_training_docs"] == 106  # every coreutils page carries the footer: none removed for it
+    removed, _ = run("boilerplate_counts", known_boilerplate=False, eval_boilerplate_min_docs=None)
     assert len(removed) == 106 and all(doc_id.startswith("prose/coreutils-man/") for doc_id in removed)
 
 
