@@ -1,30 +1,41 @@
-"""The collect stage: read local sources (jsonl, txt, html trees) into Kiln documents.
+"""The collect stage: read the configured sources (local or fsspec URLs) into Kiln documents.
 
-Every input record ends up in exactly one place: `documents.jsonl` (kept), `removed.jsonl`
-(licence not allowed, or unknown) or `quarantine.jsonl` (unreadable or unusable input, with the
-file and line at fault); no input, however broken, raises (`tasks.data.readers`). Licences are
-normalised to SPDX expressions and judged by `tasks.data.licences`; a compliance report per
+A source is a typed config entry: its `format` (jsonl — also .gz and .zst —, txt, html, parquet,
+warc, code, hf) decides which other fields it takes; every source has a `domain`, a `licence`
+(optional where records or files carry their own) and an optional `weight`. Every input record
+ends up in exactly one place: `documents.jsonl` (kept), `removed.jsonl` (licence not allowed or
+unknown; sampled out by the source's weight; a vendored, generated or binary file of a code tree)
+or `quarantine.jsonl` (unreadable or unusable input, with the file and line, row or WARC offset at
+fault); no input, however broken, raises (`tasks.data.readers`, `tasks.data.code_tree`). Licences
+are normalised to SPDX expressions and judged by `tasks.data.licences`; a compliance report per
 source records which licences were seen, as written and normalised, and whether each is allowed.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import Field
+from pydantic import Field, TypeAdapter
 
 from tasks.accounting import DocCounts
-from tasks.configbase import Section
+from tasks.configbase import Section, runtime_field
+from tasks.data.code_tree import read_code_tree
 from tasks.data.compliance import SourceReport, compliance_markdown, compliance_report
 from tasks.data.documents import DOCUMENTS_FILE, QUARANTINE_FILE, REMOVED_FILE, Document, ReasonLog
 from tasks.data.licences import LicencePolicy, LicenceVerdict, normalise
-from tasks.data.readers import READERS, Candidate
+from tasks.data.readers import READERS, Candidate, read_dataset
+from tasks.data.source_files import is_remote, list_files, local_path, remote_fingerprint
 from tasks.errors import ConfigError, InputError
 
-DEFAULT_GLOBS = {"jsonl": "**/*.jsonl", "txt": "**/*.txt", "html": "**/*.html"}
+DEFAULT_GLOBS = {
+    "jsonl": ("**/*.jsonl", "**/*.jsonl.gz", "**/*.jsonl.zst"), "txt": ("**/*.txt",), "html": ("**/*.html",),
+    "parquet": ("**/*.parquet",), "warc": ("**/*.warc", "**/*.warc.gz"), "code": ("**/*",),
+}
 
 # SPDX ids ("public-domain" reads as LicenseRef-public-domain) of licences that allow training and redistribution of derived text.
 OPEN_LICENCES = [
@@ -38,21 +49,87 @@ OPEN_LICENCES = [
 ]  # fmt: skip
 
 
-class SourceConfig(Section):
-    """One local source: a file or a folder of files of one format, all of one domain."""
+class _Source(Section):
+    """What every source has: a name, where it is, its domain, its licence and weight."""
 
     name: str
+    # A file, a folder, a glob (`data/*.jsonl.gz`) or an fsspec URL (`s3://bucket/crawl/`, `file:///abs`).
     path: str
-    format: Literal["jsonl", "txt", "html"]
     domain: str
-    # An SPDX expression. None: every jsonl record must carry its own "licence" (or "license");
-    # a record's own licence wins over this.
+    # An SPDX expression. None where the records or files carry their own (jsonl, parquet, hf:
+    # a "licence" or "license" field; code: SPDX headers or the tree's LICENSE); theirs wins.
     licence: str | None = None
-    glob: str | None = None
+    # The share of this source's documents to keep, sampled by a hash of each id (the same ones on
+    # every run): 0.25 keeps about a quarter. Up-weighting a domain is the mixture's job (sweep, mix).
+    weight: float = Field(1.0, gt=0.0, le=1.0)
+    # fsspec options for the store (endpoint_url, anon, ...); credentials belong in the environment
+    # (AWS_ACCESS_KEY_ID, ...), not here: config params are logged. Where the files are is not what they are.
+    storage_options: dict[str, Any] = runtime_field({})
+
+
+class _FileSource(_Source):
+    glob: str | None = None  # files of a folder to read (default: every file of the format, recursively)
+
+
+class JsonlSource(_FileSource):
+    format: Literal["jsonl"]
+    compression: Literal["infer", "none", "gzip", "zstd"] = "infer"  # infer: from .gz / .zst
+
+
+class TextSource(_FileSource):
+    format: Literal["txt"]
+
+
+class HtmlSource(_FileSource):
+    format: Literal["html"]
+
+
+class ParquetSource(_FileSource):
+    format: Literal["parquet"]
+    text_column: str = "text"
+    id_column: str | None = "id"
+    columns: list[str] | None = None  # the columns to read (None: all); other columns become metadata
+
+
+class WarcSource(_FileSource):
+    format: Literal["warc"]  # .warc or .warc.gz; response records with HTML payloads become documents
+
+
+class CodeSource(_FileSource):
+    format: Literal["code"]  # a source tree: one document per file (tasks/data/code_tree.py)
+    exclude: list[str] = []  # globs of paths in the tree to skip (`docs/**`), removed as `excluded`
+
+
+class DatasetSource(_Source):
+    """A Hugging Face dataset: a local folder (save_to_disk output, or data files datasets can build)
+    or a hub id, loaded by `datasets` itself. Pin `revision` for a hub dataset: its key is its config."""
+
+    format: Literal["hf"]
+    config_name: str | None = None  # the dataset's configuration (load_dataset's `name`)
+    split: str = "train"
+    data_files: str | list[str] | dict[str, str | list[str]] | None = None
+    revision: str | None = None
+    text_column: str = "text"
+    id_column: str | None = "id"
+    columns: list[str] | None = None
+
+
+Source = Annotated[
+    JsonlSource | TextSource | HtmlSource | ParquetSource | WarcSource | CodeSource | DatasetSource,
+    Field(discriminator="format"),
+]
+_SOURCE = TypeAdapter(Source)
+# Formats whose files carry no licence of their own: the source must name one.
+_NEEDS_SOURCE_LICENCE = ("txt", "html", "warc")
+
+
+def SourceConfig(**fields: Any) -> Source:  # noqa: N802 — reads as the constructor of a source entry
+    """A source entry of the format `fields["format"]` (for code and tests; YAML goes through CollectConfig)."""
+    return _SOURCE.validate_python(fields)
 
 
 class CollectConfig(Section):
-    sources: list[SourceConfig] = []
+    sources: list[Source] = []
     allowed_licences: list[str] = OPEN_LICENCES
     # Keep only the first N documents of each source (files in sorted order): for tiny runs.
     max_docs_per_source: int | None = Field(None, ge=1)
@@ -62,10 +139,33 @@ class CollectConfig(Section):
     # a dump of a binary); 10 MB is far above any real document, far below the memory of a worker.
     max_doc_bytes: int = Field(10_000_000, ge=1)
 
+    def identity(self) -> dict[str, Any]:
+        """Remote sources' content enters the key as their listing (names, sizes, ETags): a local
+        source's files are fingerprinted by the stage (`source_paths`), a bucket's cannot be read
+        for that without downloading it."""
+        identity = super().identity()
+        remote = {s.name: remote_fingerprint(s.path, _patterns(s), s.storage_options) for s in self.sources
+                  if is_remote(s.path) and s.format != "hf"}
+        return identity | ({"remote_sources_sha256": remote} if remote else {})
+
 
 def source_paths(cfg: CollectConfig) -> list[Path]:
-    """The input paths, for the stage key (their content is fingerprinted, not just their names)."""
-    return [Path(source.path) for source in cfg.sources]
+    """The local input paths, for the stage key (their content is fingerprinted, not just their
+    names); a glob stands for its folder. Remote sources enter the key through `CollectConfig.identity`."""
+    paths = [local_path(source.path) for source in cfg.sources]
+    return [path for path in paths if path is not None]
+
+
+def _patterns(source: Source) -> tuple[str, ...]:
+    glob = getattr(source, "glob", None)
+    return (glob,) if glob else DEFAULT_GLOBS.get(source.format, ())
+
+
+def _is_hub_id(source: Source) -> bool:
+    """A dataset named by its hub id (`org/name`), not a local folder: nothing to check offline."""
+    plain = source.path.removeprefix("file://")
+    return (source.format == "hf" and not Path(plain).exists() and not source.path.startswith(("/", ".", "file://"))
+            and not is_remote(source.path))
 
 
 def _check_config(cfg: CollectConfig) -> LicencePolicy:
@@ -82,7 +182,7 @@ def _check_config(cfg: CollectConfig) -> LicencePolicy:
                 f"collect.sources[{seen[source.name]}]; give every source a unique name"
             )
         seen[source.name] = i
-        if source.licence is None and source.format != "jsonl":
+        if source.licence is None and source.format in _NEEDS_SOURCE_LICENCE:
             raise ConfigError(
                 f"collect.sources[{i}].licence: source {source.name!r} is {source.format}, whose "
                 "files carry no licence; set the licence of the source (an SPDX id)"
@@ -92,7 +192,8 @@ def _check_config(cfg: CollectConfig) -> LicencePolicy:
                 f"collect.sources[{i}].licence: {source.licence!r} is no SPDX licence expression; use SPDX "
                 "ids (https://spdx.org/licenses/, or LicenseRef-...) joined by AND, OR, WITH"
             )
-        if not Path(source.path).exists():
+        local = local_path(source.path)
+        if local is not None and not local.exists() and not _is_hub_id(source):
             raise InputError(
                 f"source {source.name!r}: path {source.path!r} does not exist (relative to "
                 f"{Path.cwd()}); fix collect.sources[{i}].path"
@@ -100,14 +201,28 @@ def _check_config(cfg: CollectConfig) -> LicencePolicy:
     return policy
 
 
-def _files(source: SourceConfig) -> list[tuple[Path, str]]:
-    """(file, path relative to the source) pairs in sorted order."""
-    root = Path(source.path)
-    if root.is_file():
-        return [(root, root.name)]
-    pattern = source.glob or DEFAULT_GLOBS[source.format]
-    files = [(p, p.relative_to(root).as_posix()) for p in root.glob(pattern) if p.is_file()]
-    return sorted(files, key=lambda pair: pair[1])
+def _candidates(source: Source, max_bytes: int, report: SourceReport) -> Iterator[Candidate]:
+    """Every candidate of one source, files in sorted order."""
+    if source.format == "hf":
+        report.num_files = 1
+        yield from read_dataset(source, max_bytes)
+        return
+    try:
+        files = list_files(source.path, _patterns(source), source.storage_options)
+    except InputError as err:
+        raise InputError(f"source {source.name!r}: {err}") from None
+    report.num_files = len(files)
+    if source.format == "code":
+        yield from read_code_tree(files, source, max_bytes)
+        return
+    reader = READERS[source.format]
+    for file in files:
+        yield from reader(file, source, max_bytes)
+
+
+def _sampled(doc_id: str, weight: float) -> bool:
+    """Whether a source of `weight` keeps the document `doc_id`: a hash, so every run keeps the same ones."""
+    return weight >= 1.0 or int.from_bytes(hashlib.sha256(doc_id.encode()).digest()[:8], "big") < weight * 2**64
 
 
 _MAX_REASON_LICENCE_CHARS = 100  # a licence as written, in a reason (a stats key); in full in removed.jsonl
@@ -120,6 +235,7 @@ def collect_documents(cfg: CollectConfig, out_dir: Path) -> dict:
     reports = []
     seen_ids: set[str] = set()
     by_domain: Counter[str] = Counter()
+    by_format: Counter[str] = Counter()
     num_repaired = 0
     with (
         open(out_dir / DOCUMENTS_FILE, "w", encoding="utf-8") as kept,
@@ -129,39 +245,42 @@ def collect_documents(cfg: CollectConfig, out_dir: Path) -> dict:
         for source in cfg.sources:
             report = SourceReport(source.name, source.path, source.format, source.domain, source.licence)
             reports.append(report)
-            files = _files(source)
-            report.num_files = len(files)
-            for file, rel in files:
-                if report.capped:
+            candidates = _candidates(source, cfg.max_doc_bytes, report)
+            for candidate in candidates:
+                if cfg.max_docs_per_source is not None and report.num_kept >= cfg.max_docs_per_source:
+                    report.capped = True
                     break
-                for candidate in READERS[source.format](file, rel, cfg.max_doc_bytes):
-                    if cfg.max_docs_per_source is not None and report.num_kept >= cfg.max_docs_per_source:
-                        report.capped = True
-                        break
-                    counts.num_in += 1
-                    num_repaired += candidate.num_repaired > 0
-                    reason, doc, verdict = _judge(candidate, source, cfg.min_chars, policy, seen_ids)
-                    log_record = {"source": source.name, **candidate.location}
-                    if verdict is not None:
-                        report.saw(verdict)
-                    if reason is None:
-                        assert doc is not None
-                        seen_ids.add(doc.id)
-                        kept.write(doc.to_json() + "\n")
-                        counts.num_kept += 1
-                        report.num_kept += 1
-                        report.num_chars += len(doc.text)
-                        by_domain[source.domain] += 1
-                    elif doc is not None:  # readable, but its licence is not allowed (or not known)
-                        removed.add(reason, {**log_record, "document": json.loads(doc.to_json())})
+                counts.num_in += 1
+                num_repaired += candidate.num_repaired > 0
+                reason, doc, verdict = _judge(candidate, source, cfg.min_chars, policy, seen_ids)
+                log_record = {"source": source.name, **candidate.location}
+                if verdict is not None:
+                    report.saw(verdict)
+                if reason is None:
+                    assert doc is not None
+                    seen_ids.add(doc.id)
+                    kept.write(doc.to_json() + "\n")
+                    counts.num_kept += 1
+                    report.num_kept += 1
+                    report.num_chars += len(doc.text)
+                    by_domain[source.domain] += 1
+                    by_format[source.format] += 1
+                elif doc is not None:  # readable, but its licence is not allowed (or not known), or sampled out
+                    removed.add(reason, {**log_record, "document": json.loads(doc.to_json())})
+                    counts.removed[reason] += 1
+                    report.removed[reason] += 1
+                else:
+                    extra = {key: value for key, value in (("detail", candidate.detail), ("raw", candidate.raw),
+                                                           ("raw_prefix", candidate.raw_prefix)) if value}
+                    if candidate.skip is not None:  # a file of a code tree that is no document
+                        removed.add(reason, {**log_record, **extra})
                         counts.removed[reason] += 1
                         report.removed[reason] += 1
-                    else:
-                        extra = {key: value for key, value in (("detail", candidate.detail), ("raw", candidate.raw),
-                                                               ("raw_prefix", candidate.raw_prefix)) if value}
-                        quarantine.add(reason, {**log_record, **extra})
-                        counts.quarantined[reason] += 1
-                        report.quarantined[reason] += 1
+                        continue
+                    quarantine.add(reason, {**log_record, **extra})
+                    counts.quarantined[reason] += 1
+                    report.quarantined[reason] += 1
+            candidates.close()  # a capped source: close its open file now
     compliance = compliance_report(reports, policy.allowed)
     (out_dir / "compliance.json").write_text(json.dumps(compliance, indent=2) + "\n", encoding="utf-8")
     (out_dir / "compliance.md").write_text(compliance_markdown(compliance), encoding="utf-8")
@@ -170,14 +289,23 @@ def collect_documents(cfg: CollectConfig, out_dir: Path) -> dict:
         "num_repaired": num_repaired,  # inputs whose lone surrogates became U+FFFD (tasks.data.untrusted)
         "by_source": {r.name: r.num_kept for r in reports},
         "by_domain": dict(sorted(by_domain.items())),
+        "by_format": dict(sorted(by_format.items())),
         "num_chars": sum(r.num_chars for r in reports),
     }
 
 
+def _position(location: dict[str, Any]) -> Any:
+    """Where in its file a record without an id was: its line, row or byte offset."""
+    return next((location[key] for key in ("line", "row", "offset") if key in location), None)
+
+
 def _judge(
-    candidate: Candidate, source: SourceConfig, min_chars: int, policy: LicencePolicy, seen_ids: set[str]
+    candidate: Candidate, source: Source, min_chars: int, policy: LicencePolicy, seen_ids: set[str]
 ) -> tuple[str | None, Document | None, LicenceVerdict | None]:
-    """(None, doc, verdict) to keep; (reason, doc, verdict) to remove; (reason, None, None) to quarantine."""
+    """(None, doc, verdict) to keep; (reason, doc, verdict) to remove; (reason, None, None) to quarantine
+    (or to remove, for a candidate with a `skip` reason)."""
+    if candidate.skip is not None:
+        return candidate.skip, None, None
     if candidate.problem is not None:
         return candidate.problem, None, None
     assert candidate.text is not None
@@ -189,7 +317,7 @@ def _judge(
     if candidate.id is not None:
         doc_id = f"{source.name}/{candidate.id}"
     else:
-        doc_id = f"{source.name}/{candidate.location['path']}:{candidate.location['line']}"
+        doc_id = f"{source.name}/{candidate.location['path']}:{_position(candidate.location)}"
     if doc_id in seen_ids:
         candidate.detail = f"id {doc_id!r} was already used by an earlier record"
         return "duplicate_id", None, None
@@ -198,6 +326,8 @@ def _judge(
     if verdict.label != written:  # provenance: the licence as the input wrote it
         metadata = {**metadata, "licence_as_written": written}
     doc = Document(doc_id, candidate.text, source.name, source.domain, verdict.label, metadata)
+    if not _sampled(doc_id, source.weight):
+        return "sampled_out", doc, None
     if verdict.status == "unknown":
         shown = written if len(written) <= _MAX_REASON_LICENCE_CHARS else written[:_MAX_REASON_LICENCE_CHARS] + "…"
         return f"licence_unknown:{shown}", doc, verdict

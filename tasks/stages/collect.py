@@ -1,4 +1,5 @@
-"""Stage `collect`: read the configured sources into documents, check licences, write a compliance report."""
+"""Stage `collect`: read the configured sources (files, globs, fsspec URLs, datasets, code trees) into
+documents, check licences, write a compliance report."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ def run(ctx: StageContext) -> dict:
 
 # version 2: licences normalised to SPDX (documents carry the SPDX expression, the written one in
 # metadata.licence_as_written); lone surrogates repaired; new quarantine reasons; compliance report v2
+# version 3: typed sources (warc, parquet, compressed jsonl, hf, code), positions by row/offset, weights, by_format
 STAGE = Stage(
-    name="collect", description="read sources, check licences", body=run, config=CollectConfig, version=2,
+    name="collect", description="read sources, check licences", body=run, config=CollectConfig, version=3,
     external_files=lambda cfg: source_paths(cfg.collect), headline=document_headline, reports=("compliance.md",),
 )

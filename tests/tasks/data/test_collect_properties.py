@@ -1,5 +1,6 @@
 """No input can crash a data stage: random bytes, random JSON and mutated real records go through
-every reader (jsonl, txt, html), then clean and dedup; every stage accounts for every document.
+every reader (jsonl plain, gzip and zstd; txt; html; parquet; WARC; code trees; Hugging Face
+datasets), then clean and dedup; every stage accounts for every document.
 
 Hypothesis draws the inputs; the example counts are small so the module runs in well under a
 minute on two cores (collect alone is cheap and gets more examples than the three-stage chain).
@@ -7,9 +8,15 @@ minute on two cores (collect alone is cheap and gets more examples than the thre
 
 from __future__ import annotations
 
+import gzip
+import io
 import json
 import tempfile
 from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import zstandard
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -89,11 +96,67 @@ html_pages = st.one_of(
 
 
 @st.composite
+def damaged(draw, data: bytes) -> bytes:
+    """`data` as it is, cut off, or with a run of bytes overwritten (a bad disk block, a torn upload)."""
+    kind = draw(st.sampled_from(["intact", "intact", "cut", "overwrite"]))
+    if kind == "intact" or not data:
+        return data
+    at = draw(st.integers(0, len(data) - 1))
+    if kind == "cut":
+        return data[:at]
+    return data[:at] + draw(st.binary(min_size=1, max_size=16)) + data[at + 16:]
+
+
+def _parquet(records: list[dict]) -> bytes:
+    """Drawn records as a parquet table: text and licence columns as strings (or nulls), metadata as JSON text."""
+    def string(value) -> str | None:
+        return value.encode("utf-8", errors="surrogatepass").decode("utf-8", errors="replace") if isinstance(value, str) else None
+
+    columns = {"text": [string(r.get("text")) for r in records], "licence": [string(r.get("licence")) for r in records],
+               "note": [json.dumps(r.get("metadata"), default=str) for r in records]}
+    buffer = io.BytesIO()
+    pq.write_table(pa.table(columns), buffer)
+    return buffer.getvalue()
+
+
+def _warc(pages: list[bytes]) -> bytes:
+    """Pages as a WARC, byte for byte the same on every call (hypothesis replays draws)."""
+    from warcio.statusandheaders import StatusAndHeaders
+    from warcio.warcwriter import WARCWriter
+
+    buffer = io.BytesIO()
+    writer = WARCWriter(buffer, gzip=True)
+    for i, page in enumerate(pages):
+        headers = StatusAndHeaders("200 OK", [("Content-Type", "text/html")], protocol="HTTP/1.1")
+        fixed = {"WARC-Record-ID": f"<urn:uuid:00000000-0000-0000-0000-{i:012d}>", "WARC-Date": "2024-01-01T00:00:00Z"}
+        writer.write_record(writer.create_warc_record(f"https://example.org/{i}", "response", payload=io.BytesIO(page),
+                                                      http_headers=headers, warc_headers_dict=fixed))
+    return buffer.getvalue()
+
+
+code_names = st.sampled_from([
+    "LICENSE", "COPYING", "a.py", "src/b.c", "vendor/c.js", "d_pb2.py", "e.png", "README", "sub/LICENSE", "sub/f.rs",
+    "run", ".git/HEAD", "g.min.js",
+])
+code_files = st.one_of(st.binary(max_size=120), prose.map(str.encode), mutated_real_lines(),
+                       st.sampled_from([b"#!/usr/bin/env python3\nprint(1)\n", b"/* SPDX-License-Identifier: MIT */\nint x;\n",
+                                        b"# SPDX-License-Identifier: \xff(\n", b"// Code generated. DO NOT EDIT.\n"]))
+
+
+@st.composite
 def corpora(draw) -> dict[str, bytes]:
-    """One jsonl file, one txt file and one html file."""
+    """One file of each format collect reads from files, and a small code tree."""
     jsonl = b"\n".join(draw(st.lists(lines, min_size=1, max_size=12))) + draw(st.sampled_from([b"", b"\n"]))
     txt = draw(st.binary(max_size=200) | mutated_real_lines() | prose.map(str.encode))
-    return {"jsonl/a.jsonl": jsonl, "txt/a.txt": txt, "html/a.html": draw(html_pages)}
+    files = {"jsonl/a.jsonl": jsonl, "txt/a.txt": txt, "html/a.html": draw(html_pages)}
+    files["jsonl/b.jsonl.gz"] = draw(damaged(gzip.compress(jsonl, mtime=0)) | st.binary(max_size=60))
+    files["jsonl/c.jsonl.zst"] = draw(damaged(zstandard.ZstdCompressor().compress(jsonl)) | st.binary(max_size=60))
+    files["parquet/a.parquet"] = draw(damaged(_parquet(draw(st.lists(records, max_size=6)))) | st.binary(max_size=200))
+    files["warc/a.warc.gz"] = draw(damaged(_warc(draw(st.lists(html_pages, max_size=3)))) | st.binary(max_size=200))
+    for name, data in draw(st.dictionaries(code_names, code_files, max_size=6)).items():
+        files[f"code/{name}"] = data
+    files.setdefault("code/placeholder.py", b"x = 1\n")
+    return files
 
 
 def _write(root: Path, files: dict[str, bytes]) -> None:
@@ -111,6 +174,9 @@ def _collect(root: Path, max_doc_bytes: int) -> tuple[dict, Path]:
         SourceConfig(name="j", path=str(root / "jsonl"), format="jsonl", domain="web", licence="MIT"),
         SourceConfig(name="t", path=str(root / "txt"), format="txt", domain="prose", licence="GPL-2+"),
         SourceConfig(name="h", path=str(root / "html"), format="html", domain="web", licence="CC-BY-4.0"),
+        SourceConfig(name="p", path=str(root / "parquet"), format="parquet", domain="web", licence="MIT"),
+        SourceConfig(name="w", path=str(root / "warc"), format="warc", domain="web", licence="MIT"),
+        SourceConfig(name="c", path=str(root / "code"), format="code", domain="code"),
     ]
     out = root / "collect"
     out.mkdir()
@@ -120,6 +186,7 @@ def _collect(root: Path, max_doc_bytes: int) -> tuple[dict, Path]:
     for record in map(json.loads, quarantined):
         assert record["reason"] and record["path"]  # a reason and a location, always
         assert "line" in record or record["source"] != "j"
+        assert "offset" in record or record["source"] != "w"
     return stats, out
 
 
@@ -137,7 +204,32 @@ def test_collect_turns_any_bytes_into_documents_or_quarantine(files, max_doc_byt
         root = Path(tmp)
         _write(root, files)
         stats, _ = _collect(root, max_doc_bytes)
-        assert stats["num_in"] >= 2  # the txt and html files are one input each, whatever they hold
+        assert stats["num_in"] >= 3  # the txt, html and placeholder code files are one input each, whatever they hold
+
+
+@settings(max_examples=12, **SETTINGS)
+@given(rows=st.lists(records, max_size=5), damage=st.booleans(), data=st.data())
+def test_a_saved_dataset_turns_into_documents_or_quarantine(rows, damage, data):
+    """A `save_to_disk` folder read through `datasets`, its Arrow file intact or damaged."""
+    import datasets
+
+    columns = {"text": [r.get("text") if isinstance(r.get("text"), str) else None for r in rows],
+               "license": [r.get("licence") if isinstance(r.get("licence"), str) else None for r in rows]}
+    columns = {k: [v.encode("utf-8", "surrogatepass").decode("utf-8", "replace") if v else v for v in vs]
+               for k, vs in columns.items()}
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        datasets.Dataset.from_dict(columns, features=datasets.Features({"text": datasets.Value("string"),
+                                                                        "license": datasets.Value("string")})
+                                   ).save_to_disk(str(root / "ds"))
+        for arrow in (root / "ds").glob("*.arrow") if damage else ():  # an empty dataset has none
+            arrow.write_bytes(data.draw(damaged(arrow.read_bytes()) | st.binary(max_size=100)))
+        out = root / "collect"
+        out.mkdir()
+        source = SourceConfig(name="d", path=str(root / "ds"), format="hf", domain="web")
+        stats = collect_documents(CollectConfig(sources=[source]), out)
+        _assert_accounts(stats, out)
+        assert stats["num_in"] >= (0 if damage else len(rows))
 
 
 @settings(max_examples=20, **SETTINGS)
