@@ -423,7 +423,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("down", "Stop the servers `kiln up` started for this working directory.", cmd_down)
     for name, func, help_text in (
         ("deploy", cmd_deploy, "Register every deployment (pipeline, each stage, continuous eval) with the Prefect "
-                               "server at PREFECT_API_URL, creating the process work pool if needed."),
+                               "server at PREFECT_API_URL, creating its work pool (process, or --work-pool kubernetes) if needed."),
         ("serve", cmd_serve, "Serve the pipeline and every stage (and continuous eval, given a config) from this "
                              "process: deployments without a worker, for a laptop."),
     ):

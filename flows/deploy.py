@@ -1,8 +1,10 @@
 """`kiln deploy`, `kiln worker`, `kiln serve`: Kiln's deployments on a real Prefect API.
 
 `deploy` registers every deployment of infra/prefect.yaml (the pipeline, one per stage, continuous
-eval) with `prefect deploy`, creating the process work pool first; `worker` starts a worker for
-that pool with the process settings CLI runs get; `serve` serves the same flows from one process,
+eval) with `prefect deploy`, creating its work pool first: the process pool by default, or the
+Kubernetes pool (base job template: infra/work-pools/kubernetes.json), onto which every deployment
+then moves. `worker` starts a worker for the process pool with the process settings CLI runs get
+(a Kubernetes pool's worker runs in the cluster); `serve` serves the same flows from one process,
 for a laptop. The continuous-eval schedule stays off until it is told which config to watch: a
 schedule silently scoring `configs/default.yaml` every ten minutes helps no one.
 """
@@ -10,16 +12,23 @@ schedule silently scoring `configs/default.yaml` every ten minutes helps no one.
 from __future__ import annotations
 
 import asyncio
+import copy
+import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
+
+import yaml
 
 from flows.environment import PROCESS_SETTINGS
 from tasks.errors import KilnError
 
 REPO = Path(__file__).resolve().parents[1]
 PREFECT_FILE = REPO / "infra" / "prefect.yaml"
+WORK_POOL_TEMPLATES = REPO / "infra" / "work-pools"  # {type}.json: a pool's base job template (none: Prefect's)
+WORK_POOL_TYPES = ("process", "kubernetes")
 POOL = "kiln-process"
 CONTINUOUS_EVAL = "kiln-continuous-eval/continuous-eval"
 
@@ -37,24 +46,80 @@ def worker_environment() -> dict[str, str]:
     return {**PROCESS_SETTINGS, **os.environ, "KILN_REPO_DIR": str(REPO)}
 
 
-def _prefect(*args: str, check: bool = True) -> subprocess.CompletedProcess:
-    result = subprocess.run([sys.executable, "-m", "prefect", *args], cwd=REPO, env=worker_environment(),
-                            capture_output=True, text=True)
+def _prefect(*args: str, check: bool = True, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    result = subprocess.run([sys.executable, "-m", "prefect", *args], cwd=REPO,
+                            env={**worker_environment(), **(env or {})}, capture_output=True, text=True)
     if check and result.returncode != 0:
         raise KilnError(f"`prefect {' '.join(args)}` failed ({result.returncode}):\n{result.stdout[-2000:]}"
                         f"{result.stderr[-2000:]}")
     return result
 
 
+def work_pool(kind: str) -> dict:
+    """The work pool `kind` (process, kubernetes) as infra/prefect.yaml defines it: name, queue, job variables."""
+    if kind not in WORK_POOL_TYPES:
+        raise KilnError(f"work pool {kind!r} is not one of {', '.join(WORK_POOL_TYPES)}")
+    return yaml.safe_load(PREFECT_FILE.read_text())["definitions"]["work_pools"][kind]
+
+
+def ensure_work_pool(kind: str) -> str:
+    """Create the work pool `kind` unless it exists (an existing pool is left as the operator made it),
+    with its template from infra/work-pools/ or else Prefect's default for the type, as
+    `prefect work-pool create` would; returns its name."""
+    name = work_pool(kind)["name"]
+    asyncio.run(_ensure_work_pool(name, kind))
+    return name
+
+
+async def _ensure_work_pool(name: str, kind: str) -> None:
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import WorkPoolCreate
+    from prefect.exceptions import ObjectNotFound
+    from prefect.workers.utilities import get_default_base_job_template_for_infrastructure_type
+
+    async with get_client() as client:
+        try:
+            await client.read_work_pool(name)
+            return
+        except ObjectNotFound:
+            pass
+        path = WORK_POOL_TEMPLATES / f"{kind}.json"
+        template = json.loads(path.read_text()) if path.is_file() else \
+            await get_default_base_job_template_for_infrastructure_type(kind)
+        await client.create_work_pool(WorkPoolCreate(name=name, type=kind, base_job_template=template))
+
+
+def prefect_file_for(kind: str) -> dict:
+    """infra/prefect.yaml with every deployment on the work pool `kind`."""
+    spec = yaml.safe_load(PREFECT_FILE.read_text())
+    pool = work_pool(kind)
+    for deployment in spec["deployments"]:
+        deployment["work_pool"] = copy.deepcopy(pool)
+    return spec
+
+
 def deploy(continuous_eval_config: str | None = None, overrides: list[str] | None = None,
-           alert_webhook: str | None = None) -> str:
-    """Register every deployment; with `continuous_eval_config`, point the continuous-eval schedule
-    at that config and switch it on; with `alert_webhook`, create the alert automations
-    (`flows.alerts`). Returns `prefect deploy`'s summary."""
+           alert_webhook: str | None = None, pool: str = "process", image: str | None = None) -> str:
+    """Register every deployment on the work pool `pool` (process or kubernetes; a Kubernetes pool
+    runs flows in `image`, which holds Kiln at /opt/kiln); with `continuous_eval_config`, point the
+    continuous-eval schedule at that config and switch it on; with `alert_webhook`, create the alert
+    automations (`flows.alerts`). Returns `prefect deploy`'s summary."""
     _require_server()
-    if _prefect("work-pool", "inspect", POOL, check=False).returncode != 0:
-        _prefect("work-pool", "create", POOL, "--type", "process")
-    summary = _prefect("--no-prompt", "deploy", "--prefect-file", str(PREFECT_FILE), "--all").stdout
+    if pool == "kubernetes" and not image:
+        raise KilnError("the kubernetes work pool runs flows in a container: give its image with --image "
+                        "(or KILN_IMAGE), one with Kiln at /opt/kiln and kubectl")
+    name = ensure_work_pool(pool)
+    if pool == "process":
+        summary = _prefect("--no-prompt", "deploy", "--prefect-file", str(PREFECT_FILE), "--all").stdout
+    else:
+        with tempfile.TemporaryDirectory(prefix="kiln-deploy-") as tmp:
+            prefect_file = Path(tmp) / "prefect.yaml"
+            prefect_file.write_text(yaml.safe_dump(prefect_file_for(pool), sort_keys=False))
+            # `prefect deploy` resolves the pull step's {{ $KILN_REPO_DIR }} now: to where Kiln is in the image
+            in_image = work_pool(pool)["job_variables"]["env"]["KILN_REPO_DIR"]
+            summary = _prefect("--no-prompt", "deploy", "--prefect-file", str(prefect_file), "--all",
+                               env={"KILN_IMAGE": image, "KILN_REPO_DIR": in_image}).stdout
+        summary += f"\nevery deployment is on the work pool {name} (image {image})"
     if continuous_eval_config is not None:
         asyncio.run(_watch(continuous_eval_config, list(overrides or [])))
     if alert_webhook:

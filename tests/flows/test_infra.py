@@ -1,11 +1,18 @@
-"""Launch files render and point at real flows: every stage, the pipeline and continuous eval have a deployment."""
+"""Launch files render and point at real flows: every stage, the pipeline and continuous eval have a
+deployment, on the process work pool or on the Kubernetes one (whose Jobs are checked against the
+Kubernetes OpenAPI schemas: there is no cluster here)."""
 
+import asyncio
 import importlib
+import json
 from pathlib import Path
 
+import kubernetes_validate
+import pytest
 import yaml
 from prefect import Flow
 
+from tasks.errors import KilnError
 from tasks.stages import REGISTRY
 
 INFRA = Path(__file__).resolve().parents[2] / "infra"
@@ -44,3 +51,113 @@ def test_compose_publishes_on_loopback_only_and_commits_no_password():
     assert ports and all(port.startswith("127.0.0.1:") for port in ports)
     assert compose["services"]["postgres"]["environment"]["POSTGRES_PASSWORD"].startswith("${POSTGRES_PASSWORD:?")
     assert "kiln:kiln@" not in (INFRA / "compose.yaml").read_text()
+
+
+# --- work pools: process (the default) and Kubernetes -------------------------------------------------
+
+K8S_VERSION = "1.37"  # the newest Kubernetes whose OpenAPI schemas kubernetes-validate ships
+IMAGE = "ghcr.io/kiln/kiln:0.1.0"
+
+
+def test_both_work_pools_are_declared():
+    pools = yaml.safe_load((INFRA / "prefect.yaml").read_text())["definitions"]["work_pools"]
+    assert {kind: pool["name"] for kind, pool in pools.items()} == {"process": "kiln-process",
+                                                                   "kubernetes": "kiln-kubernetes"}
+    assert pools["kubernetes"]["job_variables"]["image"] == "{{ $KILN_IMAGE }}"  # resolved by `prefect deploy`
+    # the same process settings, plus where Kiln lives in the image (the pull step's directory)
+    assert pools["kubernetes"]["job_variables"]["env"] == {**pools["process"]["job_variables"]["env"],
+                                                           "KILN_REPO_DIR": "/opt/kiln"}
+    assert not (INFRA / "work-pools" / "process.json").exists()  # the process pool keeps Prefect's template
+
+
+def test_kubernetes_pool_template_is_prefect_kubernetes_default_plus_the_store():
+    """What Kiln changes in prefect-kubernetes' default base job template, and nothing else."""
+    from prefect_kubernetes.worker import KubernetesWorker
+
+    ours = json.loads((INFRA / "work-pools" / "kubernetes.json").read_text())
+    default = KubernetesWorker.get_default_base_job_template()
+    pod = ours["job_configuration"]["job_manifest"]["spec"]["template"]["spec"]
+    assert pod.pop("volumes") == [{"name": "store", "persistentVolumeClaim": {"claimName": "{{ store_claim }}"}}]
+    assert pod["containers"][0].pop("volumeMounts") == [{"name": "store", "mountPath": "{{ store_path }}"}]
+    variables = ours["variables"]["properties"]
+    assert {variables.pop("store_claim")["default"], variables.pop("store_path")["default"]} == {"kiln-store", "/kiln"}
+    assert variables["service_account_name"].pop("default") == "kiln"  # infra/k8s/cluster-setup.yaml
+    variables["service_account_name"]["description"] = default["variables"]["properties"]["service_account_name"][
+        "description"]
+    default["variables"]["properties"]["service_account_name"].pop("default")
+    assert ours == default
+
+
+def test_cluster_setup_is_valid_kubernetes():
+    docs = list(yaml.safe_load_all((INFRA / "k8s" / "cluster-setup.yaml").read_text()))
+    assert [d["kind"] for d in docs] == ["ServiceAccount", "Role", "RoleBinding", "PersistentVolumeClaim"]
+    for doc in docs:
+        kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+    template = json.loads((INFRA / "work-pools" / "kubernetes.json").read_text())["variables"]["properties"]
+    assert docs[0]["metadata"]["name"] == template["service_account_name"]["default"]
+    assert docs[3]["metadata"]["name"] == template["store_claim"]["default"]
+    assert docs[3]["spec"]["accessModes"] == ["ReadWriteMany"]  # flow-run pods and training pods share it
+    # the launcher's kubectl verbs (tasks/launch/kubernetes.py) are all allowed
+    allowed = {(resource, verb) for rule in docs[1]["rules"] for resource in rule["resources"] for verb in rule["verbs"]}
+    assert {("jobs", "create"), ("jobs", "patch"), ("jobs", "get"), ("jobs", "delete"), ("services", "create"),
+            ("services", "patch"), ("pods", "list"), ("pods/log", "get")} <= allowed
+
+
+@pytest.fixture
+def api_url(prefect_api, monkeypatch):
+    """The test Prefect API, also for the `prefect` subprocesses `kiln deploy` starts."""
+    from prefect.settings import PREFECT_API_URL
+
+    monkeypatch.setenv("PREFECT_API_URL", PREFECT_API_URL.value())
+    return PREFECT_API_URL.value()
+
+
+def test_kiln_deploy_on_the_kubernetes_pool_gives_a_valid_job_manifest(api_url):
+    """Against a real Prefect API: both pools are created (from infra/work-pools/ where a template is
+    declared), every deployment moves to the Kubernetes pool with its image, and the Job that
+    prefect-kubernetes' worker would create for a flow run of it is valid Kubernetes. No cluster:
+    nothing is submitted."""
+    from prefect.client.orchestration import get_client
+    from prefect.workers.process import ProcessWorker
+    from prefect_kubernetes.worker import KubernetesWorkerJobConfiguration
+
+    from flows.deploy import deploy, ensure_work_pool
+
+    with pytest.raises(KilnError, match="--image"):
+        deploy(pool="kubernetes")
+    assert ensure_work_pool("process") == "kiln-process"
+    summary = deploy(pool="kubernetes", image=IMAGE)
+    assert "every deployment is on the work pool kiln-kubernetes" in summary
+    assert ensure_work_pool("kubernetes") == "kiln-kubernetes"  # exists: left as it is
+
+    async def read():
+        async with get_client() as client:
+            pools = {name: await client.read_work_pool(name) for name in ("kiln-process", "kiln-kubernetes")}
+            deployment = await client.read_deployment_by_name("kiln-train/train")
+            flow_run = await client.create_flow_run_from_deployment(deployment.id)
+            config = await KubernetesWorkerJobConfiguration.resolve_for_flow_run(
+                flow_run, client=client, work_pool=pools["kiln-kubernetes"], worker_name="kiln-test",
+                deployment=deployment)
+            return pools, deployment, config
+
+    pools, deployment, config = asyncio.run(read())
+    assert (pools["kiln-process"].type, pools["kiln-kubernetes"].type) == ("process", "kubernetes")
+    assert pools["kiln-process"].base_job_template == ProcessWorker.get_default_base_job_template()
+    assert pools["kiln-kubernetes"].base_job_template == json.loads(
+        (INFRA / "work-pools" / "kubernetes.json").read_text())
+    assert deployment.work_pool_name == "kiln-kubernetes"
+    assert deployment.job_variables["image"] == IMAGE
+    # `prefect deploy` resolves the pull step's directory: Kiln's place in the image, not this checkout
+    assert deployment.pull_steps == [{"prefect.deployments.steps.set_working_directory": {"directory": "/opt/kiln"}}]
+
+    job = config.job_manifest
+    pod = job["spec"]["template"]["spec"]
+    container = pod["containers"][0]
+    assert container["image"] == IMAGE and pod["serviceAccountName"] == "kiln"
+    assert {"name": "KILN_REPO_DIR", "value": "/opt/kiln"} in container["env"]
+    assert container["volumeMounts"] == [{"name": "store", "mountPath": "/kiln"}]
+    assert pod["volumes"] == [{"name": "store", "persistentVolumeClaim": {"claimName": "kiln-store"}}]
+    # prefect-kubernetes' own validator demands these two in the pod spec, where the Job API has no such
+    # fields (the API server drops them, with a warning); everything else must be valid, strictly
+    assert (pod.pop("parallelism"), pod.pop("completions")) == (1, 1)
+    kubernetes_validate.validate(job, K8S_VERSION, strict=True)
