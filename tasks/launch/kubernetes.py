@@ -50,9 +50,10 @@ _DNS_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")  # RFC 1035: the Servic
 class KubernetesJobFailed(LaunchError):
     """The Job failed; `hosts` are the nodes of the pods that failed first (already recorded)."""
 
-    def __init__(self, message: str, log: Path | None, hosts: list[str]) -> None:
+    def __init__(self, message: str, log: Path | None, hosts: list[str], job_id: str) -> None:
         super().__init__(message, log=log)
         self.hosts = hosts
+        self.job_id = job_id
 
 
 class LaunchCancelled(KilnError):
@@ -102,22 +103,26 @@ class KubernetesLauncher(Launcher):
             raise ConfigError(f"job name {self.job_name!r} cannot name a Kubernetes Service and its pods: use "
                               "lowercase letters, digits and '-', starting with a letter, short enough that "
                               f"'{self.job_name}-{c.nodes - 1}' has at most 63 characters")
-        exclude = []
-        for host in self.exclude_hosts():
-            if len(host) <= 63 and _LABEL_VALUE.match(host):
-                exclude.append(host)
-            else:  # say, a pod's FQDN from a torchrun summary: it names no node, and the API would refuse it
-                logger.warning("not excluding %r: it is no kubernetes.io/hostname value", host)
         rdzv_host = f"{self.job_name}-0.{self.job_name}"  # indexed pods are named {job}-{index}
         torchrun = ["torchrun", "--nnodes", str(c.nodes), "--nproc_per_node", str(self.nproc_per_node),
                     "--rdzv_backend", "c10d", "--rdzv_endpoint", f"{rdzv_host}:{c.rdzv_port}",
                     "--rdzv_id", self.job_name, *command]
         return render_template(self.template_dir, self.template,
             job_name=self.job_name, namespace=c.namespace, nodes=c.nodes, gpus_per_node=c.gpus_per_node,
-            image=c.image, exclude=exclude, workdir=str(self.workdir), env=self.env, rdzv_port=c.rdzv_port,
+            image=c.image, exclude=self._exclusions(), workdir=str(self.workdir), env=self.env, rdzv_port=c.rdzv_port,
             shell_command="exec " + shlex.join(torchrun), attempt=str(self.attempt + 1),
             volume_claim=self.volume_claim, volume_path=str(self.volume_path) if self.volume_path else None,
         )
+
+    def _exclusions(self) -> list[str]:
+        """The excluded hosts that can be node names (the kubernetes.io/hostname label's values)."""
+        exclude = []
+        for host in self.exclude_hosts():
+            if len(host) <= 63 and _LABEL_VALUE.match(host):
+                exclude.append(host)
+            else:  # say, a pod's FQDN longer than a label: it names no node, and the API would refuse it
+                logger.warning("not excluding %r: it is no kubernetes.io/hostname value", host)
+        return exclude
 
     def launch(self, command: list[str]) -> LaunchResult:
         """Run the Job to its end (see the module docstring); raises KubernetesJobFailed when it fails."""
@@ -127,6 +132,7 @@ class KubernetesLauncher(Launcher):
             return LaunchResult(self.name, submitted=False, rendered=path,
                                 message=f"kubectl is not on PATH: wrote {path}; apply it with `kubectl apply -f {path}`")
         self.attempt += 1
+        self.excluded = self._exclusions()  # what this launch keeps pods off, for the relaunch's record
         self._kubectl(kubectl, "delete", "job", self.job_name, *self._ns, "--ignore-not-found", "--cascade=background",
                       "--wait=true")
         with _sigterm_raises():
@@ -151,7 +157,7 @@ class KubernetesLauncher(Launcher):
         raise KubernetesJobFailed(
             f"{where} failed ({reason}); first failed on {', '.join(hosts) or 'no node Kiln could name'}; "
             f"log: {log}\n{log.read_text(encoding='utf-8', errors='replace')[-LOG_TAIL_CHARS:]}",
-            log=log, hosts=hosts,
+            log=log, hosts=hosts, job_id=self.job_name,
         )
 
     @property

@@ -163,12 +163,14 @@ def test_failed_job_is_relaunched_off_the_node_that_failed(tmp_path: Path, monke
     with pytest.raises(KubernetesJobFailed, match="BackoffLimitExceeded") as failure:
         launcher.launch(COMMAND)
     assert failure.value.hosts == ["gpu-node-4"] == read_failed_hosts(failed_hosts)
+    assert (failure.value.job_id, launcher.excluded) == ("run-13b", [])
     log = failure.value.log.read_text()
     assert log.startswith("==> pod run-13b-0-t9wqz (index 0, node gpu-node-1): Failed, exit code 1 (Error) <==\n")
     assert "==> pod run-13b-1-m4hkd (index 1, node gpu-node-4): Failed, exit code 1 (Error) <==\n" in log
     assert failed_ranks(log) == [11]  # both pods' torchrun summaries are intact for the rank parser
     result = launcher.launch(COMMAND)  # what a relaunch loop does with the LaunchError
     assert (result.submitted, result.returncode, result.job_id) == (True, 0, "run-13b")
+    assert launcher.excluded == ["gpu-node-4"]
     assert "run-13b-1-d8fjs (index 1, node gpu-node-2): Succeeded, exit code 0 (Completed)" in result.log.read_text()
 
     manifest = str(out / "train-job.yaml")
