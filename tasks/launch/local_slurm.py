@@ -1,4 +1,4 @@
-"""A real single-node Slurm cluster on this machine: munged, slurmctld and slurmd from Debian's packages.
+"""A real Slurm cluster on this machine: munged, slurmctld and slurmd from Debian's packages.
 
 The test suite, the scale-out benchmark and anyone trying the Slurm paths on a laptop start one
 with `LocalSlurmCluster(folder).start()`; its clients (`sbatch`, `squeue`, `scontrol`, `scancel`)
@@ -6,6 +6,12 @@ find it through `SLURM_CONF` (see `env`). Everything it writes — config, state
 daemon logs — stays in `folder`, and its ports are picked free, so several clusters (two test
 sessions) can run side by side. There is no accounting daemon: jobs are followed with `squeue` and
 `scontrol show job`.
+
+`nodes=1` is this host under its own name. `nodes=2` or more runs one slurmd per node on this host
+(`slurmd -N kiln-n1`, Debian's build supports several slurmd per host), each node with its own port
+and spool and `NodeAddr=127.0.0.1`: a real multi-node cluster to the scheduler, so that a job spans
+nodes, `--exclude` moves a job to another node, and `SLURMD_NODENAME` differs between them. Every
+node claims `cpus` CPUs of the same machine (the scheduler does not bind them: `task/none`).
 """
 
 from __future__ import annotations
@@ -37,15 +43,19 @@ def free_port() -> int:
 
 
 class LocalSlurmCluster:
-    """One node (this host) with `cpus` CPUs in one default partition, `debug`."""
+    """`nodes` nodes with `cpus` CPUs each in one default partition, `debug`."""
 
     partition = "debug"
 
-    def __init__(self, folder: Path, cpus: int | None = None, memory_mb: int = 4000) -> None:
+    def __init__(self, folder: Path, cpus: int | None = None, memory_mb: int = 4000, nodes: int = 1) -> None:
+        if nodes < 1:
+            raise ValueError(f"nodes must be at least 1, got {nodes}")
         self.folder = folder.resolve()
         self.cpus = cpus or os.cpu_count() or 1
         self.memory_mb = memory_mb
-        self.node = socket.gethostname().split(".")[0]
+        self.node = socket.gethostname().split(".")[0]  # this host
+        # the scheduler's node names: this host's own name, or one emulated node per slurmd
+        self.node_names = [self.node] if nodes == 1 else [f"kiln-n{i}" for i in range(1, nodes + 1)]
         self.conf = self.folder / "slurm.conf"
 
     @property
@@ -61,17 +71,33 @@ class LocalSlurmCluster:
         self._start_munge()
         for sub in ("state", "spool", "log"):
             (self.folder / sub).mkdir(parents=True, exist_ok=True)
-        self.conf.write_text(self._config(free_port(), free_port()))
-        for daemon in DAEMONS:
-            log = (self.folder / "log" / f"{daemon}.out").open("ab")
-            subprocess.Popen([daemon, "-f", str(self.conf)], stdout=log, stderr=subprocess.STDOUT,
-                             env={**os.environ, **self.env}, start_new_session=True)
+        self.conf.write_text(self._config(free_port(), [free_port() for _ in self.node_names]))
+        commands = {"slurmctld": ["slurmctld", "-f", str(self.conf)]}  # daemon log name -> argv
+        if self.multiple:
+            for name in self.node_names:
+                (self.folder / "spool" / name).mkdir(exist_ok=True)
+                commands[f"slurmd-{name}"] = ["slurmd", "-f", str(self.conf), "-N", name]
+        else:
+            commands["slurmd"] = ["slurmd", "-f", str(self.conf)]
+        for log_name, argv in commands.items():
+            log = (self.folder / "log" / f"{log_name}.out").open("ab")
+            subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **self.env},
+                             start_new_session=True)
         self._wait_until_idle()
         return self
 
+    @property
+    def multiple(self) -> bool:
+        """Several slurmd on this host (emulated nodes)."""
+        return len(self.node_names) > 1
+
     def stop(self) -> None:
-        """Stop both daemons (by their pid files) and wait for them to exit; munged is shared, so it stays."""
-        for daemon in reversed(DAEMONS):
+        """Stop the daemons (by their pid files) and wait for them to exit; munged is shared, so it stays.
+
+        All are signalled first and then awaited together: each takes ~2 s to shut down."""
+        slurmds = [f"slurmd-{name}" for name in self.node_names] if self.multiple else ["slurmd"]
+        stopping = []
+        for daemon in [*slurmds, "slurmctld"]:
             pid_file = self.folder / f"{daemon}.pid"
             if not pid_file.is_file():
                 continue
@@ -82,9 +108,11 @@ class LocalSlurmCluster:
                 os.kill(pid, signal.SIGTERM)
             except ProcessLookupError:
                 continue
-            deadline = time.monotonic() + 10
-            while time.monotonic() < deadline and _alive(pid):
-                time.sleep(0.1)
+            stopping.append(pid)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and any(_alive(pid) for pid in stopping):
+            time.sleep(0.1)
+        for pid in stopping:
             if _alive(pid):
                 os.kill(pid, signal.SIGKILL)
 
@@ -107,8 +135,16 @@ class LocalSlurmCluster:
         if started.returncode != 0:
             raise SlurmUnavailable(f"munged did not start: {started.stderr.strip()}")
 
-    def _config(self, ctld_port: int, slurmd_port: int) -> str:
+    def _config(self, ctld_port: int, slurmd_ports: list[int]) -> str:
         f = self.folder
+        # %n: the node name, so that each emulated node's slurmd has its own spool, pid file and log
+        per_node = "-%n" if self.multiple else ""
+        if self.multiple:
+            node_lines = [f"NodeName={name} NodeHostname={self.node} NodeAddr=127.0.0.1 Port={port} "
+                          f"CPUs={self.cpus} RealMemory={self.memory_mb} State=UNKNOWN"
+                          for name, port in zip(self.node_names, slurmd_ports)]
+        else:
+            node_lines = [f"NodeName={self.node} CPUs={self.cpus} RealMemory={self.memory_mb} State=UNKNOWN"]
         return "\n".join([
             "ClusterName=kiln-local",
             f"SlurmctldHost={self.node}",
@@ -121,19 +157,19 @@ class LocalSlurmCluster:
             "ReturnToService=2",
             "MpiDefault=none",
             f"SlurmctldPort={ctld_port}",
-            f"SlurmdPort={slurmd_port}",
+            f"SlurmdPort={slurmd_ports[0]}",
             f"StateSaveLocation={f / 'state'}",
-            f"SlurmdSpoolDir={f / 'spool'}",
+            f"SlurmdSpoolDir={f / 'spool'}{'/%n' if self.multiple else ''}",
             f"SlurmctldPidFile={f / 'slurmctld.pid'}",
-            f"SlurmdPidFile={f / 'slurmd.pid'}",
+            f"SlurmdPidFile={f / f'slurmd{per_node}.pid'}",
             f"SlurmctldLogFile={f / 'log' / 'slurmctld.log'}",
-            f"SlurmdLogFile={f / 'log' / 'slurmd.log'}",
+            f"SlurmdLogFile={f / 'log' / f'slurmd{per_node}.log'}",
             "JobCompType=jobcomp/filetxt",
             f"JobCompLoc={f / 'log' / 'jobcomp.txt'}",
             "KillWait=5",
             "MinJobAge=300",
-            f"NodeName={self.node} CPUs={self.cpus} RealMemory={self.memory_mb} State=UNKNOWN",
-            f"PartitionName={self.partition} Nodes={self.node} Default=YES MaxTime=INFINITE State=UP",
+            *node_lines,
+            f"PartitionName={self.partition} Nodes={','.join(self.node_names)} Default=YES MaxTime=INFINITE State=UP",
             "",
         ])
 
@@ -144,11 +180,13 @@ class LocalSlurmCluster:
             done = subprocess.run(["sinfo", "-h", "-N", "-o", "%T"], capture_output=True, text=True,
                                   env={**os.environ, **self.env})
             state = done.stdout.strip() or done.stderr.strip()
-            if done.returncode == 0 and state in ("idle", "mixed", "allocated"):
+            states = state.split()
+            if done.returncode == 0 and len(states) == len(self.node_names) and \
+                    set(states) <= {"idle", "mixed", "allocated"}:
                 return
             time.sleep(0.3)
         self.stop()
-        logs = "\n".join(_tail(self.folder / "log" / f"{d}.log") for d in DAEMONS)
+        logs = "\n".join(_tail(path) for path in sorted((self.folder / "log").glob("slurm*.log")))
         raise SlurmUnavailable(f"the local Slurm cluster in {self.folder} did not become idle in "
                                f"{START_TIMEOUT_S:g} s (last sinfo: {state!r}); daemon logs:\n{logs}")
 
