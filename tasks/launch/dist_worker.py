@@ -4,9 +4,11 @@ The config is one JSON object: `model`, `optim`, `train` and `parallel` sections
 as in `ModelConfig`, `OptimConfig`, `TrainRunConfig`, `ParallelDims`), plus `manifest` (a mix
 manifest), `data_root` (what its shard paths are relative to), `out_dir` (checkpoints, resume,
 the final model and metrics go there) and optionally `stop_after` (stop once that many steps
-are done, as a stopped job would), `init_model_dir` (a saved model to start from) and `callbacks` (a list of `CallbackSpec`s as JSON: each rank
-builds them from their dotted paths and hands them to `train_model`). Every rank runs
-`train_model` with the `parallel` layout; rank 0 writes the `TrainResult` as JSON to `--out`.
+are done, as a stopped job would), `init_model_dir` (a saved model to start from) and
+`callbacks` (a list of `CallbackSpec`s as JSON: each rank builds them from their dotted paths
+and hands them to `train_model`). Every rank runs `train_model` with the `parallel` layout and
+registers the scheduler's name for its node (`rank_hosts.node_name`: the Slurm node, the
+Kubernetes node) for failure reports; rank 0 writes the `TrainResult` as JSON to `--out`.
 Several `--config C --out O` pairs run one after another in the same process group, which saves
 a torchrun start-up (seconds of imports per process) each.
 Run without torchrun, it trains as a single process.
@@ -23,7 +25,7 @@ import torch.distributed as dist
 from pydantic import ValidationError
 
 from tasks.errors import ConfigError
-from tasks.launch.rank_hosts import NODE_NAME_ENV, REGISTRY_DIR, register_rank
+from tasks.launch.rank_hosts import REGISTRY_DIR, node_name, register_rank
 from tasks.train.callbacks import CallbackSpec
 from tasks.train.config import ModelConfig, OptimConfig, ParallelDims, TrainRunConfig
 from tasks.train.data_loader import Mixture
@@ -44,7 +46,7 @@ def main(argv: list[str] | None = None) -> None:
     if "RANK" in os.environ:  # under torchrun: say which host this rank runs on, for failure reports
         for _, _, options in runs:
             register_rank(options["out_dir"] / REGISTRY_DIR, int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]),
-                          host=os.environ.get(NODE_NAME_ENV))
+                          host=node_name())
     try:
         for (sections, mixture, options), out in zip(runs, args.out):
             result = train_model(sections["model"], sections["optim"], sections["train"], mixture,

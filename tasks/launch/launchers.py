@@ -10,19 +10,26 @@ file and say how to submit it.
 
 Hosts that failed a previous attempt are recorded next to the run (`record_failed_hosts`) and
 excluded, together with `cluster.exclude_hosts`, from every later render.
+
+A launcher that waits on a cluster job cancels it when the wait is interrupted: Ctrl-C
+(KeyboardInterrupt) or SIGTERM (Prefect's cancellation, `kill`), which `sigterm_raises` turns into
+an exception in the main thread for the length of the wait.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shlex
 import shutil
 import signal
+import socket
 import subprocess
 import sys
+import threading
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
@@ -40,12 +47,27 @@ LOG_TAIL_CHARS = 2000
 class LaunchError(KilnError):
     """A launched job failed, timed out, or could not be submitted.
 
-    `log` is the job's whole output when it ran here (the message holds only its tail).
+    `log` is the job's whole output when it ran here (the message holds only its tail); `hosts` the
+    hosts the launcher itself blames, when it can name them (this machine for a local launch);
+    `job_id` the scheduler's id of the job.
     """
 
-    def __init__(self, message: str, log: Path | None = None) -> None:
+    def __init__(self, message: str, log: Path | None = None, *, hosts: Sequence[str] = (),
+                 job_id: str | None = None) -> None:
         super().__init__(message)
         self.log = log
+        self.hosts = list(hosts)
+        self.job_id = job_id
+
+
+class LaunchCancelled(KilnError):
+    """SIGTERM arrived while waiting, the job was cancelled, and the previous handler let the process go on.
+
+    Not a LaunchError: a cancelled run must not be relaunched."""
+
+
+class Terminated(BaseException):
+    """SIGTERM, raised in the main thread by `sigterm_raises` so that a wait unwinds and cancels its job."""
 
 
 @dataclass(frozen=True)
@@ -104,6 +126,10 @@ class Launcher(ABC):
         self.failed_hosts_file = failed_hosts_file
         self.workdir = workdir or Path.cwd()
         self.search_path = search_path
+        # what the last launch excluded, and the recorded failed hosts it used again because excluding
+        # them would have left too few nodes (set by launchers that decide it at submission: Slurm)
+        self.excluded: list[str] = []
+        self.exclusion_dropped: list[str] = []
 
     def exclude_hosts(self) -> list[str]:
         recorded = read_failed_hosts(self.failed_hosts_file) if self.failed_hosts_file else []
@@ -133,12 +159,12 @@ class Launcher(ABC):
                 _kill_group(proc)
                 raise LaunchError(
                     f"{self.name} job {self.job_name!r} ran past its {self.timeout_s:g} s timeout and was "
-                    f"killed; log: {log}\n{_tail(log)}", log=log
+                    f"killed; log: {log}\n{_tail(log)}", log=log, hosts=[socket.gethostname()]
                 ) from None
         if returncode != 0:
             raise LaunchError(
                 f"{self.name} job {self.job_name!r} failed with exit code {returncode}; log: {log}\n{_tail(log)}",
-                log=log,
+                log=log, hosts=[socket.gethostname()],
             )
         return LaunchResult(self.name, submitted=True, returncode=0, log=log, message=f"finished; log: {log}")
 
@@ -161,6 +187,37 @@ def _kill_group(proc: subprocess.Popen) -> None:
 
 def _tail(log: Path) -> str:
     return log.read_text(encoding="utf-8", errors="replace")[-LOG_TAIL_CHARS:]
+
+
+@contextlib.contextmanager
+def sigterm_raises(what: str) -> Iterator[None]:
+    """While waiting on `what` (a cluster job), SIGTERM raises `Terminated`, so that the caller's
+    `except` cancels the job; then the signal goes to the handler that was there before: the
+    default one ends the process as SIGTERM would have, a Python one (Prefect's) runs, and if the
+    process goes on, `LaunchCancelled` is raised.
+
+    Only in the main thread (the only one Python runs handlers in) and only when SIGTERM was not ignored."""
+    previous = signal.getsignal(signal.SIGTERM)
+    if threading.current_thread() is not threading.main_thread() or previous in (signal.SIG_IGN, None):
+        yield
+        return
+
+    def handler(signum, frame):
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not cut the cancellation short
+        raise Terminated
+
+    signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    except Terminated:
+        signal.signal(signal.SIGTERM, previous)
+        if callable(previous):
+            previous(signal.SIGTERM, None)
+        else:
+            signal.raise_signal(signal.SIGTERM)  # SIG_DFL: the process ends here
+        raise LaunchCancelled(f"SIGTERM while waiting for {what}: it was cancelled") from None
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 class LocalLauncher(Launcher):

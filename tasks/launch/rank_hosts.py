@@ -4,8 +4,9 @@ Two sources, both on the run's shared filesystem or in its launcher log:
 
 - The rank registry: each worker calls `register_rank` at start and writes
   `rank_{rank:05d}.json` ({rank, local_rank, host, pid, started_unix}). `host` defaults to
-  `socket.gethostname()`; pass the scheduler's own name for the node where it differs (Kubernetes:
-  the node name from the downward API, since a pod's hostname is the pod's name).
+  `socket.gethostname()`; pass the scheduler's own name for the node where it differs (`node_name`:
+  Kubernetes' node name from the downward API, since a pod's hostname is the pod's name; Slurm's
+  `SLURMD_NODENAME`, which is what `--exclude` takes).
 - torchrun's failure summary (torch 2.13 elastic agent, `ChildFailedError.format_msg`): a
   "Failures:" section and a "Root Cause (first observed failure):" section of blocks like
   `[0]:` / `host      : ...` / `rank      : 1 (local_rank: 1)` / `exitcode  : -9 (pid: 4242)`.
@@ -44,6 +45,7 @@ logger = logging.getLogger(__name__)
 
 REGISTRY_DIR = "rank_hosts"  # a run folder's registry, on the filesystem its nodes share
 NODE_NAME_ENV = "KILN_NODE_NAME"  # the scheduler's name for this node, where the hostname is not it
+SLURM_NODE_NAME_ENV = "SLURMD_NODENAME"  # set by slurmd in every task of a job step
 RECORD_GLOB = "rank_*.json"
 TIME_FORMAT = "%Y-%m-%d_%H:%M:%S"  # ProcessFailure.timestamp_isoformat: the agent's local time
 
@@ -65,6 +67,12 @@ class RankFailure:
     pid: int | None
     time: datetime | None  # when the agent saw it (its local clock, whole seconds)
     root_cause: bool  # the first failure its agent observed
+
+
+def node_name() -> str | None:
+    """The scheduler's name for the node this process runs on (Kiln's variable, then Slurm's); None
+    outside a scheduler, where the hostname serves."""
+    return os.environ.get(NODE_NAME_ENV) or os.environ.get(SLURM_NODE_NAME_ENV) or None
 
 
 def register_rank(registry_dir: Path, rank: int, local_rank: int, host: str | None = None) -> Path:
@@ -157,6 +165,13 @@ def hosts_of_failed_ranks(registry_dir: Path, torchrun_output: str) -> list[str]
         elif record is not None:
             hosts.add(record["host"])
     return sorted(hosts)
+
+
+def first_failure_unix(torchrun_output: str) -> float | None:
+    """When the first failure was observed (the summary's time, whole seconds of the agent's local
+    clock, read as this machine's local time); None when no summary gives one."""
+    timed = [f.time for f in _first_root_causes(parse_failures(torchrun_output)) if f.time is not None]
+    return min(timed).timestamp() if timed else None
 
 
 def _first_root_causes(failures: list[RankFailure]) -> list[RankFailure]:
