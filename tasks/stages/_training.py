@@ -59,12 +59,13 @@ def run_training(ctx: StageContext, model_cfg: ModelConfig, optim: OptimConfig, 
 
         return train_model(model_cfg, optim, run_cfg, mixture, ctx.out_dir, init_model_dir=init_model_dir,
                            on_metrics=ctx.recorder.metrics, on_event=ctx.recorder.event)
-    from tasks.launch.torchrun_stage import train_with_torchrun
+    from tasks.launch.launched_training import train_with_launcher
     from tasks.train.data_loader import write_manifest
 
     manifest = write_manifest(mixture, ctx.out_dir / LAUNCHED_MIXTURE_FILE, ctx.store.root)
-    result = train_with_torchrun(model_cfg, optim, run_cfg, dims, ctx.cfg.cluster, manifest, ctx.store.root,
-                                 ctx.out_dir, init_model_dir=init_model_dir, on_metrics=ctx.recorder.metrics,
+    result = train_with_launcher(model_cfg, optim, run_cfg, dims, ctx.cfg.cluster, manifest, ctx.store.root,
+                                 ctx.out_dir, launcher="torchrun" if launcher == "local" else launcher,
+                                 init_model_dir=init_model_dir, on_metrics=ctx.recorder.metrics,
                                  on_event=ctx.recorder.event)
     return result
 

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from tasks.launch.cluster import ClusterSpec
-from tasks.launch.torchrun_stage import train_with_torchrun
+from tasks.launch.launched_training import train_with_launcher
 from tasks.train.callbacks import CallbackSpec
 from tasks.train.config import ModelConfig, OptimConfig, ParallelDims, TrainRunConfig
 from tasks.train.loop import train_model
@@ -26,7 +26,7 @@ def test_compiled_fsdp_blocks_train_like_one_eager_process(tmp_path):
     eager = train_model(MODEL, OPTIM, run, mixture, tmp_path / "eager")
     out = tmp_path / "compiled"
     out.mkdir()
-    compiled = train_with_torchrun(MODEL, OPTIM, run.model_copy(update={"compile": True}), ParallelDims(dp=2),
+    compiled = train_with_launcher(MODEL, OPTIM, run.model_copy(update={"compile": True}), ParallelDims(dp=2),
                                    ClusterSpec(), tmp_path / "data" / "manifest.json", tmp_path / "data", out)
     # measured 1.1e-7: compiled kernels and the FSDP reduction only change summation order
     np.testing.assert_allclose([v for _, v in compiled.loss_curve], [v for _, v in eager.loss_curve], rtol=1e-5)
@@ -58,7 +58,7 @@ def test_a_killed_rank_is_relaunched_and_resumes_from_its_checkpoint(tmp_path):
     out.mkdir()
     run = TrainRunConfig(steps=12, batch_size=4, seq_len=32, eval_batches=1, checkpoint_every=4,
                          health={"enabled": False})
-    result = train_with_torchrun(ModelConfig(d_model=32, n_layers=2, n_heads=2, max_seq_len=32), OptimConfig(), run,
+    result = train_with_launcher(ModelConfig(d_model=32, n_layers=2, n_heads=2, max_seq_len=32), OptimConfig(), run,
                                  ParallelDims(dp=2), ClusterSpec(max_restarts=1), manifest, manifest.parent, out,
                                  callbacks=[CallbackSpec.of(FaultInjection, kill_rank_at_step=[1, 6])])
     assert (out / ".fault_injected").read_text() == "rank 1 killed at step 6\n"
@@ -85,7 +85,7 @@ def test_fsdp_run_rolls_back_a_poisoned_step_like_the_single_process_loop(tmp_pa
     out = tmp_path / "fsdp"
     out.mkdir()
     events, metrics = [], []
-    result = train_with_torchrun(MODEL, OPTIM, WATCHED, ParallelDims(dp=2), ClusterSpec(),
+    result = train_with_launcher(MODEL, OPTIM, WATCHED, ParallelDims(dp=2), ClusterSpec(),
                                  tmp_path / "data" / "manifest.json", tmp_path / "data", out,
                                  on_metrics=lambda step, m: metrics.append(step), on_event=events.append,
                                  callbacks=[CallbackSpec.of(FaultInjection, **poison)])

@@ -1,0 +1,141 @@
+"""Run a training stage through a launcher (torchrun here, a Slurm job, a Kubernetes Job) and report
+it as the in-process loop would.
+
+Every rank of the job runs `tasks.launch.dist_worker`, i.e. `train_model` with the configured
+parallel layout: sharded DCP checkpoints in `out_dir` (a crashed attempt resumes there), the loss
+monitor's rollbacks, and — from rank 0 — the gathered `model/`, `metrics.json`,
+`train_metrics.jsonl` and the loss plot, so later stages (anneal, evaluate) read the same files
+whichever way training ran. `out_dir` and the data must therefore be on a filesystem every node
+shares. This module owns the launch and the relaunch after a failed job (excluding the failed
+hosts where the launcher can), and replays the worker's metrics and health events to this
+process's callbacks.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from tasks.errors import ConfigError
+from tasks.launch.cluster import ClusterSpec
+from tasks.launch.launchers import Launcher, LaunchError, make_launcher, record_failed_hosts
+from tasks.launch.rank_hosts import (
+    REGISTRY_DIR,
+    failed_ranks,
+    first_failure_unix,
+    hosts_of_failed_ranks,
+    reset_registry,
+)
+from tasks.train.callbacks import METRICS_LOG, CallbackSpec
+from tasks.train.config import ModelConfig, OptimConfig, ParallelDims, TrainRunConfig
+from tasks.train.loop import TrainResult, read_result, write_metrics
+
+logger = logging.getLogger("kiln.launch.training")
+
+WORKER_CONFIG = "dist_config.json"
+WORKER_RESULT = "dist_result.json"
+FAILED_HOSTS_FILE = "failed_hosts.json"
+
+
+def train_with_launcher(model_cfg: ModelConfig, optim_cfg: OptimConfig, run_cfg: TrainRunConfig, dims: ParallelDims,
+                        cluster: ClusterSpec, manifest: Path, data_root: Path, out_dir: Path, *,
+                        launcher: str = "torchrun", init_model_dir: Path | None = None,
+                        on_metrics: Callable[[int, dict[str, float]], None] | None = None,
+                        on_event: Callable[[dict[str, Any]], None] | None = None,
+                        callbacks: Sequence[CallbackSpec] = (), job_name: str = "kiln-train",
+                        timeout_s: float | None = None) -> TrainResult:
+    """Train through `launcher` (a `cluster.launcher` name: torchrun, slurm, kubernetes) on
+    `cluster.nodes` nodes of `dims.world_size / cluster.nodes` processes each.
+
+    A failed job is relaunched (up to `cluster.max_restarts` times) and resumes from its last DCP
+    checkpoint; the failed ranks' hosts go to `failed_hosts.json`, which the cluster launchers
+    exclude from the next submission (Slurm: unless that would leave too few nodes, see
+    `tasks.launch.slurm`). Each failure is a `process_failure` event: failed ranks and hosts, the
+    job id, what the relaunch excluded, and the measured time from the failure to the relaunched
+    job's first step; it joins the worker's own health events (rollbacks) in the result.
+    `init_model_dir` is a saved model to start from (anneal), as in `train_model`; `callbacks` are
+    built in every worker (see `CallbackSpec`); `timeout_s` bounds each launch.
+    """
+    if dims.world_size % cluster.nodes:
+        raise ConfigError(f"the layout has {dims.world_size} processes, which cluster.nodes={cluster.nodes} cannot "
+                          "split evenly: make the layout's world size a multiple of cluster.nodes")
+    config = {
+        "model": model_cfg.model_dump(mode="json"), "optim": optim_cfg.model_dump(mode="json"),
+        "train": run_cfg.model_dump(mode="json"), "parallel": dims.model_dump(mode="json"),
+        "manifest": str(manifest.resolve()), "data_root": str(data_root.resolve()), "out_dir": str(out_dir.resolve()),
+        **({"callbacks": [spec.to_json() for spec in callbacks]} if callbacks else {}),
+        **({"init_model_dir": str(init_model_dir.resolve())} if init_model_dir is not None else {}),
+    }
+    (out_dir / WORKER_CONFIG).write_text(json.dumps(config, indent=2))
+    failures_file = out_dir / FAILED_HOSTS_FILE
+    job = make_launcher(launcher, cluster, out_dir, job_name=job_name, nproc_per_node=dims.world_size // cluster.nodes,
+                        env={"OMP_NUM_THREADS": "1"}, failed_hosts_file=failures_file, timeout_s=timeout_s)
+    command = ["-m", "tasks.launch.dist_worker", "--config", str((out_dir / WORKER_CONFIG).resolve()),
+               "--out", str((out_dir / WORKER_RESULT).resolve())]
+    registry = out_dir / REGISTRY_DIR
+    failures: list[dict] = []
+    for attempt in range(cluster.max_restarts + 1):
+        reset_registry(registry)  # so a record cannot be an earlier launch's
+        try:
+            launched = job.launch(command)
+        except LaunchError as error:
+            _note_exclusion(failures, job)
+            if attempt == cluster.max_restarts:
+                raise
+            failures.append(_failure_event(error, registry, attempt + 1))
+            record_failed_hosts(failures_file, failures[-1]["hosts"])
+            logger.warning("training job failed: ranks %s on %s (attempt %d); relaunching",
+                           failures[-1]["failed_ranks"], ", ".join(failures[-1]["hosts"]) or "no host Kiln could name",
+                           attempt + 1)
+            continue
+        _note_exclusion(failures, job)
+        if not launched.submitted:
+            raise ConfigError(f"cluster.launcher={launcher}: {launched.message}. Training waits for its job, so "
+                              "the client must be on PATH where Kiln runs")
+        break
+    result = read_result(out_dir / WORKER_RESULT)
+    if failures:
+        failures[-1]["step"] = result.resumed_from_step or 0
+        failures[-1]["time_to_resume_s"] = result.first_step_unix - failures[-1]["failed_at_unix"]
+    result.health_events = [*result.health_events, *failures]
+    if on_metrics is not None:
+        # a relaunched job logs the steps after its checkpoint again: the last record of a step wins
+        by_step = {}
+        for line in (out_dir / METRICS_LOG).read_text().splitlines():
+            metrics = json.loads(line)
+            by_step[metrics.pop("step")] = metrics
+        for step, metrics in sorted(by_step.items()):
+            on_metrics(step, metrics)
+        val = {"val_loss": result.val_loss, **{f"val_loss/{d}": v for d, v in result.val_loss_by_domain.items()}}
+        on_metrics(result.steps, val)
+    if on_event is not None:
+        for event in result.health_events:
+            on_event(event)
+    write_metrics(result, out_dir)  # with the relaunches' events
+    return result
+
+
+def _failure_event(error: LaunchError, registry: Path, attempt: int) -> dict[str, Any]:
+    """A `process_failure` event for a failed launch (its `step` and `time_to_resume_s` come once a relaunch ran).
+
+    The hosts are the failed ranks' (the rank registry and torchrun's failure summary in the job's
+    log), else those the launcher names. `failed_at_unix` is when torchrun saw the first failure
+    (whole seconds) where its summary says, else when the launcher reported it."""
+    detected = time.time()
+    log = error.log.read_text(errors="replace") if error.log is not None and error.log.is_file() else str(error)
+    return {"kind": "process_failure", "action": "relaunch", "attempt": attempt, "job_id": error.job_id,
+            "failed_ranks": failed_ranks(log), "hosts": hosts_of_failed_ranks(registry, log) or error.hosts,
+            "failed_at_unix": first_failure_unix(log) or detected, "detected_at_unix": detected,
+            "error": str(error)[-400:]}
+
+
+def _note_exclusion(failures: list[dict], job: Launcher) -> None:
+    """On the failure that caused this relaunch: what it excluded, and the failed hosts it had to use again."""
+    if failures and "excluded_on_relaunch" not in failures[-1]:
+        failures[-1]["excluded_on_relaunch"] = list(job.excluded)
+        if job.exclusion_dropped:
+            failures[-1]["exclusion_dropped"] = list(job.exclusion_dropped)
