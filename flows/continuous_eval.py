@@ -50,9 +50,9 @@ from tasks.evals.ecg import ECG_FILE, REGRESSION_EVENT, Regression, curves, find
 from tasks.graph import stage_keys
 from tasks.store import Store
 from tasks.tracking import MlflowTracker
+from tasks.train.anneal import anneal_checkpointing
 
 RUN_STAGE = "continuous-eval"
-TRAINING_STAGES = ("train", "anneal")  # both checkpoint at train.run.checkpoint_every
 
 # The state file decides what is done: Prefect neither caches these results nor persists them.
 evaluate_step = task(evaluate_checkpoint, name="evaluate-checkpoint", task_run_name="step-{step}",
@@ -63,9 +63,14 @@ def eval_targets(cfg: KilnConfig, keys: dict[str, str]) -> list[EvalTarget]:
     """One target per training stage of `cfg`, located in the store by its key."""
     store = Store(cfg.store_root)
     tokenizer = store.path("tokenize", keys["tokenize"]) / TOKENIZER_FILE
-    return [eval_target(cfg.continuous_eval, cfg.evaluate, stage=stage, key=keys[stage],
+    anneal_every = anneal_checkpointing(cfg.anneal, cfg.train.run)["checkpoint_every"]
+    return [eval_target(cfg.continuous_eval, cfg.evaluate, stage="train", key=keys["train"],
                         checkpoint_every=cfg.train.run.checkpoint_every, store=store, tokenizer=tokenizer,
-                        work_dir=Path(cfg.work_dir)) for stage in TRAINING_STAGES]
+                        work_dir=Path(cfg.work_dir)),
+            # every anneal checkpoint: `continuous_eval.every` thins the train stage's only
+            eval_target(cfg.continuous_eval.model_copy(update={"every": None}), cfg.evaluate, stage="anneal",
+                        key=keys["anneal"], checkpoint_every=anneal_every, store=store, tokenizer=tokenizer,
+                        work_dir=Path(cfg.work_dir))]
 
 
 def ecg_path(cfg: KilnConfig, keys: dict[str, str]) -> Path:

@@ -69,6 +69,19 @@ def _parent_run(tracker: MlflowTracker, cfg: KilnConfig, config_path: str | None
     return parent
 
 
+def _score_checkpoints(config_path: str | None, overrides: list[str]) -> None:
+    """The continuous-eval pass a watched run gets on its schedule, once at the end: each kept train and
+    anneal checkpoint scored, the ECG drawn (a subflow, so it shows under this run in Prefect)."""
+    from flows.continuous_eval import continuous_eval
+
+    print("[ ecg ] scoring the kept train and anneal checkpoints...", file=sys.stderr, flush=True)
+    started = time.perf_counter()
+    summaries = continuous_eval(config_path, overrides)
+    scored = {stage: s["recorded"] for stage, s in summaries.items()}
+    ecg = next((s["ecg"] for s in summaries.values() if s["ecg"]), None)
+    print(f"[ ecg ] steps scored {scored} in {time.perf_counter() - started:.1f}s; ECG {ecg}", file=sys.stderr, flush=True)
+
+
 @flow(name="kiln-pipeline", description="Kiln: raw text to an evaluated, annealed model.")
 def pipeline(config_path: str | None = "configs/default.yaml", overrides: list[str] | None = None,
              until: str | None = None) -> list[dict[str, Any]]:
@@ -87,6 +100,8 @@ def pipeline(config_path: str | None = "configs/default.yaml", overrides: list[s
             outcome = execute(name, cfg, keys, parent_run_id=parent)
             outcomes.append(outcome)
             print(f"[{index:2d}/{len(names)}] {name:<14} {describe(outcome)}", file=sys.stderr, flush=True)
+        if cfg.continuous_eval.after_run and "anneal" in names:
+            _score_checkpoints(config_path, overrides)
     except BaseException:
         tracker.end_run(parent, failed=True)
         raise

@@ -51,9 +51,13 @@ class ContinuousEvalConfig(Section):
     into the eval key of the state folder, `every` (which only picks the steps) does not.
     """
 
-    # Evaluate the checkpoints at multiples of this step; a multiple of train.run.checkpoint_every.
-    # None: every checkpoint the train stage writes.
+    # Evaluate the train checkpoints at multiples of this step; a multiple of train.run.checkpoint_every.
+    # None: every checkpoint the train stage writes. The anneal stage's checkpoints
+    # (anneal.checkpoint_every) are all evaluated.
     every: int | None = runtime_field(None, gt=0)
+    # `kiln run` ends with a continuous-eval pass over the checkpoints still on disk, so even a run
+    # nobody watched leaves its ECG (set train.run.keep_every / anneal.keep_every to keep them all).
+    after_run: bool = runtime_field(True)
     # Documents per eval task, to keep scoring cheap beside training; None: evaluate.limit.
     limit: int | None = Field(None, gt=0)
     # A task's main score (bits per byte, normalised accuracy, exact match) more than this much worse

@@ -133,7 +133,6 @@ def evaluate_lm(
 ) -> dict:
     """`evaluate_model` for a model already wrapped in an lm-eval `LM` (e.g. `KilnLM`)."""
     # Imported here: lm-eval takes seconds to import and only this stage needs it.
-    import lm_eval
     from lm_eval.tasks import TaskManager
 
     eval_paths = eval_paths_of(cfg) if eval_paths is None else eval_paths
@@ -155,13 +154,7 @@ def evaluate_lm(
         raise ConfigError(f"evaluate.extra_tasks: {unknown} are not lm-eval tasks; see `lm_eval ls tasks`")
     require_hub(online)
 
-    results = lm_eval.simple_evaluate(
-        model=lm,
-        tasks=names,
-        task_manager=task_manager,
-        limit=cfg.limit,
-        log_samples=False,
-    )
+    results = _run_lm_eval(lm, task_manager, names, cfg.limit)
     # The dataset cache is a copy of the documents already beside the task files.
     shutil.rmtree(task_dir / HF_CACHE_DIR, ignore_errors=True)
     kept = {key: results[key] for key in _DETERMINISTIC_KEYS if key in results}
@@ -181,6 +174,30 @@ def evaluate_lm(
     for task, rate in rates.items():
         flat[f"{task}/contamination_rate"] = float(rate)
     return flat
+
+
+def _run_lm_eval(lm: LM, task_manager: Any, names: list[str], limit: int | None) -> dict[str, Any]:
+    """`lm_eval.simple_evaluate` for an `LM` object, zero-shot, with its seeds, without what it adds for
+    humans: its environment report runs `torch.utils.collect_env`'s subprocesses, seconds per call, and
+    continuous eval scores checkpoints one call each."""
+    import random
+
+    import numpy as np
+    import torch
+    from lm_eval.defaults import DEFAULT_OTHER_SEED, DEFAULT_RANDOM_SEED
+    from lm_eval.evaluator import evaluate
+
+    random.seed(DEFAULT_RANDOM_SEED)
+    np.random.seed(DEFAULT_OTHER_SEED)
+    torch.manual_seed(DEFAULT_OTHER_SEED)
+    loaded = task_manager.load(names)
+    for task in loaded["tasks"].values():
+        if task.get_config("num_fewshot") is None:
+            task.set_config(key="num_fewshot", value=0)
+        task.set_fewshot_seed(seed=DEFAULT_OTHER_SEED)
+    results = evaluate(lm=lm, task_dict=loaded, limit=limit, log_samples=False)
+    assert results is not None, "a single-process evaluation returns its results"
+    return results
 
 
 def eval_paths_of(cfg: EvaluateConfig) -> list[Path]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from tasks.configbase import Section
+from tasks.configbase import Section, runtime_field
 from tasks.train.config import OptimConfig, TrainRunConfig
 
 
@@ -20,6 +20,10 @@ class AnnealConfig(Section):
         default_factory=lambda: {"prose": 0.5, "web": 0.2, "code": 0.15, "multilingual": 0.15},
         description="domain weights during annealing (normalised)",
     )
+    # Checkpoints of the anneal run (continuous eval scores each: the anneal part of the ECG). None: the
+    # train run's checkpoint_every and keep_every. An anneal is short, so its own cadence is usually finer.
+    checkpoint_every: int | None = runtime_field(None, gt=0)
+    keep_every: int | None = runtime_field(None, gt=0)  # anneal checkpoints at multiples of this are never pruned
 
 
 def anneal_settings(cfg: AnnealConfig, optim: OptimConfig, run: TrainRunConfig, lr: float) -> tuple[OptimConfig, TrainRunConfig]:
@@ -27,5 +31,11 @@ def anneal_settings(cfg: AnnealConfig, optim: OptimConfig, run: TrainRunConfig, 
     anneal_optim = optim.model_copy(update={
         "lr": lr * cfg.lr_fraction, "schedule": "linear", "warmup_steps": 0, "min_lr_ratio": 0.0,
     })
-    anneal_run = run.model_copy(update={"steps": cfg.steps, "seed": run.seed + 1})
+    anneal_run = run.model_copy(update={"steps": cfg.steps, "seed": run.seed + 1, **anneal_checkpointing(cfg, run)})
     return anneal_optim, anneal_run
+
+
+def anneal_checkpointing(cfg: AnnealConfig, run: TrainRunConfig) -> dict[str, int | None]:
+    """The anneal run's checkpoint cadence and the checkpoints it keeps (continuous eval reads the same)."""
+    return {"checkpoint_every": cfg.checkpoint_every or run.checkpoint_every,
+            "keep_every": cfg.keep_every or run.keep_every}

@@ -102,6 +102,13 @@ def test_pipeline_end_to_end_then_fully_cached(prefect_api, in_repo, tmp_path, c
     rates = json.loads((store.path("decontaminate", keys["decontaminate"]) / "contamination_rates.json").read_text())
     assert evaluate["anneal"]["kiln_heldout/contamination_rate"] == rates["kiln_heldout"]
     assert 0 <= rates["kiln_heldout"] <= 1
+    # A multiple-choice and a perplexity score per domain before and after annealing, in one report table;
+    # the run ends by scoring the kept train and anneal checkpoints and drawing the ECG.
+    for model in ("train", "anneal"):
+        assert 0 <= evaluate[model]["kiln_heldout_choice/acc_norm"] <= 1 < evaluate[model]["kiln_heldout_code/bits_per_byte"]
+    report = (store.path("evaluate", keys["evaluate"]) / "report.md").read_text()
+    assert "| kiln_heldout_choice | acc_norm ↑ |" in report and "anneal − train" in report
+    assert (work / "continuous_eval" / keys["train"] / "ecg.png").read_bytes()[:4] == b"\x89PNG"
     assert train["val_loss"] > 0 and manifests["validate"]["stats"]["gate_passed"] is True
     # Cost: every manifest prices its stage; on CPU no accelerator-seconds are spent.
     assert all(m["cost"]["wall_s"] > 0 and m["cost"]["cpu_s"] >= 0 for m in manifests.values())

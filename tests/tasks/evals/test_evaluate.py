@@ -125,8 +125,8 @@ def test_choice_and_line_tasks_score_as_the_adapter_does(setup: dict[str, Path],
 
     lines = items("kiln_code_lines")
     assert [(i["id"], i["target"]) for i in lines] == [("c0:2", " = width * height"), ("c0:3", " product"),
-                                                         ("c1:3", " home():"), ("c1:4", " = os.path.expanduser('~')"), ("c1:5", " path")]
-    generated = lm.generate_until([Instance("generate_until", {}, (i["context"], {"until": ["\n"], "max_gen_toks": 32}), 0)
+                                                         ("c1:3", " home():"), ("c1:5", " path")]
+    generated = lm.generate_until([Instance("generate_until", {}, (i["context"], {"until": ["\n"], "max_gen_toks": 24}), 0)
                                    for i in lines])
     matches = [g.strip() == i["target"].strip() for g, i in zip(generated, lines, strict=True)]
     assert stats["kiln_code_lines/exact_match"] == pytest.approx(sum(matches) / len(lines))
