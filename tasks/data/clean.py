@@ -49,6 +49,7 @@ from tasks.data.filters.code_rules import CodeRules, CodeRulesFilter
 from tasks.data.filters.pii import PII_KINDS, PII_METADATA, PIIKind, PIIRedactor
 from tasks.data.filters.prose_rules import C4Judge, C4Rules, FineWebRules, fineweb_filter
 from tasks.data.quality import SHIPPED_MODEL, QualityClassifierFilter, check_quality_model
+from tasks.data.quality_training import QualityTraining, resolve_quality_model
 from tasks.errors import ConfigError, InputError
 
 STATS_FILE = "datatrove_stats.json"
@@ -94,6 +95,11 @@ class CleanConfig(Section):
     # corpus that the rules keep scores >= 0.9; unseen index and navigation pages score < 0.05.
     quality_threshold: float = Field(default=0.1, ge=0.0, le=1.0)
     quality_model_domains: list[str] = ["web", "prose"]  # the domains the model was trained on
+    # Train the classifier from your references instead (tasks/data/quality_training.py); null: the model above.
+    quality_training: QualityTraining | None = None
+    # Keep the best share of the input documents of quality_model_domains by score (DCLM style), instead of
+    # a fixed quality_threshold; every document is scored either way (metadata.quality_score).
+    quality_top_fraction: float | None = Field(default=None, gt=0.0, le=1.0)
     pii_redaction: bool = True  # the kinds below → placeholders (tasks/data/filters/pii.py)
     pii_kinds: list[PIIKind] = list(PII_KINDS)
     # Not code by default: datatrove's IP pattern also matches version and section numbers
@@ -244,8 +250,8 @@ def _pipeline(
         gated(CodeRulesFilter(cfg.code), "code_rules", cfg.code.domains),
     ]
     if quality_model is not None:
-        classifier = QualityClassifierFilter(str(quality_model), cfg.quality_threshold)
-        steps.append(gated(classifier, "quality_classifier", cfg.quality_model_domains))
+        classifier = QualityClassifierFilter(str(quality_model), cfg.quality_threshold, domains=cfg.quality_model_domains)
+        steps.append(gated(classifier, "quality_classifier", None))  # scores every domain, judges its own
     if cfg.pii_redaction:  # last: only kept documents are rewritten
         steps.append(PIIRedactor(cfg.pii_kinds, cfg.pii_domains))
     return [*steps, JsonlWriter(str(scratch / "kept"), output_filename="${rank}.jsonl", compression=None)]
@@ -285,6 +291,7 @@ def clean_documents(cfg: CleanConfig, input_file: Path, out_dir: Path) -> dict:
         raise InputError(f"clean: input file {input_file} does not exist; run the collect stage first")
     model_path = lid_model_path()
     _check_languages(cfg.languages, model_path)
+    cfg = resolve_quality_model(cfg, input_file, out_dir)  # a model trained from references; a top-fraction threshold
     quality_model = None if cfg.quality_model is None else check_quality_model(cfg.quality_model)
     blocklists = _blocklists(cfg)
 

@@ -2,7 +2,8 @@
 
 The shipped model (`data/models/quality_classifier.ftz`, built by
 `scripts/train_quality_classifier.py`) has two labels, `hq` and `lq`; a document is kept when
-its P(hq) reaches the configured threshold. Training is multi-threaded and not reproducible, so
+its P(hq) reaches the configured threshold. A model trained from the user's references
+(`tasks/data/quality_training.py`) replaces it when `clean.quality_training` is set. Training is multi-threaded and not reproducible, so
 the model is trained once and committed; applying it is deterministic, and the stage key hashes
 the model file's bytes (`tasks/graph.py`).
 """
@@ -51,7 +52,8 @@ def check_quality_model(path: str) -> Path:
 
 
 class QualityClassifierFilter(BaseFilter):
-    """Keeps documents whose P(hq) >= `threshold`; records the score as `quality_score`.
+    """Records every document's P(hq) as `quality_score`; keeps those of `domains` whose score
+    reaches `threshold` (documents of other domains are scored, never removed).
 
     Not datatrove's FastTextClassifierFilter: that one passes a bare string to `predict`, which
     numpy 2 rejects, and gives no reason for what it drops.
@@ -59,10 +61,12 @@ class QualityClassifierFilter(BaseFilter):
 
     name = "🤖 fastText quality"
 
-    def __init__(self, model_path: str, threshold: float, exclusion_writer: JsonlWriter | None = None):
+    def __init__(self, model_path: str, threshold: float, exclusion_writer: JsonlWriter | None = None,
+                 domains: list[str] | None = None):
         super().__init__(exclusion_writer)
         self.model_path = model_path
         self.threshold = threshold
+        self.domains = None if domains is None else frozenset(domains)  # None: judge every document
         self._model = None  # loaded in the worker: fastText models do not pickle
 
     def score(self, text: str) -> float:
@@ -71,9 +75,17 @@ class QualityClassifierFilter(BaseFilter):
 
             self._model = fasttext.load_model(self.model_path)
         labels, scores = self._model.predict([fasttext_text(text)], k=-1)
-        # Rounded so that the score recorded in metadata is exactly the one the threshold judged.
-        return round(float(dict(zip(labels[0], scores[0]))[HQ_LABEL]), 4)
+        return rounded_score(float(dict(zip(labels[0], scores[0]))[HQ_LABEL]))
 
     def filter(self, doc: DtDocument) -> bool | tuple[bool, str]:
         doc.metadata[SCORE_KEY] = self.score(doc.text)
+        if self.domains is not None and doc.metadata["domain"] not in self.domains:
+            return True  # scored for later stages (annealing), judged only in the model's domains
         return doc.metadata[SCORE_KEY] >= self.threshold or (False, "low_quality")
+
+
+def rounded_score(probability: float) -> float:
+    """A score as recorded in metadata, exactly the one a threshold judges: 4 significant digits, so
+    that the many small probabilities of a reference-trained model keep their order (a top-fraction
+    cut needs it) where 4 decimals would make them all 0.0."""
+    return float(f"{probability:.4g}")

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 
 from tasks.data.clean import CleanConfig, clean_documents
 from tasks.data.documents import DOCUMENTS_FILE
+from tasks.data.quality_training import REPORT_FILE, classifier_metrics, reference_paths, resolve_quality_model
 from tasks.stage import Stage, StageContext
 from tasks.stages._common import document_headline
 
@@ -15,13 +16,17 @@ if TYPE_CHECKING:
 
 
 def run(ctx: StageContext) -> dict:
-    return clean_documents(ctx.cfg.clean, ctx.inputs["collect"] / DOCUMENTS_FILE, ctx.out_dir)
+    # A classifier trained from references is kept in the store under its own key and reused.
+    cfg = resolve_quality_model(ctx.cfg.clean, ctx.inputs["collect"] / DOCUMENTS_FILE, ctx.out_dir, ctx.store)
+    ctx.recorder.metrics(0, classifier_metrics(ctx.out_dir / REPORT_FILE))  # held-out precision, recall, ROC-AUC
+    return clean_documents(cfg, ctx.inputs["collect"] / DOCUMENTS_FILE, ctx.out_dir)
 
 
 def external_files(cfg: KilnConfig) -> list[Path]:
-    """The quality model and the user's blocklists: their content, not their names, is in the key."""
+    """The quality model, the classifier's references and the user's blocklists: their content, not
+    their names, is in the key."""
     paths = (cfg.clean.quality_model, cfg.clean.url_blocklist, cfg.clean.word_blocklist)
-    return [Path(path) for path in paths if path is not None]
+    return [Path(path) for path in paths if path is not None] + reference_paths(cfg.clean.quality_training)
 
 
 STAGE = Stage(
@@ -30,6 +35,7 @@ STAGE = Stage(
     body=run, inputs=("collect",), config=CleanConfig,
     external_files=external_files,
     # 2: C4, FineWeb, code rules and blocklists; phone and card PII; stats by domain
-    version=2,
+    # 3: a classifier trained from references; every document scored; top-fraction thresholds
+    version=3,
     headline=document_headline,
 )

@@ -1,0 +1,251 @@
+"""A quality classifier trained from your references, DCLM style: fastText, reference text against the corpus.
+
+DCLM's filter is a fastText classifier whose positives are text one wants more of (instruction
+data, ELI5 answers) and whose negatives are a sample of the raw pool; documents are then kept by
+score. Here the positives are the configured `references` (any collect source entry: a jsonl of
+reference prose, a parquet table, a dataset...) plus the documents of any collect sources named
+in `positive_sources`; the negatives are the collected documents of `negative_domains` from every
+other source. Every document becomes windows of `window_words` words (one fastText example
+each, so that long and short documents both count), the larger class is subsampled to the
+smaller, and a split of whole documents, chosen by a hash of their id, is held out: precision and
+recall at P(hq) = 0.5 and ROC-AUC over those documents are the model's report card.
+
+fastText 0.9 needs `thread >= 10` and `dim` divisible by 10 (otherwise "Encountered NaN"), and
+threaded training is not bit-reproducible, so a trained model is kept in the store under a key
+(`quality_model/<key>`: the training config, the references' content, the collect output it read)
+and reused by every clean run with that key: a model is trained once per key, versioned as a
+store output with a manifest, and the clean stage that applies it records which one it was.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from pydantic import Field, field_validator
+
+from tasks.configbase import Section
+from tasks.data.collect import Source, _candidates
+from tasks.data.compliance import SourceReport
+from tasks.data.documents import read_documents
+from tasks.data.quality import HQ_LABEL, fasttext_text
+from tasks.store import Store, stage_key
+
+STORE_STAGE = "quality_model"  # the store folder of trained models
+MODEL_FILE = "quality_classifier.bin"
+REPORT_FILE = "quality_classifier.json"
+FORMAT_VERSION = 1
+_LQ_LABEL = "__label__lq"
+
+
+class QualityTraining(Section):
+    """Train the clean stage's quality classifier instead of using the shipped one."""
+
+    # Positives: high-quality reference text, as collect source entries (format, path, domain...);
+    # their licences are not judged: reference text trains the classifier, never the model.
+    references: list[Source] = Field(min_length=1)
+    positive_sources: list[str] = []  # collect sources whose documents are positives too
+    negative_domains: list[str] = ["web", "prose"]  # negatives: collected documents of these domains
+    held_out_fraction: float = Field(0.2, gt=0.0, lt=0.5)
+    window_words: int = Field(64, ge=8)
+    min_window_words: int = Field(16, ge=1)  # a document's shorter tail is dropped below this
+    epoch: int = Field(25, ge=1)
+    lr: float = Field(0.5, gt=0.0)
+    word_ngrams: int = Field(2, ge=1)
+    dim: int = Field(10, ge=10)  # a multiple of 10 (fastText 0.9's NaN bug otherwise)
+    bucket: int = Field(100_000, ge=1_000)  # hashed word-bigram rows
+    seed: int = 0  # subsampling and shuffling; fastText's threads add their own noise
+
+    @field_validator("dim")
+    @classmethod
+    def _dim_multiple_of_ten(cls, value: int) -> int:
+        if value % 10:
+            raise ValueError(f"dim={value}: fastText 0.9 leaves part of its matrix uninitialised (NaN) unless dim "
+                             "is a multiple of 10; use 10, 20, ...")
+        return value
+
+
+def reference_paths(cfg: QualityTraining | None) -> list[Path]:
+    """The references' local files, whose content enters the clean stage's key."""
+    from tasks.data.source_files import local_path
+
+    if cfg is None:
+        return []
+    return [path for path in (local_path(source.path) for source in cfg.references) if path is not None]
+
+
+def _reference_texts(cfg: QualityTraining) -> Iterator[tuple[str, str]]:
+    """(id, text) of every readable reference document; unreadable records are skipped (counted)."""
+    for source in cfg.references:
+        report = SourceReport(source.name, source.path, source.format, source.domain, source.licence)
+        for candidate in _candidates(source, 10_000_000, report):
+            if candidate.problem is None and candidate.skip is None and candidate.text and candidate.text.strip():
+                position = candidate.location.get("line", candidate.location.get("row", candidate.location.get("offset")))
+                yield f"{source.name}/{candidate.id or candidate.location['path']}:{position}", candidate.text
+
+
+def labelled_documents(cfg: QualityTraining, collected: Path) -> list[tuple[str, str, str]]:
+    """(label, doc id, text): references and documents of `positive_sources` as hq, the rest of
+    `negative_domains` as lq."""
+    positives = [("hq", doc_id, text) for doc_id, text in _reference_texts(cfg)]
+    negatives = []
+    for doc in read_documents(collected):
+        if doc.source in cfg.positive_sources:
+            positives.append(("hq", doc.id, doc.text))
+        elif doc.domain in cfg.negative_domains:
+            negatives.append(("lq", doc.id, doc.text))
+    return positives + negatives
+
+
+def held_out(doc_id: str, fraction: float) -> bool:
+    return int.from_bytes(hashlib.sha256(doc_id.encode()).digest()[:8], "big") < fraction * 2**64
+
+
+def _windows(text: str, size: int, min_words: int) -> list[str]:
+    words = fasttext_text(text).lower().split()
+    return [" ".join(words[i:i + size]) for i in range(0, len(words), size) if len(words[i:i + size]) >= min_words]
+
+
+def _training_lines(cfg: QualityTraining, docs: list[tuple[str, str, str]]) -> tuple[list[str], dict[str, int]]:
+    """fastText lines, the larger class subsampled to the size of the smaller (a seeded sample)."""
+    rng = random.Random(cfg.seed)
+    by_label: dict[str, list[str]] = {"hq": [], "lq": []}
+    for label, _, text in docs:
+        by_label[label] += [f"__label__{label} {w}" for w in _windows(text, cfg.window_words, cfg.min_window_words)]
+    size = min(len(lines) for lines in by_label.values())
+    lines = [line for label in ("hq", "lq") for line in rng.sample(by_label[label], size)]
+    rng.shuffle(lines)
+    return lines, {f"num_{label}_windows": len(v) for label, v in by_label.items()} | {"num_windows_per_class": size}
+
+
+def train_quality_model(cfg: QualityTraining, collected: Path, out_dir: Path) -> dict[str, Any]:
+    """Train on the documents of `collected` (collect's documents.jsonl) and the references; write
+    the model and its held-out report into `out_dir`; returns the report."""
+    import fasttext
+    from sklearn.metrics import precision_score, recall_score, roc_auc_score
+
+    docs = labelled_documents(cfg, collected)
+    train = [d for d in docs if not held_out(d[1], cfg.held_out_fraction)]
+    test = [d for d in docs if held_out(d[1], cfg.held_out_fraction)]
+    counts = {f"num_{split}_{label}_docs": sum(d[0] == label for d in part)
+              for split, part in (("train", train), ("held_out", test)) for label in ("hq", "lq")}
+    missing = [name for name, n in counts.items() if name.startswith("num_train") and n == 0]
+    if missing:
+        raise ValueError(f"clean.quality_training: no training documents for {', '.join(missing)}: add references, "
+                         "or collect sources in clean.quality_training.negative_domains")
+    lines, window_counts = _training_lines(cfg, train)
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp:
+        train_file = Path(tmp) / "train.txt"
+        train_file.write_text("\n".join(lines) + "\n", encoding="utf-8")
+        fit = dict(lr=cfg.lr, epoch=cfg.epoch, wordNgrams=cfg.word_ngrams, dim=cfg.dim, bucket=cfg.bucket,
+                   minCount=1, thread=10, seed=cfg.seed, verbose=0)  # thread >= 10: see the module docstring
+        # Not quantised: on two cores quantising (with its retraining) costs ~6x the training itself,
+        # and the unquantised model is (bucket + vocabulary) x dim floats: 4 MB at the defaults.
+        model = fasttext.train_supervised(str(train_file), **fit)
+    model.save_model(str(out_dir / MODEL_FILE))
+    train_s = time.perf_counter() - started
+
+    truth = [int(label == "hq") for label, _, _ in test]
+    scores = [score_texts(model, [text])[0] for _, _, text in test]
+    predicted = [int(score >= 0.5) for score in scores]
+    both = 0 < sum(truth) < len(truth)
+    report = {
+        **counts, **window_counts, "train_s": round(train_s, 2),
+        "held_out": {
+            "precision": precision_score(truth, predicted, zero_division=0.0) if test else None,
+            "recall": recall_score(truth, predicted, zero_division=0.0) if test else None,
+            "roc_auc": roc_auc_score(truth, scores) if both else None,  # undefined with one class held out
+        },
+    }
+    (out_dir / REPORT_FILE).write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+    return report
+
+
+def score_texts(model: Any, texts: list[str]) -> list[float]:
+    """P(hq) of each text (a list to `predict`: numpy 2 refuses the single-string form)."""
+    labels, probs = model.predict([fasttext_text(text) for text in texts], k=-1)
+    return [float(dict(zip(ls, ps)).get(HQ_LABEL, 0.0)) for ls, ps in zip(labels, probs)]
+
+
+def model_key(cfg: QualityTraining, collect_key: str) -> str:
+    from tasks.fingerprint import fingerprint_paths
+
+    identity = {"training": cfg.identity(), "references_sha256": fingerprint_paths(reference_paths(cfg))}
+    return stage_key(STORE_STAGE, identity, {"collect": collect_key}, FORMAT_VERSION)
+
+
+def trained_model(cfg: QualityTraining, collect_dir: Path, store: Store) -> tuple[Path, dict[str, Any]]:
+    """The model for `cfg` and the collect output at `collect_dir` (its folder name is its key):
+    from the store if one was trained for this key, else trained now and committed there."""
+    key = model_key(cfg, collect_dir.name)
+    with store.lock(STORE_STAGE, key):
+        if not store.is_complete(STORE_STAGE, key):
+            out = store.begin(STORE_STAGE, key)
+            report = train_quality_model(cfg, collect_dir / "documents.jsonl", out)
+            store.commit(STORE_STAGE, key, {"stage": STORE_STAGE, "key": key, "format_version": FORMAT_VERSION,
+                                            "inputs": {"collect": collect_dir.name}, "identity": cfg.identity(),
+                                            "stats": report,
+                                            "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
+        folder = store.path(STORE_STAGE, key)
+    report = json.loads((folder / REPORT_FILE).read_text())
+    return folder / MODEL_FILE, {"key": key, "model": str(folder / MODEL_FILE), **report}
+
+
+def top_fraction_threshold(model_path: Path, documents: Path, domains: list[str], fraction: float) -> float:
+    """The score that keeps the best `fraction` of the input documents of `domains` (ties kept):
+    DCLM keeps a top share of its pool rather than a fixed probability."""
+    import fasttext
+
+    model = fasttext.load_model(str(model_path))
+    texts = [doc.text for doc in read_documents(documents) if doc.domain in domains and doc.text.strip()]
+    if not texts:
+        return 0.0
+    scores = sorted((round(s, 4) for s in score_texts(model, texts)), reverse=True)
+    return scores[max(0, min(len(scores), round(fraction * len(scores))) - 1)]
+
+
+def resolve_quality_model(cfg: Any, input_file: Path, out_dir: Path, store: Store | None = None) -> Any:
+    """The clean config to run: with the model trained from `cfg.quality_training` (from the store's
+    cache when a store is given, else trained into `out_dir`) and the score threshold that keeps
+    `cfg.quality_top_fraction` of the input; the classifier's report goes to `out_dir/quality_classifier.json`."""
+    update: dict[str, Any] = {}
+    report: dict[str, Any] = {}
+    if cfg.quality_training is not None:
+        if store is not None:  # input_file is collect's documents.jsonl, in a folder named by its key
+            model, report = trained_model(cfg.quality_training, input_file.parent, store)
+        else:
+            folder = out_dir / STORE_STAGE
+            folder.mkdir(exist_ok=True)
+            report = train_quality_model(cfg.quality_training, input_file, folder)
+            model = folder / MODEL_FILE
+            report = {"model": str(model), **report}
+        update = {"quality_model": str(model), "quality_training": None}
+    model_path = update.get("quality_model", cfg.quality_model)
+    if model_path is not None and cfg.quality_top_fraction is not None:
+        update["quality_threshold"] = top_fraction_threshold(Path(model_path), input_file, cfg.quality_model_domains,
+                                                             cfg.quality_top_fraction)
+        update["quality_top_fraction"] = None  # resolved: a second call changes nothing
+    if update:
+        report |= {"model": str(model_path), "threshold": update.get("quality_threshold", cfg.quality_threshold),
+                   "top_fraction": cfg.quality_top_fraction, "domains": cfg.quality_model_domains}
+        report["model"] = str(model_path)
+        (out_dir / REPORT_FILE).write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+    return cfg.model_copy(update=update) if update else cfg
+
+
+def classifier_metrics(report_file: Path) -> dict[str, float]:
+    """The numbers of a classifier report worth a metric: held-out scores, counts, threshold."""
+    if not report_file.is_file():
+        return {}
+    report = json.loads(report_file.read_text())
+    flat = {f"quality_classifier.held_out.{k}": v for k, v in report.get("held_out", {}).items() if v is not None}
+    flat |= {f"quality_classifier.{k}": v for k, v in report.items()
+             if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    return flat

@@ -1,0 +1,85 @@
+"""The reference-trained quality classifier: trained reliably, held out, cached by key, applied to every document."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import fasttext
+import pytest
+from pydantic import ValidationError
+
+from tasks.data.clean import CleanConfig, clean_documents
+from tasks.data.collect import CollectConfig, SourceConfig, collect_documents
+from tasks.data.quality import HQ_LABEL
+from tasks.data.quality_training import (
+    MODEL_FILE,
+    REPORT_FILE,
+    STORE_STAGE,
+    QualityTraining,
+    classifier_metrics,
+    model_key,
+    trained_model,
+)
+from tasks.store import Store
+
+REPO = Path(__file__).resolve().parents[3]
+SAMPLE = REPO / "data/sample"
+REFERENCES = [{"name": "python-reference", "path": str(SAMPLE / "references"), "format": "jsonl", "domain": "reference"}]
+
+
+@pytest.fixture(scope="module")
+def collected(tmp_path_factory) -> Path:
+    """Real bundled documents: Python doc pages, man pages and code, as the collect stage writes them."""
+    out = tmp_path_factory.mktemp("collect-abc123")
+    sources = [
+        SourceConfig(name="python-docs", path=str(SAMPLE / "web/python-docs-en"), format="html", domain="web", licence="PSF-2.0"),
+        SourceConfig(name="maint-guide", path=str(SAMPLE / "web/maint-guide-en"), format="html", domain="web",
+                     licence="GPL-2.0-or-later"),
+        SourceConfig(name="coreutils", path=str(SAMPLE / "prose/coreutils-man"), format="txt", domain="prose",
+                     licence="GPL-3.0-or-later"),
+        SourceConfig(name="code", path=str(SAMPLE / "code"), format="jsonl", domain="code"),
+    ]
+    collect_documents(CollectConfig(sources=sources, max_docs_per_source=40), out)
+    return out
+
+
+def test_trains_reliably_and_reports_held_out_precision_recall_and_roc_auc(collected, tmp_path):
+    cfg = QualityTraining(references=REFERENCES, positive_sources=["maint-guide"])
+    model, report = trained_model(cfg, collected, Store(tmp_path / "store"))
+    held_out = report["held_out"]
+    assert report["num_train_hq_docs"] > 0 and report["num_held_out_lq_docs"] > 0
+    assert held_out["roc_auc"] > 0.8 and 0.0 < held_out["recall"] <= 1.0 and 0.0 < held_out["precision"] <= 1.0
+    loaded = fasttext.load_model(str(model))
+    assert HQ_LABEL in loaded.get_labels() and loaded.get_dimension() == 10
+    assert classifier_metrics(model.parent / REPORT_FILE)["quality_classifier.held_out.roc_auc"] == held_out["roc_auc"]
+
+
+def test_a_model_is_trained_once_per_key(collected, tmp_path):
+    store = Store(tmp_path / "store")
+    cfg = QualityTraining(references=REFERENCES)
+    first, _ = trained_model(cfg, collected, store)
+    stamp = store.manifest(STORE_STAGE, model_key(cfg, collected.name))["created_at"]
+    again, _ = trained_model(cfg, collected, store)
+    assert again == first and store.manifest(STORE_STAGE, model_key(cfg, collected.name))["created_at"] == stamp
+    assert model_key(cfg.model_copy(update={"epoch": 5}), collected.name) != model_key(cfg, collected.name)
+    assert model_key(cfg, "other-collect-key") != model_key(cfg, collected.name)
+
+
+def test_clean_scores_every_document_and_keeps_the_top_fraction(collected, tmp_path):
+    cfg = CleanConfig(quality_training=QualityTraining(references=REFERENCES), quality_top_fraction=0.5,
+                      quality_model_domains=["web"], languages=["en"], pii_redaction=False)
+    stats = clean_documents(cfg, collected / "documents.jsonl", tmp_path)
+    kept = [json.loads(line) for line in (tmp_path / "documents.jsonl").read_text().splitlines()]
+    assert all("quality_score" in d["metadata"] for d in kept) and {d["domain"] for d in kept} >= {"code", "web"}
+    report = json.loads((tmp_path / REPORT_FILE).read_text())
+    assert (tmp_path / STORE_STAGE / MODEL_FILE).is_file() and report["top_fraction"] == 0.5
+    web_scores = [d["metadata"]["quality_score"] for d in kept if d["domain"] == "web"]
+    assert min(web_scores) >= report["threshold"] and stats["removed_by_filter"]["quality_classifier"] > 0
+
+
+def test_training_settings_are_checked():
+    with pytest.raises(ValidationError, match="multiple of 10"):
+        QualityTraining(references=REFERENCES, dim=16)
+    with pytest.raises(ValidationError, match="references"):
+        QualityTraining(references=[])
