@@ -201,6 +201,30 @@ def cmd_lineage(ns: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_inspect(ns: argparse.Namespace) -> int:
+    cfg, _, _ = _load(ns)
+    from tasks.data.inspection import REPORT_JSON, render_sample, samples
+    from tasks.graph import stage_keys
+    from tasks.store import Store
+
+    keys = stage_keys(cfg)
+    if ns.name not in keys:
+        raise KilnError(f"unknown stage {ns.name!r}; data stages write removed.jsonl: collect, clean, dedup, decontaminate")
+    store = Store(cfg.store_root)
+    if not store.is_complete(ns.name, keys[ns.name]):
+        raise KilnError(f"stage {ns.name} ({keys[ns.name]}) is not complete in {store.root}: run `kiln run --until {ns.name}`")
+    folder = store.path(ns.name, keys[ns.name])
+    outcome = "kept" if ns.kept else "quarantined" if ns.quarantined else "removed"
+    shown = [render_sample(sample) for sample in samples(folder, outcome=outcome, reason=ns.reason, domain=ns.domain, n=ns.n)]
+    print("\n".join(shown) if shown else f"no {outcome} documents match in {folder}")
+    report = folder / REPORT_JSON
+    if not shown and report.is_file() and outcome != "kept":  # say what there is to look at
+        table = json.loads(report.read_text())
+        reasons = sorted({name for row in table.values() for name in row[outcome]})
+        print(f"{outcome} by filter: {', '.join(reasons) or 'none'}; domains: {', '.join(table)}")
+    return 0
+
+
 def cmd_prune(ns: argparse.Namespace) -> int:
     cfg, _, _ = _load(ns)
     from tasks.graph import stage_keys
@@ -390,6 +414,15 @@ def build_parser() -> argparse.ArgumentParser:
                   "keys, config, output digests, MLflow and Prefect runs, code version, licences.", cmd_lineage,
                   first=("ref", "a stage key, stage/key, an MLflow run id, or a path inside the store (a checkpoint)"))
     lineage.add_argument("--json", action="store_true", help="print the chain as JSON")
+    inspect = add("inspect", "Print removed (or kept, or quarantined) documents of a data stage with their reasons, "
+                  "so a person can judge a filter in a minute.", cmd_inspect,
+                  first=("name", "a data stage: collect, clean, dedup, decontaminate"))
+    inspect.add_argument("--reason", metavar="R", help="a filter (gopher_quality) or a full reason (gopher_quality:...)")
+    inspect.add_argument("--domain", metavar="D", help="only documents of this domain")
+    inspect.add_argument("-n", type=int, default=5, help="how many (default 5)")
+    shown = inspect.add_mutually_exclusive_group()
+    shown.add_argument("--kept", action="store_true", help="kept documents instead (with their quality_score)")
+    shown.add_argument("--quarantined", action="store_true", help="quarantined inputs instead")
     prune = add("prune", "Remove partial folders that no running stage writes and that belong to keys this config "
                 "no longer uses (left by failed attempts whose fix changed the key).", cmd_prune)
     prune.add_argument("--all", action="store_true", help="also remove crashed attempts of this config's keys "

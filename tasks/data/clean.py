@@ -50,6 +50,7 @@ from tasks.data.filters.pii import PII_KINDS, PII_METADATA, PIIKind, PIIRedactor
 from tasks.data.filters.prose_rules import C4Judge, C4Rules, FineWebRules, fineweb_filter
 from tasks.data.quality import SHIPPED_MODEL, QualityClassifierFilter, check_quality_model
 from tasks.data.quality_training import QualityTraining, resolve_quality_model
+from tasks.data.datatrove_logs import LOG_FILE, collect_task_logs  # importing it keeps datatrove off the terminal
 from tasks.errors import ConfigError, InputError
 
 STATS_FILE = "datatrove_stats.json"
@@ -335,6 +336,7 @@ def clean_documents(cfg: CleanConfig, input_file: Path, out_dir: Path) -> dict:
             removed_by_domain.setdefault(doc.domain, Counter())[label] += 1
 
     shutil.move(scratch / "logs" / "stats.json", out_dir / STATS_FILE)
+    collect_task_logs(scratch / "logs", out_dir / LOG_FILE)  # every rank's datatrove log, for the stage's record
     shutil.rmtree(scratch)
     return counts.as_dict() | {
         "languages": dict(sorted(languages.items())),

@@ -4,12 +4,13 @@ documents, check licences, write a compliance report."""
 from __future__ import annotations
 
 from tasks.data.collect import CollectConfig, collect_documents, source_paths
+from tasks.data.inspection import report_stage
 from tasks.stage import Stage, StageContext
 from tasks.stages._common import document_headline
 
 
 def run(ctx: StageContext) -> dict:
-    return collect_documents(ctx.cfg.collect, ctx.out_dir)
+    return collect_documents(ctx.cfg.collect, ctx.out_dir) | report_stage(ctx.out_dir, "collect")
 
 
 # version 2: licences normalised to SPDX (documents carry the SPDX expression, the written one in
@@ -17,5 +18,5 @@ def run(ctx: StageContext) -> dict:
 # version 3: typed sources (warc, parquet, compressed jsonl, hf, code), positions by row/offset, weights, by_format
 STAGE = Stage(
     name="collect", description="read sources, check licences", body=run, config=CollectConfig, version=3,
-    external_files=lambda cfg: source_paths(cfg.collect), headline=document_headline, reports=("compliance.md",),
+    external_files=lambda cfg: source_paths(cfg.collect), headline=document_headline, reports=("compliance.md", "removals.md"),
 )

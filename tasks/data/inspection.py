@@ -1,0 +1,178 @@
+"""What a data stage kept and removed, for a person: documents and bytes per domain and filter, a plot, samples.
+
+Every data stage writes `documents.jsonl` (kept), `removed.jsonl` and `quarantine.jsonl` (each
+record with its `reason`), so one reader serves them all. A reason's filter is its part before the
+first colon (`gopher_quality:gopher_below_avg_threshold` → `gopher_quality`,
+`licence_not_allowed:GFDL-1.3` → `licence_not_allowed`). A record's domain is its own, its
+document's, or (for collect's quarantine, which has no document) its source's domain.
+
+`write_removal_report` leaves `removals.json`, `removals.md` and `removals.png` in a stage's
+folder: the runner logs them to MLflow, Prefect shows the Markdown. `samples` feeds
+`kiln inspect`, so a person can judge a filter in a minute.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+from tasks.data.documents import DOCUMENTS_FILE, QUARANTINE_FILE, REMOVED_FILE
+
+REPORT_JSON, REPORT_MD, REPORT_PNG = "removals.json", "removals.md", "removals.png"
+OUTCOMES = {"kept": DOCUMENTS_FILE, "removed": REMOVED_FILE, "quarantined": QUARANTINE_FILE}
+UNKNOWN_DOMAIN = "unknown"
+
+
+def _records(path: Path) -> Iterator[dict[str, Any]]:
+    if not path.is_file():
+        return
+    with open(path, encoding="utf-8") as handle:
+        for line in handle:
+            if line.strip():
+                yield json.loads(line)
+
+
+def _document(record: dict[str, Any]) -> dict[str, Any]:
+    return record["document"] if isinstance(record.get("document"), dict) else record
+
+
+def _domain(record: dict[str, Any], source_domains: dict[str, str]) -> str:
+    doc = _document(record)
+    return doc.get("domain") or source_domains.get(record.get("source", ""), UNKNOWN_DOMAIN)
+
+
+def _text(record: dict[str, Any]) -> str:
+    doc = _document(record)
+    text = doc.get("text")
+    return text if isinstance(text, str) else record.get("raw") or record.get("raw_prefix") or ""
+
+
+def filter_of(reason: str) -> str:
+    return reason.split(":", 1)[0]
+
+
+def source_domains(out_dir: Path) -> dict[str, str]:
+    """Source → domain, from collect's compliance report (the only stage whose quarantine lacks domains)."""
+    path = out_dir / "compliance.json"
+    if not path.is_file():
+        return {}
+    return {s["name"]: s["domain"] for s in json.loads(path.read_text())["sources"]}
+
+
+def accounting(out_dir: Path) -> dict[str, Any]:
+    """Per domain: documents and bytes in, kept, removed by filter and quarantined by reason."""
+    sources = source_domains(out_dir)
+    table: dict[str, Any] = defaultdict(lambda: {
+        "in": {"docs": 0, "bytes": 0}, "kept": {"docs": 0, "bytes": 0},
+        "removed": defaultdict(lambda: {"docs": 0, "bytes": 0}), "quarantined": defaultdict(lambda: {"docs": 0, "bytes": 0}),
+    })
+    for outcome, name in OUTCOMES.items():
+        for record in _records(out_dir / name):
+            row = table[_domain(record, sources)]
+            size = len(_text(record).encode("utf-8", errors="surrogatepass"))
+            cell = row[outcome] if outcome == "kept" else row[outcome][filter_of(record["reason"])]
+            for target in (cell, row["in"]):
+                target["docs"] += 1
+                target["bytes"] += size
+    return {domain: {key: dict(sorted(value.items())) if key in ("removed", "quarantined") else value
+                     for key, value in row.items()} for domain, row in sorted(table.items())}
+
+
+def markdown(table: dict[str, Any], stage: str) -> str:
+    lines = [f"# {stage}: documents and bytes by domain and filter", "",
+             "| domain | outcome | filter / reason | docs | MB | share of the domain's docs |", "|---|---|---|---:|---:|---:|"]
+    for domain, row in table.items():
+        total = row["in"]["docs"] or 1
+        lines.append(f"| {domain} | in | | {row['in']['docs']} | {row['in']['bytes'] / 1e6:.3f} | 100.0% |")
+        lines.append(f"| {domain} | kept | | {row['kept']['docs']} | {row['kept']['bytes'] / 1e6:.3f} | "
+                     f"{100 * row['kept']['docs'] / total:.1f}% |")
+        for outcome in ("removed", "quarantined"):
+            for name, cell in row[outcome].items():
+                lines.append(f"| {domain} | {outcome} | {name} | {cell['docs']} | {cell['bytes'] / 1e6:.3f} | "
+                             f"{100 * cell['docs'] / total:.1f}% |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(table: dict[str, Any], path: Path, stage: str) -> None:
+    """Horizontal bars, one per filter (removed and quarantined), stacked by domain."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    filters = sorted({f"{outcome}: {name}" for row in table.values() for outcome in ("removed", "quarantined")
+                      for name in row[outcome]})
+    fig, ax = plt.subplots(figsize=(8, 1.2 + 0.35 * max(1, len(filters))))
+    left = [0] * len(filters)
+    for domain, row in table.items():
+        counts = [row[label.split(": ", 1)[0]].get(label.split(": ", 1)[1], {}).get("docs", 0) for label in filters]
+        if any(counts):
+            ax.barh(filters, counts, left=left, label=domain)
+            left = [a + b for a, b in zip(left, counts)]
+    ax.set_xlabel("documents")
+    ax.set_title(f"{stage}: documents removed by filter and domain")
+    if filters:
+        ax.legend(fontsize="small", loc="lower right")
+    ax.invert_yaxis()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def write_removal_report(out_dir: Path, stage: str) -> dict[str, Any]:
+    """The accounting table as removals.json/.md/.png in `out_dir`; returns the table."""
+    table = accounting(out_dir)
+    (out_dir / REPORT_JSON).write_text(json.dumps(table, indent=2) + "\n", encoding="utf-8")
+    (out_dir / REPORT_MD).write_text(markdown(table, stage), encoding="utf-8")
+    plot(table, out_dir / REPORT_PNG, stage)
+    return table
+
+
+def samples(out_dir: Path, *, outcome: str = "removed", reason: str | None = None, domain: str | None = None,
+            n: int = 5) -> Iterator[dict[str, Any]]:
+    """Up to `n` records of `outcome` (kept, removed or quarantined), in file order, whose reason is
+    `reason` or starts with `reason:` (a filter), and whose domain is `domain`."""
+    if outcome not in OUTCOMES:
+        raise ValueError(f"outcome {outcome!r} is not one of {sorted(OUTCOMES)}")
+    sources = source_domains(out_dir)
+    shown = 0
+    for record in _records(out_dir / OUTCOMES[outcome]):
+        if shown >= n:
+            return
+        if reason is not None and record.get("reason") != reason and filter_of(record.get("reason", "")) != reason:
+            continue
+        if domain is not None and _domain(record, sources) != domain:
+            continue
+        shown += 1
+        yield {"reason": record.get("reason"), "domain": _domain(record, sources), "record": record}
+
+
+def render_sample(sample: dict[str, Any], max_chars: int = 600) -> str:
+    """One sample for a terminal: a header line (id, domain, reason, where, score) and the text's start."""
+    record = sample["record"]
+    doc = _document(record)
+    metadata = doc.get("metadata") or {}
+    where = {k: record.get(k, metadata.get(k)) for k in ("source", "path", "line", "row", "offset")
+             if record.get(k, metadata.get(k)) is not None}
+    score = metadata.get("quality_score")
+    header = " | ".join(str(part) for part in (
+        doc.get("id", "(no document)"), sample["domain"], sample["reason"] or "kept",
+        ", ".join(f"{k}={v}" for k, v in where.items()), None if score is None else f"quality_score={score}",
+        record.get("detail")) if part)
+    text = _text(record)
+    body = text[:max_chars] + ("…" if len(text) > max_chars else "")
+    return f"── {header}\n{body}\n"
+
+
+def report_stage(out_dir: Path, stage: str, log_artifact: Callable[[Path], None] | None = None) -> dict[str, Any]:
+    """A data stage's inspection outputs: the removal report files, and datatrove's log (if the stage
+    ran a datatrove pipeline) handed to `log_artifact`; returns the table for the stage's stats."""
+    from tasks.data.datatrove_logs import LOG_FILE
+
+    table = write_removal_report(out_dir, stage)
+    if log_artifact is not None and (out_dir / LOG_FILE).is_file():
+        log_artifact(out_dir / LOG_FILE)
+    return {"accounting": table}
