@@ -77,9 +77,11 @@ like -Z, or if CTX is specified then set the SELinux or SMACK security context t
 
 set the SELinux security context to default type
 
-display this help and exit
+--help display this help and exit
 
-output version information and exit
+--version output version information and exit
+
+Mandatory arguments to long options are mandatory for short options too.
 
 # util-linux manual pages.
 Display help text and exit.
