@@ -2,8 +2,11 @@
 
 `clean_documents` shards the input, runs reader → URL blocklist → word blocklist → language
 filter → Gopher repetition → Gopher quality → C4 → FineWeb → code rules → quality classifier →
-PII redaction → writer with datatrove's `LocalPipelineExecutor`, then merges the per-rank
-outputs back into input order, so the result is byte-identical whatever `num_workers` is. Each
+PII redaction → writer as `num_workers` datatrove tasks on the configured executor (local
+processes, Slurm or Ray: `tasks.data.executors`), then merges the per-rank outputs back into
+input order, so the result is byte-identical whatever `num_workers` or executor. A rerun after a
+failed rank keeps the finished ranks' outputs (datatrove's completion markers) when the shards
+are unchanged. Each
 filter applies only to its configured domains: the prose rules (Gopher, C4, FineWeb) are English
 rules and never see code; the code rules (`tasks/data/filters/code_rules.py`) see only code.
 A document is removed by the first filter that rejects it. Language ID uses the real
@@ -16,6 +19,7 @@ text, it removes nothing: the documents it changed and its replacements by kind 
 
 from __future__ import annotations
 
+import hashlib
 import heapq
 import json
 import shutil
@@ -26,7 +30,6 @@ from pathlib import Path
 from typing import Any
 
 from datatrove.data import Document as DtDocument
-from datatrove.executor import LocalPipelineExecutor
 from datatrove.pipeline.filters import GopherQualityFilter, GopherRepetitionFilter, LanguageFilter
 from datatrove.pipeline.filters.base_filter import BaseFilter, get_filter_result
 from datatrove.pipeline.readers import JsonlReader
@@ -44,6 +47,7 @@ from tasks.data.documents import (
     ReasonLog,
     read_documents,
 )
+from tasks.data.executors import LOCAL, ExecutorSettings, keep_or_reset, run_pipeline
 from tasks.data.filters.blocklists import URLBlocklistFilter, WordBlocklistFilter, read_blocklist
 from tasks.data.filters.code_rules import CodeRules, CodeRulesFilter
 from tasks.data.filters.pii import PII_KINDS, PII_METADATA, PIIKind, PIIRedactor
@@ -258,6 +262,13 @@ def _pipeline(
     return [*steps, JsonlWriter(str(scratch / "kept"), output_filename="${rank}.jsonl", compression=None)]
 
 
+def _plan(cfg: CleanConfig, quality_model: Path | None, blocklists: dict[str, tuple[str, list[str]]]) -> str:
+    """Everything the ranks compute with besides their shards: finished ranks are reused only while it holds."""
+    model = None if quality_model is None else hashlib.sha256(quality_model.read_bytes()).hexdigest()
+    return json.dumps({"config": cfg.model_dump(mode="json"), "quality_model": model, "blocklists": blocklists},
+                      sort_keys=True)
+
+
 def _merged(folders: list[Path]) -> Iterator[dict[str, Any]]:
     """All records under `folders` in input order (each rank file is already ascending)."""
 
@@ -286,8 +297,10 @@ def _to_kiln(record: dict[str, Any]) -> tuple[Document, str | None, dict[str, in
     return doc, reason, pii
 
 
-def clean_documents(cfg: CleanConfig, input_file: Path, out_dir: Path) -> dict:
-    """Filter, classify and redact `input_file` into `out_dir`; returns the stage's counts."""
+def clean_documents(cfg: CleanConfig, input_file: Path, out_dir: Path, executor: ExecutorSettings = LOCAL) -> dict:
+    """Filter, classify and redact `input_file` into `out_dir` on `executor`; returns the stage's counts."""
+    # Absolute: Slurm and Ray workers do not share this process's working directory.
+    input_file, out_dir = input_file.resolve(), out_dir.resolve()
     if not input_file.is_file():
         raise InputError(f"clean: input file {input_file} does not exist; run the collect stage first")
     model_path = lid_model_path()
@@ -296,19 +309,20 @@ def clean_documents(cfg: CleanConfig, input_file: Path, out_dir: Path) -> dict:
     quality_model = None if cfg.quality_model is None else check_quality_model(cfg.quality_model)
     blocklists = _blocklists(cfg)
 
-    # datatrove's per-rank shards, outputs and logs; a leftover from an interrupted run is redone.
+    # datatrove's per-rank shards, outputs and logs: an interrupted run's are resumed if its shards
+    # are the same, else redone. Outputs written lazily are removed, lest a stale one survive.
     scratch = out_dir / "_datatrove"
-    shutil.rmtree(scratch, ignore_errors=True)
+    for name in (REMOVED_FILE, QUARANTINE_FILE):
+        (out_dir / name).unlink(missing_ok=True)
     counts = DocCounts()
     with ReasonLog(out_dir / QUARANTINE_FILE) as quarantine:
-        _write_shards(input_file, scratch / "shards", cfg.num_workers, quarantine, counts)
+        keep_or_reset(scratch, "shards", _plan(cfg, quality_model, blocklists),
+                      lambda shards: _write_shards(input_file, shards, cfg.num_workers, quarantine, counts))
 
-    LocalPipelineExecutor(
-        _pipeline(cfg, scratch, model_path, quality_model, blocklists),
-        tasks=cfg.num_workers,
-        workers=cfg.num_workers,
-        logging_dir=str(scratch / "logs"),
-    ).run()
+    run_pipeline(
+        _pipeline(cfg, scratch, model_path, quality_model, blocklists), scratch / "logs",
+        tasks=cfg.num_workers, jobs=cfg.num_workers, settings=executor, job_name="kiln_clean",
+    )
 
     languages: Counter[str] = Counter()
     replacements: Counter[str] = Counter(dict.fromkeys(PII_KINDS, 0))

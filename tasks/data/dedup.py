@@ -63,8 +63,8 @@ class DedupConfig(Section):
     fp_weight: float = Field(0.5, ge=0.0)
     fn_weight: float = Field(0.5, ge=0.0)
     seed: int = 1
-    # fast: Kiln's single-node numpy path; datatrove: datatrove's 4-stage MinHash pipeline on
-    # `cluster.executor` (local processes, Slurm or Ray) for corpora beyond one machine. Their
+    # fast: Kiln's single-node numpy path, as one job on `cluster.executor`; datatrove: datatrove's
+    # 4-stage MinHash pipeline distributed on `cluster.executor` (local processes, Slurm or Ray). Their
     # normalisation differs (see tasks/data/dedup_datatrove.py), so the engine is part of the key.
     engine: Literal["fast", "datatrove"] = "fast"
     num_workers: int = runtime_field(1, ge=1)
@@ -157,6 +157,7 @@ class _Batch:
 
 
 def _dedup(cfg: DedupConfig, index: DedupIndex, input_file: Path, out_dir: Path) -> dict:
+    (out_dir / REMOVED_FILE).unlink(missing_ok=True)  # written lazily: a failed attempt's must not survive
     batch = _read_and_sign(cfg, input_file)
     n, m = len(batch.ids), len(index)
     # Graph nodes: indexed documents 0..m-1, then this batch's documents m..m+n-1.

@@ -1,4 +1,8 @@
-"""The dedup stage's distributed path: datatrove's four-stage MinHash pipeline, on local processes, Slurm or Ray.
+"""The dedup stage's distributed path: datatrove's four-stage MinHash pipeline on the configured executor.
+
+The four pipelines run one after another through `tasks.data.executors` (local processes, Slurm
+or Ray); each keeps its completion markers under `datatrove/logs/<stage>`, so a rerun after a
+failure skips the finished stages and ranks.
 
 The same `DedupConfig` as the single-node `dedup_documents` drives it: n-gram size, the LSH's
 bands and rows (from `threshold` and `num_perm`), seed and the case/whitespace/punctuation
@@ -27,14 +31,11 @@ from __future__ import annotations
 import json
 import math
 import shutil
-import time
 from collections import Counter, defaultdict
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
-from datatrove.executor import LocalPipelineExecutor, RayPipelineExecutor, SlurmPipelineExecutor
-from datatrove.executor.base import PipelineExecutor
 from datatrove.pipeline.dedup.minhash import (
     MinhashConfig,
     MinhashDedupBuckets,
@@ -50,14 +51,13 @@ from datatrove.utils.text import TextNormConfig
 from tasks.accounting import DocCounts
 from tasks.data.dedup import DedupConfig, lsh_bands, quality_score, survivor_rank
 from tasks.data.documents import DOCUMENTS_FILE, REMOVED_FILE, ReasonLog, read_documents
+from tasks.data.executors import LOCAL, ExecutorSettings, keep_or_reset, run_pipeline
 from tasks.errors import ConfigError, InputError
 
-Executor = Literal["local", "slurm", "ray"]
 WORK_DIR = "datatrove"  # intermediates under out_dir; only its `logs/` (stats per stage) is kept
 STAGES = ("signatures", "buckets", "clusters", "filter")
 _REASON = "near_duplicate"
 _NUM_SAMPLE_CLUSTERS = 5
-_SLURM_POLL_S = 30
 
 
 def minhash_config(cfg: DedupConfig) -> MinhashConfig:
@@ -113,70 +113,30 @@ def build_pipelines(cfg: DedupConfig, work: Path) -> dict[str, list]:
     }
 
 
-def build_executors(
-    cfg: DedupConfig,
-    work: Path,
-    *,
-    executor: Executor = "local",
-    tasks: int = 2,
-    executor_options: dict | None = None,
-) -> dict[str, PipelineExecutor]:
-    """One executor per stage, each `depends=` on the previous; running the last runs (or submits) all.
-
-    `executor_options` go to every executor's constructor (Slurm needs `partition` and `time`).
-    """
-    if tasks < 1:
-        raise ConfigError(f"dedup datatrove tasks={tasks}: need at least 1 task")
-    options = dict(executor_options or {})
-    if executor == "local":
-        factory: Any = LocalPipelineExecutor
-    elif executor == "slurm":
-        missing = [key for key in ("partition", "time") if key not in options]
-        if missing:
-            raise ConfigError(
-                f"dedup executor slurm needs executor options {missing} (e.g. partition: cpu, time: '02:00:00')"
-            )
-        factory = SlurmPipelineExecutor
-    elif executor == "ray":
-        factory = RayPipelineExecutor
-    else:
-        raise ConfigError(f"dedup executor {executor!r} is not one of 'local', 'slurm', 'ray'")
-    pipelines = build_pipelines(cfg, work)
-    num_buckets = minhash_config(cfg).num_buckets
-    # Stage 2 runs one task per bucket; stage 3 must run as a single task.
-    stage_tasks = {"signatures": tasks, "buckets": num_buckets, "clusters": 1, "filter": tasks}
-    executors: dict[str, PipelineExecutor] = {}
-    previous = None
-    for stage in STAGES:
-        kwargs = {"tasks": stage_tasks[stage], "logging_dir": str(work / "logs" / stage), "depends": previous}
-        kwargs |= options
-        if executor == "local":
-            kwargs.setdefault("workers", min(stage_tasks[stage], tasks))
-        if executor == "slurm":
-            kwargs.setdefault("job_name", f"kiln_dedup_{stage}")
-        previous = executors[stage] = factory(pipelines[stage], **kwargs)
-    return executors
+def stage_tasks(cfg: DedupConfig, tasks: int) -> dict[str, int]:
+    """Ranks per pipeline: stage 2 runs one per LSH band (bucket), stage 3 must run as one."""
+    return {"signatures": tasks, "buckets": minhash_config(cfg).num_buckets, "clusters": 1, "filter": tasks}
 
 
 def dedup_with_datatrove(
-    cfg: DedupConfig,
-    input_file: Path,
-    out_dir: Path,
-    *,
-    executor: Executor = "local",
-    tasks: int = 2,
-    executor_options: dict | None = None,
+    cfg: DedupConfig, input_file: Path, out_dir: Path, *, tasks: int = 2, executor: ExecutorSettings = LOCAL,
 ) -> dict:
-    """Remove near duplicates from `input_file` with datatrove's MinHash on `tasks` tasks; Kiln-format output."""
+    """Remove near duplicates from `input_file` with datatrove's MinHash in `tasks` tasks on `executor`."""
     if not cfg.fuzzy:
         raise ConfigError("dedup.fuzzy is false, but the datatrove path is MinHash (fuzzy) dedup only: "
                           "use the single-node dedup or set dedup.fuzzy: true")
+    if tasks < 1:
+        raise ConfigError(f"dedup datatrove tasks={tasks}: need at least 1 task")
+    # Absolute: Slurm and Ray workers do not share this process's working directory.
+    input_file, out_dir = input_file.resolve(), out_dir.resolve()
     work = out_dir / WORK_DIR
-    num_in = _write_shards(input_file, work / "input", tasks)
-    executors = build_executors(cfg, work, executor=executor, tasks=tasks, executor_options=executor_options)
-    executors["filter"].run()
-    if executor == "slurm":
-        _wait_for(executors.values())
+    (out_dir / REMOVED_FILE).unlink(missing_ok=True)  # written lazily: a stale one must not survive a rerun
+    plan = json.dumps(cfg.model_dump(mode="json"), sort_keys=True)  # finished ranks are reused only under it
+    num_in = keep_or_reset(work, "input", plan, lambda shards: _write_shards(input_file, shards, tasks))
+    pipelines = build_pipelines(cfg, work)
+    for stage, num_tasks in stage_tasks(cfg, tasks).items():
+        run_pipeline(pipelines[stage], work / "logs" / stage, tasks=num_tasks, jobs=tasks, settings=executor,
+                     job_name=f"kiln_dedup_{stage}")
     cluster_of = _read_clusters(work / "kept") | _read_clusters(work / "removed")
     assert len(cluster_of) == num_in, (len(cluster_of), num_in)
     survivor_of_cluster = _survivors(input_file, cluster_of)
@@ -218,7 +178,7 @@ def dedup_with_datatrove(
             {"survivor": survivor_of_cluster[c], "members": members[:10], "size": len(members)}
             for c, members in dup_clusters[:_NUM_SAMPLE_CLUSTERS]
         ],
-        "executor": executor,
+        "executor": executor.kind,
         "tasks": tasks,
         "lsh": {"bands": bands, "rows": rows, "n_grams": cfg.shingle_size},
         "datatrove_logs": f"{WORK_DIR}/logs",
@@ -271,9 +231,3 @@ def _survivors(input_file: Path, cluster_of: dict[str, int]) -> dict[int, str]:
         if cluster not in best or rank < best[cluster][0]:
             best[cluster] = (rank, doc.id)
     return {cluster: doc_id for cluster, (_, doc_id) in best.items()}
-
-
-def _wait_for(executors: Any) -> None:
-    """Slurm jobs run detached: poll datatrove's completion markers until every stage's ranks are done."""
-    while any(e.get_incomplete_ranks(skip_completed=True) for e in executors):
-        time.sleep(_SLURM_POLL_S)

@@ -9,6 +9,7 @@ from tasks.data.clean import CleanConfig, clean_documents
 from tasks.data.documents import DOCUMENTS_FILE
 from tasks.data.quality_training import REPORT_FILE, classifier_metrics, reference_paths, resolve_quality_model
 from tasks.data.inspection import report_stage
+from tasks.data.executors import ExecutorSettings
 from tasks.stage import Stage, StageContext
 from tasks.stages._common import document_headline
 
@@ -20,7 +21,8 @@ def run(ctx: StageContext) -> dict:
     # A classifier trained from references is kept in the store under its own key and reused.
     cfg = resolve_quality_model(ctx.cfg.clean, ctx.inputs["collect"] / DOCUMENTS_FILE, ctx.out_dir, ctx.store)
     ctx.recorder.metrics(0, classifier_metrics(ctx.out_dir / REPORT_FILE))  # held-out precision, recall, ROC-AUC
-    stats = clean_documents(cfg, ctx.inputs["collect"] / DOCUMENTS_FILE, ctx.out_dir)
+    stats = clean_documents(cfg, ctx.inputs["collect"] / DOCUMENTS_FILE, ctx.out_dir,
+                           ExecutorSettings.from_cluster(ctx.cfg.cluster))
     # removals by domain and filter (removals.json/.md/.png), datatrove's log to MLflow
     return stats | report_stage(ctx.out_dir, "clean", lambda path: ctx.recorder.tracker.log_artifact(ctx.recorder.run_id, path))
 
@@ -40,6 +42,8 @@ STAGE = Stage(
     # 2: C4, FineWeb, code rules and blocklists; phone and card PII; stats by domain
     # 3: a classifier trained from references; every document scored; top-fraction thresholds
     version=3,
+    # A retry keeps the failed attempt's folder: ranks that finished (datatrove's markers) are skipped.
+    resumable=True,
     headline=document_headline,
     reports=("removals.md",),
 )

@@ -1,17 +1,15 @@
-"""The datatrove MinHash path: agrees with the single-node dedup on real text, and builds Slurm/Ray pipelines."""
+"""The datatrove MinHash path agrees with the single-node dedup on real text (its Slurm and Ray runs:
+tests/tasks/data/test_executors.py)."""
 
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 
-import dill
 import pytest
-from datatrove.executor import LocalPipelineExecutor, RayPipelineExecutor, SlurmPipelineExecutor
 
 from tasks.data.dedup import DedupConfig, dedup_documents, lsh_bands, normalize
-from tasks.data.dedup_datatrove import STAGES, build_executors, dedup_with_datatrove, minhash_config
+from tasks.data.dedup_datatrove import STAGES, dedup_with_datatrove, minhash_config, stage_tasks
 from tasks.data.documents import Document, write_documents
 from tasks.errors import ConfigError
 
@@ -120,50 +118,14 @@ def test_minhash_config_follows_the_dedup_config():
     assert (config.hash_config.hash_fc, config.hash_config.precision) == ("xxhash", 64)
 
 
-def test_local_executors_chain_the_four_stages(tmp_path):
-    executors = build_executors(DedupConfig(), tmp_path, tasks=3)
-    assert list(executors) == list(STAGES)
-    assert all(isinstance(e, LocalPipelineExecutor) for e in executors.values())
-    assert [e.world_size for e in executors.values()] == [3, 14, 1, 3]
-    assert [e.workers for e in executors.values()] == [3, 3, 1, 3]
-    assert [e.depends for e in executors.values()] == [None, executors["signatures"],
-                                                       executors["buckets"], executors["clusters"]]
-
-
-def test_slurm_executors_render_an_sbatch_script_without_submitting(tmp_path):
-    executors = build_executors(DedupConfig(), tmp_path, executor="slurm", tasks=4,
-                                executor_options={"partition": "cpu", "time": "02:00:00", "mem_per_cpu_gb": 4})
-    assert all(isinstance(e, SlurmPipelineExecutor) for e in executors.values())
-    assert [e.world_size for e in executors.values()] == [4, 14, 1, 4]
-    assert executors["filter"].depends is executors["clusters"] and executors["signatures"].depends is None
-    signatures = executors["signatures"]
-    dill.dumps(signatures)  # what launch_job pickles for the compute nodes
-    script = signatures.get_launch_file_contents(signatures.get_sbatch_args(max_array=4), "launch_pickled_pipeline x")
-    lines = script.splitlines()
-    assert lines[0] == "#!/bin/bash"
-    directives = [line for line in lines[1:] if line.startswith("#SBATCH")]
-    # sbatch reads directives only before the first command.
-    assert lines[1 : 1 + len(directives)] == directives
-    assert all(re.fullmatch(r"#SBATCH --[a-z-]+(=\S+)?", line) for line in directives), directives
-    assert {"#SBATCH --partition=cpu", "#SBATCH --time=02:00:00", "#SBATCH --array=0-3",
-            "#SBATCH --mem-per-cpu=4G", "#SBATCH --job-name=kiln_dedup_signatures"} <= set(directives)
-    assert lines[-1].strip() == "launch_pickled_pipeline x"
-    assert not (tmp_path / "logs" / "signatures" / "executor.pik").exists()  # nothing was submitted
-
-
-def test_ray_executors_construct_without_ray(tmp_path):
-    executors = build_executors(DedupConfig(), tmp_path, executor="ray", tasks=2, executor_options={"cpus_per_task": 2})
-    assert all(isinstance(e, RayPipelineExecutor) for e in executors.values())
-    assert [(e.world_size, e.cpus_per_task) for e in executors.values()] == [(2, 2), (14, 2), (1, 2), (2, 2)]
-    assert executors["buckets"].depends is executors["signatures"]
+def test_each_stage_runs_its_own_number_of_ranks():
+    # stage 2 one rank per LSH band, stage 3 a single rank
+    assert stage_tasks(DedupConfig(), 3) == {"signatures": 3, "buckets": 14, "clusters": 1, "filter": 3}
+    assert list(stage_tasks(DedupConfig(), 3)) == list(STAGES)
 
 
 def test_bad_settings_are_config_errors(tmp_path):
-    with pytest.raises(ConfigError, match=r"needs executor options \['time'\]"):
-        build_executors(DedupConfig(), tmp_path, executor="slurm", executor_options={"partition": "cpu"})
-    with pytest.raises(ConfigError, match="'k8s' is not one of"):
-        build_executors(DedupConfig(), tmp_path, executor="k8s")  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="at least 1 task"):
-        build_executors(DedupConfig(), tmp_path, tasks=0)
+        dedup_with_datatrove(DedupConfig(), tmp_path / "in.jsonl", tmp_path, tasks=0)
     with pytest.raises(ConfigError, match="dedup.fuzzy is false"):
         dedup_with_datatrove(DedupConfig(fuzzy=False), tmp_path / "in.jsonl", tmp_path)

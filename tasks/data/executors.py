@@ -1,0 +1,250 @@
+"""Runs a data stage's datatrove pipeline on the configured executor: local processes, Slurm or Ray.
+
+Clean and dedup say *what* runs (a pipeline and its number of tasks); `cluster.executor` says
+*where*. Whatever the executor, datatrove's completion markers, per-rank logs and stats land in
+the stage's own folder (`logging_dir`), so a rerun of a failed stage skips the ranks that finished
+(the stages are resumable, and `keep_or_reset` keeps that folder only while its input shards are
+the same). A run returns only when every rank is done; otherwise it raises `ExecutorError`
+naming each unfinished rank's log.
+
+- local: `LocalPipelineExecutor`, `jobs` worker processes.
+- slurm: `SlurmPipelineExecutor`, one array job per pipeline (tasks grouped `tasks_per_job` so at
+  most `jobs` array tasks start a Python each), on `cluster.partition` (default: the cluster's
+  default partition) with `cluster.time_limit`, running this interpreter's environment. Kiln polls
+  `squeue` until the array is gone, then reads the completion markers; an interrupted wait
+  cancels the job.
+- ray: `RayPipelineExecutor` on the cluster at `RAY_ADDRESS`, or on a local one started once per
+  process. A worker that dies is resubmitted by datatrove itself; a rank that raises is reported.
+
+Stages run one after another (no datatrove `depends=`): the Local and Ray executors poll a
+failed dependency every two minutes forever, and a Slurm `afterok` dependency would leave the
+next job pending forever.
+"""
+
+from __future__ import annotations
+
+import filecmp
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Literal, TypeVar
+
+from datatrove.executor import LocalPipelineExecutor, RayPipelineExecutor, SlurmPipelineExecutor
+from datatrove.executor.base import PipelineExecutor
+from datatrove.utils.stats import PipelineStats
+
+from tasks.errors import ConfigError, KilnError
+
+if TYPE_CHECKING:
+    from tasks.config import ClusterConfig
+
+Kind = Literal["local", "slurm", "ray"]
+KINDS: tuple[Kind, ...] = ("local", "slurm", "ray")
+STATS_FILE = "stats.json"  # every rank's stats merged, in logging_dir
+PLAN_FILE = "plan.json"  # beside the shards: what the ranks of a resumable run computed with
+# squeue polls start fast (a small job ends in seconds) and back off to be gentle with slurmctld.
+_POLL_FIRST_S = 0.2
+_POLL_MAX_S = 30.0
+_POLL_GROWTH = 1.5
+_T = TypeVar("_T")
+
+
+class ExecutorError(KilnError):
+    """A data pipeline ended with ranks unfinished; the message names their logs."""
+
+
+@dataclass(frozen=True)
+class ExecutorSettings:
+    """Where data pipelines run: the `cluster` section's executor and what Slurm needs from it."""
+
+    kind: Kind = "local"
+    partition: str | None = None  # Slurm partition; None: the cluster's default
+    time_limit: str = "24:00:00"  # Slurm --time for each array job
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ConfigError(f"cluster.executor: {self.kind!r} is not one of {', '.join(KINDS)}")
+
+    @classmethod
+    def from_cluster(cls, cluster: ClusterConfig) -> ExecutorSettings:
+        if cluster.executor != "slurm":  # the Slurm fields mean nothing to the other executors
+            return cls(cluster.executor)
+        return cls("slurm", cluster.partition, cluster.time_limit)
+
+
+LOCAL = ExecutorSettings()
+
+
+def build_executor(
+    pipeline: list, logging_dir: Path, *, tasks: int, jobs: int, settings: ExecutorSettings, job_name: str,
+    cpus_per_task: int = 1,
+) -> PipelineExecutor:
+    """The datatrove executor for `pipeline`: `tasks` ranks, at most `jobs` running (or submitted) at once."""
+    if tasks < 1 or jobs < 1:
+        raise ConfigError(f"{job_name}: tasks={tasks} and jobs={jobs} must be at least 1")
+    jobs = min(jobs, tasks)
+    common = {"tasks": tasks, "logging_dir": str(logging_dir), "skip_completed": True}
+    if settings.kind == "local":
+        return LocalPipelineExecutor(pipeline, workers=jobs, **common)
+    tasks_per_job = math.ceil(tasks / jobs)
+    if settings.kind == "ray":
+        return RayPipelineExecutor(pipeline, cpus_per_task=cpus_per_task, tasks_per_job=tasks_per_job, **common)
+    return _SlurmExecutor(
+        pipeline, time=settings.time_limit, partition=settings.partition or default_partition(),
+        cpus_per_task=cpus_per_task, tasks_per_job=tasks_per_job, job_name=job_name,
+        qos=None,  # the partition's default; datatrove's "normal" need not exist
+        **_python_environment(), **common,
+    )
+
+
+def run_pipeline(
+    pipeline: list, logging_dir: Path, *, tasks: int, jobs: int, settings: ExecutorSettings, job_name: str,
+    cpus_per_task: int = 1,
+) -> PipelineStats:
+    """Run `pipeline` to completion on `settings`' executor; its merged stats are also in `logging_dir/stats.json`."""
+    executor = build_executor(pipeline, logging_dir, tasks=tasks, jobs=jobs, settings=settings, job_name=job_name,
+                              cpus_per_task=cpus_per_task)
+    if settings.kind == "ray":
+        connect_ray()
+    executor.run()  # local and Ray return when their ranks are over; Slurm returns once submitted
+    if settings.kind == "slurm" and executor.job_id not in (None, -1):  # -1: every rank was already done
+        _wait_for_slurm_job(str(executor.job_id))
+    unfinished = executor.get_incomplete_ranks(skip_completed=True)
+    if unfinished:
+        raise ExecutorError(_unfinished_message(executor, logging_dir, settings, job_name, unfinished))
+    return _merge_stats(logging_dir, tasks)
+
+
+def connect_ray() -> None:
+    """Join the Ray cluster at RAY_ADDRESS, else start a local one; once per process (ray.init is global)."""
+    import ray
+
+    if ray.is_initialized():
+        return
+    if os.environ.get("RAY_ADDRESS"):
+        ray.init()  # reads RAY_ADDRESS
+    else:
+        ray.init(include_dashboard=False)
+
+
+def default_partition() -> str:
+    """The Slurm cluster's default partition (`sinfo` marks it with `*`)."""
+    if shutil.which("sinfo") is None:
+        raise ExecutorError("cluster.executor is slurm but sinfo is not on PATH: install Slurm's client tools "
+                            "(Debian: slurm-client) or run on a login node")
+    done = subprocess.run(["sinfo", "-h", "-o", "%P"], capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise ExecutorError(f"sinfo failed (exit {done.returncode}): {done.stderr.strip()}")
+    default = [name.removesuffix("*") for name in done.stdout.split() if name.endswith("*")]
+    if not default:
+        raise ConfigError(f"cluster.partition is not set and Slurm has no default partition (partitions: "
+                          f"{done.stdout.split()}); set cluster.partition=NAME")
+    return default[0]
+
+
+def keep_or_reset(work: Path, shards: str, plan: str, write_shards: Callable[[Path], _T]) -> _T:
+    """Write a pipeline's input shards; keep `work` (completion markers, finished ranks' outputs) when
+    `work/shards` already holds the very same files and `plan` (what else the ranks compute with:
+    config, model digests) is unchanged, so a rerun resumes, else start `work` afresh.
+
+    `write_shards(folder)` creates `folder` and fills it; its result is returned either way."""
+    fresh = work.with_name(f"{work.name}.shards-new")
+    shutil.rmtree(fresh, ignore_errors=True)
+    result = write_shards(fresh)
+    old, plan_file = work / shards, work / PLAN_FILE
+    if old.is_dir() and plan_file.is_file() and plan_file.read_text() == plan and _same_files(old, fresh):
+        shutil.rmtree(fresh)
+    else:
+        shutil.rmtree(work, ignore_errors=True)
+        work.mkdir(parents=True)
+        fresh.rename(old)
+        plan_file.write_text(plan)  # last: a reset cut short leaves no plan, so the next run resets again
+    return result
+
+
+def _same_files(a: Path, b: Path) -> bool:
+    names = sorted(p.name for p in a.iterdir())
+    if names != sorted(p.name for p in b.iterdir()):
+        return False
+    _, mismatch, errors = filecmp.cmpfiles(a, b, names, shallow=False)
+    return not mismatch and not errors
+
+
+class _SlurmExecutor(SlurmPipelineExecutor):
+    """datatrove's Slurm executor without its extra merge-stats job: Kiln merges the ranks' stats
+    itself once the array is over, and a job chained `afterok` to a failed array would pend forever."""
+
+    def launch_merge_stats(self) -> None:
+        return None
+
+
+def _python_environment() -> dict[str, str]:
+    """Jobs run this interpreter's environment: its venv activated, else its bin folder first on PATH."""
+    if sys.prefix != sys.base_prefix:
+        return {"venv_path": str(Path(sys.prefix) / "bin" / "activate")}
+    return {"env_command": f"export PATH={Path(sys.executable).parent}:$PATH"}
+
+
+def _wait_for_slurm_job(job_id: str) -> None:
+    """Poll squeue until no task of array job `job_id` is pending or running; scancel it if interrupted."""
+    delay = _POLL_FIRST_S
+    try:
+        while True:
+            done = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T"], capture_output=True, text=True,
+                                  check=False)
+            if done.returncode != 0:
+                if "Invalid job id" in done.stderr:  # finished and already purged from slurmctld
+                    return
+                raise ExecutorError(f"squeue -j {job_id} failed (exit {done.returncode}): {done.stderr.strip()}")
+            if not done.stdout.strip():
+                return
+            time.sleep(delay)
+            delay = min(delay * _POLL_GROWTH, _POLL_MAX_S)
+    except BaseException:
+        subprocess.run(["scancel", job_id], capture_output=True, check=False)
+        raise
+
+
+def _unfinished_message(executor: PipelineExecutor, logging_dir: Path, settings: ExecutorSettings, job_name: str,
+                        ranks: list[int]) -> str:
+    lines = [f"{job_name} on the {settings.kind} executor: {len(ranks)} of {executor.world_size} ranks did not "
+             f"finish. Rerun the stage: the finished ranks are skipped."]
+    slurm_logs = _slurm_logs(executor, logging_dir) if settings.kind == "slurm" else {}
+    for rank in ranks:
+        task_log = logging_dir / "logs" / f"task_{rank:05d}.log"
+        logs = [task_log] + ([slurm_logs[rank]] if rank in slurm_logs else [])
+        last = next((line for log in reversed(logs) for line in reversed(_lines(log)) if line.strip()), "")
+        lines.append(f"  rank {rank}: log {' and Slurm output '.join(map(str, logs))}"
+                     + (f"; last line: {last.strip()}" if last else "; the rank never started"))
+    return "\n".join(lines)
+
+
+def _slurm_logs(executor: SlurmPipelineExecutor, logging_dir: Path) -> dict[int, Path]:
+    """Each rank's Slurm output file (`%A_%a.out`: array index = position in ranks_to_run // tasks_per_job)."""
+    ranks_file = logging_dir / "ranks_to_run.json"
+    if not ranks_file.is_file() or executor.job_id in (None, -1):
+        return {}
+    ranks = json.loads(ranks_file.read_text())
+    folder = Path(executor.slurm_logs_folder)
+    return {rank: folder / f"{executor.job_id}_{i // executor.tasks_per_job}.out" for i, rank in enumerate(ranks)}
+
+
+def _lines(path: Path) -> list[str]:
+    return path.read_text(errors="replace").splitlines() if path.is_file() else []
+
+
+def _merge_stats(logging_dir: Path, tasks: int) -> PipelineStats:
+    """Every rank's stats, including ranks a previous attempt finished (the executors merge only their own)."""
+    total = PipelineStats()
+    for rank in range(tasks):
+        total += PipelineStats.from_json(json.loads((logging_dir / "stats" / f"{rank:05d}.json").read_text()))
+    with open(logging_dir / STATS_FILE, "w") as handle:
+        total.save_to_disk(handle)
+    return total
