@@ -73,6 +73,7 @@ def build_warc(out: Path, deb_dir: Path) -> None:
     info = writer.create_warcinfo_record("python-howto.warc.gz", {"software": "kiln scripts/build_sample_sources.py",
                                                                   "description": "Python 3.11 HOWTOs from python3.11-doc"})
     info.rec_headers.replace_header("WARC-Date", CRAWL_DATE)
+    info.rec_headers.replace_header("WARC-Record-ID", _record_id("python-howto.warc.gz", "warcinfo"))
     writer.write_record(info)
     for rel, body, content_type in pages:
         url = f"https://docs.python.org/3.11/{rel}"
@@ -180,6 +181,21 @@ def build_references(out: Path) -> None:
         handle.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
 
 
+ATTRIBUTION = """# Attribution of the other-format samples and the reference set
+
+Built by `scripts/build_sample_sources.py` (see `data/ATTRIBUTION.md` for the html, txt and jsonl
+samples). All text is real upstream text, cut at a paragraph break where long; nothing else edited.
+
+| file | upstream | copyright holders | licence |
+|---|---|---|---|
+| data/sample/warc/python-howto.warc.gz | python3.11-doc (Debian 3.11.2), HOWTO pages | Python Software Foundation | PSF-2.0 |
+| data/sample/tables/git-man.parquet, data/sample/compressed/* | git-man (Debian), man pages rendered by man(1) | 2005-2022 Linus Torvalds and others | GPL-2.0-only |
+| data/sample/hf/git-relnotes/ | git (Debian), /usr/share/doc/git/RelNotes | 2005-2022 Linus Torvalds and others | GPL-2.0-only |
+| data/sample/code-tree/colorlog/ | colorlog 6.12.0 (PyPI wheel) | 2012-2021 Sam Clements | MIT |
+| data/sample/references/python-language-reference.jsonl | CPython 3.11.7 Lib/pydoc_data/topics.py | Python Software Foundation | PSF-2.0 |
+"""
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--data-dir", type=Path, default=REPO / "data")
@@ -192,6 +208,7 @@ def main() -> None:
     build_dataset(sample)
     build_code_tree(sample)
     build_references(sample)
+    (args.data_dir / "ATTRIBUTION-formats.md").write_text(ATTRIBUTION, encoding="utf-8")
     for path in sorted(p for p in sample.rglob("*") if p.is_file() and p.stat().st_mtime and
                        p.relative_to(sample).parts[0] in ("warc", "tables", "compressed", "hf", "code-tree", "references")):
         print(f"{path.relative_to(args.data_dir)}: {path.stat().st_size} bytes")
