@@ -90,4 +90,6 @@ def test_heldout_is_held_out_except_the_declared_leaks():
 
 def test_corpus_fits_in_the_repository():
     total = sum(p.stat().st_size for p in DATA.rglob("*") if p.is_file())
-    assert total < 6_300_000
+    # ~6.2 MB of html/txt/jsonl samples, models and evals, plus ~0.5 MB of the other source formats and
+    # the quality classifier's reference set (scripts/build_sample_sources.py)
+    assert total < 7_000_000

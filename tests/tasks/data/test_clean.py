@@ -124,14 +124,15 @@ def test_clean_keeps_removes_and_accounts_exactly(tmp_path: Path) -> None:
 
     inputs = {d.id: d for d in CORPUS}
     by_id = {d.id: d for d in kept}
-    assert by_id["code"] == inputs["code"]  # not natural language: passes untouched, no language label
+    # not natural language: passes untouched but for its quality score (every document is scored), no language label
+    code = by_id["code"]
+    assert code.metadata.pop("quality_score") >= 0.0 and code == inputs["code"]
     for doc_id in ("en", "de", "fr"):
         doc, original = by_id[doc_id], inputs[doc_id]
         assert (doc.text, doc.source, doc.domain, doc.licence) == (
             original.text, original.source, original.domain, original.licence
         )
-        judged = {"quality_score"} if doc.domain == "web" else set()  # the classifier's domains: web, prose
-        assert doc.metadata.keys() == {"page", "language", "language_score"} | judged
+        assert doc.metadata.keys() == {"page", "language", "language_score", "quality_score"}  # all scored
         assert doc.metadata["language"] == doc_id
         assert doc.metadata["language_score"] > 0.9
 
@@ -155,7 +156,7 @@ def test_clean_keeps_removes_and_accounts_exactly(tmp_path: Path) -> None:
         "pii": {"num_docs_redacted": 0, "num_replacements": {"email": 0, "ip": 0, "card": 0, "phone": 0}},
     }
     assert sorted(p.name for p in out.iterdir()) == sorted(
-        ["documents.jsonl", "quarantine.jsonl", "removed.jsonl", STATS_FILE]
+        ["documents.jsonl", "quarantine.jsonl", "removed.jsonl", STATS_FILE, "datatrove.log"]
     )
 
 
