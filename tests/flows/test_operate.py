@@ -1,11 +1,11 @@
-"""Kiln operated as its users do: `kiln up`, `kiln deploy`, `kiln worker`, a pipeline deployment run
-that fails in a middle stage, and the Prefect UI's Retry (the exact API call its button makes).
+"""Kiln operated as its users do: `kiln up`, `kiln deploy --alert-webhook`, `kiln worker`, deployment
+runs, the Prefect UI's Retry (its exact API call, then its button in headless Chromium), the MLflow UI,
+concurrent runs on one store, alerts, and a worker killed mid-stage.
 
-A failed stage posts an alert to a webhook through the automation `kiln deploy` created.
-The retry must reuse the upstream stages (Cached, same keys and files), run the failed stage and
-what follows, end Completed as the same flow run, and keep one MLflow pipeline run. A single stage
-re-run from its own deployment with the same parameters is Cached. Every process is stopped at
-the end.
+All scenarios share one module fixture (servers, deployments, worker, webhook receiver), so the
+fixed start-up is paid once; every process is stopped at the end. The killed-worker drill starts
+with the fixture: the server's wait for three missed heartbeats then overlaps the other scenarios.
+Screenshots and the timings land in build/test-artifacts/operate/.
 """
 
 from __future__ import annotations
@@ -19,7 +19,10 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
 import urllib.request
+from collections import Counter
+from datetime import datetime
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -31,8 +34,13 @@ from flows.servers import servers_dir
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
+ARTIFACTS = REPO / "build" / "test-artifacts" / "operate"
+CHROMIUM = "/usr/bin/chromium"  # Debian's package (infra/system-packages.sh); Playwright's download cannot work here
+HEARTBEAT_S = 30  # Prefect's minimum: the unresponsive-run detector then waits 90 s
 UPSTREAM = ("collect", "clean", "dedup")
 RETRIED = ("decontaminate", "tokenize")
+FINAL = {"FAILED", "CRASHED", "COMPLETED", "CANCELLED"}
+SMALL_SWEEP = ["sweep.run.steps=4", "sweep.run.eval_batches=1", "sweep.lrs=[0.01]"]  # the browser run goes on to fit
 
 
 def free_port() -> int:
@@ -50,8 +58,15 @@ class PrefectApi:
     def call(self, method: str, path: str, body: dict | None = None):
         request = urllib.request.Request(self.url + path, method=method, headers={"Content-Type": "application/json"},
                                          data=None if body is None else json.dumps(body).encode())
-        with urllib.request.urlopen(request, timeout=30) as response:
-            return json.loads(response.read() or "null")
+        for attempt in range(10):
+            try:
+                with urllib.request.urlopen(request, timeout=30) as response:
+                    return json.loads(response.read() or "null")
+            except urllib.error.HTTPError as error:
+                # SQLite busy under load answers 503, which Prefect's own client (and the UI) retry
+                if error.code not in (429, 502, 503) or attempt == 9:
+                    raise
+                time.sleep(1 + attempt)
 
     def run_deployment(self, name: str, parameters: dict) -> str:
         deployment = self.call("GET", f"/deployments/name/{name}")
@@ -76,16 +91,37 @@ class PrefectApi:
         deadline = time.monotonic() + timeout_s
         while True:
             runs = self.call("POST", "/task_runs/filter", {"flow_runs": {"id": {"any_": [flow_run_id]}}})
-            final = all(r["state_type"] in ("COMPLETED", "FAILED", "CRASHED", "CANCELLED") for r in runs)
+            final = all(r["state_type"] in FINAL for r in runs)
             if final or time.monotonic() > deadline:
                 return [(r["name"].rsplit("-", 1)[0], r["state_name"])
                         for r in sorted(runs, key=lambda r: r["expected_start_time"])]
             time.sleep(0.5)
 
+    def events(self, name: str, resource_id: str) -> list[dict]:
+        return self.call("POST", "/events/filter", {"filter": {"event": {"name": [name]},
+                                                               "resource": {"id": [resource_id]}}})["events"]
+
 
 def digests(folder: Path) -> dict[str, str]:
     return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
             for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def process_tree(root: int) -> list[int]:
+    """`root` and every process below it (from /proc)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(stat.parent.name))
+    tree, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        tree.append(pid)
+        todo += children.get(pid, [])
+    return tree
 
 
 class WebhookReceiver(ThreadingHTTPServer):
@@ -107,73 +143,278 @@ class WebhookReceiver(ThreadingHTTPServer):
         super().__init__(("127.0.0.1", 0), Handler)
         threading.Thread(target=self.serve_forever, daemon=True).start()
 
-    def wait_for(self, text: str, timeout_s: float = 120) -> str:
+    def wait_for(self, *texts: str, timeout_s: float = 120) -> str:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             for body in self.received:
-                if text in body.get("text", ""):
+                if all(text in body.get("text", "") for text in texts):
                     return body["text"]
             time.sleep(0.5)
-        raise AssertionError(f"no alert mentioning {text!r} within {timeout_s}s; received {self.received}")
+        raise AssertionError(f"no alert mentioning {texts} within {timeout_s}s; received {self.received}")
 
 
-def test_ui_retry_of_a_deployment_run_reuses_what_succeeded(in_repo, tmp_path, capsys):
-    servers = tmp_path / "servers-home"
+class Operated:
+    """One working Kiln installation: servers, deployments with alerts, a worker, a webhook."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        self.env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "MLFLOW_"))}
+        for line in (servers_dir(root / "servers-home") / "env").read_text().splitlines():
+            name, value = line.removeprefix("export ").split("=", 1)
+            self.env[name] = value
+        # where Kiln deploys and where its workers run: the same heartbeat (see flows/alerts.py)
+        self.env.update(PREFECT_WORKER_QUERY_SECONDS="1", PREFECT_FLOWS_HEARTBEAT_FREQUENCY=str(HEARTBEAT_S))
+        self.api = PrefectApi(self.env["PREFECT_API_URL"])
+        self.ui = self.env["PREFECT_API_URL"].removesuffix("/api")
+        self.mlflow = self.env["MLFLOW_TRACKING_URI"]
+        self.webhook = WebhookReceiver()
+        self.worker: subprocess.Popen | None = None
+        self.crashed_run = ""  # the crash drill's flow run
+        self.timings: dict[str, float] = {}
+
+    def kiln(self, *args: str, timeout_s: float = 300) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "flows.cli", *args], env=self.env, cwd=REPO,
+                              capture_output=True, text=True, timeout=timeout_s)
+
+    def start_worker(self) -> None:
+        log = open(self.root / "worker.log", "a")
+        self.worker = subprocess.Popen([sys.executable, "-m", "flows.cli", "worker"], env=self.env, cwd=REPO,
+                                       start_new_session=True, stdout=log, stderr=subprocess.STDOUT)
+
+    def kill_worker(self) -> None:
+        """SIGKILL the worker and every process under it, as when its machine dies."""
+        for pid in process_tree(self.worker.pid):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.worker.wait(timeout=30)
+
+    def stop_worker(self) -> None:
+        os.killpg(self.worker.pid, signal.SIGTERM)
+        self.worker.wait(timeout=60)
+
+    def parameters(self, work: str, eval_file: Path | None = None, until: str = "tokenize",
+                   extra: tuple[str, ...] = ()) -> dict:
+        overrides = [f"work_dir={self.root / work}", *extra]
+        if eval_file is not None:
+            overrides.append(f"evaluate.eval_files=[{eval_file}]")
+        return {"config_path": "configs/tiny.yaml", "until": until, "overrides": overrides}
+
+
+@pytest.fixture(scope="module")
+def ops(tmp_path_factory):
+    root = tmp_path_factory.mktemp("operate")
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    servers = root / "servers-home"
+    with pytest.MonkeyPatch.context() as patch:
+        patch.chdir(REPO)
+        started = time.perf_counter()
+        assert main(["up", f"work_dir={servers}", "--prefect-port", str(free_port()),
+                     "--mlflow-port", str(free_port())]) == 0
+        operated = Operated(root)
+        operated.timings["kiln_up_s"] = time.perf_counter() - started
+        try:
+            started = time.perf_counter()
+            deployed = operated.kiln("deploy", "--alert-webhook", f"http://127.0.0.1:{operated.webhook.server_port}/hook")
+            operated.timings["kiln_deploy_s"] = time.perf_counter() - started
+            assert deployed.returncode == 0, deployed.stderr[-3000:]
+            assert "schedule off" in deployed.stdout
+            assert "kiln-stage-failed" in deployed.stdout and "kiln-crash-unresponsive-runs" in deployed.stdout
+            operated.start_worker()
+            operated.crashed_run = start_crash_drill(operated)
+            yield operated
+        finally:
+            if operated.worker is not None and operated.worker.poll() is None:
+                operated.stop_worker()
+            operated.webhook.shutdown()
+            (ARTIFACTS / "timings.json").write_text(json.dumps(operated.timings, indent=2))
+            assert main(["down", f"work_dir={servers}"]) == 0
+
+
+def start_crash_drill(ops: Operated) -> str:
+    """A pipeline deployment run whose worker (and with it the run's process) is killed mid-stage,
+    after the run's first heartbeat; a fresh worker takes over for the other scenarios."""
+    flow_run_id = ops.api.run_deployment("kiln-pipeline/pipeline", ops.parameters("crash", until="dedup"))
+    deadline = time.monotonic() + 300
+    store = ops.root / "crash" / "store"
+    while not (ops.api.events("prefect.flow-run.heartbeat", f"prefect.flow-run.{flow_run_id}")
+               and list(store.glob("*/.*.partial"))):
+        assert time.monotonic() < deadline, "the crash drill's run never got into a stage"
+        assert ops.api.call("GET", f"/flow_runs/{flow_run_id}")["state_type"] not in FINAL
+        time.sleep(0.5)
+    ops.kill_worker()
+    assert ops.api.call("GET", f"/flow_runs/{flow_run_id}")["state_type"] == "RUNNING"  # nobody left to say otherwise
+    ops.timings["crash_drill_killed_at"] = time.time()
+    ops.start_worker()
+    return flow_run_id
+
+
+def test_ui_retry_of_a_deployment_run_reuses_what_succeeded(ops, in_repo, tmp_path):
     eval_file = tmp_path / "eval.jsonl"  # missing at first: decontaminate, the 4th stage, fails
-    assert main(["up", f"work_dir={servers}", "--prefect-port", str(free_port()),
-                 "--mlflow-port", str(free_port())]) == 0
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "MLFLOW_"))}
-    for line in (servers_dir(servers) / "env").read_text().splitlines():
-        name, value = line.removeprefix("export ").split("=", 1)
-        env[name] = value
-    env["PREFECT_WORKER_QUERY_SECONDS"] = "1"
-    api = PrefectApi(env["PREFECT_API_URL"])
-    kiln = [sys.executable, "-m", "flows.cli"]
-    worker = None
-    webhook = WebhookReceiver()
-    try:
-        deployed = subprocess.run([*kiln, "deploy", "--alert-webhook", f"http://127.0.0.1:{webhook.server_port}/hook"],
-                                  env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
-        assert deployed.returncode == 0, deployed.stderr[-3000:]
-        assert "schedule off" in deployed.stdout and "kiln-stage-failed" in deployed.stdout
-        worker = subprocess.Popen([*kiln, "worker"], env=env, cwd=REPO, start_new_session=True,
-                                  stdout=open(tmp_path / "worker.log", "w"), stderr=subprocess.STDOUT)
+    parameters = ops.parameters("work", eval_file)
+    started = time.perf_counter()
+    flow_run_id = ops.api.run_deployment("kiln-pipeline/pipeline", parameters)
+    assert ops.api.wait(flow_run_id, FINAL)["state_type"] == "FAILED"
+    ops.timings["deployment_run_to_failure_s"] = time.perf_counter() - started
+    store = ops.root / "work" / "store"
+    before = {stage: digests(store / stage) for stage in UPSTREAM}
+    alert = ops.webhook.wait_for("Kiln: a stage failed", "decontaminate")  # the automation posted the runner's event
+    assert "kiln.stage.failed" in alert and "does not exist" in alert
 
-        parameters = {"config_path": "configs/tiny.yaml", "until": "tokenize",
-                      "overrides": [f"work_dir={tmp_path / 'work'}", f"evaluate.eval_files=[{eval_file}]"]}
-        flow_run_id = api.run_deployment("kiln-pipeline/pipeline", parameters)
-        assert api.wait(flow_run_id, {"FAILED", "CRASHED", "COMPLETED"})["state_type"] == "FAILED"
-        store = tmp_path / "work" / "store"
-        before = {stage: digests(store / stage) for stage in UPSTREAM}
-        alert = webhook.wait_for("Kiln: a stage failed")  # the automation posted the runner's event
-        assert "kiln.stage.failed" in alert and "decontaminate" in alert and "does not exist" in alert
+    eval_file.write_text((REPO / "data" / "evals" / "heldout.jsonl").read_text())  # the fix
+    started = time.perf_counter()
+    ops.api.retry_like_the_ui(flow_run_id)
+    run = ops.api.wait(flow_run_id, FINAL)
+    ops.timings["api_retry_to_completed_s"] = time.perf_counter() - started
+    assert (run["state_type"], run["run_count"]) == ("COMPLETED", 2)
+    states = ops.api.task_states(flow_run_id)
+    second_attempt = dict(states[len(UPSTREAM) + 1:])
+    assert states[:len(UPSTREAM) + 1] == [*((s, "Completed") for s in UPSTREAM), ("decontaminate", "Failed")]
+    assert second_attempt == {**{s: "Cached" for s in UPSTREAM}, **{s: "Completed" for s in RETRIED}}
+    assert {stage: digests(store / stage) for stage in UPSTREAM} == before  # nothing recomputed
 
-        eval_file.write_text((REPO / "data" / "evals" / "heldout.jsonl").read_text())  # the fix
-        api.retry_like_the_ui(flow_run_id)
-        run = api.wait(flow_run_id, {"FAILED", "CRASHED", "COMPLETED"})
-        assert (run["state_type"], run["run_count"]) == ("COMPLETED", 2)
-        states = api.task_states(flow_run_id)
-        second_attempt = dict(states[len(UPSTREAM) + 1:])
-        assert states[:len(UPSTREAM) + 1] == [*((s, "Completed") for s in UPSTREAM), ("decontaminate", "Failed")]
-        assert second_attempt == {**{s: "Cached" for s in UPSTREAM}, **{s: "Completed" for s in RETRIED}}
-        assert {stage: digests(store / stage) for stage in UPSTREAM} == before  # nothing recomputed
+    client = MlflowClient(ops.mlflow)
+    experiment = client.get_experiment_by_name("kiln").experiment_id
+    parents = client.search_runs([experiment], filter_string="tags.`kiln.stage` = 'pipeline' and "
+                                 f"tags.`kiln.prefect_flow_run_id` = '{flow_run_id}'")
+    assert len(parents) == 1  # both attempts under one pipeline run
+    children = client.search_runs([experiment], filter_string=f"tags.mlflow.parentRunId = '{parents[0].info.run_id}'")
+    assert sorted((c.data.tags["kiln.stage"], c.data.tags["kiln.status"]) for c in children) == sorted(
+        [(s, "ran") for s in UPSTREAM] + [(s, "cached") for s in UPSTREAM]
+        + [("decontaminate", "failed"), ("decontaminate", "ran"), ("tokenize", "ran")])
 
-        client = MlflowClient(env["MLFLOW_TRACKING_URI"])
-        experiment = client.get_experiment_by_name("kiln").experiment_id
-        parents = client.search_runs([experiment], filter_string="tags.`kiln.stage` = 'pipeline'")
-        assert [p.data.tags["kiln.prefect_flow_run_id"] for p in parents] == [flow_run_id]
-        children = client.search_runs([experiment], filter_string=f"tags.mlflow.parentRunId = '{parents[0].info.run_id}'")
-        assert sorted((c.data.tags["kiln.stage"], c.data.tags["kiln.status"]) for c in children) == sorted(
-            [(s, "ran") for s in UPSTREAM] + [(s, "cached") for s in UPSTREAM]
-            + [("decontaminate", "failed"), ("decontaminate", "ran"), ("tokenize", "ran")])
+    # One stage again from its own deployment, with the same parameters: reused, shown as Cached.
+    stage_run = ops.api.run_deployment("kiln-tokenize/tokenize", {k: parameters[k] for k in ("config_path", "overrides")})
+    assert ops.api.wait(stage_run, FINAL)["state_type"] == "COMPLETED"
+    assert ops.api.task_states(stage_run) == [("tokenize", "Cached")]
 
-        # One stage again from its own deployment, with the same parameters: reused, shown as Cached.
-        stage_run = api.run_deployment("kiln-tokenize/tokenize", {k: parameters[k] for k in ("config_path", "overrides")})
-        assert api.wait(stage_run, {"FAILED", "CRASHED", "COMPLETED"})["state_type"] == "COMPLETED"
-        assert api.task_states(stage_run) == [("tokenize", "Cached")]
-    finally:
-        if worker is not None:
-            os.killpg(worker.pid, signal.SIGTERM)
-            worker.wait(timeout=60)
-        webhook.shutdown()
-        assert main(["down", f"work_dir={servers}"]) == 0
+
+def test_retry_button_in_the_prefect_ui_then_the_run_in_the_mlflow_ui(ops, in_repo, tmp_path):
+    """Through headless Chromium: find the failed run in the Prefect UI, click Retry, see it Completed
+    with the upstream stages Cached; then find its pipeline run, stage children and the fit's plot
+    in the MLflow UI."""
+    from playwright.sync_api import sync_playwright
+
+    eval_file = tmp_path / "eval.jsonl"  # missing at first; then a part of the held-out set (its own key)
+    flow_run_id = ops.api.run_deployment("kiln-pipeline/pipeline",
+                                         ops.parameters("work", eval_file, until="fit", extra=tuple(SMALL_SWEEP)))
+    failed = ops.api.wait(flow_run_id, FINAL)
+    assert failed["state_type"] == "FAILED"
+    eval_file.write_text("".join((REPO / "data" / "evals" / "heldout.jsonl").read_text().splitlines(True)[:40]))
+
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+        try:
+            page = browser.new_page(viewport={"width": 1400, "height": 900})
+            page.route(lambda url: not url.startswith("http://127.0.0.1"), lambda route: route.abort())  # offline
+            page.set_default_timeout(60_000)
+            page.goto(ops.ui)
+            page.get_by_role("link", name="Runs", exact=True).first.click()
+            page.get_by_role("link", name=failed["name"], exact=True).click()
+            page.wait_for_url(f"**/runs/flow-run/{flow_run_id}**")
+            page.get_by_role("tab", name="Job Variables").wait_for()  # the run's own page has rendered
+            page.get_by_text("Failed", exact=True).first.wait_for()
+            page.screenshot(path=ARTIFACTS / "prefect-failed-run.png")
+            page.get_by_role("button", name="Open menu").click()
+            page.get_by_role("menuitem", name="Retry").click()
+            with page.expect_response(lambda r: r.url.endswith(f"/flow_runs/{flow_run_id}/set_state")) as response:
+                page.get_by_role("alertdialog").get_by_role("button", name="Retry", exact=True).click()
+            started = time.perf_counter()
+            assert response.value.ok and response.value.json()["state"]["name"] == "AwaitingRetry"
+            run_page = page.url
+            page.close()  # the run page redraws its graph while it waits: leave the CPU to the run
+
+            run = ops.api.wait(flow_run_id, FINAL)
+            ops.timings["ui_retry_to_completed_s"] = time.perf_counter() - started
+            assert (run["state_type"], run["run_count"]) == ("COMPLETED", 2)
+            second_attempt = dict(ops.api.task_states(flow_run_id)[len(UPSTREAM) + 1:])
+            assert second_attempt == {**{s: "Cached" for s in UPSTREAM},
+                                      **{s: "Completed" for s in (*RETRIED, "sweep", "fit")}}
+
+            page = browser.new_page(viewport={"width": 1400, "height": 900})
+            page.route(lambda url: not url.startswith("http://127.0.0.1"), lambda route: route.abort())
+            page.set_default_timeout(60_000)
+            page.goto(run_page)
+            page.get_by_text("Completed", exact=True).first.wait_for()
+            page.get_by_role("tab", name="Task Runs").click()
+            page.get_by_text("Cached", exact=True).first.wait_for()
+            page.screenshot(path=ARTIFACTS / "prefect-retried-run.png")
+
+            client = MlflowClient(ops.mlflow)
+            experiment = client.get_experiment_by_name("kiln").experiment_id
+            parent = client.search_runs([experiment], filter_string=f"tags.`kiln.prefect_flow_run_id` = '{flow_run_id}'"
+                                        " and tags.`kiln.stage` = 'pipeline'")[0].info.run_name
+            page.goto(f"{ops.mlflow}/#/experiments/{experiment}/runs")
+            row = page.get_by_role("row").filter(has_text=parent)
+            row.locator('[col-id="attributes.`Run Name`"]').get_by_role("button").click()  # expand: its stages
+            for stage in (*UPSTREAM, *RETRIED, "sweep", "fit"):
+                page.get_by_role("link", name=stage, exact=True).first.wait_for()
+            page.screenshot(path=ARTIFACTS / "mlflow-pipeline-run.png")
+            page.get_by_role("link", name="fit", exact=True).click()
+            page.get_by_role("tab", name="Artifacts").click()
+            page.get_by_text("scaling.png", exact=True).click()
+            # the preview is an <img> of the fetched bytes (a blob: URL): a loaded image as wide as a plot
+            page.wait_for_function("() => [...document.images].some(i => i.complete && i.naturalWidth >= 400)")
+            page.screenshot(path=ARTIFACTS / "mlflow-fit-plot.png")
+        finally:
+            browser.close()
+
+
+def test_concurrent_deployment_runs_share_one_store_safely(ops, in_repo):
+    """Three pipeline deployment runs at once on a fresh store through the worker: two of one config,
+    one whose tokenizer differs. Every key is computed once; the configs' outputs stay apart."""
+    from tasks.config import load_config
+    from tasks.graph import stage_keys
+    from tasks.store import Store
+
+    same = ops.parameters("shared")
+    other = ops.parameters("shared", extra=("tokenize.vocab_size=384",))
+    run_ids = [ops.api.run_deployment("kiln-pipeline/pipeline", p) for p in (same, same, other)]
+    runs = [ops.api.wait(run_id, FINAL) for run_id in run_ids]
+    assert [r["state_type"] for r in runs] == ["COMPLETED"] * 3
+    starts, ends = [r["start_time"] for r in runs], [r["end_time"] for r in runs]
+    assert max(starts) < min(ends), "the three runs did not overlap"
+
+    stages = (*UPSTREAM, *RETRIED)
+    keys = [stage_keys(load_config("configs/tiny.yaml", p["overrides"])) for p in (same, other)]
+    assert [k for k in stages if keys[0][k] != keys[1][k]] == ["tokenize"]
+    store = Store(ops.root / "shared" / "store")
+    for config_keys in keys:
+        assert all(store.problems(s, config_keys[s], checksums=True) == [] for s in stages)
+    assert not store.partial_folders()
+    vocab = [store.manifest("tokenize", k["tokenize"])["identity"]["tokenize"]["vocab_size"] for k in keys]
+    assert vocab == [512, 384]
+
+    client = MlflowClient(ops.mlflow)
+    experiment = client.get_experiment_by_name("kiln").experiment_id
+    parents = [client.search_runs([experiment], filter_string=f"tags.`kiln.prefect_flow_run_id` = '{run_id}'"
+                                  " and tags.`kiln.stage` = 'pipeline'")[0].info.run_id for run_id in run_ids]
+    children = [c for p in parents
+                for c in client.search_runs([experiment], filter_string=f"tags.mlflow.parentRunId = '{p}'")]
+    computed = Counter((c.data.tags["kiln.stage"], c.data.tags["kiln.key"]) for c in children
+                       if c.data.tags["kiln.status"] == "ran")
+    assert computed == Counter({(s, k[s]): 1 for k in keys for s in stages})  # each key once, whoever ran it
+    assert len(children) == 3 * len(stages)
+
+
+def test_eval_regression_and_training_alerts_reach_the_webhook(ops):
+    """The events continuous eval and the health monitor emit, sent as they send them."""
+    emit = ("from prefect.events import emit_event\n"
+            "emit_event(event='kiln.eval.regression', resource={'prefect.resource.id': 'kiln.eval.tiny'},\n"
+            "           payload={'task': 'heldout_mc', 'metric': 'acc_norm', 'step': 40, 'best': 0.61,\n"
+            "                    'current': 0.48, 'tolerance': 0.05, 'stage': 'train'})\n"
+            "emit_event(event='kiln.train.rollback', resource={'prefect.resource.id': 'kiln.train.abc123'},\n"
+            "           payload={'step': '17', 'loss': '9.1', 'action': 'rollback'})\n")
+    subprocess.run([sys.executable, "-c", emit], env=ops.env, check=True, timeout=120)
+    regression = ops.webhook.wait_for("Kiln: an eval score regressed")
+    assert "kiln.eval.tiny" in regression and "heldout_mc" in regression and "0.48" in regression
+    assert "kiln.train.abc123" in ops.webhook.wait_for("Kiln: training rolled back")
+
+
+def test_a_worker_killed_mid_stage_leaves_a_crashed_run_and_an_alert(ops):
+    run = ops.api.wait(ops.crashed_run, FINAL, timeout_s=3 * HEARTBEAT_S + 120)
+    crashed_at = datetime.fromisoformat(run["state"]["timestamp"]).timestamp()
+    ops.timings["killed_worker_to_crashed_s"] = crashed_at - ops.timings.pop("crash_drill_killed_at")
+    assert run["state_name"] == "Crashed" and "no heartbeat" in run["state"]["message"]
+    assert ops.webhook.wait_for("Kiln: a flow run crashed", f"prefect.flow-run.{ops.crashed_run}")
