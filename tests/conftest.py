@@ -25,3 +25,15 @@ def slurm_cluster(tmp_path_factory):
         os.environ.pop("SLURM_CONF", None)
     else:
         os.environ["SLURM_CONF"] = previous
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """A real local Ray cluster (2 CPUs) for the session, started in this process: Kiln's Ray executor
+    joins whatever `ray.init` this process holds. `address="local"` starts a fresh one even where
+    RAY_ADDRESS points elsewhere. It fails (never skips) when Ray is missing: `make setup` installs it."""
+    import ray
+
+    ray.init(address="local", num_cpus=2, include_dashboard=False)
+    yield ray
+    ray.shutdown()
