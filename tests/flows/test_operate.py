@@ -191,8 +191,12 @@ class Operated:
         self.worker.wait(timeout=30)
 
     def stop_worker(self) -> None:
+        """SIGTERM, as an operator stops it; what has not stopped after 30 s is killed."""
         os.killpg(self.worker.pid, signal.SIGTERM)
-        self.worker.wait(timeout=60)
+        try:
+            self.worker.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.kill_worker()
 
     def parameters(self, work: str, eval_file: Path | None = None, until: str = "tokenize",
                    extra: tuple[str, ...] = ()) -> dict:
@@ -225,11 +229,13 @@ def ops(tmp_path_factory):
             operated.crashed_run = start_crash_drill(operated)
             yield operated
         finally:
-            if operated.worker is not None and operated.worker.poll() is None:
-                operated.stop_worker()
-            operated.webhook.shutdown()
-            (ARTIFACTS / "timings.json").write_text(json.dumps(operated.timings, indent=2))
-            assert main(["down", f"work_dir={servers}"]) == 0
+            try:
+                if operated.worker is not None and operated.worker.poll() is None:
+                    operated.stop_worker()
+                operated.webhook.shutdown()
+                (ARTIFACTS / "timings.json").write_text(json.dumps(operated.timings, indent=2))
+            finally:
+                assert main(["down", f"work_dir={servers}"]) == 0
 
 
 def start_crash_drill(ops: Operated) -> str:
