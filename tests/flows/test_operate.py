@@ -321,6 +321,8 @@ def test_retry_button_in_the_prefect_ui_then_the_run_in_the_mlflow_ui(ops, in_re
             page.wait_for_url(f"**/runs/flow-run/{flow_run_id}**")
             page.get_by_role("tab", name="Job Variables").wait_for()  # the run's own page has rendered
             page.get_by_text("Failed", exact=True).first.wait_for()
+            page.get_by_role("tab", name="Task Runs").click()
+            page.get_by_text("decontaminate-", exact=False).first.wait_for()  # the stage that failed
             page.screenshot(path=ARTIFACTS / "prefect-failed-run.png")
             page.get_by_role("button", name="Open menu").click()
             page.get_by_role("menuitem", name="Retry").click()
