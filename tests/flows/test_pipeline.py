@@ -98,10 +98,14 @@ def test_pipeline_end_to_end_then_fully_cached(prefect_api, in_repo, tmp_path, c
     assert anneal_lr[-1][1] == 0.0
     evaluate = manifests["evaluate"]["stats"]["metrics"]
     assert 0 < evaluate["anneal"]["kiln_heldout/bits_per_byte"] < 20
-    # The contamination rate of each eval task is recorded beside its score.
+    # The contamination rate of each eval task is recorded beside its score: the share of the items it
+    # scored (tiny.yaml: evaluate.limit=10) drawn from eval documents the decontaminate stage found.
     rates = json.loads((store.path("decontaminate", keys["decontaminate"]) / "contamination_rates.json").read_text())
-    assert evaluate["anneal"]["kiln_heldout/contamination_rate"] == rates["kiln_heldout"]
-    assert 0 <= rates["kiln_heldout"] <= 1
+    found = json.loads((store.path("decontaminate", keys["decontaminate"]) / "contamination.json").read_text())
+    leaked = set(found["benchmarks"]["heldout"]["contaminated_eval_docs"])
+    scored = [json.loads(line)["id"] for line in Path(cfg.evaluate.eval_files[0]).read_text().splitlines()][:cfg.evaluate.limit]
+    assert evaluate["anneal"]["kiln_heldout/contamination_rate"] == sum(i in leaked for i in scored) / len(scored)
+    assert 0 < rates["kiln_heldout"] == len(leaked) / 63 <= 1
     # A multiple-choice and a perplexity score per domain before and after annealing, in one report table;
     # the run ends by scoring the kept train and anneal checkpoints and drawing the ECG.
     for model in ("train", "anneal"):
