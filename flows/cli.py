@@ -92,7 +92,7 @@ def _ui_hint(cfg: KilnConfig) -> str:
         f"  outputs    {cfg.store_root.resolve()}/<stage>/<key>/  (kiln status lists them)\n"
         f"  MLflow UI  {mlflow_ui}\n"
         f"  Prefect UI {prefect_ui}\n"
-        f"  plots      {cfg.store_root.resolve()}/fit/*/scaling.png, validate/*/scaling.png\n"
+        f"  plots      {cfg.store_root.resolve()}/fit/*/{{isoflop,law,hyperparameters,mixture}}.png, validate/*/law.png\n"
         f"  servers    kiln up starts both UIs for this working directory; kiln down stops them"
     )
 
@@ -357,9 +357,24 @@ def cmd_plan(ns: argparse.Namespace) -> int:
     from tasks.train.config import ModelConfig
     from tasks.train.planner import load_preset, plan_parallelism, plan_presets, render_plan_report, resolve_parallel
 
+    if ns.budget is not None or ns.hours is not None:  # the compute-optimal run from the config's fit
+        from tasks.scaling.plan import budget_from_accelerators, budget_report
+
+        cfg = load_config(ns.config or DEFAULT_CONFIG, ns.overrides)
+        cluster = load_preset(ns.cluster, ClusterSpec) if ns.cluster else cfg.cluster
+        try:
+            compute = ns.budget if ns.budget is not None else budget_from_accelerators(
+                cluster.world_size, ns.hours, cluster.peak_tflops, cluster.mfu)
+        except ValueError as error:
+            raise KilnError(f"--hours: {error} (describe GPUs: cluster.gpus_per_node, or --cluster PRESET)") from None
+        text, planned = budget_report(cfg, compute)
+        print(json.dumps(planned, indent=2) if ns.json else text, end="")
+        return 0
     if ns.config is not None:  # what `train.parallel: auto` picks for this config's train stage
         cfg = load_config(ns.config, ns.overrides)
         cluster = load_preset(ns.cluster, ClusterSpec) if ns.cluster else cfg.cluster
+        if cfg.train.model == "plan" and not ns.model:
+            raise KilnError("train.model is `plan`: its shape comes from the fit; see it with --budget, or give --model")
         model = load_preset(ns.model, ModelConfig) if ns.model else cfg.train.model
         run = cfg.train.run.model_copy(update={"device": "cuda"}) if cluster.gpus_per_node else cfg.train.run
         dims, run = resolve_parallel("auto", model, run, cfg.tokenize.vocab_size, cluster)
@@ -496,6 +511,11 @@ def build_parser() -> argparse.ArgumentParser:
     batch.add_argument("--global-batch-tokens", type=int, help="tokens per optimizer step (a multiple of --seq-len)")
     plan.add_argument("--precision", choices=["bf16-mixed", "fp32"], default="bf16-mixed")
     plan.add_argument("--json", action="store_true", help="print the search summary as JSON instead of the report")
+    budget = plan.add_mutually_exclusive_group()
+    budget.add_argument("--budget", type=float, metavar="FLOPS", help="instead: the compute-optimal run (N, D, "
+                        "shape, steps, LR, batch, predicted loss) for this many FLOPs, from CONFIG's completed fit")
+    budget.add_argument("--hours", type=float, help="as --budget, for every accelerator of the cluster for this "
+                        "many hours at its assumed MFU")
     plan.set_defaults(func=cmd_plan)
     return parser
 

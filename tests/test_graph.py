@@ -46,7 +46,7 @@ def test_runtime_settings_move_no_key(base_keys, override):
     ("tokenize.vocab_size=1024", "tokenize"),
     ("dedup.engine=datatrove", "dedup"),
     ("decontaminate.eval_boilerplate_min_docs=5", "decontaminate"),
-    ("sweep.lrs=[0.002]", "sweep"),
+    ("sweep.lr=0.002", "sweep"),
     ("train.run.steps=301", "mix"),
     ("train.optim.weight_decay=0.0", "train"),
     ("train.run.batch_size=16", "mix"),
@@ -80,7 +80,7 @@ def test_source_content_moves_collect(base_keys, tmp_path):
 
 @pytest.mark.parametrize("override,fix", [
     ("train.optim.lr=0.01", "the learning rate is train.lr"),
-    ("sweep.optim.lr=0.01", "the sweep's learning rates are sweep.lrs"),
+    ("sweep.optim.lr=0.01", "the sweep's learning rate is sweep.lr"),
 ])
 def test_a_learning_rate_that_would_be_ignored_is_refused(override, fix):
     with pytest.raises(ConfigError, match=fix):

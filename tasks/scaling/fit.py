@@ -1,173 +1,278 @@
-"""Fit: turn sweep results into a plan for the bigger runs.
+"""Fit: turn the sweep's trials into laws, and the laws into a plan for the bigger runs.
 
-Picks the best learning rate and mixture at the base width, fits a power law
-L(N) = A · N^(−α) to each width's best-LR loss (a straight line in log-log space, needs at
-least `min_points_for_power_law` widths), and predicts the loss of larger models with an
-interval from the fit's residuals. The validate stage holds the plan to that prediction.
+From the finished trials (diverged and failed ones are listed, never used):
 
-Only trials that finished (status "ok") count; diverged and failed ones are listed in the plan
-with their reasons. A fit refuses (`NotEnoughTrialsError`) rather than quietly deciding on less:
-when a mixture has no finished trial at the base width, or failures leave fewer widths than the
-power law needs although the design had enough. The mixture, LR and size axes use the trials at
-the run's batch size; the others give the plan's per-batch-size best losses.
+- the loss law L(N, D) = E + A/N^α + B/D^β (`laws.fit_loss_law`) through every (N, D) point
+  on the reference mixture, each at its best LR and batch;
+- the IsoFLOP parabola minima per budget (`laws.fit_isoflop_minima`), a cross-check of the
+  compute-optimal N*(C) the loss law gives in closed form;
+- LR*(C) and batch*(C) power laws through each budget's best-width grid
+  (`laws.fit_hyperparameter_laws`);
+- the mixture regression (ridge and boosted trees, held-out Spearman; `mixture_regression`),
+  whose top-k averaged optimum becomes the plan's mixture when it ranks held-out trials well.
+
+A fit that lacks the points it needs is *refused*: the plan says which and why, and what depends
+on it falls back to an observed best (never to a silently made-up number). `plan_run` (module
+`tasks.scaling.plan`) turns the laws into N, D, shape, steps, LR, batch and a predicted loss with
+its bootstrap prediction interval, for the validate run and the production run.
 """
 
 from __future__ import annotations
 
 import math
-from pathlib import Path
-from typing import Any
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 from pydantic import Field
 
 from tasks.configbase import Section
 from tasks.errors import KilnError
-from tasks.scaling.sweep import TrialResult, succeeded
+from tasks.scaling.sweep import SweepConfig, TrialResult, best_isoflop_trials, normalised, succeeded
+
+if TYPE_CHECKING:  # scipy-backed: loaded where a fit runs, so that the config tree and CLI stay light
+    from tasks.scaling.laws import HyperparameterLaws, LossLawFit
 
 PLAN_FILE = "plan.json"
-PLOT_FILE = "scaling.png"
+REPORT_FILE = "report.md"
 
 
 class FitConfig(Section):
-    min_points_for_power_law: int = Field(3, ge=2)
-    interval_sigmas: float = Field(3.0, gt=0, description="prediction interval half-width in residual std devs")
-    min_relative_interval: float = Field(
-        0.05, ge=0, description="floor on the interval's relative half-width: tiny fits look exact but are not"
-    )
+    level: float = Field(0.95, gt=0, lt=1, description="coverage of every interval the fit reports")
+    num_bootstrap: int = Field(200, ge=20, description="bootstrap refits of the loss law (its intervals)")
+    huber_delta: float = Field(1e-3, gt=0, description="Huber δ on log residuals (Hoffmann et al.'s 1e-3)")
+    outlier_mad_k: float | None = Field(
+        None, gt=0, description="also drop points whose residual is more than k robust sigmas from the median "
+        "(listed in the plan); null: Huber alone limits their pull")
+    heldout_fraction: float | None = Field(
+        0.2, gt=0, lt=1, description="refit without this fraction of largest-compute points and report its error")
+    near_best_rtol: float = Field(0.0025, ge=0, description="runs within this of a budget's best loss count as "
+                                  "near-optimal for the LR and batch laws (DeepSeek LLM's 0.25%)")
+    mixture_model: Literal["auto", "ridge", "gbm"] = Field(
+        "auto", description="the mixture regression (auto: the one with the higher held-out Spearman)")
+    mixture_target: str = Field("average", description="'average' of the domains' validation losses, or a domain")
+    mixture_folds: int = Field(5, ge=2)
+    mixture_candidates: int = Field(20000, ge=100, description="mixtures sampled when searching the optimum")
+    mixture_top_k: int = Field(100, ge=1, description="the best candidates averaged into the recommendation")
+    min_mixture_spearman: float = Field(
+        0.5, ge=-1, le=1, description="below this held-out rank correlation the plan takes the best observed "
+        "mixture instead of the regression's")
+    budget_flops: float | None = Field(
+        None, gt=0, description="the production run's compute (6·N·D) the plan sizes N, D, LR and batch for "
+        "(`train.model: plan` trains it); null: no production plan")
 
 
 class NotEnoughTrialsError(KilnError):
-    """Too few sweep trials finished for the fit to decide; the message says what it needs."""
+    """Too few sweep trials finished for the fit to decide anything; the message says what it needs."""
 
 
-def best_loss_per_width(trials: list[TrialResult], mixture: str) -> list[tuple[int, int, float, float]]:
-    """(width, non-embedding params, best val loss, its lr) for every width swept on `mixture`."""
-    rows = []
-    for width in sorted({t.width for t in trials if t.mixture == mixture}):
-        best = min((t for t in trials if t.width == width and t.mixture == mixture), key=lambda t: t.val_loss)
-        rows.append((width, best.non_embedding_params, best.val_loss, best.lr))
-    return rows
+def law_points(trials: Sequence[TrialResult], reference: str) -> list[dict[str, Any]]:
+    """Each (N, D) on the reference mixture once, at its lowest loss over the LRs and batches tried."""
+    best: dict[tuple[int, int], TrialResult] = {}
+    for t in succeeded(trials):
+        if t.mixture != reference:
+            continue
+        key = (t.num_params, t.tokens or t.tokens_seen)
+        if key not in best or t.val_loss < best[key].val_loss:
+            best[key] = t
+    return [{"n": n, "d": d, "loss": t.val_loss, "budget": t.budget, "width": t.width, "lr": t.lr,
+             "batch_size": t.batch_size, "trial": t.name} for (n, d), t in sorted(best.items())]
 
 
-def fit_power_law(num_params: list[int], losses: list[float]) -> dict[str, float]:
-    """Least squares on log L = log A − α log N; returns A, alpha and the residual std (log space)."""
-    x = np.log(np.asarray(num_params, dtype=float))
-    y = np.log(np.asarray(losses, dtype=float))
-    slope, intercept = np.polyfit(x, y, 1)
-    residuals = y - (slope * x + intercept)
-    dof = max(len(x) - 2, 1)
-    return {"A": float(math.exp(intercept)), "alpha": float(-slope),
-            "residual_sigma": float(math.sqrt(float(residuals @ residuals) / dof))}
+def fit_laws(cfg: FitConfig, sweep: SweepConfig, trials: Sequence[TrialResult]) -> dict[str, Any]:
+    """Every law the trials support; `refused[name]` says why one is missing. Raises
+    NotEnoughTrialsError only when no trial on the reference mixture finished."""
+    from tasks.scaling.laws import fit_hyperparameter_laws, fit_isoflop_minima, fit_loss_law
 
-
-def predict(law: dict[str, float], num_params: int, cfg: FitConfig) -> dict[str, float]:
-    loss = law["A"] * num_params ** (-law["alpha"])
-    half_width = max(cfg.interval_sigmas * law["residual_sigma"], math.log1p(cfg.min_relative_interval))
-    return {"num_params": num_params, "loss": loss, "low": loss * math.exp(-half_width),
-            "high": loss * math.exp(half_width)}
-
-
-def fit_plan(cfg: FitConfig, trials: list[TrialResult], base_width: int, mixtures: dict[str, dict[str, float]],
-             targets: dict[str, int], batch_size: int) -> dict[str, Any]:
-    """The plan: best lr and mixture at the base width, the power law, and predictions for `targets`
-    (name → non-embedding parameter count). `batch_size` is the run's: the mixture, LR and size axes
-    use the trials at it. Trials that did not finish are left out (and listed)."""
-    ok = succeeded(trials)
-    at_batch = [t for t in ok if t.batch_size == batch_size]
-    base = [t for t in at_batch if t.width == base_width]
-    reference = next(iter(mixtures))
-    _check_enough(cfg, trials, at_batch, base, base_width, batch_size, mixtures, reference)
-    best = min(base, key=lambda t: t.val_loss)
-    weights = mixtures[best.mixture]
-    total = sum(weights.values())
-    points = best_loss_per_width(at_batch, reference)
-    by_batch = {}
-    for b in sorted({t.batch_size for t in ok if t.width == base_width and t.mixture == reference}):
-        top = min((t for t in ok if t.width == base_width and t.mixture == reference and t.batch_size == b),
-                  key=lambda t: t.val_loss)
-        by_batch[str(b)] = {"val_loss": top.val_loss, "best_lr": top.lr}
-    plan: dict[str, Any] = {
-        "lr": best.lr,
-        "mixture": {"name": best.mixture, "weights": {d: w / total for d, w in sorted(weights.items())}},
-        "best_trial": best.name,
-        "best_val_loss": best.val_loss,
-        "mixture_losses": {m: min(t.val_loss for t in base if t.mixture == m) for m in mixtures},
-        "lr_losses": {f"{lr:g}": min(t.val_loss for t in base if t.lr == lr) for lr in sorted({t.lr for t in base})},
-        "batch_size_losses": by_batch,
-        "size_points": [{"width": w, "num_params": n, "val_loss": loss, "best_lr": lr} for w, n, loss, lr in points],
-        "excluded_trials": {t.name: {"status": t.status, "reason": t.reason, "steps": t.steps}
-                            for t in trials if not t.ok},
-        "power_law": None,
-        "predictions": {},
-    }
-    if len(points) >= cfg.min_points_for_power_law:
-        law = fit_power_law([p[1] for p in points], [p[2] for p in points])
-        plan["power_law"] = law
-        plan["predictions"] = {name: predict(law, n, cfg) for name, n in targets.items()}
-    return plan
-
-
-def _check_enough(cfg: FitConfig, trials: list[TrialResult], at_batch: list[TrialResult], base: list[TrialResult],
-                  base_width: int, batch_size: int, mixtures: dict[str, dict[str, float]], reference: str) -> None:
-    """Raise NotEnoughTrialsError when failures leave the fit without what it needs."""
-    def lost(where: list[TrialResult]) -> str:
-        failed = [f"{t.name} {t.status} at step {t.steps}" for t in where if not t.ok]
-        return ", ".join(failed[:5]) + (f" and {len(failed) - 5} more" if len(failed) > 5 else "") or "none designed"
-
-    at_base = [t for t in trials if t.width == base_width and t.batch_size == batch_size]
-    missing = [m for m in mixtures if not any(t.mixture == m for t in base)]
-    if missing:
+    reference = sweep.reference
+    points = law_points(trials, reference)
+    if not points:
+        lost = [f"{t.name}: {t.status} ({(t.reason or '')[:80]})" for t in trials if t.mixture == reference][:5]
         raise NotEnoughTrialsError(
-            f"the fit needs at least one finished trial per mixture at the base width d_model={base_width} "
-            f"(batch size {batch_size}) to choose among them; mixtures {missing} have none "
-            f"({lost([t for t in at_base if t.mixture in missing])}). Lower sweep.lrs or add a smaller one "
-            "so every mixture has a stable learning rate.")
-    designed = sorted({t.width for t in trials if t.mixture == reference and t.batch_size == batch_size})
-    usable = sorted({t.width for t in at_batch if t.mixture == reference})
-    if len(designed) >= cfg.min_points_for_power_law > len(usable):
-        raise NotEnoughTrialsError(
-            f"the power law needs finished trials at {cfg.min_points_for_power_law} widths "
-            f"(fit.min_points_for_power_law) on the reference mixture '{reference}'; the sweep designed "
-            f"{designed} but only {usable} have one. Widths without: "
-            + "; ".join(f"d_model={w}: " + lost([t for t in trials if t.width == w and t.mixture == reference
-                                                  and t.batch_size == batch_size])
-                        for w in designed if w not in usable)
-            + ". Lower sweep.lrs so each width has a stable learning rate.")
+            f"no trial on the reference mixture '{reference}' finished, so there is nothing to fit ({'; '.join(lost)}"
+            "). Lower sweep.lr (or raise sweep.optim.warmup_steps) so the proxies train stably.")
+    out: dict[str, Any] = {"points": points, "refused": {}, "loss_law": None, "isoflop": None, "hyper": None}
+    try:
+        out["loss_law"] = fit_loss_law(
+            [p["n"] for p in points], [p["d"] for p in points], [p["loss"] for p in points],
+            huber_delta=cfg.huber_delta, outlier_mad_k=cfg.outlier_mad_k, num_bootstrap=cfg.num_bootstrap,
+            level=cfg.level, heldout_fraction=cfg.heldout_fraction)
+    except ValueError as error:
+        out["refused"]["loss_law"] = str(error)
+    budgeted = [p for p in points if p["budget"] is not None]
+    try:
+        out["isoflop"] = fit_isoflop_minima([p["n"] for p in budgeted], [p["loss"] for p in budgeted],
+                                            [p["budget"] for p in budgeted], level=cfg.level)
+    except ValueError as error:
+        out["refused"]["isoflop"] = str(error)
+    grid = hyper_grid(sweep, trials)
+    try:
+        out["hyper"] = fit_hyperparameter_laws([t.budget for t in grid], [t.lr for t in grid],
+                                               [t.batch_size for t in grid], [t.val_loss for t in grid],
+                                               near_best_rtol=cfg.near_best_rtol, level=cfg.level)
+    except ValueError as error:
+        out["refused"]["hyper"] = str(error)
+    return out
 
 
-def plot_plan(plan: dict[str, Any], trials: list[TrialResult], path: Path) -> None:
-    """Two panels: loss vs learning rate per mixture, and loss vs parameters with the fitted law."""
-    import matplotlib
+def hyper_grid(sweep: SweepConfig, trials: Sequence[TrialResult]) -> list[TrialResult]:
+    """The finished trials at each budget's best IsoFLOP width: that budget's LR x batch grid."""
+    best = best_isoflop_trials(sweep, trials)
+    return [t for t in succeeded(trials) if t.kind in ("isoflop", "hyper") and t.budget in best
+            and t.width == best[t.budget].width]
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
-    fig, (ax_lr, ax_n) = plt.subplots(1, 2, figsize=(10, 4))
-    best = next(t for t in trials if t.name == plan["best_trial"])
-    shown = [t for t in succeeded(trials) if t.width == best.width and t.batch_size == best.batch_size]
-    for mixture in sorted({t.mixture for t in shown}):
-        rows = sorted((t.lr, t.val_loss) for t in shown if t.mixture == mixture)
-        ax_lr.plot([r[0] for r in rows], [r[1] for r in rows], marker="o", label=mixture)
-    not_finished = sum(not t.ok for t in trials if t.width == best.width and t.batch_size == best.batch_size)
-    ax_lr.set(xscale="log", xlabel="learning rate", ylabel="validation loss",
-              title=f"LR sweep (d_model={best.width})" + (f", {not_finished} diverged/failed" if not_finished else ""))
-    ax_lr.legend()
-    points = plan["size_points"]
-    ax_n.scatter([p["num_params"] for p in points], [p["val_loss"] for p in points], label="best-LR loss")
-    law = plan["power_law"]
-    if law:
-        grid = np.geomspace(min(p["num_params"] for p in points),
-                            max([p["num_params"] for p in points] + [p["num_params"] for p in plan["predictions"].values()]), 50)
-        ax_n.plot(grid, law["A"] * grid ** (-law["alpha"]), label=f"L = {law['A']:.2f}·N^-{law['alpha']:.3f}")
-        for name, pred in plan["predictions"].items():
-            ax_n.errorbar([pred["num_params"]], [pred["loss"]],
-                          yerr=[[pred["loss"] - pred["low"]], [pred["high"] - pred["loss"]]], fmt="s", capsize=4,
-                          label=f"{name} prediction")
-            if "observed" in pred:
-                ax_n.scatter([pred["num_params"]], [pred["observed"]], marker="x", s=80, label=f"{name} observed")
-    ax_n.set(xscale="log", yscale="log", xlabel="non-embedding parameters", ylabel="validation loss", title="Scaling fit")
-    ax_n.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+def fit_mixture(cfg: FitConfig, sweep: SweepConfig, trials: Sequence[TrialResult]) -> dict[str, Any]:
+    """The mixture regression(s), the chosen model and its recommendation; or the best observed
+    mixture with the reason the regression was not used."""
+    from tasks.scaling.mixture_regression import fit_mixture_regression, recommend_mixture
+
+    runs = [t for t in succeeded(trials) if t.kind == "mixture"]
+    reference = normalised(sweep.mixtures[sweep.reference])
+    domains = sorted(d for d, w in reference.items() if w > 0)
+    out: dict[str, Any] = {"target": cfg.mixture_target, "domains": domains, "num_trials": len(runs),
+                           "models": {}, "chosen": None, "recommendation": None, "refused": None,
+                           "search": {"candidates": cfg.mixture_candidates, "top_k": cfg.mixture_top_k,
+                                      "min_spearman": cfg.min_mixture_spearman}}
+    observed = [(t, _target(t, cfg.mixture_target)) for t in runs]
+    if not observed:
+        out["refused"] = "no mixture trial finished"
+        out["best_observed"] = None
+        return out
+    best_trial, best_loss = min(observed, key=lambda pair: pair[1])
+    out["best_observed"] = {"name": best_trial.mixture, "weights": best_trial.weights or normalised(
+        sweep.mixtures[best_trial.mixture]), "loss": best_loss, "trial": best_trial.name}
+    candidates = ("ridge", "gbm") if cfg.mixture_model == "auto" else (cfg.mixture_model,)
+    weights = [{d: t.weights.get(d, 0.0) for d in domains} for t in runs]
+    fits = {}
+    for model in candidates:
+        try:
+            fits[model] = fit_mixture_regression(weights, [_target(t, cfg.mixture_target) for t in runs],
+                                                 domains=domains, model=model, num_folds=cfg.mixture_folds)
+        except ValueError as error:
+            out["refused"] = str(error)
+            return out
+        out["models"][model] = {k: v for k, v in fits[model].as_dict().items() if k not in ("targets",)}
+    chosen = max(fits, key=lambda m: fits[m].heldout_spearman)
+    out["chosen"] = chosen
+    fit = fits[chosen]
+    search = out["search"]
+    rec = recommend_mixture(fit, prior=[reference[d] for d in domains],
+                            concentration=sweep.mixture_design.concentration,
+                            num_samples=search["candidates"], top_k=min(search["top_k"], search["candidates"]))
+    out["recommendation"] = rec.as_dict()
+    out["heldout_spearman"] = fit.heldout_spearman
+    if rec.extrapolates:
+        out["refused"] = (f"the regression's optimum lies {rec.nearest_trial_distance:.2f} (L1) from the nearest trial, "
+                          "outside the region the trials cover: not a mixture to bet production on; the best "
+                          "observed mixture is used (run trials near the optimum, or a wider sweep.mixture_design)")
+    if not fit.heldout_spearman >= search["min_spearman"]:
+        out["refused"] = (f"the {chosen} regression's held-out Spearman {fit.heldout_spearman:.2f} is below "
+                          f"fit.min_mixture_spearman={search['min_spearman']}: it does not rank unseen mixtures "
+                          "well enough to choose one; the best observed mixture is used")
+    return out
+
+
+def _target(trial: TrialResult, target: str) -> float:
+    if target == "average":
+        return float(trial.val_loss)
+    if target not in trial.val_loss_by_domain:
+        raise KilnError(f"fit.mixture_target={target!r} is not a domain with a validation loss "
+                        f"({sorted(trial.val_loss_by_domain)}); use one of them or 'average'")
+    return trial.val_loss_by_domain[target]
+
+
+def chosen_mixture(mixture: dict[str, Any]) -> dict[str, Any]:
+    """The plan's mixture: the regression's optimum when trusted, else the best observed trial's."""
+    if mixture["recommendation"] is not None and mixture["refused"] is None:
+        rec = mixture["recommendation"]
+        return {"name": f"regression-{mixture['chosen']}", "weights": rec["weights"], "source": "regression",
+                "predicted_loss": rec["predicted_loss"]}
+    best = mixture["best_observed"]
+    if best is None:
+        raise NotEnoughTrialsError("no trial on any mixture finished: nothing to choose a mixture from")
+    return {"name": best["name"], "weights": best["weights"], "source": "best observed trial",
+            "observed_loss": best["loss"]}
+
+
+def hyper_at(hyper: HyperparameterLaws | None, trials: Sequence[TrialResult], sweep: SweepConfig,
+             compute: float, width: int) -> dict[str, Any]:
+    """LR and batch for a run of `compute` FLOPs at `width`: from each law whose exponent the points
+    determine, else the best trial of the budget nearest in log compute, its LR moved to `width` by
+    the sweep's width rule (`source` says which)."""
+    out: dict[str, Any] = {}
+    if hyper is not None:
+        for name, law, key in (("LR*(C)", hyper.lr_law, "lr"), ("batch*(C)", hyper.batch_law, "batch")):
+            low, high = law.exponent_interval
+            if low > 0 or high < 0:  # a trend the points show: extrapolate along it
+                out[key] = float(law.predict(compute))
+                out[f"{key}_interval"] = [float(v) for v in _law_interval(law, compute)]
+                out[f"{key}_source"] = f"{name} power law"
+    if "lr" not in out or "batch" not in out:
+        # No law, or its exponent's interval holds 0 (the grid shows no trend in compute): the best
+        # run of the nearest budget, not an extrapolation of noise.
+        budgeted = [t for t in succeeded(trials) if t.budget is not None]
+        pool = budgeted or succeeded(trials)
+        nearest = min(pool, key=lambda t: (abs(math.log((t.budget or compute) / compute)), t.val_loss))
+        best = min((t for t in pool if t.budget == nearest.budget), key=lambda t: t.val_loss)
+        why = "no LR/batch law (see refused.hyper)" if hyper is None else "its law's exponent interval holds 0"
+        lr = best.lr * (best.width / width) ** sweep.lr_width_exponent
+        for key, value in (("lr", lr), ("batch", best.batch_size)):
+            if key not in out:
+                out[key], out[f"{key}_interval"] = value, None
+                out[f"{key}_source"] = f"best trial {best.name} ({why})"
+    return {"lr": out["lr"], "lr_interval": out["lr_interval"], "batch_size": max(1, round(out["batch"])),
+            "batch_interval": out["batch_interval"],
+            "source": out["lr_source"] if out["lr_source"] == out["batch_source"]
+            else f"lr: {out['lr_source']}; batch: {out['batch_source']}"}
+
+
+def _law_interval(law: Any, x: float) -> tuple[float, float]:
+    """A power law's value at x at its coefficient/exponent interval corners: the range the fit allows."""
+    values = [c * x**a for c in law.coefficient_interval for a in law.exponent_interval]
+    return min(values), max(values)
+
+
+def loss_law_from_dict(data: dict[str, Any]) -> LossLawFit:
+    """A `LossLawFit` read back from the plan (with its bootstrap), for `kiln plan --budget`."""
+    from tasks.scaling.laws import DroppedPoint, LossLawFit
+
+    fields = {k: v for k, v in data.items() if k != "bootstrap_params"}
+    fields["intervals"] = {k: tuple(v) for k, v in fields["intervals"].items()}
+    fields["residuals"] = tuple(fields["residuals"])
+    fields["dropped"] = tuple(DroppedPoint(**p) for p in fields["dropped"])
+    fields["warnings"] = tuple(fields["warnings"])
+    return LossLawFit(**fields, bootstrap_params=np.asarray(data["bootstrap_params"], dtype=float).reshape(-1, 5))
+
+
+def loss_law_to_dict(law: LossLawFit) -> dict[str, Any]:
+    return {**law.as_dict(), "bootstrap_params": law.bootstrap_params.tolist()}
+
+
+def excluded(trials: Sequence[TrialResult]) -> dict[str, dict[str, Any]]:
+    return {t.name: {"status": t.status, "reason": t.reason, "steps": t.steps} for t in trials if not t.ok}
+
+
+def laws_from_plan(plan: dict[str, Any]) -> tuple[LossLawFit | None, Any, HyperparameterLaws | None]:
+    """The loss law, IsoFLOP fit and hyper-parameter laws a plan holds, as objects again."""
+    from tasks.scaling.laws import (
+        BudgetBest,
+        HyperparameterLaws,
+        IsoFlopFit,
+        IsoFlopMinimum,
+        PowerLawFit,
+        RejectedBudget,
+    )
+
+    def power(d: dict[str, Any]) -> PowerLawFit:
+        return PowerLawFit(**{k: tuple(v) if isinstance(v, list) else v for k, v in d.items()})
+
+    law = loss_law_from_dict(plan["loss_law"]) if plan["loss_law"] else None
+    iso = plan["isoflop"]
+    isoflop = IsoFlopFit(tuple(IsoFlopMinimum(**{**m, "n_range": tuple(m["n_range"])}) for m in iso["minima"]),
+                         tuple(RejectedBudget(**r) for r in iso["rejected"]), power(iso["n_law"]),
+                         power(iso["d_law"]), tuple(iso["warnings"])) if iso else None
+    hp = plan["hyperparameter_laws"]
+    hyper = HyperparameterLaws(tuple(BudgetBest(**b) for b in hp["best"]), power(hp["lr_law"]),
+                               power(hp["batch_law"]), hp["near_best_rtol"], tuple(hp["warnings"])) if hp else None
+    return law, isoflop, hyper

@@ -82,6 +82,7 @@ class MixtureRecommendation:
     num_samples: int
     top_k: int
     warnings: tuple[str, ...]
+    extrapolates: bool = False  # further from every trial than trials lie from each other
 
     def as_dict(self) -> dict[str, Any]:
         return {name: list(v) if isinstance(v, tuple) else v for name, v in self.__dict__.items()}
@@ -191,7 +192,8 @@ def recommend_mixture(
         predicted_loss=float(fit.predict(mean[None, :])[0]),
         top_k_spread=dict(zip(names, top.std(axis=0).tolist(), strict=True)),
         best_observed_loss=float(min(fit.targets)),
-        nearest_trial_distance=nearest, num_samples=num_samples, top_k=top_k, warnings=tuple(warnings))
+        nearest_trial_distance=nearest, num_samples=num_samples, top_k=top_k, warnings=tuple(warnings),
+        extrapolates=nearest > spacing)
 
 
 def _estimator(model: Model, num_trials: int, seed: int) -> Any:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from tasks.data.tokenize import SHARDS_FILE
 from tasks.stage import Stage, StageContext
 from tasks.stages._training import planned_lr, run_training, train_headline, train_stats
+from tasks.stages.train import trained_model_config  # the plan may have chosen it (train.model: plan)
 from tasks.train.anneal import AnnealConfig, anneal_settings
 
 
@@ -15,7 +16,8 @@ def run(ctx: StageContext) -> dict:
     optim, run_cfg = anneal_settings(cfg.anneal, cfg.train.optim, cfg.train.run, planned_lr(ctx))
     mixture = mixture_with_weights(ctx.read_json("tokenize", SHARDS_FILE), ctx.inputs["tokenize"],
                                    cfg.anneal.mixture, "anneal.mixture")
-    result = run_training(ctx, cfg.train.model, optim, run_cfg, mixture, init_model_dir=ctx.inputs["train"] / "model")
+    result = run_training(ctx, trained_model_config(ctx), optim, run_cfg, mixture,
+                          init_model_dir=ctx.inputs["train"] / "model")
     before = ctx.read_json("train", "metrics.json")["val_loss"]
     return train_stats(result, device=run_cfg.device, world_size=result.world_size, start_lr=optim.lr,
                        val_loss_before=before)

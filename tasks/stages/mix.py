@@ -11,9 +11,11 @@ from tasks.stage import Stage, StageContext
 
 
 def run(ctx: StageContext) -> dict:
+    from tasks.stages.train import planned_run
+
     tokenized = ctx.inputs["tokenize"]
     plan = ctx.read_json("fit", PLAN_FILE)
-    run_cfg = ctx.cfg.train.run
+    _, run_cfg, _ = planned_run(ctx)  # the train stage's budget: the plan's under train.model: plan
     train_tokens = run_cfg.steps * run_cfg.batch_size * run_cfg.seq_len
     manifest = build_mixture_manifest(ctx.cfg.mix, ctx.read_json("tokenize", SHARDS_FILE),
                                       tokenized.relative_to(ctx.store.root).as_posix(),
@@ -27,6 +29,6 @@ def run(ctx: StageContext) -> dict:
 
 STAGE = Stage(
     name="mix", description="write the mixture manifest", body=run, inputs=("tokenize", "fit"), config=MixConfig,
-    reads=("train.run",),
+    reads=("train.run", "train.model"),
     headline=lambda s: {"mixture": s["mixture"], "train_tokens": s["train_tokens"], "max_epochs": max(s["epochs"].values())},
 )

@@ -1,4 +1,4 @@
-"""Stage `sweep`: the proxy runs over learning rate, mixture, width and batch size; each trial is a child MLflow run.
+"""Stage `sweep`: the proxy runs (IsoFLOP grid, LR x batch grid, mixture design); each trial is a child MLflow run.
 
 Resumable: each trial's result is kept in the partial folder as it finishes (`trials/<name>.json`),
 so a crashed or interrupted attempt's retry runs only the trials without one. A diverged or failed
@@ -25,9 +25,10 @@ def run(ctx: StageContext) -> dict:
             tags["kiln.trial.reason"] = trial.reason[:REASON_TAG_CHARS]
         if resumed:
             tags["kiln.trial.resumed"] = "true"  # finished by an earlier attempt of this stage
-        run_id = tracker.start_run(trial.name, parent_id=parent, tags=tags, params={
+        run_id = tracker.start_run(trial.name, parent_id=parent, tags={**tags, "kiln.trial.kind": trial.kind}, params={
             "lr": trial.lr, "width": trial.width, "mixture": trial.mixture, "batch_size": trial.batch_size,
-            "num_params": trial.num_params})
+            "num_params": trial.num_params, "tokens": trial.tokens, **({"budget": trial.budget} if trial.budget else {}),
+            **{f"weight.{d}": w for d, w in trial.weights.items()}})
         # the curve at the training loop's logging cadence (and its last step): a few calls per trial
         curve = trial.loss_curve
         for step, loss in curve:
@@ -45,6 +46,7 @@ def run(ctx: StageContext) -> dict:
     finished = succeeded(results)
     best = min(finished, key=lambda r: r.val_loss)
     return {"num_trials": len(results), "num_ok": len(finished),
+            "num_by_kind": {k: sum(r.kind == k for r in results) for k in ("isoflop", "hyper", "mixture")},
             "num_diverged": sum(r.status == "diverged" for r in results),
             "num_failed": sum(r.status == "failed" for r in results),
             "best_trial": best.name, "best_val_loss": best.val_loss,
@@ -61,8 +63,10 @@ def headline(stats: dict) -> dict:
 
 
 STAGE = Stage(
-    name="sweep", description="proxy runs over LR, mixture, width and batch size", body=run, inputs=("tokenize",),
+    name="sweep", description="proxy runs: IsoFLOP grid, LR x batch grid, mixture design", body=run,
+    inputs=("tokenize",),
     # 2: the key no longer hashes the unused sweep.optim.lr; 3: failed trials are results (status,
-    # reason, steps, curve), trials are named with their batch size, one result file per trial
-    config=SweepConfig, version=3, resumable=True, headline=headline,
+    # reason, steps, curve), trials are named with their batch size, one result file per trial;
+    # 4: IsoFLOP, LR x batch and Dirichlet mixture designs
+    config=SweepConfig, version=4, resumable=True, headline=headline,
 )

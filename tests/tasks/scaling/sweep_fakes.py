@@ -16,5 +16,7 @@ def fake_trial(cfg: SweepConfig, trial: Trial, mixture: Mixture, out_dir: Path) 
     if trial.lr == POISON_LR:
         os._exit(1)
     loss = 10.0 * trial.width ** -0.3 * (1 + abs(trial.lr - 1e-2))
+    tokens = trial.steps * trial.batch_size * cfg.run.seq_len
     return TrialResult(trial.name, trial.width, trial.lr, trial.mixture, trial.batch_size, 100 * trial.width,
-                       10 * trial.width, loss, loss, {}, 1000, 0.0, steps=cfg.run.steps, loss_curve=[(1, loss)])
+                       10 * trial.width, loss, loss, {}, tokens, 0.0, steps=trial.steps, loss_curve=[(1, loss)],
+                       kind=trial.kind, budget=trial.budget, weights=trial.weights, tokens=tokens)

@@ -97,4 +97,4 @@ def test_a_recommendation_far_from_every_trial_is_flagged():
     fit = fit_mixture_regression(w, 3.0 - w[:, 1] + rng.normal(0, 1e-3, 40), model="ridge")
     rec = recommend_mixture(fit, prior=np.ones(4) / 4, num_samples=5_000)
     assert rec.weights["domain_1"] > 0.5 and rec.nearest_trial_distance > 0.5
-    assert any("extrapolates" in warning for warning in rec.warnings)
+    assert any("extrapolates" in warning for warning in rec.warnings) and rec.extrapolates

@@ -11,10 +11,12 @@ import pytest
 
 from tasks.data.tokenize import SHARDS_FILE
 from tasks.runner import StageRecorder
-from tasks.scaling.fit import FitConfig, NotEnoughTrialsError, fit_plan
+from tasks.scaling.fit import excluded, law_points
 from tasks.scaling.sweep import (
     TRIALS_DIR,
     TRIALS_FILE,
+    IsoFlopBudget,
+    MixtureDesign,
     SweepConfig,
     SweepFailedError,
     TrialResult,
@@ -29,9 +31,6 @@ from tasks.store import Store
 from tasks.tracker import NullTracker
 from tasks.train.config import ModelConfig, TrainRunConfig
 from tests.tasks.scaling.sweep_fakes import POISON_LR, fake_trial
-
-TARGETS = {"validate": 10_000}
-
 
 @pytest.fixture(scope="module")
 def shards(tmp_path_factory) -> tuple[dict, Path]:
@@ -48,33 +47,43 @@ def shards(tmp_path_factory) -> tuple[dict, Path]:
     return shards, root
 
 
-def tiny(lrs: list[float], num_workers: int = 1, **updates) -> SweepConfig:
+def tiny(lr: float = 1e-3, multipliers: tuple[float, ...] = (1.0,), num_workers: int = 1, **updates) -> SweepConfig:
+    """One budget with one width, an LR grid of `multipliers` at it, and one named mixture (no samples).
+
+    The IsoFLOP trial is the mixture trial too (same width, LR, batch and steps: one trial)."""
     return SweepConfig(**{
-        "model": ModelConfig(d_model=16, n_layers=1, n_heads=2, max_seq_len=16), "widths": [16], "lrs": lrs,
-        "mixtures": {"u": {"web": 1, "code": 1}}, "num_workers": num_workers,
+        "model": ModelConfig(d_model=16, n_layers=1, n_heads=2, max_seq_len=16), "lr": lr, "lr_width_exponent": 0.0,
+        "isoflop": [IsoFlopBudget(flops=6 * PARAMS_W16 * 12 * 4 * 16, widths=[16])],
+        "lr_multipliers": list(multipliers), "mixtures": {"u": {"web": 1, "code": 1}},
+        "mixture_design": MixtureDesign(num_samples=0), "num_workers": num_workers,
         "run": TrainRunConfig(steps=12, batch_size=4, seq_len=16, eval_batches=1, checkpoint_every=1000), **updates})
 
 
+PARAMS_W16 = 1 * (4 * 16 * 16 + 3 * 16 * 64 + 2 * 16) + 16 + 64 * 16  # one layer, the final norm, the embedding
+
+
 def test_a_diverging_trial_is_recorded_and_the_fit_uses_the_rest(shards, tmp_path):
-    # two worker processes: the divergence happens in one and comes back as data
+    # two worker processes: the divergence (the x1e7 LR of the second phase) happens in one and comes back as data
     seen: list[str] = []
-    results = run_sweep(tiny([1e-3, 1e4], num_workers=2), *shards, tmp_path, lambda r, resumed: seen.append(r.name))
+    results = run_sweep(tiny(1e-3, (1.0, 1e7), num_workers=2), *shards, tmp_path,
+                        lambda r, resumed: seen.append(r.name))
     ok, bad = results
-    assert (ok.status, ok.reason) == ("ok", None) and ok.steps == 12 and len(ok.loss_curve) == 12
+    assert (ok.kind, bad.kind) == ("isoflop", "hyper") and ok.steps == 12 and ok.num_params == PARAMS_W16
+    assert (ok.status, ok.reason) == ("ok", None) and len(ok.loss_curve) == 12
     assert bad.status == "diverged" and "TrainingDivergedError" in bad.reason and bad.val_loss is None
     assert bad.steps < 12  # where the loss went non-finite (the steps it reached before giving up)
     assert sorted(seen) == sorted(r.name for r in results)
     assert load_trials(tmp_path / TRIALS_FILE) == results  # every trial, failures included, in design order
     assert sorted(p.name for p in (tmp_path / TRIALS_DIR).glob("*.json")) == sorted(f"{r.name}.json" for r in results)
-
-    plan = fit_plan(FitConfig(), results, 16, {"u": {"web": 1}}, TARGETS, batch_size=4)
-    assert plan["lr"] == 1e-3 and plan["lr_losses"] == {"0.001": ok.val_loss}
-    assert plan["excluded_trials"][bad.name]["status"] == "diverged"
+    assert excluded(results) == {bad.name: {"status": "diverged", "reason": bad.reason, "steps": bad.steps}}
+    assert [p["trial"] for p in law_points(results, "u")] == [ok.name]
 
 
 def test_an_interrupted_sweep_reruns_only_unfinished_and_failed_trials(shards, tmp_path):
-    cfg = tiny([1e-3, 2e-3, 3e-3])
-    names = [t.name for t in design_trials(cfg)]
+    cfg = tiny(1e-3, (1.0, 2.0, 3.0))
+    first = design_trials(cfg, 64)
+    assert len(first) == 1
+    names = [first[0].name] + [f"w16-lr{lr:.3g}-bs4-s12-u" for lr in (2e-3, 3e-3)]
 
     def interrupt(result: TrialResult, resumed: bool) -> None:
         raise KeyboardInterrupt  # as Ctrl-C right after the first trial finished
@@ -84,7 +93,7 @@ def test_an_interrupted_sweep_reruns_only_unfinished_and_failed_trials(shards, t
     assert [p.stem for p in (tmp_path / TRIALS_DIR).glob("*.json")] == [names[0]]
     # the third trial failed in a previous attempt (say, killed): it is run again, not kept
     save_trial(TrialResult(names[2], 16, 3e-3, "u", 4, 1, 1, None, None, {}, 0, 0.0, status="failed",
-                           reason="its worker process died"), tmp_path / TRIALS_DIR)
+                           reason="its worker process died", kind="hyper"), tmp_path / TRIALS_DIR)
 
     (tmp_path / TRIALS_DIR / f"{names[1]}.json.tmp").write_text("{")  # torn by the interrupt
     calls: list[tuple[str, bool]] = []
@@ -95,12 +104,13 @@ def test_an_interrupted_sweep_reruns_only_unfinished_and_failed_trials(shards, t
 
 
 def test_every_trial_failing_fails_the_sweep_clearly(shards, tmp_path):
-    with pytest.raises(SweepFailedError, match=r"every sweep trial failed \(1 diverged\).*smaller sweep.lrs"):
-        run_sweep(tiny([1e4]), *shards, tmp_path)
+    with pytest.raises(SweepFailedError, match=r"every sweep trial failed \(1 diverged\).*smaller sweep.lr"):
+        run_sweep(tiny(1e4), *shards, tmp_path)
 
 
 def test_a_trial_that_kills_its_worker_is_named_and_the_rest_finish(shards, tmp_path):
-    results = run_sweep(tiny([1e-3, POISON_LR, 1e-2], num_workers=2), *shards, tmp_path, trial_fn=fake_trial)
+    results = run_sweep(tiny(1.0, (1.0, POISON_LR, 10.0), num_workers=2), *shards, tmp_path,
+                        trial_fn=fake_trial)
     assert [r.status for r in results] == ["ok", "failed", "ok"]
     assert "worker process died" in results[1].reason
     assert json.loads((tmp_path / TRIALS_DIR / f"{results[1].name}.json").read_text())["status"] == "failed"
@@ -120,58 +130,28 @@ class RecordingTracker(NullTracker):
     def end_run(self, run_id, *, failed=False) -> None:
         self.runs[run_id]["failed"] = failed
 
+    def set_tags(self, run_id, tags) -> None:
+        self.runs[run_id]["tags"].update(tags)
+
 
 def test_the_stage_records_each_trial_as_a_child_run_and_a_diverged_one_as_failed(shards, tmp_path):
     shards_json, root = shards
     (root / SHARDS_FILE).write_text(json.dumps(shards_json))
     tracker = RecordingTracker()
-    ctx = StageContext(SimpleNamespace(sweep=tiny([1e-3, 1e4], run=TrainRunConfig(
+    ctx = StageContext(SimpleNamespace(sweep=tiny(1e-3, (1.0, 1e7), run=TrainRunConfig(
         steps=12, batch_size=4, seq_len=16, eval_batches=1, checkpoint_every=1000, log_every=5))),
         tmp_path, {"tokenize": root}, Store(tmp_path / "store"), StageRecorder(tracker, "stage-run", "sweep", "k"))
     stats = sweep_stage.run(ctx)
     assert sweep_stage.STAGE.resumable
     assert (stats["num_trials"], stats["num_ok"], stats["num_diverged"]) == (2, 1, 1)
     assert sweep_stage.headline(stats)["not_finished"] == 1
-    ok, bad = (tracker.runs[n] for n in ("w16-lr0.001-u-bs4", "w16-lr10000-u-bs4"))
+    ok, bad = (tracker.runs[n] for n in ("w16-lr0.001-bs4-s12-u", "w16-lr1e+04-bs4-s12-u"))
     assert ok["parent"] == bad["parent"] == "stage-run"
     assert (ok["failed"], ok["tags"]["kiln.trial.status"]) == (False, "ok")
     assert [step for step, m in ok["metrics"] if "train.loss" in m] == [5, 10, 12]  # the curve, at log_every
     assert bad["failed"] is True and bad["tags"]["kiln.trial.status"] == "diverged"
+    assert (ok["tags"]["kiln.trial.kind"], bad["tags"]["kiln.trial.kind"]) == ("isoflop", "hyper")
     assert "TrainingDivergedError" in bad["tags"]["kiln.trial.reason"]
     assert "val_loss" not in bad["metrics"][-1][1] and "steps" in bad["metrics"][-1][1]
 
 
-def test_the_fit_refuses_when_failures_leave_too_few_widths():
-    def trial(width, lr, loss=None, mixture="u"):
-        status = "ok" if loss is not None else "diverged"
-        return TrialResult(f"w{width}-lr{lr:g}-{mixture}-bs4", width, lr, mixture, 4, 100 * width, 10 * width, loss,
-                           loss, {}, 0, 0.0, status=status, reason=None if loss else "nan", steps=7)
-    trials = [trial(32, 1e-3, 4.0), trial(16, 1e-3, 4.5), trial(64, 1e-3)]
-    with pytest.raises(NotEnoughTrialsError, match=r"3 widths.*only \[16, 32\].*d_model=64: w64-lr0.001-u-bs4 "
-                                                    r"diverged at step 7"):
-        fit_plan(FitConfig(min_points_for_power_law=3), trials, 32, {"u": {"x": 1}}, TARGETS, batch_size=4)
-    with pytest.raises(NotEnoughTrialsError, match=r"mixtures \['p'\] have none \(w32-lr0.001-p-bs4 diverged"):
-        fit_plan(FitConfig(min_points_for_power_law=3), [*trials[:2], trial(32, 1e-3, mixture="p")], 32,
-                 {"u": {"x": 1}, "p": {"x": 1}}, TARGETS, batch_size=4)
-    # a design with too few widths for a law was never going to have one: no refusal, no law
-    plan = fit_plan(FitConfig(min_points_for_power_law=3), trials[:2], 32, {"u": {"x": 1}}, TARGETS, batch_size=4)
-    assert plan["power_law"] is None
-
-
-def test_batch_sizes_extend_the_design_at_the_base_width_without_moving_the_fit():
-    cfg = SweepConfig(widths=[32, 64], lrs=[1e-3, 1e-2], mixtures={"u": {"web": 1}, "p": {"prose": 1}},
-                      batch_sizes=[16, 8])
-    assert cfg.all_batch_sizes == [8, 16] and SweepConfig().all_batch_sizes == [8]
-    assert cfg.identity()["batch_sizes"] == SweepConfig(batch_sizes=[8, 16]).identity()["batch_sizes"]
-    assert SweepConfig().identity() == SweepConfig(batch_sizes=[8]).identity()
-    trials = design_trials(cfg)
-    assert [t.name for t in trials if t.batch_size == 16] == ["w64-lr0.001-u-bs16", "w64-lr0.01-u-bs16"]
-    results = [fake_trial(cfg, t, None, Path()) for t in trials]
-    # the bs16 trials are better here, but the plan's LR, mixture and sizes are at the run's batch size (8)
-    for r in results:
-        if r.batch_size == 16:
-            r.val_loss -= 1
-    plan = fit_plan(FitConfig(min_points_for_power_law=2), results, 64, cfg.mixtures, TARGETS, batch_size=8)
-    assert plan["best_trial"].endswith("-bs8") and len(plan["size_points"]) == 2
-    assert plan["batch_size_losses"]["16"]["val_loss"] == pytest.approx(plan["batch_size_losses"]["8"]["val_loss"] - 1)
-    assert json.dumps(plan)  # the plan stays JSON
