@@ -35,11 +35,14 @@ ALLOWED = {
     **{f"cluster.{field}": "read by the torchrun launcher (train.parallel above one process, or cluster.launcher="
        "torchrun): the FSDP run in tests/flows/test_pipeline.py, tests/tasks/launch"
        for field in ("nodes", "gpus_per_node", "rdzv_port", "exclude_hosts", "max_restarts")},
-    "cluster.executor": "read by dedup.engine=datatrove (tests/tasks/data); only 'local' is accepted until the "
-                        "scale-out issue wires the Slurm and Ray executors",
-    **{f"cluster.{field}": "refused when set (ClusterConfig): only Slurm/Kubernetes and `kiln plan` read it"
+    "cluster.executor": "read by clean and dedup (tasks/data/executors.py): tests/tasks/data on Slurm and Ray",
+    **{f"cluster.{field}": "read by the Slurm/Kubernetes launchers, the Slurm executor and the planner "
+       "(train.parallel: auto): tests/tasks/launch, tests/tasks/data, tests/tasks/train/test_planner.py"
        for field in ("partition", "accelerator", "memory_gb", "peak_tflops", "intra_node_gbps", "inter_node_gbps",
                      "mfu", "reserved_gb", "time_limit", "image", "namespace")},
+    **{f"collect.sources[].{field}": "read when an hf source loads a hub dataset (not a saved folder, as the "
+       "bundled one is): tests/tasks/data/test_collect_sources.py"
+       for field in ("config_name", "data_files", "revision")},
     "train.parallel.dp_mode": "read when dp > 1: tests/tasks/train/test_parallel.py, the FSDP run in test_pipeline.py",
     **{f"{section}.run.health.{field}": _ROLLBACK for section in ("train", "sweep")
        for field in ("max_rollbacks", "rollback_lr_factor", "rollback_lr_steps")},
