@@ -14,7 +14,9 @@ naming each unfinished rank's log.
   `squeue` until the array is gone, then reads the completion markers; an interrupted wait
   cancels the job.
 - ray: `RayPipelineExecutor` on the cluster at `RAY_ADDRESS`, or on a local one started once per
-  process. A worker that dies is resubmitted by datatrove itself; a rank that raises is reported.
+  process. A worker that dies while running its ranks is resubmitted by datatrove itself; a rank
+  that raises is reported. (datatrove 0.10.1 waits forever for an actor that dies before its
+  ranks start: its placement-group future is never resolved.)
 
 Stages run one after another (no datatrove `depends=`): the Local and Ray executors poll a
 failed dependency every two minutes forever, and a Slurm `afterok` dependency would leave the
@@ -28,6 +30,7 @@ import json
 import math
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -36,7 +39,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal, TypeVar
 
-from datatrove.executor import LocalPipelineExecutor, RayPipelineExecutor, SlurmPipelineExecutor
+from datatrove.executor import (
+    LocalPipelineExecutor,
+    RayPipelineExecutor,
+    SlurmPipelineExecutor,
+)
 from datatrove.executor.base import PipelineExecutor
 from datatrove.utils.stats import PipelineStats
 
@@ -95,7 +102,7 @@ def build_executor(
         return LocalPipelineExecutor(pipeline, workers=jobs, **common)
     tasks_per_job = math.ceil(tasks / jobs)
     if settings.kind == "ray":
-        return RayPipelineExecutor(pipeline, cpus_per_task=cpus_per_task, tasks_per_job=tasks_per_job, **common)
+        return _RayExecutor(pipeline, cpus_per_task=cpus_per_task, tasks_per_job=tasks_per_job, **common)
     return _SlurmExecutor(
         pipeline, time=settings.time_limit, partition=settings.partition or default_partition(),
         cpus_per_task=cpus_per_task, tasks_per_job=tasks_per_job, job_name=job_name,
@@ -185,6 +192,20 @@ class _SlurmExecutor(SlurmPipelineExecutor):
         return None
 
 
+class _RayExecutor(RayPipelineExecutor):
+    """datatrove's Ray executor, its ranks with the default SIGTERM action.
+
+    Each rank runs in a process forked from the Ray actor, which inherits Ray's Python SIGTERM
+    handler. When the actor closes its pool it SIGTERMs the forked processes; a signal that lands
+    on a rank's helper thread (fsspec's IO loop) only sets a flag for the main thread, which is
+    blocked on the pool's queue, so the process never exits and the stage hangs (seen here about
+    once in a few dozen stages)."""
+
+    def _run_for_rank(self, rank: int, local_rank: int = 0, node_rank: int = -1) -> PipelineStats:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        return super()._run_for_rank(rank, local_rank, node_rank)
+
+
 def _python_environment() -> dict[str, str]:
     """Jobs run this interpreter's environment: its venv activated, else its bin folder first on PATH."""
     if sys.prefix != sys.base_prefix:
@@ -220,9 +241,9 @@ def _unfinished_message(executor: PipelineExecutor, logging_dir: Path, settings:
     for rank in ranks:
         task_log = logging_dir / "logs" / f"task_{rank:05d}.log"
         logs = [task_log] + ([slurm_logs[rank]] if rank in slurm_logs else [])
-        last = next((line for log in reversed(logs) for line in reversed(_lines(log)) if line.strip()), "")
-        lines.append(f"  rank {rank}: log {' and Slurm output '.join(map(str, logs))}"
-                     + (f"; last line: {last.strip()}" if last else "; the rank never started"))
+        lines.append(f"  rank {rank}: log {' and Slurm output '.join(map(str, logs))}")
+        ends = [(log, next((line.strip() for line in reversed(_lines(log)) if line.strip()), "")) for log in logs]
+        lines += [f"    {log.name} ends: {end}" for log, end in ends if end] or ["    the rank never started"]
     return "\n".join(lines)
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from tasks.data.documents import DOCUMENTS_FILE
 from tasks.data.dedup import DedupConfig
+from tasks.data.dedup_job import dedup_on_executor
 from tasks.data.executors import ExecutorSettings
 from tasks.stage import Stage, StageContext
 from tasks.stages._common import document_headline
@@ -17,8 +18,6 @@ def run(ctx: StageContext) -> dict:
 
         return dedup_with_datatrove(ctx.cfg.dedup, input_file, ctx.out_dir, tasks=ctx.cfg.dedup.num_workers,
                                     executor=executor)
-    from tasks.data.dedup_job import dedup_on_executor
-
     return dedup_on_executor(ctx.cfg.dedup, input_file, ctx.out_dir, executor)
 
 

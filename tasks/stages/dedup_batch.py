@@ -6,7 +6,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from tasks.configbase import Section
-from tasks.data.dedup import dedup_against_index
+from tasks.data.dedup_index import INDEX_DIR
+from tasks.data.dedup_job import dedup_on_executor
+from tasks.data.executors import ExecutorSettings
 from tasks.errors import ConfigError, InputError
 from tasks.stage import Stage, StageContext
 from tasks.stages._common import document_headline
@@ -28,7 +30,9 @@ def _batch_file(ctx: StageContext) -> Path:
 
 
 def run(ctx: StageContext) -> dict:
-    return dedup_against_index(ctx.cfg.dedup, ctx.inputs["dedup"] / "lsh_index", _batch_file(ctx), ctx.out_dir)
+    executor = ExecutorSettings.from_cluster(ctx.cfg.cluster)  # the fast dedup as one job there
+    return dedup_on_executor(ctx.cfg.dedup, _batch_file(ctx), ctx.out_dir, executor,
+                             index_dir=ctx.inputs["dedup"] / INDEX_DIR)
 
 
 STAGE = Stage(

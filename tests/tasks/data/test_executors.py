@@ -24,14 +24,24 @@ from pathlib import Path
 
 import pytest
 import yaml
-from datatrove.executor import LocalPipelineExecutor, RayPipelineExecutor, SlurmPipelineExecutor
+from datatrove.executor import (
+    LocalPipelineExecutor,
+    RayPipelineExecutor,
+    SlurmPipelineExecutor,
+)
 from loguru import logger
 
 from tasks.data.clean import CleanConfig, clean_documents
 from tasks.data.dedup import DedupConfig
 from tasks.data.dedup_datatrove import dedup_with_datatrove
 from tasks.data.dedup_job import dedup_on_executor
-from tasks.data.documents import DOCUMENTS_FILE, QUARANTINE_FILE, REMOVED_FILE, Document, write_documents
+from tasks.data.documents import (
+    DOCUMENTS_FILE,
+    QUARANTINE_FILE,
+    REMOVED_FILE,
+    Document,
+    write_documents,
+)
 from tasks.data.executors import ExecutorError, ExecutorSettings, build_executor
 from tasks.errors import ConfigError
 
