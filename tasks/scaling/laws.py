@@ -275,6 +275,10 @@ def fit_loss_law(
                             f"not show loss falling with {'N' if name == 'alpha' else 'D'}; do not extrapolate with it")
     if num_bootstrap == 0:
         warnings.append("num_bootstrap=0: no intervals; the parameters' uncertainty is unknown")
+    if natural["E"] < 1e-3 * float(np.exp(t.min())):
+        warnings.append(f"E = {natural['E']:.3g} is not determined: every loss lies far above the irreducible "
+                        "term, so the fit drove it to ~0; the power terms carry the law, and predictions far "
+                        "beyond the points' range overstate how low the loss goes")
 
     heldout_rmse, num_heldout = None, 0
     if heldout_fraction is not None:

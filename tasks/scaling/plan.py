@@ -81,7 +81,8 @@ def plan_for_compute(compute: float, sweep: SweepConfig, vocab_size: int, law: L
         "lr": hp["lr"], "lr_interval": hp["lr_interval"], "batch_interval": hp["batch_interval"],
         "hyperparameters_from": hp["source"], **predicted(law, n, tokens),
     }
-    if isoflop is not None:  # Chinchilla approach 2, beside approach 3
+    low, high = isoflop.n_law.exponent_interval if isoflop is not None else (0.0, 0.0)
+    if low > 0 or high < 0:  # Chinchilla approach 2 beside approach 3, when its minima show a trend
         out["isoflop_n_opt"] = float(isoflop.n_law.predict(compute))
         out["isoflop_d_opt"] = float(isoflop.d_law.predict(compute))
     return out

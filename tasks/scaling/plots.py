@@ -124,7 +124,7 @@ def plot_law(points: Sequence[dict[str, Any]], law: LossLawFit | None, runs: dic
                        label=f"{name}: observed {observed[name]:.3f}")
     ax.set(xscale="log", xlabel="compute C = 6ND (FLOPs)", ylabel="validation loss",
            title="Loss against compute: the fitted law and its predictions")
-    ax.legend(fontsize=7, loc="upper right")
+    ax.legend(fontsize=7, loc="lower left")
     fig.savefig(path, dpi=DPI)
     plt.close(fig)
 

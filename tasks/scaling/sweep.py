@@ -61,7 +61,7 @@ def _default_proxy_model() -> ModelConfig:
 
 
 def _default_proxy_run() -> TrainRunConfig:
-    return TrainRunConfig(steps=50, batch_size=8, seq_len=64, eval_batches=4, checkpoint_every=100_000)
+    return TrainRunConfig(steps=30, batch_size=8, seq_len=64, eval_batches=4, checkpoint_every=100_000)
 
 
 class IsoFlopBudget(Section):
@@ -72,8 +72,8 @@ class IsoFlopBudget(Section):
 
 
 def _default_isoflop() -> list[IsoFlopBudget]:
-    return [IsoFlopBudget(flops=4e9, widths=[2, 4, 6, 8]), IsoFlopBudget(flops=8e9, widths=[2, 4, 6, 8]),
-            IsoFlopBudget(flops=1.6e10, widths=[4, 6, 8, 12])]
+    return [IsoFlopBudget(flops=2e9, widths=[2, 4, 6, 8]), IsoFlopBudget(flops=4e9, widths=[2, 4, 6, 8]),
+            IsoFlopBudget(flops=8e9, widths=[4, 6, 8, 12])]
 
 
 class MixtureDesign(Section):

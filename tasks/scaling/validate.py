@@ -29,7 +29,7 @@ def _default_validate_model() -> ModelConfig:
 
 
 def _default_validate_run() -> TrainRunConfig:
-    return TrainRunConfig(steps=470, batch_size=8, seq_len=64, eval_batches=4, checkpoint_every=500)
+    return TrainRunConfig(steps=232, batch_size=8, seq_len=64, eval_batches=4, checkpoint_every=500)
 
 
 class ValidateConfig(Section):

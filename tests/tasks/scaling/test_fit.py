@@ -164,6 +164,21 @@ def test_the_mixture_regression_recovers_a_known_optimum_and_ranks_held_out_tria
     assert domain["chosen"] == "ridge" and domain["target"] == "web"
 
 
+def test_an_optimum_outside_the_trials_is_not_bet_on():
+    # trials crowd one corner; the loss falls towards the other: the regression's optimum lies where no trial is
+    sweep = sweep_config(mixtures={"ref": {"web": 1, "code": 1, "prose": 1}},
+                         mixture_design=MixtureDesign(num_samples=40, concentration=3.0))
+    rng = np.random.default_rng(0)
+    trials = []
+    for i, w in enumerate(rng.dirichlet([60.0, 5.0, 5.0], size=30)):
+        weights = dict(zip(("code", "prose", "web"), w.tolist(), strict=True))
+        loss = 3.0 - weights["web"] + rng.normal(0, 1e-3)
+        trials.append(result(f"d{i}", 1e4, 1e5, loss, kind="mixture", mixture=f"d{i}", weights=weights))
+    mixture = fit_mixture(FitConfig(mixture_model="ridge"), sweep, trials)
+    assert mixture["recommendation"]["extrapolates"] and "outside the region the trials cover" in mixture["refused"]
+    assert chosen_mixture(mixture)["source"] == "best observed trial"
+
+
 def test_an_unreliable_mixture_regression_falls_back_to_the_best_observed_trial():
     sweep = sweep_config(mixtures={"ref": {"web": 1, "code": 1, "prose": 1}})
     trials = mixture_trials(30, informative=False, noise=0.01)
