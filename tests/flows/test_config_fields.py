@@ -44,7 +44,7 @@ ALLOWED = {
        "bundled one is): tests/tasks/data/test_collect_sources.py"
        for field in ("config_name", "data_files", "revision")},
     "train.parallel.dp_mode": "read when dp > 1: tests/tasks/train/test_parallel.py, the FSDP run in test_pipeline.py",
-    **{f"{section}.run.health.{field}": _ROLLBACK for section in ("train", "sweep")
+    **{f"{section}.run.health.{field}": _ROLLBACK for section in ("train", "sweep", "validate")
        for field in ("max_rollbacks", "rollback_lr_factor", "rollback_lr_steps")},
 }
 
