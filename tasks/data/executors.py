@@ -11,8 +11,8 @@ naming each unfinished rank's log.
 - slurm: `SlurmPipelineExecutor`, one array job per pipeline (tasks grouped `tasks_per_job` so at
   most `jobs` array tasks start a Python each), on `cluster.partition` (default: the cluster's
   default partition) with `cluster.time_limit`, running this interpreter's environment. Kiln polls
-  `squeue` until the array is gone, then reads the completion markers; an interrupted wait
-  cancels the job.
+  `squeue` (every tenth of the time waited so far) until the array is gone, then reads the
+  completion markers; an interrupted wait cancels the job.
 - ray: `RayPipelineExecutor` on the cluster at `RAY_ADDRESS`, or on a local one started once per
   process. A worker that dies while running its ranks is resubmitted by datatrove itself; a rank
   that raises is reported. (datatrove 0.10.1 waits forever for an actor that dies before its
@@ -56,10 +56,12 @@ Kind = Literal["local", "slurm", "ray"]
 KINDS: tuple[Kind, ...] = ("local", "slurm", "ray")
 STATS_FILE = "stats.json"  # every rank's stats merged, in logging_dir
 PLAN_FILE = "plan.json"  # beside the shards: what the ranks of a resumable run computed with
-# squeue polls start fast (a small job ends in seconds) and back off to be gentle with slurmctld.
-_POLL_FIRST_S = 0.2
+# squeue is polled every tenth of the time the job has taken so far, within these bounds: a small
+# job's end is seen within a fraction of a second, a long job's costs slurmctld one query a half-minute,
+# and the wait never adds more than a tenth to a job's time.
+_POLL_MIN_S = 0.2
 _POLL_MAX_S = 30.0
-_POLL_GROWTH = 1.5
+_POLL_FRACTION = 0.1
 _T = TypeVar("_T")
 
 
@@ -215,7 +217,7 @@ def _python_environment() -> dict[str, str]:
 
 def _wait_for_slurm_job(job_id: str) -> None:
     """Poll squeue until no task of array job `job_id` is pending or running; scancel it if interrupted."""
-    delay = _POLL_FIRST_S
+    started = time.monotonic()
     try:
         while True:
             done = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T"], capture_output=True, text=True,
@@ -226,8 +228,7 @@ def _wait_for_slurm_job(job_id: str) -> None:
                 raise ExecutorError(f"squeue -j {job_id} failed (exit {done.returncode}): {done.stderr.strip()}")
             if not done.stdout.strip():
                 return
-            time.sleep(delay)
-            delay = min(delay * _POLL_GROWTH, _POLL_MAX_S)
+            time.sleep(min(max(_POLL_FRACTION * (time.monotonic() - started), _POLL_MIN_S), _POLL_MAX_S))
     except BaseException:
         subprocess.run(["scancel", job_id], capture_output=True, check=False)
         raise
