@@ -12,9 +12,9 @@ From the finished trials (diverged and failed ones are listed, never used):
   whose top-k averaged optimum becomes the plan's mixture when it ranks held-out trials well.
 
 A fit that lacks the points it needs is *refused*: the plan says which and why, and what depends
-on it falls back to an observed best (never to a silently made-up number). `plan_run` (module
-`tasks.scaling.plan`) turns the laws into N, D, shape, steps, LR, batch and a predicted loss with
-its bootstrap prediction interval, for the validate run and the production run.
+on it falls back to an observed best (never to a silently made-up number). `tasks.scaling.plan`
+turns the laws into N, D, shape, steps, LR, batch and a predicted loss with its bootstrap
+prediction interval, for the validate run and the production run.
 """
 
 from __future__ import annotations

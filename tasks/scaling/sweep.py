@@ -507,10 +507,3 @@ def _result_from_json(row: dict) -> TrialResult:
 def load_trials(path: Path) -> list[TrialResult]:
     """Every trial in `trials.json`, failed ones included (see `succeeded`)."""
     return [_result_from_json(row) for row in json.loads(path.read_text())]
-
-
-def trial_compute(result: TrialResult) -> float:
-    """6·N·D of a trial, D the tokens the design gave it."""
-    return 6.0 * result.num_params * (result.tokens or result.tokens_seen)
-
-
