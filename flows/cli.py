@@ -27,7 +27,7 @@ DEFAULT_CONFIG = "configs/default.yaml"
 _EPILOG = """\
 examples:
   kiln run                                   the default tiny pipeline (configs/default.yaml) on CPU
-  kiln run configs/default.yaml train.run.steps=500 sweep.lrs=[1e-3,3e-3]
+  kiln run configs/default.yaml train.run.steps=500 sweep.batch_sizes=[8,16]
   kiln run --until tokenize                  only the data stages
   kiln stage train                           one stage (its inputs must be complete)
   kiln status                                which stages are complete for this config

@@ -40,7 +40,7 @@ HEARTBEAT_S = 30  # Prefect's minimum: the unresponsive-run detector then waits 
 UPSTREAM = ("collect", "clean", "dedup")
 RETRIED = ("decontaminate", "tokenize")
 FINAL = {"FAILED", "CRASHED", "COMPLETED", "CANCELLED"}
-SMALL_SWEEP = ["sweep.run.steps=4", "sweep.run.eval_batches=1", "sweep.lrs=[0.01]"]  # the browser run goes on to fit
+SMALL_SWEEP = ["sweep.run.steps=4", "sweep.run.eval_batches=1", "sweep.isoflop=[{flops: 2.0e8, widths: [4]}]"]  # the browser run goes on to fit
 
 
 def free_port() -> int:
