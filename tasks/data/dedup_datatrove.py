@@ -51,7 +51,7 @@ from datatrove.utils.text import TextNormConfig
 from tasks.accounting import DocCounts
 from tasks.data.dedup import DedupConfig, lsh_bands, quality_score, survivor_rank
 from tasks.data.documents import DOCUMENTS_FILE, REMOVED_FILE, ReasonLog, read_documents
-from tasks.data.executors import LOCAL, ExecutorSettings, keep_or_reset, run_pipeline
+from tasks.data.executors import LOCAL, PLAN_FILE, ExecutorSettings, keep_or_reset, run_pipeline
 from tasks.errors import ConfigError, InputError
 
 WORK_DIR = "datatrove"  # intermediates under out_dir; only its `logs/` (stats per stage) is kept
@@ -164,6 +164,7 @@ def dedup_with_datatrove(
             removed_by_domain[doc.domain] += 1
     for stage in ("input", "signatures", "buckets", "remove", "kept", "removed"):
         shutil.rmtree(work / stage, ignore_errors=True)
+    (work / PLAN_FILE).unlink()  # without its shards it resumes nothing
 
     bands, rows = lsh_bands(cfg)
     dup_clusters = sorted(clusters.items(), key=lambda item: (-len(item[1]), item[1][0]))
