@@ -21,20 +21,25 @@ what it did before. Without kubectl the manifest is written and the message says
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import re
 import shlex
-import signal
 import subprocess
-import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
-from tasks.errors import ConfigError, KilnError
-from tasks.launch.launchers import INFRA_DIR, Launcher, LaunchError, LaunchResult, record_failed_hosts, render_template
+from tasks.errors import ConfigError
+from tasks.launch.launchers import (
+    INFRA_DIR,
+    Launcher,
+    LaunchError,
+    LaunchResult,
+    Terminated,
+    record_failed_hosts,
+    render_template,
+    sigterm_raises,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -54,16 +59,6 @@ class KubernetesJobFailed(LaunchError):
         super().__init__(message, log=log)
         self.hosts = hosts
         self.job_id = job_id
-
-
-class LaunchCancelled(KilnError):
-    """SIGTERM arrived while waiting, the Job was deleted, and the previous handler let the process go on.
-
-    Not a LaunchError: a cancelled run must not be relaunched."""
-
-
-class _Terminated(BaseException):
-    """SIGTERM, raised in the main thread so that the wait unwinds and the Job is deleted."""
 
 
 class KubernetesLauncher(Launcher):
@@ -135,11 +130,11 @@ class KubernetesLauncher(Launcher):
         self.excluded = self._exclusions()  # what this launch keeps pods off, for the relaunch's record
         self._kubectl(kubectl, "delete", "job", self.job_name, *self._ns, "--ignore-not-found", "--cascade=background",
                       "--wait=true")
-        with _sigterm_raises():
+        with sigterm_raises("the Kubernetes Job (it was deleted)"):
             try:
                 self._kubectl(kubectl, "apply", "-f", str(path))
                 job, condition = self._wait(kubectl)
-            except (KeyboardInterrupt, _Terminated):
+            except (KeyboardInterrupt, Terminated):
                 self._kubectl(kubectl, "delete", "job", self.job_name, *self._ns, "--ignore-not-found",
                               "--wait=false", check=False)
                 logger.warning("interrupted: deleted Job %s/%s", self.cluster.namespace, self.job_name)
@@ -264,32 +259,3 @@ def _pod_end(pod: dict) -> str:
             terminated = container["state"]["terminated"]
             return f"{status.get('phase')}, exit code {terminated.get('exitCode')} ({terminated.get('reason', '')})"
     return f"{status.get('phase')}{', ' + status['reason'] if status.get('reason') else ''}"
-
-
-@contextlib.contextmanager
-def _sigterm_raises() -> Iterator[None]:
-    """While waiting, SIGTERM raises `_Terminated` (so the caller deletes the Job); then the signal goes
-    to the handler that was there before: the default one ends the process as SIGTERM would have.
-
-    Only in the main thread (where Python runs handlers) and only when SIGTERM was not ignored."""
-    previous = signal.getsignal(signal.SIGTERM)
-    if threading.current_thread() is not threading.main_thread() or previous in (signal.SIG_IGN, None):
-        yield
-        return
-
-    def handler(signum, frame):
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not cut the deletion short
-        raise _Terminated
-
-    signal.signal(signal.SIGTERM, handler)
-    try:
-        yield
-    except _Terminated:
-        signal.signal(signal.SIGTERM, previous)
-        if callable(previous):
-            previous(signal.SIGTERM, None)
-        else:
-            signal.raise_signal(signal.SIGTERM)  # SIG_DFL: the process ends here
-        raise LaunchCancelled("SIGTERM while waiting for the Kubernetes Job: it was deleted") from None
-    finally:
-        signal.signal(signal.SIGTERM, previous)

@@ -197,7 +197,8 @@ def test_failed_job_is_relaunched_off_the_node_that_failed(tmp_path: Path, monke
 CANCEL_SCRIPT = """
 import signal, sys
 from pathlib import Path
-from tasks.launch.kubernetes import KubernetesLauncher, LaunchCancelled
+from tasks.launch.kubernetes import KubernetesLauncher
+from tasks.launch.launchers import LaunchCancelled
 from tests.fixtures.kubectl.make_recordings import CLUSTER, COMMAND, LAUNCH
 
 signal.signal(signal.SIGINT, signal.default_int_handler)  # even where the test runner ignores SIGINT
@@ -240,7 +241,7 @@ def test_an_interrupted_wait_deletes_the_job(how: str, tmp_path: Path) -> None:
     else:
         assert proc.returncode == 3, stderr
         assert stdout.splitlines() == ["own handler ran",
-                                       "cancelled: SIGTERM while waiting for the Kubernetes Job: it was deleted"]
+                                       "cancelled: SIGTERM while waiting for the Kubernetes Job (it was deleted): it was cancelled"]
 
 
 def test_a_job_past_its_timeout_is_deleted(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
