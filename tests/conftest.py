@@ -6,25 +6,36 @@ import os
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
+from contextlib import contextmanager  # noqa: E402
+
 import pytest  # noqa: E402
 
 
-@pytest.fixture(scope="session")
-def slurm_cluster(tmp_path_factory):
-    """A real single-node Slurm cluster for the session; clients reach it through SLURM_CONF (set here).
+@contextmanager
+def running_slurm(folder, **kwargs):
+    """A real local Slurm cluster, its SLURM_CONF set for this process's clients and restored after.
 
     It fails (never skips) when Slurm is missing: `make setup` installs it."""
     from tasks.launch.local_slurm import LocalSlurmCluster
 
-    cluster = LocalSlurmCluster(tmp_path_factory.mktemp("slurm")).start()
+    cluster = LocalSlurmCluster(folder, **kwargs).start()
     previous = os.environ.get("SLURM_CONF")
     os.environ.update(cluster.env)
-    yield cluster
-    cluster.stop()
-    if previous is None:
-        os.environ.pop("SLURM_CONF", None)
-    else:
-        os.environ["SLURM_CONF"] = previous
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+        if previous is None:
+            os.environ.pop("SLURM_CONF", None)
+        else:
+            os.environ["SLURM_CONF"] = previous
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster(tmp_path_factory):
+    """A real single-node Slurm cluster for the session."""
+    with running_slurm(tmp_path_factory.mktemp("slurm")) as cluster:
+        yield cluster
 
 
 @pytest.fixture(scope="session")
