@@ -76,11 +76,14 @@ def test_a_failed_job_over_both_nodes_raises_with_its_state_and_streamed_log(slu
     # SIGKILL of the other node's step is recorded first
     assert (error.state, error.nodes) == ("FAILED", ["kiln-n1", "kiln-n2"]) and error.exit_code in ("1:0", "137:0")
     assert error.hosts == []  # which of two nodes failed is for the torchrun summary in the log to say
-    assert f"Slurm job {error.job_id} (kiln-train) on kiln-n1,kiln-n2 ended FAILED with exit code 1:0" in str(error)
+    assert (f"Slurm job {error.job_id} (kiln-train) on kiln-n1,kiln-n2 ended FAILED with exit code "
+            f"{error.exit_code}") in str(error)
     log = error.log.read_text()
     assert error.log == launcher.log_path(error.job_id) and "exitcode  : 3" in log  # the job's log, kept in out_dir
     lines = sorted(line for line in log.splitlines() if line.startswith("rank "))
-    assert lines == ["rank 0 on kiln-n1", "rank 1 on kiln-n2"]  # each rank on its own node
+    # each rank on its own node (torchrun's rendezvous decides which rank lands where)
+    assert sorted(line.split()[1] for line in lines) == ["0", "1"]
+    assert sorted(line.split()[-1] for line in lines) == ["kiln-n1", "kiln-n2"]
     streamed = [r.getMessage() for r in caplog.records if r.name == "kiln.launch.slurm"]
     assert {f"[job {error.job_id}] {line}" for line in lines} <= set(streamed)
     assert any("not excluding the failed hosts kiln-n1" in m for m in streamed)
