@@ -18,6 +18,8 @@ import re
 from collections import defaultdict
 from pathlib import Path
 
+from build_sample_corpus import truncate  # this folder is on sys.path when a script runs: cut as the corpus does
+
 NUM_DOCS, PER_PACKAGE = 40, 3
 MIN_CHARS, MAX_CHARS = 1_000, 5_000
 NGRAM = 13
@@ -31,16 +33,6 @@ DEFAULT_STDLIB = Path("/root/.pyenv/versions/3.11.7/lib/python3.11")
 def ngrams(text: str) -> set[int]:
     words = re.findall(r"\w+", text.lower())
     return {hash(tuple(words[i:i + NGRAM])) for i in range(len(words) - NGRAM + 1)}
-
-
-def truncate(text: str, limit: int) -> str:
-    """Cut at the last blank line before `limit` (or the last line break if none), as the corpus does."""
-    if len(text) <= limit:
-        return text
-    cut = text.rfind("\n\n", 0, limit)
-    if cut < limit // 2:
-        cut = text.rfind("\n", 0, limit)
-    return text[:cut].rstrip() + "\n"
 
 
 def training_texts(sample: Path) -> list[str]:
