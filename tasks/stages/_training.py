@@ -63,11 +63,10 @@ def run_training(ctx: StageContext, model_cfg: ModelConfig, optim: OptimConfig, 
     from tasks.train.data_loader import write_manifest
 
     manifest = write_manifest(mixture, ctx.out_dir / LAUNCHED_MIXTURE_FILE, ctx.store.root)
-    result = train_with_launcher(model_cfg, optim, run_cfg, dims, ctx.cfg.cluster, manifest, ctx.store.root,
-                                 ctx.out_dir, launcher="torchrun" if launcher == "local" else launcher,
-                                 init_model_dir=init_model_dir, on_metrics=ctx.recorder.metrics,
-                                 on_event=ctx.recorder.event)
-    return result
+    return train_with_launcher(model_cfg, optim, run_cfg, dims, ctx.cfg.cluster, manifest, ctx.store.root,
+                               ctx.out_dir, launcher="torchrun" if launcher == "local" else launcher,
+                               init_model_dir=init_model_dir, on_metrics=ctx.recorder.metrics,
+                               on_event=ctx.recorder.event)
 
 
 def train_stats(result: TrainResult, *, device: str, world_size: int = 1, **extra: Any) -> dict[str, Any]:
