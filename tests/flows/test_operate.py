@@ -31,6 +31,7 @@ from mlflow.tracking import MlflowClient
 
 from flows.cli import main
 from flows.servers import servers_dir
+from tasks.scaling.plots import LAW_PLOT
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
@@ -361,7 +362,7 @@ def test_retry_button_in_the_prefect_ui_then_the_run_in_the_mlflow_ui(ops, in_re
             page.screenshot(path=ARTIFACTS / "mlflow-pipeline-run.png")
             page.get_by_role("link", name="fit", exact=True).click()
             page.get_by_role("tab", name="Artifacts").click()
-            page.get_by_text("scaling.png", exact=True).click()
+            page.get_by_text(LAW_PLOT, exact=True).click()  # the fit stage's loss-law plot
             # the preview is an <img> of the fetched bytes (a blob: URL): a loaded image as wide as a plot
             page.wait_for_function("() => [...document.images].some(i => i.complete && i.naturalWidth >= 400)")
             page.screenshot(path=ARTIFACTS / "mlflow-fit-plot.png")
