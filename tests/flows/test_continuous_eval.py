@@ -60,7 +60,7 @@ def test_checkpoints_are_scored_in_mlflow_at_their_steps_once(prefect_api, in_re
     [regression] = second["regressions"]
     assert (regression["task"], regression["step"], regression["best"], regression["best_step"]) == ("kiln_heldout", 20, 0.5, 10)
     assert regression["current"] > 0.5 + regression["tolerance"] and regression["tolerance"] == 0.05
-    event = _wait_for_event("kiln.eval.regression")  # emitted to the Prefect API, for the alert automation
+    event = _wait_for_event("kiln.eval.regression", regression["current"])  # emitted to the Prefect API, for the alert automation
     assert event.resource.id == "kiln.eval.tiny"
     assert {k: event.payload[k] for k in ("task", "step", "best", "tolerance")} == {
         "task": "kiln_heldout", "step": 20, "best": 0.5, "tolerance": 0.05}
@@ -99,15 +99,18 @@ def test_checkpoints_are_scored_in_mlflow_at_their_steps_once(prefect_api, in_re
     assert annealed["anneal"]["mlflow_run_id"] != second["mlflow_run_id"]
 
 
-def _wait_for_event(name: str, timeout_s: float = 30.0):
-    """The newest event called `name` once the Prefect API has stored it (events are written asynchronously)."""
+def _wait_for_event(name: str, current: float, timeout_s: float = 30.0):
+    """The newest event called `name` whose payload's `current` is this run's, once the Prefect API has
+    stored it (events are written asynchronously; earlier tests' pipeline runs share the API and emit
+    their own regressions)."""
     from prefect.client.orchestration import get_client
     from prefect.events.filters import EventFilter, EventNameFilter
 
     deadline = time.monotonic() + timeout_s
     with get_client(sync_client=True) as client:
         while True:
-            events = client.read_events(EventFilter(event=EventNameFilter(name=[name])), limit=10).events
+            events = client.read_events(EventFilter(event=EventNameFilter(name=[name])), limit=50).events
+            events = [e for e in events if e.payload.get("current") == current]
             if events or time.monotonic() > deadline:
                 assert events, f"no {name} event reached the Prefect API in {timeout_s}s"
                 return events[0]
