@@ -1,11 +1,13 @@
 """Anneal: the end of pretraining — decay the learning rate to zero on higher-quality data.
 
-Continues from the production model's weights with a linear decay from a fraction of the
-planned learning rate down to exactly zero, on a mixture shifted toward the domains the
-team trusts most (prose by default).
+Continues from the production model's weights (or any kept train checkpoint, WSD style) with a
+linear or 1-sqrt decay from a fraction of the planned learning rate down to exactly zero, on a
+mixture shifted toward the domains the team trusts most (prose by default).
 """
 
 from __future__ import annotations
+
+from typing import Literal
 
 from pydantic import Field
 
@@ -16,6 +18,8 @@ from tasks.train.config import OptimConfig, TrainRunConfig
 class AnnealConfig(Section):
     steps: int = Field(60, gt=0)
     lr_fraction: float = Field(0.5, gt=0, le=1, description="starting LR as a fraction of the production LR")
+    schedule: Literal["linear", "1-sqrt"] = Field(
+        "linear", description="decay to exactly 0: linear, or 1-sqrt (lr0 * (1 - sqrt(t/T)), lower sooner)")
     mixture: dict[str, float] = Field(
         default_factory=lambda: {"prose": 0.5, "web": 0.2, "code": 0.15, "multilingual": 0.15},
         description="domain weights during annealing (normalised)",
@@ -29,7 +33,7 @@ class AnnealConfig(Section):
 def anneal_settings(cfg: AnnealConfig, optim: OptimConfig, run: TrainRunConfig, lr: float) -> tuple[OptimConfig, TrainRunConfig]:
     """The optimizer and run budget of the anneal phase, derived from the production run's."""
     anneal_optim = optim.model_copy(update={
-        "lr": lr * cfg.lr_fraction, "schedule": "linear", "warmup_steps": 0, "min_lr_ratio": 0.0,
+        "lr": lr * cfg.lr_fraction, "schedule": cfg.schedule, "warmup_steps": 0, "min_lr_ratio": 0.0,
     })
     anneal_run = run.model_copy(update={"steps": cfg.steps, "seed": run.seed + 1, **anneal_checkpointing(cfg, run)})
     return anneal_optim, anneal_run

@@ -71,7 +71,7 @@ class OptimConfig(Section):
     beta2: float = Field(0.95, ge=0, lt=1)
     eps: float = Field(1e-8, gt=0)
     grad_clip: float = Field(1.0, ge=0)  # 0 disables clipping (the norm is still reported)
-    schedule: Literal["cosine", "wsd", "linear", "constant"] = "cosine"
+    schedule: Literal["cosine", "wsd", "linear", "1-sqrt", "constant"] = "cosine"
     warmup_steps: int = Field(10, ge=0)
     min_lr_ratio: float = Field(0.1, ge=0, le=1)
     decay_fraction: float = Field(0.2, ge=0, le=1)  # wsd: last fraction of steps decays to min_lr

@@ -1,8 +1,10 @@
-"""Learning-rate schedules: linear warmup, then cosine / warmup-stable-decay / linear / constant.
+"""Learning-rate schedules: linear warmup, then cosine / warmup-stable-decay / linear / 1-sqrt / constant.
 
 Steps are 0-indexed optimizer updates in `[0, total_steps)`. Every decaying schedule reaches
-`min_lr_ratio * lr` exactly at the last step, so `linear` with `min_lr_ratio=0` ends at 0.0
-(what annealing needs).
+`min_lr_ratio * lr` exactly at the last step, so `linear` or `1-sqrt` with `min_lr_ratio=0` ends
+at 0.0 (what annealing needs). `1-sqrt` (Hägele et al. 2024, "Scaling Laws and Compute-Optimal
+Training Beyond Fixed Training Durations") decays as 1 - sqrt(t / T): it leaves the LR lower
+sooner than linear, which matched cosine's final loss in their WSD cooldowns.
 """
 
 from __future__ import annotations
@@ -36,6 +38,9 @@ def lr_at(step: int, cfg: OptimConfig, total_steps: int) -> float:
     if cfg.schedule == "linear":
         p = _progress(step, cfg.warmup_steps, last)
         return peak - (peak - floor) * p
+    if cfg.schedule == "1-sqrt":
+        p = _progress(step, cfg.warmup_steps, last)
+        return floor + (peak - floor) * (1.0 - math.sqrt(p))
     # wsd: hold the peak, then decay linearly over the last decay_fraction of the run
     decay_steps = round(cfg.decay_fraction * total_steps)
     if decay_steps == 0:
