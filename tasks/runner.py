@@ -52,6 +52,12 @@ class StageRecorder:
                  on_event: Callable[[str, dict[str, Any]], None] | None = None) -> None:
         self.tracker, self.run_id, self.stage, self.key = tracker, run_id, stage, key
         self._on_event = on_event
+        self.forecast: dict[str, Any] | None = None
+
+    def record_forecast(self, forecast: dict[str, Any]) -> None:
+        """The planner's forecast of this stage's cost (`tasks.train.planner.forecast_record`): the
+        runner records it beside the measured cost, in stats, manifest and MLflow."""
+        self.forecast = forecast
 
     def metrics(self, step: int, metrics: dict[str, float]) -> None:
         self.tracker.log_metrics(self.run_id, metrics, step)
@@ -82,6 +88,25 @@ def _numeric(stats: dict[str, Any], prefix: str = "") -> dict[str, float]:
         elif isinstance(value, (int, float)) and not isinstance(value, bool):
             flat[f"{prefix}{key}"] = value
     return flat
+
+
+def priced_forecast(forecast: dict[str, Any] | None, accelerator_s: float) -> dict[str, float]:
+    """The forecast's accelerator-seconds beside the measured ones (none when there is no forecast),
+    and actual / forecast when the stage held accelerators."""
+    if not forecast or "accelerator_s" not in forecast:
+        return {}
+    priced = {"forecast_accelerator_s": forecast["accelerator_s"]}
+    if accelerator_s > 0 and forecast["accelerator_s"] > 0:
+        priced["forecast_ratio"] = accelerator_s / forecast["accelerator_s"]
+    return priced
+
+
+def cost_headline(cost: dict[str, float]) -> dict[str, float]:
+    """Device-hours spent and forecast, for a stage the planner forecast (3 significant digits)."""
+    if "forecast_accelerator_s" not in cost:
+        return {}
+    return {"device_h": float(f"{cost['accelerator_s'] / 3600:.3g}"),
+            "forecast_device_h": float(f"{cost['forecast_accelerator_s'] / 3600:.3g}")}
 
 
 def _params(stage: Stage, cfg: KilnConfig) -> dict[str, Any]:
@@ -158,8 +183,9 @@ def _execute(stage: Stage, cfg: KilnConfig, store: Store, tracker: Tracker, regi
         tracker.log_input(run_id, name, keys[name], path)
     out_dir = store.begin(stage.name, key, resumable=stage.resumable)
     started, (cpu_before, _) = time.perf_counter(), _usage()
+    recorder = StageRecorder(tracker, run_id, stage.name, key, on_event)
     try:
-        stats = stage.body(StageContext(cfg, out_dir, inputs, store, StageRecorder(tracker, run_id, stage.name, key, on_event)))
+        stats = stage.body(StageContext(cfg, out_dir, inputs, store, recorder))
     except BaseException as error:
         tracker.set_tags(run_id, {"kiln.status": "failed", "kiln.error": str(error)[:5000]})
         tracker.end_run(run_id, failed=True)
@@ -168,10 +194,13 @@ def _execute(stage: Stage, cfg: KilnConfig, store: Store, tracker: Tracker, regi
         raise
     wall_s = time.perf_counter() - started
     cpu_after, peak_rss_mb = _usage()
-    stats = {"headline": stage.headline(stats), **stats}
     # accelerator-seconds: devices held (a training stage's num_accelerators; 0 on CPU) x wall time
     cost = {"wall_s": wall_s, "cpu_s": cpu_after - cpu_before, "peak_rss_mb": peak_rss_mb,
             "accelerator_s": stats.get("num_accelerators", 0) * wall_s}
+    if recorder.forecast is not None:
+        stats = {**stats, "forecast": recorder.forecast}
+        cost.update(priced_forecast(recorder.forecast, cost["accelerator_s"]))
+    stats = {"headline": {**stage.headline(stats), **cost_headline(cost)}, **stats}
     manifest = {
         "stage": stage.name, "key": key, "format_version": stage.version,
         "inputs": {i: keys[i] for i in stage.inputs}, "identity": stage_identity(stage.name, cfg, registry),

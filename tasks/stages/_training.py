@@ -51,7 +51,12 @@ def run_training(ctx: StageContext, model_cfg: ModelConfig, optim: OptimConfig, 
                  mixture: Mixture, *, init_model_dir: Path | None = None) -> TrainResult:
     """Train into the stage's folder: in this process when the layout is one process and
     `cluster.launcher` is `local`, else through the launcher. Layout and launcher are runtime: a run
-    stopped under one resumes under another, from its DCP checkpoints, with the same global batches."""
+    stopped under one resumes under another, from its DCP checkpoints, with the same global batches.
+    The planner's forecast of the run on `cluster` goes to the recorder, to be set beside its cost."""
+    from tasks.train.planner import forecast_record
+
+    ctx.recorder.record_forecast(forecast_record(model_cfg, mixture.vocab_size, run_cfg, ctx.cfg.train.parallel,
+                                                 ctx.cfg.cluster))
     dims, run_cfg = training_layout(ctx, model_cfg, run_cfg, mixture.vocab_size)
     launcher = ctx.cfg.cluster.launcher
     if dims.world_size == 1 and launcher == "local":

@@ -622,3 +622,61 @@ def resolve_parallel(parallel: ParallelDims | Literal["auto"], model: ModelConfi
     dims = ParallelDims(pp=lo.pp, dp=lo.dp, cp=lo.cp, tp=lo.tp)
     return dims, run.model_copy(update={"grad_accum": best.num_microbatches,
                                         "activation_checkpointing": lo.checkpointing != "none"})
+
+
+# ----------------------------------------------------------------------------------------------
+# Forecast
+
+
+@dataclass(frozen=True)
+class TrainingForecast:
+    """What the step-time model expects a training run to cost on `accelerator`: step time x steps,
+    on every device of the layout (the planner's figure, set beside the measured cost)."""
+
+    accelerator: str
+    layout: CandidateLayout
+    step_s: float
+    steps: int
+
+    @property
+    def wall_s(self) -> float:
+        return self.step_s * self.steps
+
+    @property
+    def accelerator_s(self) -> float:
+        return self.wall_s * self.layout.world_size
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"accelerator": self.accelerator, "layout": self.layout.describe(), "devices": self.layout.world_size,
+                "step_s": self.step_s, "steps": self.steps, "wall_s": self.wall_s,
+                "accelerator_s": self.accelerator_s, "device_hours": self.accelerator_s / 3600}
+
+
+def forecast_training(model: ModelConfig, vocab_size: int, run: TrainRunConfig,
+                      parallel: ParallelDims | Literal["auto"], cluster: ClusterSpec) -> TrainingForecast:
+    """The planner's forecast of `run` on `cluster`'s accelerators (bf16-mixed): the layout it runs
+    there (`parallel`, or the planner's choice for `auto`, as `kiln plan CONFIG` shows), its
+    micro-batch and recompute, priced by `estimate_step_time`. A ConfigError when the cluster
+    describes no accelerators or the layout cannot hold the batch."""
+    if cluster.gpus_per_node < 1:
+        raise ConfigError("cluster.gpus_per_node is 0: the forecast prices accelerator time; describe the GPUs "
+                          "(a configs/clusters/*.yaml preset) to get one")
+    dims, run = resolve_parallel(parallel, model, run.model_copy(update={"device": "cuda"}), vocab_size, cluster)
+    try:
+        dims.check_holds_batch(run)
+    except ValueError as error:
+        raise ConfigError(f"train.parallel={dims.model_dump(exclude_defaults=True)}: {error}") from None
+    layout = CandidateLayout(dims.dp, dims.tp, dims.pp, dims.cp, run.batch_size // (dims.dp * run.grad_accum),
+                             "full" if run.activation_checkpointing else "none")  # the trainer recomputes whole blocks
+    step = estimate_step_time(model, vocab_size, run.seq_len, run.batch_size, layout, cluster)
+    return TrainingForecast(cluster.accelerator, layout, step.total, run.steps)
+
+
+def forecast_record(model: ModelConfig, vocab_size: int, run: TrainRunConfig,
+                    parallel: ParallelDims | Literal["auto"], cluster: ClusterSpec) -> dict[str, Any]:
+    """`forecast_training` as a training stage records it: the forecast, or why there is none (a
+    training run on CPUs still trains; it just has no accelerator time to forecast)."""
+    try:
+        return forecast_training(model, vocab_size, run, parallel, cluster).to_dict()
+    except ConfigError as error:
+        return {"skipped": str(error)}

@@ -15,12 +15,14 @@ from torch.utils.checkpoint import checkpoint
 from tasks.errors import ConfigError
 from tasks.launch.cluster import ClusterSpec
 from tasks.train.config import ModelConfig, ParallelDims, TrainRunConfig
-from tasks.train.model import build_model, count_parameters
+from tasks.train.model import build_model, count_parameters, flops_per_token
 from tasks.train.planner import (
     CandidateLayout,
     activation_bytes_per_layer,
     estimate_memory,
     estimate_step_time,
+    forecast_record,
+    forecast_training,
     gathered_param_bytes,
     head_activation_bytes,
     legal_layouts,
@@ -286,3 +288,47 @@ def test_auto_on_cpus_is_one_data_parallel_process_per_node_and_a_given_layout_i
     assert resolve_parallel("auto", ModelConfig(), run, 512, ClusterSpec(nodes=2)) == (ParallelDims(dp=2), run)
     given = ParallelDims(dp=2, tp=1)
     assert resolve_parallel(given, ModelConfig(), run, 512, ClusterSpec()) == (given, run)
+
+
+# ---- forecast of a training run -----------------------------------------------------------------
+
+
+def test_forecast_of_tiny_train_on_one_h100_is_step_time_times_steps() -> None:
+    """configs/tiny.yaml's train run on one H100: one device, no communication, so the step is its
+    FLOPs at 40% of 989 TFLOP/s."""
+    model = ModelConfig(d_model=64, n_layers=2, n_heads=4, max_seq_len=64)
+    run = TrainRunConfig(steps=40, batch_size=8, seq_len=64)
+    forecast = forecast_training(model, 512, run, ParallelDims(), ClusterSpec(gpus_per_node=1))
+    assert flops_per_token(model, 512, 64) == 935_808
+    step_s = 935_808 * 8 * 64 / (989e12 * 0.4)
+    assert forecast.to_dict() == {
+        "accelerator": "H100-SXM-80GB", "layout": "dp=1 tp=1 pp=1 cp=1 micro-batch=8 checkpointing=none",
+        "devices": 1, "step_s": step_s, "steps": 40, "wall_s": step_s * 40, "accelerator_s": step_s * 40,
+        "device_hours": step_s * 40 / 3600}
+
+
+def test_forecast_of_auto_is_the_planners_choice_on_every_device() -> None:
+    run = TrainRunConfig(steps=1000, batch_size=1024, seq_len=4096)  # on CPU here: the forecast is for the GPUs
+    forecast = forecast_training(preset("7b"), 32000, run, "auto", H100)
+    best = plan_parallelism(preset("7b"), 32000, 4096, H100, global_batch_seqs=1024).require_best()
+    assert forecast.layout == best.layout and forecast.step_s == best.time.total  # what `kiln plan CONFIG` shows
+    assert forecast.accelerator_s == best.time.total * 1000 * 8
+    assert forecast.to_dict()["device_hours"] == pytest.approx(135.7297, abs=1e-4)
+
+
+def test_forecast_of_a_given_layout_prices_its_micro_batch_and_recompute() -> None:
+    run = TrainRunConfig(steps=10, batch_size=256, seq_len=4096, grad_accum=4, activation_checkpointing=True)
+    forecast = forecast_training(preset("7b"), 32000, run, ParallelDims(dp=8), H100)
+    layout = CandidateLayout(8, 1, 1, 1, 8, "full")  # 256 / (8 ranks x 4 micro-batches)
+    step = estimate_step_time(preset("7b"), 32000, 4096, 256, layout, H100)
+    assert forecast.layout == layout and forecast.step_s == step.total
+    assert step.recompute == pytest.approx(step.compute / 3, rel=0.01)
+
+
+def test_no_forecast_without_accelerators_or_for_a_layout_that_cannot_hold_the_batch() -> None:
+    model, run = ModelConfig(d_model=64, n_layers=2, n_heads=4, max_seq_len=64), TrainRunConfig(batch_size=8, seq_len=64)
+    assert forecast_record(model, 512, run, ParallelDims(), ClusterSpec()) == {
+        "skipped": "cluster.gpus_per_node is 0: the forecast prices accelerator time; describe the GPUs "
+                   "(a configs/clusters/*.yaml preset) to get one"}
+    skipped = forecast_record(model, 512, run, ParallelDims(dp=3), ClusterSpec(gpus_per_node=8))["skipped"]
+    assert skipped.startswith("train.parallel={'dp': 3}: train.run.batch_size=8 (the global batch")
