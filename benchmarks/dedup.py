@@ -1,50 +1,171 @@
-"""Fuzzy dedup throughput and accuracy: Kiln's fast path against datasketch and datatrove, same corpus.
+"""Dedup throughput and accuracy: Kiln's dedup stage and signatures against datasketch, same corpus, one core.
 
-The corpus is `tests/fixtures/dedup_corpus.py` (bundled man pages and Python sources, exact
-copies, and edited copies of exactly known Jaccard similarity), written once as JSON lines. Each
-method reads that file, finds duplicates on one core and is scored on the known pairs:
+The corpus is built here from the whole bundled sample (`data/sample`): man pages (prose), Python
+sources (code), translated man pages in 25 languages, Chinese and Japanese among them
+(multilingual), and the HTML manuals' main text (web). Every base document gets an exact copy
+that differs only in case and whitespace and edited copies (a share of its words replaced or
+deleted at seeded positions), so the corpus is several times the sample's size and holds known
+near duplicates; the bases' own duplicates (man pages that share most of their text) count too.
 
-- fast:       read, normalise, `tasks.data.minhash` signatures (1000 documents a batch), banding,
+Truth: every pair with true Jaccard >= 0.8 on the stage's own shingles. Candidates are the injected
+pairs, every pair any method put in one cluster, and every pair a low-threshold LSH (0.5, which
+misses a pair at 0.8 with probability < 1e-6) proposes; each is scored on its exact shingle sets.
+Recall is the share of true pairs a method puts in one cluster; precision the share of the pairs
+it puts in one cluster (all pairs within each cluster) that are true pairs.
+
+- stage:      `dedup_documents`, the whole stage as it runs in the pipeline on one worker: reading
+              `documents.jsonl`, exact and fuzzy passes, writing kept and removed documents, the
+              index, the removal report, the cluster plot.
+- signatures: read, normalise, `tasks.data.minhash` signatures (1000 documents a batch), banding,
               verification of candidates, union-find clusters: the same scope as datasketch below.
-- fast_stage: `dedup_documents`, the whole stage (adds the exact pass, and writes the outputs, the
-              index and the plot), 1 worker.
-- datasketch: the same normalisation and shingles, then `MinHash(num_perm, seed).update_batch`
-              per document (default SHA-1 hashing) and `MinHashLSH(threshold, num_perm)` insert
-              and query, every candidate a duplicate, union-find clusters.
-- datatrove:  `tasks.data.dedup_datatrove.dedup_with_datatrove` (the four-stage local MinHash
-              pipeline) with one task.
+- datasketch: read, the same normalisation and shingles, then `MinHash(num_perm, seed).update_batch`
+              per document and `MinHashLSH(threshold, num_perm, weights)` query and insert, every
+              candidate a duplicate, union-find clusters: datasketch as its documentation uses it.
+- datatrove (`--datatrove`): `dedup_with_datatrove`, the four-stage local MinHash pipeline, one task.
 
-Prints medians over `--repeats` runs and the ratios; last line
-`RESULT dedup_speedup_vs_datasketch <datasketch seconds / fast seconds>`.
+Prints medians over `--repeats` runs, documents/s, both ratios (whole stage and signatures against
+datasketch) and the accuracy of each; last line
+`RESULT dedup_stage_speedup <datasketch seconds / whole-stage seconds>`.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import tempfile
 import time
 from collections.abc import Callable
+from functools import lru_cache
+from itertools import combinations
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))  # run as a script: the corpus builder lives under tests/
+sys.path.insert(0, str(REPO))  # run as a script: the cluster reader lives under tests/
 
 import numpy as np  # noqa: E402
 from datasketch import MinHash, MinHashLSH  # noqa: E402
 
 from tasks.data import minhash  # noqa: E402
 from tasks.data.dedup import DedupConfig, dedup_documents, normalize, shingles  # noqa: E402
-from tasks.data.documents import read_documents, write_documents  # noqa: E402
-from tests.fixtures.dedup_corpus import Score, build_corpus, clusters_from_output, score  # noqa: E402
+from tasks.data.documents import Document, read_documents, write_documents  # noqa: E402
+from tasks.data.html_text import extract_html  # noqa: E402
+from tests.fixtures.dedup_corpus import clusters_from_output  # noqa: E402
 
+SAMPLE = REPO / "data" / "sample"
+# Shares of a base's words edited, one copy each: true Jaccard about 0.95, 0.86 and 0.5 on 5-word
+# shingles, clear of the 0.7-0.8 band where the configured threshold and the scored one disagree.
+EDIT_FRACTIONS = (0.005, 0.015, 0.06)
+TRUE_JACCARD = 0.8
+MIN_WORDS = 30
 Method = Callable[[DedupConfig, Path, Path], dict[str, str]]
 
 
-def run_fast(cfg: DedupConfig, input_file: Path, out_dir: Path) -> dict[str, str]:
-    ids, sigs = [], []
-    batch: list[str] = []
+def bundled_bases() -> list[Document]:
+    """Every text of the bundled sample as one document, the four domains interleaved."""
+    prose = [Document(f"prose/{p.relative_to(SAMPLE / 'prose')}", p.read_text(encoding="utf-8"), "man", "prose", "GPL")
+             for p in sorted((SAMPLE / "prose").rglob("*.txt"))]
+
+    def jsonl(path: Path, domain: str) -> list[Document]:
+        rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+        return [Document(f"{domain}/{r['id']}", r["text"], r["source"], domain, r["licence"]) for r in rows]
+
+    web = [Document(f"web/{p.relative_to(SAMPLE / 'web')}", extract_html(p.read_text(encoding="utf-8"))[0],
+                    p.parent.name, "web", "GPL") for p in sorted((SAMPLE / "web").rglob("*.html"))]
+    domains = [prose, jsonl(SAMPLE / "code" / "code.jsonl", "code"),
+               jsonl(SAMPLE / "multilingual" / "multilingual.jsonl", "multilingual"), web]
+    usable = [[d for d in docs if len(d.text.split()) >= MIN_WORDS] for docs in domains]
+    longest = max(map(len, usable))
+    return [docs[i] for i in range(longest) for docs in usable if i < len(docs)]
+
+
+def build_corpus(seed: int = 0) -> tuple[list[Document], list[tuple[str, str]]]:
+    """The bases, their exact and edited copies (shuffled), and the injected (base, copy) pairs.
+    Prose and web documents carry a quality score, as the clean stage leaves them."""
+    rng = np.random.default_rng(seed)
+    bases = bundled_bases()
+    vocabulary = sorted({w for d in bases for w in d.text.split()})
+    docs: list[Document] = []
+    pairs: list[tuple[str, str]] = []
+    for base in bases:
+        family = [base, Document(f"{base.id}#exact", base.text.upper().replace("\n", "\n\n  "), base.source,
+                                 base.domain, base.licence)]
+        words = base.text.split()
+        for fraction in EDIT_FRACTIONS:
+            edited: list[str | None] = list(words)
+            for pos in rng.choice(len(words), size=max(1, round(fraction * len(words))), replace=False):
+                edited[pos] = None if rng.random() < 0.5 else vocabulary[rng.integers(len(vocabulary))]
+            family.append(Document(f"{base.id}#edit{fraction}", " ".join(w for w in edited if w is not None),
+                                   base.source, base.domain, base.licence))
+        for doc in family:
+            if doc.domain in ("prose", "web"):
+                doc.metadata["quality_score"] = round(float(rng.random()), 4)
+        docs += family
+        pairs += [(base.id, copy.id) for copy in family[1:]]
+    return [docs[k] for k in rng.permutation(len(docs))], pairs
+
+
+class Truth:
+    """Exact Jaccard similarity of document pairs on the stage's shingles."""
+
+    def __init__(self, docs: list[Document], cfg: DedupConfig):
+        self.texts = {d.id: d.text for d in docs}
+        self.cfg = cfg
+        self.similarity: dict[tuple[str, str], float] = {}
+
+    @lru_cache(maxsize=4096)  # noqa: B019 — one Truth per run; the cache is the point
+    def _set(self, doc_id: str) -> frozenset[bytes]:
+        return frozenset(shingles(normalize(self.texts[doc_id], self.cfg), self.cfg.shingle_size))
+
+    def add(self, pairs: list[tuple[str, str]]) -> None:
+        for a, b in pairs:
+            key = (a, b) if a < b else (b, a)
+            if key not in self.similarity:
+                x, y = self._set(a), self._set(b)
+                self.similarity[key] = len(x & y) / len(x | y) if x | y else 1.0
+
+    def positives(self) -> set[tuple[str, str]]:
+        return {pair for pair, jaccard in self.similarity.items() if jaccard >= TRUE_JACCARD}
+
+
+def lsh_candidates(docs: list[Document], cfg: DedupConfig, threshold: float) -> list[tuple[str, str]]:
+    texts = [normalize(d.text, cfg) for d in docs]
+    sigs = np.concatenate([minhash.signatures(texts[lo : lo + 1000], cfg.shingle_size, cfg.num_perm, cfg.seed,
+                                              joined=True) for lo in range(0, len(texts), 1000)])
+    pairs = minhash.candidate_pairs(minhash.band_keys(sigs, *minhash.lsh_params(threshold, cfg.num_perm)))
+    return [(docs[a].id, docs[b].id) for a, b in pairs.tolist()]
+
+
+def clustered_pairs(cluster_of: dict[str, str]) -> set[tuple[str, str]]:
+    members: dict[str, list[str]] = {}
+    for doc_id, root in cluster_of.items():
+        members.setdefault(root, []).append(doc_id)
+    return {(a, b) if a < b else (b, a) for group in members.values() for a, b in combinations(group, 2)}
+
+
+def run_stage(cfg: DedupConfig, input_file: Path, out_dir: Path) -> dict[str, str]:
+    dedup_documents(cfg, input_file, out_dir)
+    return clusters_from_output(out_dir)
+
+
+def _union_find(ids: list[str], pairs: list[tuple[str, str]]) -> dict[str, str]:
+    parent = {doc_id: doc_id for doc_id in ids}
+
+    def find(x: str) -> str:
+        while parent[x] != x:
+            parent[x] = parent[parent[x]]
+            x = parent[x]
+        return x
+
+    for a, b in pairs:
+        ra, rb = find(a), find(b)
+        parent[max(ra, rb)] = min(ra, rb)
+    return {doc_id: find(doc_id) for doc_id in ids}
+
+
+def run_signatures(cfg: DedupConfig, input_file: Path, out_dir: Path) -> dict[str, str]:
+    ids, sigs, batch = [], [], []
     for doc in read_documents(input_file):
         ids.append(doc.id)
         batch.append(normalize(doc.text, cfg))
@@ -56,45 +177,19 @@ def run_fast(cfg: DedupConfig, input_file: Path, out_dir: Path) -> dict[str, str
     bands, rows = minhash.lsh_params(cfg.threshold, cfg.num_perm, cfg.fp_weight, cfg.fn_weight)
     pairs = minhash.candidate_pairs(minhash.band_keys(signatures, bands, rows))
     pairs = pairs[minhash.estimated_jaccard(signatures[pairs[:, 0]], signatures[pairs[:, 1]]) >= cfg.threshold]
-    parent = list(range(len(ids)))
-
-    def find(x: int) -> int:
-        while parent[x] != x:
-            parent[x] = parent[parent[x]]
-            x = parent[x]
-        return x
-
-    for a, b in pairs.tolist():
-        ra, rb = find(a), find(b)
-        parent[max(ra, rb)] = min(ra, rb)
-    return {doc_id: ids[find(i)] for i, doc_id in enumerate(ids)}
-
-
-def run_fast_stage(cfg: DedupConfig, input_file: Path, out_dir: Path) -> dict[str, str]:
-    dedup_documents(cfg, input_file, out_dir)
-    return clusters_from_output(out_dir)
+    return _union_find(ids, [(ids[a], ids[b]) for a, b in pairs.tolist()])
 
 
 def run_datasketch(cfg: DedupConfig, input_file: Path, out_dir: Path) -> dict[str, str]:
     lsh = MinHashLSH(threshold=cfg.threshold, num_perm=cfg.num_perm, weights=(cfg.fp_weight, cfg.fn_weight))
-    parent: dict[str, str] = {}
-
-    def find(x: str) -> str:
-        while parent[x] != x:
-            parent[x] = parent[parent[x]]
-            x = parent[x]
-        return x
-
+    ids, pairs = [], []
     for doc in read_documents(input_file):
         sketch = MinHash(num_perm=cfg.num_perm, seed=cfg.seed)
         sketch.update_batch(shingles(normalize(doc.text, cfg), cfg.shingle_size))
-        parent[doc.id] = doc.id
-        for other in lsh.query(sketch):
-            a, b = find(other), find(doc.id)
-            if a != b:
-                parent[max(a, b)] = min(a, b)
+        pairs += [(other, doc.id) for other in lsh.query(sketch)]
         lsh.insert(doc.id, sketch)
-    return {doc_id: find(doc_id) for doc_id in parent}
+        ids.append(doc.id)
+    return _union_find(ids, pairs)
 
 
 def run_datatrove(cfg: DedupConfig, input_file: Path, out_dir: Path) -> dict[str, str]:
@@ -103,24 +198,11 @@ def run_datatrove(cfg: DedupConfig, input_file: Path, out_dir: Path) -> dict[str
     from tasks.data.dedup_datatrove import dedup_with_datatrove
 
     logger.remove()  # datatrove logs every stage's stats; the table below is the report
-
     dedup_with_datatrove(cfg, input_file, out_dir, tasks=1)
     return clusters_from_output(out_dir)
 
 
-def signature_seconds(cfg: DedupConfig, texts: list[str]) -> tuple[float, float]:
-    """Seconds for the signatures alone of normalised texts: (fast path, datasketch per document)."""
-    started = time.perf_counter()
-    for lo in range(0, len(texts), 1000):
-        minhash.signatures(texts[lo : lo + 1000], cfg.shingle_size, cfg.num_perm, cfg.seed, joined=True)
-    fast = time.perf_counter() - started
-    started = time.perf_counter()
-    for text in texts:
-        MinHash(num_perm=cfg.num_perm, seed=cfg.seed).update_batch(shingles(text, cfg.shingle_size))
-    return fast, time.perf_counter() - started
-
-
-def measure(method: Method, cfg: DedupConfig, input_file: Path, work: Path, repeats: int) -> tuple[float, Score]:
+def measure(method: Method, cfg: DedupConfig, input_file: Path, work: Path, repeats: int) -> tuple[float, dict[str, str]]:
     times, result = [], None
     for repeat in range(repeats):
         out = work / f"{method.__name__}-{repeat}"
@@ -134,43 +216,59 @@ def measure(method: Method, cfg: DedupConfig, input_file: Path, work: Path, repe
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--bases", type=int, default=450, help="real documents to copy and edit (8 docs each)")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--skip-datatrove", action="store_true")
+    parser.add_argument("--datatrove", action="store_true", help="also time datatrove's MinHash pipeline")
     args = parser.parse_args()
 
     cfg = DedupConfig()
-    corpus = build_corpus(args.bases, seed=0, cfg=cfg)
-    num_docs = len(corpus.docs)
+    docs, injected = build_corpus()
+    num_docs = len(docs)
+    methods: list[Method] = [run_stage, run_signatures, run_datasketch] + ([run_datatrove] if args.datatrove else [])
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         input_file = work / "corpus.jsonl"
-        write_documents(input_file, corpus.docs)
-        num_chars = sum(len(d.text) for d in corpus.docs)
-        print(f"corpus: {num_docs} documents, {num_chars / 1e6:.1f} M characters, {len(corpus.pairs)} scored pairs; "
-              f"LSH {minhash.lsh_params(cfg.threshold, cfg.num_perm, cfg.fp_weight, cfg.fn_weight)} "
-              f"(bands, rows) at threshold {cfg.threshold}, {cfg.num_perm} permutations; medians of {args.repeats}")
-        methods: list[Method] = [run_fast, run_fast_stage, run_datasketch]
-        if not args.skip_datatrove:
-            methods.append(run_datatrove)
-        results = {}
-        for method in methods:
-            seconds, cluster_of = measure(method, cfg, input_file, work, args.repeats)
-            results[method.__name__.removeprefix("run_")] = (seconds, score(corpus.pairs, cluster_of))
-        normalized = [normalize(d.text, cfg) for d in corpus.docs]
-        timings = [signature_seconds(cfg, normalized) for _ in range(args.repeats)]
-        sig_fast, sig_datasketch = (statistics.median(t) for t in zip(*timings))
+        write_documents(input_file, docs)
+        domains = sorted({d.domain for d in docs})
+        print(f"corpus: {num_docs} documents ({', '.join(f'{sum(d.domain == x for d in docs)} {x}' for x in domains)}), "
+              f"{input_file.stat().st_size / 1e6:.1f} MB, {len(injected)} injected copies; LSH "
+              f"{minhash.lsh_params(cfg.threshold, cfg.num_perm, cfg.fp_weight, cfg.fn_weight)} (bands, rows) at "
+              f"threshold {cfg.threshold}, {cfg.num_perm} permutations; medians of {args.repeats}; one core")
+        results = {method.__name__.removeprefix("run_"): measure(method, cfg, input_file, work, args.repeats)
+                   for method in methods}
+    normalized = [normalize(d.text, cfg) for d in docs]
+    sig_times = []
+    for _ in range(args.repeats):
+        started = time.perf_counter()
+        for lo in range(0, num_docs, 1000):
+            minhash.signatures(normalized[lo : lo + 1000], cfg.shingle_size, cfg.num_perm, cfg.seed, joined=True)
+        fast = time.perf_counter() - started
+        started = time.perf_counter()
+        for text in normalized:
+            MinHash(num_perm=cfg.num_perm, seed=cfg.seed).update_batch(shingles(text, cfg.shingle_size))
+        sig_times.append((fast, time.perf_counter() - started))
+    sig_fast, sig_datasketch = (statistics.median(t) for t in zip(*sig_times))
 
-    fast_seconds = results["fast"][0]
-    print(f"{'method':<12}{'seconds':>9}{'docs/s/core':>13}{'x fast':>8}{'recall>=.85':>13}{'FPR<.5':>9}{'precision':>11}")
-    for name, (seconds, result) in results.items():
-        print(f"{name:<12}{seconds:>9.2f}{num_docs / seconds:>13.0f}{seconds / fast_seconds:>8.2f}"
-              f"{result.recall:>13.4f}{result.false_positive_rate:>9.4f}{result.precision:>11.4f}")
-    print(f"shingles + signatures of normalised text alone: fast {sig_fast:.2f} s, datasketch {sig_datasketch:.2f} s "
+    truth = Truth(docs, cfg)
+    truth.add(injected + lsh_candidates(docs, cfg, threshold=0.5))
+    found = {name: clustered_pairs(cluster_of) for name, (_, cluster_of) in results.items()}
+    for pairs in found.values():
+        truth.add(sorted(pairs))
+    positives = truth.positives()
+    print(f"true pairs (Jaccard >= {TRUE_JACCARD}): {len(positives)}")
+    print(f"{'method':<12}{'seconds':>9}{'docs/s/core':>13}{'pairs':>8}{f'recall>={TRUE_JACCARD}':>12}"
+          f"{f'precision>={TRUE_JACCARD}':>15}")
+    for name, (seconds, _) in results.items():
+        hits = len(found[name] & positives)
+        precision = hits / len(found[name]) if found[name] else 1.0
+        print(f"{name:<12}{seconds:>9.2f}{num_docs / seconds:>13.0f}{len(found[name]):>8}"
+              f"{hits / len(positives):>12.4f}{precision:>15.4f}")
+    datasketch = results["datasketch"][0]
+    print(f"shingles + signatures of normalised text alone: Kiln {sig_fast:.2f} s, datasketch {sig_datasketch:.2f} s "
           f"({sig_datasketch / sig_fast:.1f}x)")
+    print(f"RESULT dedup_signature_path_speedup {datasketch / results['signatures'][0]:.2f}")
     if "datatrove" in results:
-        print(f"RESULT dedup_speedup_vs_datatrove {results['datatrove'][0] / fast_seconds:.2f}")
-    print(f"RESULT dedup_speedup_vs_datasketch {results['datasketch'][0] / fast_seconds:.2f}")
+        print(f"RESULT dedup_stage_speedup_vs_datatrove {results['datatrove'][0] / results['stage'][0]:.2f}")
+    print(f"RESULT dedup_stage_speedup {datasketch / results['stage'][0]:.2f}")
 
 
 if __name__ == "__main__":
