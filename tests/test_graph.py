@@ -52,7 +52,9 @@ def test_runtime_settings_move_no_key(base_keys, override):
     ("train.run.batch_size=16", "mix"),
     ("train.lr=0.001", "train"),
     ("anneal.steps=10", "anneal"),
-    ("evaluate.limit=5", "evaluate"),
+    ("anneal.from_step=200", "anneal"),
+    ("anneal_ablation.steps=5", "anneal-ablation"),
+    ("evaluate.limit=5", "anneal-ablation"),  # the ablation scores its branches with the evaluate suite
 ])
 def test_identity_settings_move_their_stage_and_downstream(base_keys, override, first):
     moved = changed(base_keys, override)

@@ -3,6 +3,11 @@
 Shards are raw little-endian numpy arrays (memory-mapped by the loader), documents
 concatenated with an end-of-text token after each. A deterministic hash of each document id
 puts it in the train or validation split, so the split survives re-ordering and re-runs.
+
+Beside each shard, a document index (`<split>.docs.npy`) gives each document's end offset in the
+shard (tokens, its end-of-text included) and the clean stage's `quality_score` (NaN for a
+document the classifier did not score): the anneal selects the best documents by it without
+tokenizing anything again.
 """
 
 from __future__ import annotations
@@ -18,11 +23,14 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from tasks.accounting import DocCounts
 from tasks.configbase import Section
+from tasks.data.dedup import quality_score
 from tasks.data.documents import Document, read_documents
 
 EOS_TOKEN = "<|endoftext|>"
 TOKENIZER_FILE = "tokenizer.json"
 SHARDS_FILE = "shards.json"
+SHARDS_FORMAT = 2  # 2: each shard has a document index (DOC_INDEX_DTYPE)
+DOC_INDEX_DTYPE = np.dtype([("end", "<i8"), ("quality", "<f8")])
 _ENCODE_BATCH = 256
 
 
@@ -84,6 +92,7 @@ def tokenize_corpus(cfg: TokenizeConfig, input_file: Path, out_dir: Path) -> dic
             rel = Path("shards") / domain / f"{split}.bin"
             (out_dir / rel).parent.mkdir(parents=True, exist_ok=True)
             split_tokens = 0
+            index: list[tuple[int, float]] = []
             with open(out_dir / rel, "wb") as handle:
                 for start in range(0, len(split_docs), _ENCODE_BATCH):
                     batch = split_docs[start:start + _ENCODE_BATCH]
@@ -94,12 +103,16 @@ def tokenize_corpus(cfg: TokenizeConfig, input_file: Path, out_dir: Path) -> dic
                         ids = np.asarray(encoding.ids + [eos_id], dtype=dtype)
                         handle.write(ids.astype(ids.dtype.newbyteorder("<"), copy=False).tobytes())
                         split_tokens += len(ids)
+                        index.append((split_tokens, quality_score(doc)))
                         num_bytes += len(doc.text.encode("utf-8"))
                         counts.num_kept += 1
-            domains[domain][split] = {"path": rel.as_posix(), "num_tokens": split_tokens, "num_docs": len(split_docs)}
+            index_rel = rel.with_suffix(".docs.npy")
+            np.save(out_dir / index_rel, np.array(index, dtype=DOC_INDEX_DTYPE))
+            domains[domain][split] = {"path": rel.as_posix(), "index": index_rel.as_posix(),
+                                      "num_tokens": split_tokens, "num_docs": len(split_docs)}
             num_tokens += split_tokens
 
-    shards = {"format": 1, "dtype": np.dtype(dtype).name, "vocab_size": vocab_size, "eos_id": eos_id, "domains": domains}
+    shards = {"format": SHARDS_FORMAT, "dtype": np.dtype(dtype).name, "vocab_size": vocab_size, "eos_id": eos_id, "domains": domains}
     (out_dir / SHARDS_FILE).write_text(json.dumps(shards, indent=2))
     return {
         **counts.as_dict(),

@@ -7,7 +7,7 @@ from tasks.stage import Registry
 
 STAGE_MODULES = (
     "collect", "clean", "dedup", "decontaminate", "tokenize", "sweep", "fit", "mix", "validate", "train", "anneal",
-    "evaluate", "export",
+    "anneal_ablation", "evaluate", "export",
     "dedup_batch",
 )
 

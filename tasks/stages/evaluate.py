@@ -1,5 +1,6 @@
 """Stage `evaluate`: lm-eval on the trained and the annealed model, with task versions, contamination
-rates and the report table (what annealing changed, task by task)."""
+rates and the report table (what annealing changed, task by task), with a column per anneal-ablation
+branch (scored by the anneal-ablation stage with this same suite, read from its output)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from tasks.evals.report import REPORT_FILE, mlflow_table_tag, write_report
 from tasks.evals.suite import primary_metric
 from tasks.stage import Stage, StageContext
 from tasks.stages._common import configured_eval_files, eval_file_paths
+from tasks.stages.anneal_ablation import ablation_results
 
 BASELINE = "train"  # the report's changes are each model's score minus the trained model's
 
@@ -29,6 +31,9 @@ def run(ctx: StageContext) -> dict:
         metrics[name] = evaluate_model(ctx.cfg.evaluate, ctx.inputs[name] / "model", tokenizer, out,
                                        contamination=contamination)
         results[name] = json.loads((out / RESULTS_FILE).read_text(encoding="utf-8"))
+    for name, branch in ablation_results(ctx.inputs["anneal-ablation"]).items():
+        metrics[name] = branch["metrics"]
+        results[name] = branch["results"]
     rows = write_report(ctx.out_dir, results, BASELINE)
     versions = {task: str(version) for task, version in results[BASELINE]["versions"].items()}
     ctx.recorder.tracker.set_tags(ctx.recorder.run_id, {**mlflow_table_tag(),
@@ -50,8 +55,9 @@ def headline(stats: dict) -> dict:
     return out
 
 
+# version 3: a column per anneal-ablation branch
 STAGE = Stage(
     name="evaluate", description="lm-eval on held-out tasks: perplexity, multiple choice, code lines", body=run,
-    inputs=("anneal", "train", "tokenize", "decontaminate"), config=EvaluateConfig,
-    external_files=configured_eval_files, headline=headline, reports=(REPORT_FILE,), version=2,
+    inputs=("anneal", "anneal-ablation", "train", "tokenize", "decontaminate"), config=EvaluateConfig,
+    external_files=configured_eval_files, headline=headline, reports=(REPORT_FILE,), version=3,
 )

@@ -16,7 +16,8 @@ def headline(stats: dict) -> dict:
             "bytes_per_token": stats["bytes_per_token"]}
 
 
+# version 2: a document index (end offset, quality_score) beside each shard, for the anneal's quality selections
 STAGE = Stage(
     name="tokenize", description="train BPE, write token shards per domain", body=run, inputs=("decontaminate",),
-    config=TokenizeConfig, headline=headline,
+    config=TokenizeConfig, headline=headline, version=2,
 )

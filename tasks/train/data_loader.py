@@ -116,14 +116,17 @@ def write_manifest(mixture: Mixture, path: Path, root: Path) -> Path:
     return path
 
 
-def mixture_with_weights(shards: dict, shards_root: Path, weights: dict[str, float], where: str) -> Mixture:
+def mixture_with_weights(shards: dict, shards_root: Path, weights: dict[str, float], where: str,
+                         selections: dict[str, tuple[float, Path]] | None = None) -> Mixture:
     """A `Mixture` over the tokenize stage's shards (its `shards.json`, paths relative to `shards_root`)
-    with the given unnormalised domain weights; a domain left out gets weight 0. `where` names the
-    config key the weights came from, for errors."""
+    with the given unnormalised domain weights; a domain left out gets weight 0. `selections` adds
+    components of (weight, train shard) without validation (the anneal's quality selections), all
+    weights normalised together. `where` names the config key the weights came from, for errors."""
     unknown = sorted(set(weights) - set(shards["domains"]))
     if unknown:
         raise ConfigError(f"{where}: domains {unknown} are not in the corpus; known: {sorted(shards['domains'])}")
-    total = sum(weights.values())
+    selections = selections or {}
+    total = sum(weights.values()) + sum(weight for weight, _ in selections.values())
     if total <= 0:
         raise ConfigError(f"{where}: weights must sum to more than 0")
     domains = {
@@ -134,6 +137,8 @@ def mixture_with_weights(shards: dict, shards_root: Path, weights: dict[str, flo
         )
         for name, split in shards["domains"].items()
     }
+    domains |= {name: DomainSource(weight=weight / total, train=(path,), val=())
+                for name, (weight, path) in selections.items()}
     return Mixture(domains=domains, dtype=shards["dtype"], vocab_size=shards["vocab_size"], eos_id=shards["eos_id"])
 
 
@@ -234,11 +239,13 @@ def validation_batches(
     """Fixed, evenly spaced windows of every domain's val shards, as `eval_batches` batches each.
 
     Every domain is included whatever its weight; one too short for a single window is skipped
-    with a warning.
+    with a warning, one without validation shards (an anneal's quality selection) silently.
     """
     out: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
     num_windows = eval_batches * batch_size
     for name, domain in mixture.domains.items():
+        if not domain.val:
+            continue
         stream = _Stream(domain.val, mixture.dtype)
         if stream.num_tokens < seq_len + 1:
             warnings.warn(
