@@ -90,7 +90,8 @@ def report_markdown(rows: Sequence[Mapping[str, Any]], models: Sequence[str], ba
         "# Evaluation",
         "",
         f"Scores of each model on each task. `{baseline}` is the baseline; `X − {baseline}` is the change model X "
-        f"makes (annealing, for `anneal`). ↑: higher is better, ↓: lower is better. Contamination: the share of the "
+        f"makes (annealing, for `anneal`; a short anneal on candidate mixture NAME, for `ablation/NAME`). "
+        "↑: higher is better, ↓: lower is better. Contamination: the share of the "
         "task's scored items drawn from eval documents that share an n-gram with the training data.",
         "",
         "| " + " | ".join(header) + " |",

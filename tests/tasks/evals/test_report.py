@@ -40,6 +40,8 @@ def test_one_row_per_task_score_with_version_contamination_and_the_change_anneal
     assert "| kiln_heldout | bits_per_byte ↓ | 1+aaaa | 10.0% | 10 | 2.5000 | 2.2500 | -0.2500 (better) " in markdown
     assert "| kiln_heldout_choice | acc_norm ↑ | 1+bbbb | 5.0% | 10 | 0.5000 | 0.2500 | -0.2500 (worse) " in markdown
     assert "- `kiln_code_lines`: no line" in markdown
+    # an ablation branch is a model of its own, with its change against the trained model
+    assert "| ablation/web | ablation/web − train |" in markdown and "| 2.7500 | +0.2500 (worse) |" in markdown
 
     table = json.loads((tmp_path / TABLE_FILE).read_text())  # MLflow's table format (pandas split orient)
     assert table["columns"][:3] == ["task", "metric", "higher_is_better"]
