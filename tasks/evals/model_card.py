@@ -114,12 +114,25 @@ def _mixtures(manifests: dict[str, dict[str, Any]]) -> list[str]:
         lines.append("")
     anneal = manifests.get("anneal")
     if anneal is not None and "mixture" in anneal["identity"].get("anneal", {}):
-        weights = anneal["identity"]["anneal"]["mixture"]
-        total = sum(weights.values())
+        entries = anneal["identity"]["anneal"]["mixture"]
+        total = sum(_anneal_weight(entry) for entry in entries.values())
         lines += [f"Annealing ({anneal['identity']['anneal'].get('steps', '?')} steps, LR decayed to zero):", "",
                   "| domain | weight |", "|---|---|"]
-        lines += [f"| {domain} | {_number(weight / total)} |" for domain, weight in weights.items()]
+        lines += [f"| {_anneal_label(name, entry)} | {_number(_anneal_weight(entry) / total)} |"
+                  for name, entry in entries.items()]
     return lines
+
+
+def _anneal_weight(entry: float | dict[str, Any]) -> float:
+    """An anneal mixture entry's weight: a domain's number, or a quality selection's `weight`."""
+    return entry["weight"] if isinstance(entry, dict) else entry
+
+
+def _anneal_label(name: str, entry: float | dict[str, Any]) -> str:
+    if not isinstance(entry, dict):
+        return name
+    domains = ", ".join(entry.get("domains") or ["every scored domain"])
+    return f"{name}: the top {entry['quality_top']:.0%} of {domains} by quality score"
 
 
 def _licences(compliance: dict[str, Any] | None) -> list[dict[str, Any]]:
