@@ -112,6 +112,13 @@ def test_pipeline_end_to_end_then_fully_cached(prefect_api, in_repo, tmp_path, c
         assert 0 <= evaluate[model]["kiln_heldout_choice/acc_norm"] <= 1 < evaluate[model]["kiln_heldout_code/bits_per_byte"]
     report = (store.path("evaluate", keys["evaluate"]) / "report.md").read_text()
     assert "| kiln_heldout_choice | acc_norm ↑ |" in report and "anneal − train" in report
+    # The anneal decayed 1-sqrt from the final model with the best fifth of web and prose by quality score in
+    # its mixture; the ablation ran two short anneals from the step-20 checkpoint, ranked, a report column each.
+    anneal = manifests["anneal"]["stats"]
+    assert (anneal["schedule"], anneal["from_step"]) == ("1-sqrt", 40) and anneal["quality_selections"]["best"]["num_selected"] > 0
+    ablation = manifests["anneal-ablation"]["stats"]
+    assert ablation["from_step"] == 20 and set(ablation["ranking"]) == {"prose", "best"} and ablation["best"] in ablation["ranking"]
+    assert "ablation/prose − train" in report and "ablation/best − train" in report
     assert (work / "continuous_eval" / keys["train"] / "ecg.png").read_bytes()[:4] == b"\x89PNG"
     assert train["val_loss"] > 0 and manifests["validate"]["stats"]["gate_passed"] is True
     # Cost: every manifest prices its stage; on CPU no accelerator-seconds are spent.
