@@ -128,15 +128,12 @@ def signatures(texts: Sequence[str], shingle_size: int, num_perm: int, seed: int
     """
     a, b = permutations(num_perm, seed)
     sigs = np.full((num_perm, len(texts)), EMPTY_HASH, dtype=np.uint32)
-    data, starts, ends, owners = batch_spans(texts if joined else [shingle_text(t) for t in texts], shingle_size)
-    # One sort groups each document's distinct hashes: (owner << 32) | hash.
-    keyed = (owners.astype(np.uint64) << np.uint64(32)) | span_hashes(data, starts, ends).astype(np.uint64)
-    keyed.sort()
-    keyed = keyed[np.concatenate(([True], keyed[1:] != keyed[:-1]))] if keyed.size else keyed
-    doc_of = (keyed >> np.uint64(32)).astype(np.int64)
-    mixed = _fmix(keyed.astype(np.uint32), _FMIX32)
+    data, starts, ends, doc_of = batch_spans(texts if joined else [shingle_text(t) for t in texts], shingle_size)
+    # Spans come grouped by document. A repeated shingle is not removed: the minimum is the same,
+    # and sorting to find repeats cost more than permuting them.
+    mixed = _fmix(span_hashes(data, starts, ends), _FMIX32)
     # Permutations x shingles, so that the per-document minimum runs over contiguous memory.
-    for lo in range(0, keyed.size, _PERM_BLOCK):
+    for lo in range(0, mixed.size, _PERM_BLOCK):
         block = a[:, None] * mixed[None, lo : lo + _PERM_BLOCK]
         block += b[:, None]
         docs = doc_of[lo : lo + _PERM_BLOCK]
@@ -154,30 +151,22 @@ def batch_spans(joined: Sequence[str], size: int) -> tuple[np.ndarray, np.ndarra
     encoded = [t.encode("utf-8") for t in joined]
     offsets = np.zeros(len(joined) + 1, dtype=np.int64)
     np.cumsum([len(e) for e in encoded], out=offsets[1:])
+    lengths = np.diff(offsets)
     data = np.frombuffer(b"".join(encoded), dtype=np.uint8)
-    nonempty = np.flatnonzero(offsets[1:] > offsets[:-1])
 
     # Units: words (split at the single spaces) or characters (UTF-8 lead bytes), per text's mode.
-    # Each text is one run of bytes, so per-text counts give every unit's owner by np.repeat.
-    word_byte = np.repeat(word_mode, np.diff(offsets))
-    spaces = np.flatnonzero((data == 0x20) & word_byte)
-    word_docs = nonempty[word_mode[nonempty]]
-    word_starts = np.sort(np.concatenate((offsets[word_docs], spaces + 1)))
-    word_ends = np.sort(np.concatenate((spaces, offsets[word_docs + 1])))
-    spaces_per_doc = np.diff(np.searchsorted(spaces, offsets))
-    word_owner = np.repeat(word_docs, spaces_per_doc[word_docs] + 1)
-    char_starts = np.flatnonzero(((data & 0xC0) != 0x80) & ~word_byte)
-    char_owner = np.repeat(np.arange(len(joined)), np.diff(np.searchsorted(char_starts, offsets)))
-    # A character ends where the next begins, or at its text's end.
-    char_ends = np.append(char_starts[1:], data.size)
-    last_char = np.ones(char_owner.size, dtype=bool)
-    last_char[:-1] = char_owner[1:] != char_owner[:-1]
-    char_ends[last_char] = offsets[char_owner[last_char] + 1]
-    unit_starts = np.concatenate((word_starts, char_starts))
-    order = np.argsort(unit_starts, kind="stable")
-    unit_starts = unit_starts[order]
-    unit_ends = np.concatenate((word_ends, char_ends))[order]
-    unit_owner = np.concatenate((word_owner, char_owner))[order]
+    # One mask over the bytes marks where units start, so they come out in order without a sort.
+    word_byte = np.repeat(word_mode, lengths)
+    is_start = ((data & 0xC0) != 0x80) & ~word_byte
+    is_start[1:] |= (data[:-1] == 0x20) & word_byte[1:]
+    is_start[offsets[:-1][word_mode & (lengths > 0)]] = True
+    unit_starts = np.flatnonzero(is_start)
+    unit_owner = np.repeat(np.arange(len(joined)), np.diff(np.searchsorted(unit_starts, offsets)))
+    # A unit ends where the next begins (a word: at the space before it), or at its text's end.
+    unit_ends = np.append(unit_starts[1:], data.size) - word_byte[unit_starts]
+    last_unit = np.ones(unit_owner.size, dtype=bool)
+    last_unit[:-1] = unit_owner[1:] != unit_owner[:-1]
+    unit_ends[last_unit] = offsets[unit_owner[last_unit] + 1]
 
     # n-grams of `size` consecutive units of one text; a text of fewer units is one shingle.
     last = size - 1
@@ -186,12 +175,9 @@ def batch_spans(joined: Sequence[str], size: int) -> tuple[np.ndarray, np.ndarra
     starts = unit_starts[:count][same]
     ends = unit_ends[last : last + count][same]
     owners = unit_owner[:count][same]
-    short = np.flatnonzero((np.bincount(unit_owner, minlength=len(joined)) < size) & (offsets[1:] > offsets[:-1]))
-    starts = np.concatenate((starts, offsets[short]))
-    order = np.argsort(starts, kind="stable")
-    ends = np.concatenate((ends, offsets[short + 1]))[order]
-    owners = np.concatenate((owners, short))[order]
-    return data, starts[order], ends, owners
+    short = np.flatnonzero((np.bincount(unit_owner, minlength=len(joined)) < size) & (lengths > 0))
+    at = np.searchsorted(starts, offsets[short])
+    return data, np.insert(starts, at, offsets[short]), np.insert(ends, at, offsets[short + 1]), np.insert(owners, at, short)
 
 
 def _false_positive(threshold: float, bands: int, rows: int) -> float:
