@@ -41,6 +41,7 @@ from tasks.configbase import Section
 from tasks.data.decontam_boilerplate import KNOWN_BOILERPLATE
 from tasks.data.dedup import strip_punctuation
 from tasks.data.documents import DOCUMENTS_FILE, REMOVED_FILE, ReasonLog, read_documents
+from tasks.data.inspection import RemovalTally, text_bytes, write_removal_report
 from tasks.errors import InputError
 from tasks.evals.evaluate import Contamination, require_hub
 from tasks.evals.heldout_task import read_eval_records, task_name_for
@@ -313,6 +314,7 @@ def decontaminate_documents(
     indexes = index_ngrams(eval_files, eval_tasks, cfg.ngram_size, task_include_path=task_include_path,
                            phrases=boilerplate_phrases(cfg), eval_boilerplate_min_docs=cfg.eval_boilerplate_min_docs)
     counts = DocCounts()
+    tally = RemovalTally()
     num_flagged = 0
     with (
         open(out_dir / DOCUMENTS_FILE, "w", encoding="utf-8") as out,
@@ -345,10 +347,12 @@ def decontaminate_documents(
                 reason = f"contaminated:{next(iter(overlaps))}"  # the first eval set, in the given order
                 removed.add(reason, asdict(doc))
                 counts.removed[reason] += 1
+                tally.add("removed", doc.domain, text_bytes(doc.text), reason)
                 continue
             num_flagged += bool(overlaps)
             out.write(doc.to_json() + "\n")
             counts.num_kept += 1
+            tally.add("kept", doc.domain, text_bytes(doc.text))
     report = {
         "ngram_size": cfg.ngram_size,
         "min_overlap_ngrams": cfg.min_overlap_ngrams,
@@ -361,8 +365,10 @@ def decontaminate_documents(
     (out_dir / CONTAMINATION_REPORT).write_text(contamination_markdown(report), encoding="utf-8")
     rates = {index.task_name: index.contamination_rate() for index in indexes}
     (out_dir / RATES_FILE).write_text(json.dumps(rates, indent=2) + "\n", encoding="utf-8")
+    table = write_removal_report(out_dir, "decontaminate", tally.table())  # removals by domain and eval set
     return {
         **counts.as_dict(),
+        "accounting": table,
         "num_flagged": num_flagged,
         "contamination": {
             index.name: {

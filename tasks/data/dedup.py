@@ -8,6 +8,9 @@ without one rank below any with one), then the longest text, then the smallest i
 position, so shuffling the input keeps the same survivors. The others go to `removed.jsonl` with
 `metadata.duplicate_of` naming the survivor. Output keeps input order.
 
+`removals.json/.md/.png` count documents and bytes in, kept and removed by reason per domain
+(`tasks.data.inspection`, tallied while writing), and `cluster_sizes.png` plots the clusters.
+
 Every run saves its kept documents' signatures and LSH bucket tables in `out_dir/lsh_index/`, so
 `dedup_against_index` can deduplicate a later batch against everything kept so far without
 recomputing a signature.
@@ -16,14 +19,15 @@ recomputing a signature.
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 import multiprocessing
 import sys
 import unicodedata
 from collections import Counter
+from collections.abc import Set
 from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import dataclass
-from functools import lru_cache
 from pathlib import Path
 from typing import Any, Literal
 
@@ -35,6 +39,7 @@ from tasks.configbase import Section, runtime_field
 from tasks.data import minhash
 from tasks.data.dedup_index import DIGEST_BYTES, INDEX_DIR, SNIPPET_CHARS, DedupIndex
 from tasks.data.documents import DOCUMENTS_FILE, REMOVED_FILE, Document, ReasonLog, read_documents
+from tasks.data.inspection import RemovalTally, text_bytes, write_removal_report
 
 _BATCH = 1000  # documents per signature batch: amortises numpy calls, bounds memory per worker
 _BATCH_CHARS = 8_000_000  # ...or fewer, once a batch holds this much text (enormous documents)
@@ -79,33 +84,71 @@ def _verify_threshold(cfg: DedupConfig) -> float:
     return cfg.threshold if cfg.verify_threshold is None else cfg.verify_threshold
 
 
-# Unicode punctuation (categories P*): ASCII text, the common case, is stripped with a byte table.
+# Unicode punctuation (categories P*) and whitespace (str.isspace): ASCII text, the common case,
+# is classified with byte tables.
 _ASCII_PUNCTUATION = bytes(c for c in range(128) if unicodedata.category(chr(c)).startswith("P"))
+_ASCII_SPACE = np.array([chr(c).isspace() for c in range(256)]) & (np.arange(256) < 128)
 
 
-@lru_cache(maxsize=1)
-def _punctuation_table() -> np.ndarray:
-    """True at every punctuation code point: one gather per character beats any per-character call."""
-    is_punctuation = (unicodedata.category(chr(c)).startswith("P") for c in range(sys.maxunicode + 1))
-    return np.fromiter(is_punctuation, dtype=bool, count=sys.maxunicode + 1)
+class _CodePointClasses:
+    """Which code points are punctuation and which whitespace, filled in for the code points texts
+    actually use: one gather per character beats any per-character call, and classifying all 1.1M
+    code points up front cost more than normalising a corpus."""
+
+    def __init__(self) -> None:
+        self.known = np.zeros(sys.maxunicode + 1, dtype=bool)
+        self.is_punctuation = np.zeros(sys.maxunicode + 1, dtype=bool)
+        self.is_space = np.zeros(sys.maxunicode + 1, dtype=bool)
+
+    def classify(self, codes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(is punctuation, is whitespace) of each code point."""
+        unknown = codes[~self.known[codes]]
+        if unknown.size:
+            for code in np.unique(unknown).tolist():
+                self.is_punctuation[code] = unicodedata.category(chr(code)).startswith("P")
+                self.is_space[code] = chr(code).isspace()
+            self.known[unknown] = True
+        return self.is_punctuation[codes], self.is_space[codes]
+
+
+_CLASSES = _CodePointClasses()
+
+
+def _strip(text: str, punctuation: bool, whitespace: bool) -> str:
+    """`text` without punctuation (if `punctuation`) and with every whitespace run one space and
+    none at either end (if `whitespace`, as `" ".join(text.split())`), in one vectorised pass."""
+    if text.isascii():
+        codes = np.frombuffer(text.encode("ascii").translate(None, _ASCII_PUNCTUATION if punctuation else b""),
+                              dtype=np.uint8)
+        if not whitespace:
+            return codes.tobytes().decode("ascii")
+        is_space = _ASCII_SPACE[codes]
+    else:
+        # One code point per uint32; surrogatepass keeps lone surrogates (valid in JSON) intact.
+        codes = np.frombuffer(text.encode("utf-32-le", "surrogatepass"), dtype=np.uint32)
+        is_punctuation, is_space = _CLASSES.classify(codes)
+        if punctuation:
+            codes, is_space = codes[~is_punctuation], is_space[~is_punctuation]
+    if whitespace and codes.size:
+        keep = ~is_space  # ...and the first space of each run inside the text
+        keep[1:] |= is_space[1:] & ~is_space[:-1]
+        codes, is_space = codes[keep], is_space[keep]
+        if is_space.size and is_space[-1]:
+            codes, is_space = codes[:-1], is_space[:-1]
+        codes = np.where(is_space, codes.dtype.type(0x20), codes)
+    return codes.tobytes().decode("ascii" if codes.dtype == np.uint8 else "utf-32-le", "surrogatepass")
 
 
 def strip_punctuation(text: str) -> str:
-    if text.isascii():
-        return text.encode("ascii").translate(None, _ASCII_PUNCTUATION).decode("ascii")
-    # One code point per uint32; surrogatepass keeps lone surrogates (valid in JSON) intact.
-    codes = np.frombuffer(text.encode("utf-32-le", "surrogatepass"), dtype=np.uint32)
-    return codes[~_punctuation_table()[codes]].tobytes().decode("utf-32-le", "surrogatepass")
+    return _strip(text, punctuation=True, whitespace=False)
 
 
 def normalize(text: str, cfg: DedupConfig) -> str:
     text = unicodedata.normalize("NFKC", text)
     if cfg.normalize_case:
         text = text.casefold()
-    if cfg.normalize_punctuation:
-        text = strip_punctuation(text)
-    if cfg.normalize_whitespace:
-        text = " ".join(text.split())  # as re.sub(r"\s+", " ", text).strip(), several times faster
+    if cfg.normalize_punctuation or cfg.normalize_whitespace:
+        text = _strip(text, cfg.normalize_punctuation, cfg.normalize_whitespace)
     return text
 
 
@@ -202,6 +245,7 @@ def _dedup(cfg: DedupConfig, index: DedupIndex, input_file: Path, out_dir: Path)
 
     counts = DocCounts(num_in=n)
     removed_by_domain: Counter[str] = Counter()
+    tally = RemovalTally()
     sampled = _sample_clusters(clusters, survivor_of)
     sampled_nodes = {i for cluster in sampled for i in cluster}
     snippets = {i: str(index.snippets[i]) for i in sampled_nodes if i < m}
@@ -216,9 +260,11 @@ def _dedup(cfg: DedupConfig, index: DedupIndex, input_file: Path, out_dir: Path)
             if survivor == node or node in sampled_nodes:
                 snippets[node] = doc.text[:SNIPPET_CHARS]
             if survivor == node:
-                out.write(doc.to_json() + "\n")
+                # vars, not to_json's asdict: the same JSON without asdict's deep copy of every record
+                out.write(json.dumps(vars(doc), ensure_ascii=False) + "\n")
                 counts.num_kept += 1
                 kept.append(i)
+                tally.add("kept", doc.domain, text_bytes(doc.text))
                 continue
             # The reason is the relation to the kept document, whichever member made the link.
             reason = "exact_duplicate" if cfg.exact and digests[survivor] == digests[node] else "near_duplicate"
@@ -226,6 +272,7 @@ def _dedup(cfg: DedupConfig, index: DedupIndex, input_file: Path, out_dir: Path)
             removed.add(reason, vars(doc))
             counts.removed[reason] += 1
             removed_by_domain[doc.domain] += 1
+            tally.add("removed", doc.domain, text_bytes(doc.text), reason)
 
     index.extended(
         ids=[batch.ids[i] for i in kept], digests=[batch.digests[i] for i in kept],
@@ -235,6 +282,7 @@ def _dedup(cfg: DedupConfig, index: DedupIndex, input_file: Path, out_dir: Path)
     ).save(out_dir / INDEX_DIR)
     sizes = Counter(len(c) for c in clusters)
     _plot_cluster_sizes(sizes, out_dir / PLOT_FILE)
+    table = write_removal_report(out_dir, "dedup", tally.table())  # removals by domain and reason
     bands, rows = lsh_bands(cfg)
     domain_totals = Counter(batch.domains)
     return {
@@ -252,6 +300,7 @@ def _dedup(cfg: DedupConfig, index: DedupIndex, input_file: Path, out_dir: Path)
              "members": [{"id": ids[i], "snippet": snippets[i]} for i in c[:_SAMPLE_MEMBERS]]}
             for c in sampled
         ],
+        "accounting": table,
     }
 
 
@@ -294,10 +343,19 @@ def _plot_cluster_sizes(sizes: Counter[int], path: Path) -> None:
 def _read_and_sign(cfg: DedupConfig, input_file: Path) -> _Batch:
     batch = _Batch([], [], [], [], [], np.zeros((0, cfg.num_perm), dtype=np.uint32), np.zeros(0, dtype=bool))
     parts: list[Future[tuple] | tuple] = []
+    signed: set[bytes] = set()  # normalised texts signed so far, in this process
     pool = None
     if cfg.num_workers > 1:
         # forkserver, not fork: the caller (a flow runner) may hold threads, and locks, that fork copies.
         pool = ProcessPoolExecutor(cfg.num_workers, mp_context=multiprocessing.get_context("forkserver"))
+
+    def sign(texts: list[str]) -> None:
+        if pool is not None:
+            parts.append(pool.submit(_sign_batch, texts, cfg))
+            return
+        parts.append(_sign_batch(texts, cfg, signed))
+        signed.update(parts[-1][0])
+
     try:
         pending: list[str] = []
         pending_chars = 0
@@ -309,10 +367,10 @@ def _read_and_sign(cfg: DedupConfig, input_file: Path) -> _Batch:
             pending.append(doc.text)
             pending_chars += len(doc.text)
             if len(pending) >= _BATCH or pending_chars >= _BATCH_CHARS:
-                parts.append(pool.submit(_sign_batch, pending, cfg) if pool else _sign_batch(pending, cfg))
+                sign(pending)
                 pending, pending_chars = [], 0
         if pending:
-            parts.append(pool.submit(_sign_batch, pending, cfg) if pool else _sign_batch(pending, cfg))
+            sign(pending)
         results = [part.result() if isinstance(part, Future) else part for part in parts]
     finally:
         if pool is not None:
@@ -322,18 +380,35 @@ def _read_and_sign(cfg: DedupConfig, input_file: Path) -> _Batch:
     if results:
         batch.signatures = np.concatenate([r[1] for r in results])
         batch.has_shingles = np.concatenate([r[2] for r in results])
+    # Copies of a normalised text were not signed: they take the signature of its first occurrence.
+    first_row: dict[bytes, int] = {}
+    copies = [(row, first) for row, digest in enumerate(batch.digests)
+              if (first := first_row.setdefault(digest, row)) != row]
+    if copies and cfg.fuzzy:
+        rows, firsts = np.array(copies).T
+        batch.signatures[rows] = batch.signatures[firsts]
     return batch
 
 
-def _sign_batch(texts: list[str], cfg: DedupConfig) -> tuple[list[bytes], np.ndarray, np.ndarray]:
-    """Digests of the normalised texts, their signatures, and which have any shingle."""
+def _sign_batch(texts: list[str], cfg: DedupConfig, signed_before: Set[bytes] = frozenset()
+                ) -> tuple[list[bytes], np.ndarray, np.ndarray]:
+    """Digests of the normalised texts, their signatures, and which have any shingle.
+
+    Equal normalised texts have equal signatures, so only the first of each that is not in
+    `signed_before` is signed (exact copies are a large share of real corpora); the other rows
+    stay empty for `_read_and_sign` to fill.
+    """
     normalized = [normalize(t, cfg) for t in texts]
     digests = [hashlib.blake2b(t.encode("utf-8"), digest_size=DIGEST_BYTES).digest() for t in normalized]
     if not cfg.fuzzy:
         return digests, np.zeros((len(texts), cfg.num_perm), dtype=np.uint32), np.zeros(len(texts), dtype=bool)
     has_shingles = np.array([bool(t) and not t.isspace() for t in normalized], dtype=bool)
+    first_rows = {digest: row for row, digest in reversed(list(enumerate(digests))) if digest not in signed_before}
+    rows = sorted(first_rows.values())
+    sigs = np.full((len(texts), cfg.num_perm), minhash.EMPTY_HASH, dtype=np.uint32)
     # Whitespace-normalised text is already in shingle form (single spaces): no need to re-split it.
-    sigs = minhash.signatures(normalized, cfg.shingle_size, cfg.num_perm, cfg.seed, joined=cfg.normalize_whitespace)
+    sigs[rows] = minhash.signatures([normalized[row] for row in rows], cfg.shingle_size, cfg.num_perm, cfg.seed,
+                                    joined=cfg.normalize_whitespace)
     return digests, sigs, has_shingles
 
 

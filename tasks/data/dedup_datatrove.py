@@ -52,6 +52,7 @@ from tasks.accounting import DocCounts
 from tasks.data.dedup import DedupConfig, lsh_bands, quality_score, survivor_rank
 from tasks.data.documents import DOCUMENTS_FILE, REMOVED_FILE, ReasonLog, read_documents
 from tasks.data.executors import LOCAL, PLAN_FILE, ExecutorSettings, keep_or_reset, run_pipeline
+from tasks.data.inspection import RemovalTally, text_bytes, write_removal_report
 from tasks.errors import ConfigError, InputError
 
 WORK_DIR = "datatrove"  # intermediates under out_dir; only its `logs/` (stats per stage) is kept
@@ -145,6 +146,7 @@ def dedup_with_datatrove(
     domains: Counter[str] = Counter()
     removed_by_domain: Counter[str] = Counter()
     clusters: dict[int, list[str]] = defaultdict(list)
+    tally = RemovalTally()
     with (
         open(out_dir / DOCUMENTS_FILE, "w", encoding="utf-8") as out,
         ReasonLog(out_dir / REMOVED_FILE) as removed_log,
@@ -157,19 +159,23 @@ def dedup_with_datatrove(
             if cluster == -1 or survivor_of_cluster[cluster] == doc.id:
                 out.write(doc.to_json() + "\n")
                 counts.num_kept += 1
+                tally.add("kept", doc.domain, text_bytes(doc.text))
                 continue
             doc.metadata["duplicate_of"] = survivor_of_cluster[cluster]
             removed_log.add(_REASON, asdict(doc))
             counts.removed[_REASON] += 1
             removed_by_domain[doc.domain] += 1
+            tally.add("removed", doc.domain, text_bytes(doc.text), _REASON)
     for stage in ("input", "signatures", "buckets", "remove", "kept", "removed"):
         shutil.rmtree(work / stage, ignore_errors=True)
     (work / PLAN_FILE).unlink()  # without its shards it resumes nothing
 
     bands, rows = lsh_bands(cfg)
     dup_clusters = sorted(clusters.items(), key=lambda item: (-len(item[1]), item[1][0]))
+    table = write_removal_report(out_dir, "dedup", tally.table())  # removals by domain and reason
     return {
         **counts.as_dict(),
+        "accounting": table,
         "num_clusters": len(dup_clusters),
         "duplicate_rate_by_domain": {d: removed_by_domain[d] / total for d, total in sorted(domains.items())},
         "cluster_sizes": {

@@ -7,7 +7,8 @@ first colon (`gopher_quality:gopher_below_avg_threshold` → `gopher_quality`,
 document's, or (for collect's quarantine, which has no document) its source's domain.
 
 `write_removal_report` leaves `removals.json`, `removals.md` and `removals.png` in a stage's
-folder: the runner logs them to MLflow, Prefect shows the Markdown. `samples` feeds
+folder: the runner logs them to MLflow, Prefect shows the Markdown. Stages that see every outcome
+as they write it (dedup, decontaminate) fill a `RemovalTally` instead of reading their files back. `samples` feeds
 `kiln inspect`, so a person can judge a filter in a minute.
 """
 
@@ -62,23 +63,44 @@ def source_domains(out_dir: Path) -> dict[str, str]:
     return {s["name"]: s["domain"] for s in json.loads(path.read_text())["sources"]}
 
 
+def text_bytes(text: str) -> int:
+    """A text's size as the report counts it: UTF-8 bytes (lone surrogates, valid in JSON, as written)."""
+    return len(text.encode("utf-8", errors="surrogatepass"))
+
+
+class RemovalTally:
+    """Documents and bytes per domain: in, kept, removed by filter and quarantined by reason. A stage
+    that sees every outcome as it writes it fills one directly; `accounting` fills one from the files."""
+
+    def __init__(self) -> None:
+        self._rows: dict[str, Any] = defaultdict(lambda: {
+            "in": {"docs": 0, "bytes": 0}, "kept": {"docs": 0, "bytes": 0},
+            "removed": defaultdict(lambda: {"docs": 0, "bytes": 0}),
+            "quarantined": defaultdict(lambda: {"docs": 0, "bytes": 0}),
+        })
+
+    def add(self, outcome: str, domain: str, num_bytes: int, reason: str | None = None) -> None:
+        """One document of `domain` kept, or removed or quarantined for `reason`."""
+        row = self._rows[domain]
+        cell = row["kept"] if outcome == "kept" else row[outcome][filter_of(reason or "")]
+        for target in (cell, row["in"]):
+            target["docs"] += 1
+            target["bytes"] += num_bytes
+
+    def table(self) -> dict[str, Any]:
+        return {domain: {key: dict(sorted(value.items())) if key in ("removed", "quarantined") else dict(value)
+                         for key, value in row.items()} for domain, row in sorted(self._rows.items())}
+
+
 def accounting(out_dir: Path) -> dict[str, Any]:
-    """Per domain: documents and bytes in, kept, removed by filter and quarantined by reason."""
+    """Per domain: documents and bytes in, kept, removed by filter and quarantined by reason, read from
+    the stage's output files."""
     sources = source_domains(out_dir)
-    table: dict[str, Any] = defaultdict(lambda: {
-        "in": {"docs": 0, "bytes": 0}, "kept": {"docs": 0, "bytes": 0},
-        "removed": defaultdict(lambda: {"docs": 0, "bytes": 0}), "quarantined": defaultdict(lambda: {"docs": 0, "bytes": 0}),
-    })
+    tally = RemovalTally()
     for outcome, name in OUTCOMES.items():
         for record in _records(out_dir / name):
-            row = table[_domain(record, sources)]
-            size = len(_text(record).encode("utf-8", errors="surrogatepass"))
-            cell = row[outcome] if outcome == "kept" else row[outcome][filter_of(record["reason"])]
-            for target in (cell, row["in"]):
-                target["docs"] += 1
-                target["bytes"] += size
-    return {domain: {key: dict(sorted(value.items())) if key in ("removed", "quarantined") else value
-                     for key, value in row.items()} for domain, row in sorted(table.items())}
+            tally.add(outcome, _domain(record, sources), text_bytes(_text(record)), record.get("reason"))
+    return tally.table()
 
 
 def markdown(table: dict[str, Any], stage: str) -> str:
@@ -98,14 +120,15 @@ def markdown(table: dict[str, Any], stage: str) -> str:
 
 def plot(table: dict[str, Any], path: Path, stage: str) -> None:
     """Horizontal bars, one per filter (removed and quarantined), stacked by domain."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    # The object API, not pyplot: pyplot's import and state cost more than the plot in a short stage.
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
 
     filters = sorted({f"{outcome}: {name}" for row in table.values() for outcome in ("removed", "quarantined")
                       for name in row[outcome]})
-    fig, ax = plt.subplots(figsize=(8, 1.2 + 0.35 * max(1, len(filters))))
+    fig = Figure(figsize=(8, 1.2 + 0.35 * max(1, len(filters))))
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
     left = [0] * len(filters)
     for domain, row in table.items():
         counts = [row[label.split(": ", 1)[0]].get(label.split(": ", 1)[1], {}).get("docs", 0) for label in filters]
@@ -119,12 +142,12 @@ def plot(table: dict[str, Any], path: Path, stage: str) -> None:
     ax.invert_yaxis()
     fig.tight_layout()
     fig.savefig(path, dpi=100)
-    plt.close(fig)
 
 
-def write_removal_report(out_dir: Path, stage: str) -> dict[str, Any]:
-    """The accounting table as removals.json/.md/.png in `out_dir`; returns the table."""
-    table = accounting(out_dir)
+def write_removal_report(out_dir: Path, stage: str, table: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The accounting table (`table`, a stage's own `RemovalTally`, else read from the files) as
+    removals.json/.md/.png in `out_dir`; returns the table."""
+    table = accounting(out_dir) if table is None else table
     (out_dir / REPORT_JSON).write_text(json.dumps(table, indent=2) + "\n", encoding="utf-8")
     (out_dir / REPORT_MD).write_text(markdown(table, stage), encoding="utf-8")
     plot(table, out_dir / REPORT_PNG, stage)

@@ -28,5 +28,6 @@ STAGE = Stage(
     name="decontaminate", description="remove training docs that overlap the eval suite", body=run,
     inputs=("dedup",), config=DecontaminateConfig,
     reads=("evaluate.eval_files", "evaluate.standard_suite", "evaluate.extra_tasks"),
-    external_files=external_files, headline=document_headline, reports=("contamination.md",), version=2,
+    external_files=external_files, headline=document_headline, reports=("contamination.md", "removals.md"),
+    version=3,  # 3: removals by domain (removals.json/.md/.png)
 )

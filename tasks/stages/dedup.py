@@ -26,4 +26,7 @@ STAGE = Stage(
     config=DedupConfig, headline=document_headline,
     # A retry keeps the failed attempt's folder: the datatrove engine's finished ranks are skipped.
     resumable=True,
+    # 2: removals by domain and reason (removals.json/.md/.png); kept and removed documents unchanged
+    version=2,
+    reports=("removals.md",),
 )

@@ -10,6 +10,7 @@ import pytest
 from tasks.data.collect import CollectConfig, SourceConfig, collect_documents
 from tasks.data.decontaminate import DecontaminateConfig, decontaminate_documents, words
 from tasks.data.documents import Document, read_documents, write_documents
+from tasks.data.inspection import accounting
 from tasks.errors import InputError
 from tasks.evals.heldout_task import write_heldout_task
 
@@ -299,3 +300,23 @@ def test_hub_tasks_offline_are_input_errors_naming_the_task(tmp_path, monkeypatc
     with pytest.raises(InputError, match=r"lm-eval task 'hub_arc'.*need network access"):
         decontaminate_documents(DecontaminateConfig(), input_file, [], tmp_path / "out",
                                 eval_tasks=["hub_arc"], task_include_path=tmp_path / "tasks")
+
+
+def test_removal_report_counts_documents_and_bytes_by_domain(tmp_path):
+    work = tmp_path / "run"
+    (work / "out").mkdir(parents=True)
+    evals = _write_jsonl(work / "licence_qa.jsonl", [{"text": APACHE_DERIVATIVE}])
+    docs = [Document("quoted", f"{GPL_FREEDOM} {APACHE_DERIVATIVE}", "s", "web", "MIT"),
+            Document("clean", GPL_FREEDOM, "s", "web", "MIT"), Document("rights", GPL_RIGHTS, "s", "prose", "MIT")]
+    write_documents(work / "in.jsonl", docs)
+    stats = decontaminate_documents(DecontaminateConfig(), work / "in.jsonl", [evals], work / "out")
+    size = {d.id: len(d.text.encode()) for d in docs}
+    assert stats["accounting"] == {
+        "prose": {"in": {"docs": 1, "bytes": size["rights"]}, "kept": {"docs": 1, "bytes": size["rights"]},
+                  "removed": {}, "quarantined": {}},
+        "web": {"in": {"docs": 2, "bytes": size["quoted"] + size["clean"]}, "kept": {"docs": 1, "bytes": size["clean"]},
+                "removed": {"contaminated": {"docs": 1, "bytes": size["quoted"]}}, "quarantined": {}},
+    }
+    assert stats["accounting"] == accounting(work / "out") == json.loads((work / "out" / "removals.json").read_text())
+    assert "| web | removed | contaminated | 1 |" in (work / "out" / "removals.md").read_text()
+    assert (work / "out" / "removals.png").read_bytes()[:4] == b"\x89PNG"

@@ -4,6 +4,7 @@ incremental dedup against a saved index; bad input."""
 from __future__ import annotations
 
 import json
+import unicodedata
 from pathlib import Path
 
 import numpy as np
@@ -13,6 +14,7 @@ from tasks.data import dedup, minhash
 from tasks.data.dedup import DedupConfig, dedup_against_index, dedup_documents
 from tasks.data.dedup_index import INDEX_DIR, DedupIndex
 from tasks.data.documents import Document, write_documents
+from tasks.data.inspection import accounting
 from tasks.errors import ConfigError
 
 # Real prose: the paragraphs of the GNU GPL v3 preamble.
@@ -306,3 +308,62 @@ def test_a_new_batch_is_deduplicated_against_the_saved_index_without_resigning_i
 
 def _settings() -> dict:
     return dedup._signature_settings(DedupConfig())
+
+
+def test_removal_report_counts_documents_and_bytes_by_domain_and_reason(tmp_path):
+    docs = [
+        _doc("a", GPL_PREAMBLE[1]),
+        _doc("a-copy", GPL_PREAMBLE[1].upper()),
+        _doc("b", GPL_PREAMBLE[2], domain="web"),
+        _doc("b-near", GPL_PREAMBLE[2].replace(" (and charge for them if you wish)", ""), domain="web"),
+        _doc("c", GPL_PREAMBLE[3], domain="web"),
+        _doc("zh", UDHR_ZH[1], domain="multilingual"),
+    ]
+    stats, _, _ = _run(tmp_path, docs)
+    out = tmp_path / "run" / "out"
+    size = {d.id: len(d.text.encode()) for d in docs}
+    assert stats["accounting"] == {
+        "multilingual": {"in": {"docs": 1, "bytes": size["zh"]}, "kept": {"docs": 1, "bytes": size["zh"]},
+                         "removed": {}, "quarantined": {}},
+        "prose": {"in": {"docs": 2, "bytes": size["a"] * 2}, "kept": {"docs": 1, "bytes": size["a"]},
+                  "removed": {"exact_duplicate": {"docs": 1, "bytes": size["a-copy"]}}, "quarantined": {}},
+        "web": {"in": {"docs": 3, "bytes": size["b"] + size["b-near"] + size["c"]},
+                "kept": {"docs": 2, "bytes": size["b"] + size["c"]},
+                "removed": {"near_duplicate": {"docs": 1, "bytes": size["b-near"]}}, "quarantined": {}},
+    }
+    # The stage's own tally is what the shared inspection code reads back from its files.
+    assert stats["accounting"] == accounting(out) == json.loads((out / "removals.json").read_text())
+    assert "| web | removed | near_duplicate | 1 |" in (out / "removals.md").read_text()
+    assert (out / "removals.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_an_exact_copy_that_survives_keeps_its_own_signature_in_the_index(tmp_path):
+    # The copy is read second (so it is not signed again) but wins on quality: the index must hold
+    # the signature of its text, which equals the first copy's.
+    docs = [_doc("first", GPL_PREAMBLE[6]), _doc("second", GPL_PREAMBLE[6].upper(), quality_score=0.9),
+            _doc("other", GPL_PREAMBLE[7])]
+    _, kept, _ = _run(tmp_path, docs)
+    assert [d["id"] for d in kept] == ["second", "other"]
+    cfg = DedupConfig()
+    index = DedupIndex.load(tmp_path / "run" / "out" / INDEX_DIR, dedup._signature_settings(cfg))
+    expected = minhash.signatures([dedup.normalize(d.text, cfg) for d in docs[1:]], cfg.shingle_size, cfg.num_perm,
+                                  cfg.seed)
+    assert index.ids.tolist() == ["second", "other"]
+    assert np.array_equal(index.signatures, expected)
+
+
+@pytest.mark.parametrize("punctuation", [True, False])
+@pytest.mark.parametrize("whitespace", [True, False])
+def test_normalize_deletes_every_punctuation_code_point_and_collapses_every_whitespace(punctuation, whitespace):
+    every_space = "".join(chr(c) for c in range(0x3001) if chr(c).isspace())  # U+3000 is Unicode's last
+    texts = ["", " ", "!!", " ! ", "\x1c a \x1d", "a\x85b\u2028c", "¡Hola!  ¿Qué\u00a0tal?", "\ud800 x",
+             "\U00010100 x", f"{every_space}a{every_space}b,{every_space}", "Ｆｕｌｌ－ｗｉｄｔｈ", UDHR_ZH[0]]
+    cfg = DedupConfig(normalize_punctuation=punctuation, normalize_whitespace=whitespace)
+    for text in texts:
+        expected = unicodedata.normalize("NFKC", text).casefold()
+        if punctuation:
+            expected = "".join(c for c in expected if not unicodedata.category(c).startswith("P"))
+        if whitespace:
+            expected = " ".join(expected.split())
+        assert dedup.normalize(text, cfg) == expected, text
+    assert dedup.normalize("¡Hola!  ¿Qué\u00a0tal?", DedupConfig()) == "hola qué tal"
