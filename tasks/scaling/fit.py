@@ -131,7 +131,7 @@ def fit_mixture(cfg: FitConfig, sweep: SweepConfig, trials: Sequence[TrialResult
     reference = normalised(sweep.mixtures[sweep.reference])
     domains = sorted(d for d, w in reference.items() if w > 0)
     out: dict[str, Any] = {"target": cfg.mixture_target, "domains": domains, "num_trials": len(runs),
-                           "models": {}, "chosen": None, "recommendation": None, "refused": None,
+                           "models": {}, "chosen": None, "recommendation": None, "refused": None, "predictions": {},
                            "search": {"candidates": cfg.mixture_candidates, "top_k": cfg.mixture_top_k,
                                       "min_spearman": cfg.min_mixture_spearman}}
     observed = [(t, _target(t, cfg.mixture_target)) for t in runs]
@@ -162,6 +162,12 @@ def fit_mixture(cfg: FitConfig, sweep: SweepConfig, trials: Sequence[TrialResult
                             num_samples=search["candidates"], top_k=min(search["top_k"], search["candidates"]))
     out["recommendation"] = rec.as_dict()
     out["heldout_spearman"] = fit.heldout_spearman
+    # What validate's transfer check trains at a larger size: each trial's mixture and the optimum,
+    # with the loss the chosen regression (fitted on every trial) predicts for it.
+    predicted = fit.predict([[w[d] for d in domains] for w in weights])
+    out["predictions"] = {t.mixture: {"weights": w, "predicted_loss": float(p)}
+                          for t, w, p in zip(runs, weights, predicted, strict=True)}
+    out["predictions"][f"regression-{chosen}"] = {"weights": rec.weights, "predicted_loss": rec.predicted_loss}
     if rec.extrapolates:
         out["refused"] = (f"the regression's optimum lies {rec.nearest_trial_distance:.2f} (L1) from the nearest trial, "
                           "outside the region the trials cover: not a mixture to bet production on; the best "

@@ -8,6 +8,8 @@
   LR*(C) and batch*(C) laws.
 - `mixture.png`: predicted loss along each domain's weight (the others in their reference
   proportions) with the trials, and held-out predicted against observed loss.
+- `capabilities.png` (validate): each eval metric against compute, the best proxy per budget with
+  their trend line, and the mid-scale model.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from tasks.scaling.laws import HyperparameterLaws, IsoFlopFit, LossLawFit
 from tasks.scaling.sweep import TrialResult
 
 ISOFLOP_PLOT, LAW_PLOT, HYPER_PLOT, MIXTURE_PLOT = "isoflop.png", "law.png", "hyperparameters.png", "mixture.png"
+CAPABILITIES_PLOT = "capabilities.png"
 DPI = 90
 
 
@@ -212,6 +215,29 @@ def plot_mixture(mixture: dict[str, Any], fit: Any, reference: dict[str, float],
     else:
         ax.set_axis_off()
         ax.text(0.5, 0.5, "no regression\n(see the plan's mixture.refused)", ha="center", va="center")
+    fig.savefig(path, dpi=DPI)
+    plt.close(fig)
+
+
+def plot_capabilities(rows: Sequence[dict[str, Any]], path: Path) -> None:
+    """`rows`: the gate report's `capabilities` (`CapabilityRow.as_dict()`), one panel each."""
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, len(rows), figsize=(3.6 * len(rows), 3.6), layout="constrained", squeeze=False)
+    for ax, row in zip(axes[0], rows, strict=True):
+        compute = [c for _, c, _ in row["proxies"]]
+        ax.plot(compute, [v for _, _, v in row["proxies"]], marker="o", color="tab:blue", label="best proxy per budget")
+        if row["slope_per_decade"] is not None:
+            xs = np.geomspace(min(compute), row["midscale_compute"], 20)
+            at_min = row["trend_at_midscale"] - row["slope_per_decade"] * np.log10(row["midscale_compute"])
+            ax.plot(xs, at_min + row["slope_per_decade"] * np.log10(xs), ls=":", color="tab:blue", label="proxies' trend")
+        ax.scatter([row["midscale_compute"]], [row["midscale"]], marker="*", s=160, zorder=4,
+                   color="tab:green" if row["continues"] else "tab:red",
+                   label="mid-scale (" + ("continues" if row["continues"] else "breaks") + " the trend)")
+        direction = "higher" if row["higher_is_better"] else "lower"
+        ax.set(xscale="log", xlabel="compute C = 6ND (FLOPs)", ylabel=f"{row['metric'].split('/')[1]} ({direction} "
+               "is better)", title=row["metric"].split("/")[0] + ("" if row["gated"] else " (not gated)"))
+        ax.title.set_fontsize(9)
+        ax.legend(fontsize=7)
     fig.savefig(path, dpi=DPI)
     plt.close(fig)
 

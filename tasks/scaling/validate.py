@@ -3,7 +3,9 @@
 A run beyond the sweep's compute trains with the plan's learning rate and mixture; the gate passes
 only if its loss stayed finite and fell, the run had no more than `max_spikes` loss spikes and
 no gradient-norm blow-up, and its validation loss lies in the fit's bootstrap prediction
-interval (no floor: a law that does not transfer fails here). The validate stage records the
+interval (no floor: a law that does not transfer fails here). Beside the loss, the mid-scale
+model's eval-suite scores must continue the proxies' trend (`capabilities`), and the mixture
+regression's ranking is checked at the validate size (`transfer`). The validate stage records the
 report; the train stage refuses to start on a failed gate unless `train.gate_override` gives a
 reason, which is recorded.
 """
@@ -19,6 +21,8 @@ from pydantic import Field
 
 from tasks.configbase import Section
 from tasks.errors import KilnError
+from tasks.scaling.capabilities import CapabilityConfig, CapabilityRow
+from tasks.scaling.transfer import MixtureTransferConfig
 from tasks.train.config import ModelConfig, TrainRunConfig
 
 REPORT_FILE = "gate.json"
@@ -40,6 +44,9 @@ class ValidateConfig(Section):
     max_grad_norm_ratio: float = Field(
         20.0, gt=1, description="a gradient norm above this many times the run's median (after warmup) is a "
         "blow-up the gate fails")
+    capabilities: CapabilityConfig = Field(CapabilityConfig(), description="the eval suite beside the proxies' trend")
+    mixture_transfer: MixtureTransferConfig = Field(
+        MixtureTransferConfig(), description="the mixture regression's ranking, checked at the validate model's size")
 
 
 class ValidationGateError(KilnError):
@@ -53,6 +60,8 @@ class GateReport:
     predicted: dict[str, Any] | None  # loss, low, high, level, num_params, tokens
     reasons: list[str] = field(default_factory=list)  # why it failed (empty when it passed)
     checks: dict[str, Any] = field(default_factory=dict)  # every check's measured value
+    capabilities: list[dict[str, Any]] = field(default_factory=list)  # CapabilityRow.as_dict() per metric
+    mixture_transfer: dict[str, Any] | None = None  # predicted and observed losses, spearman
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -67,16 +76,38 @@ class GateReport:
         else:
             lines.append("  no prediction to check (the fit refused the loss law; see the plan's refused)")
         lines.append("  checks: " + ", ".join(f"{k}={v}" for k, v in self.checks.items()))
+        for row in self.capabilities:
+            trend = ", ".join(f"{v:.4f} @ {c:.2g}" for _, c, v in row["proxies"])
+            verdict = "continues" if row["continues"] else "BREAKS"
+            lines.append(f"  {row['metric']}: proxies {trend} FLOPs; mid-scale {row['midscale']:.4f} @ "
+                         f"{row['midscale_compute']:.2g} ({verdict} the trend vs best proxy {row['best_proxy_value']:.4f}"
+                         + (")" if row["gated"] else "; not gated)")
+                         + ("" if row["plan_mixture"] is None else f"; on the plan's mixture {row['plan_mixture']:.4f}"))
+        transfer = self.mixture_transfer
+        if transfer:
+            if transfer.get("spearman") is None:
+                lines.append(f"  mixture transfer: {transfer['note']}")
+            else:
+                lines.append(f"  mixture transfer at the validate size: Spearman {transfer['spearman']:.2f} over "
+                             + ", ".join(f"{name} (pred {p:.4f}, obs {transfer['observed'][name]:.4f})"
+                                         for name, p in transfer["predicted"].items() if name in transfer["observed"]))
         lines += [f"  - {reason}" for reason in self.reasons]
         return "\n".join(lines)
 
 
 def check_gate(val_loss: float, loss_curve: list[tuple[int, float]], predicted: dict[str, Any] | None, *,
                health_events: list[dict[str, Any]] = (), grad_norm_curve: list[tuple[int, float]] = (),
-               warmup_steps: int = 0, cfg: ValidateConfig | None = None) -> GateReport:
+               warmup_steps: int = 0, cfg: ValidateConfig | None = None,
+               capabilities: tuple[list[CapabilityRow], list[str]] | None = None,
+               mixture_transfer: dict[str, Any] | None = None, law_run: tuple[str, float] | None = None) -> GateReport:
+    """The gate's verdict. `capabilities` is `capability_trend`'s rows and reasons; `mixture_transfer`
+    holds `predicted`, `observed` and `spearman` (None with a `note` when there is nothing to rank).
+    `law_run` (name, val loss) is the run held to the interval when it is not this one: the run at
+    this size on the mixture the law was fitted on."""
     cfg = cfg or ValidateConfig()
     reasons = []
     checks: dict[str, Any] = {}
+    law_name, law_loss = law_run or ("validate", val_loss)
     if not math.isfinite(val_loss) or any(not math.isfinite(loss) for _, loss in loss_curve):
         reasons.append("loss became NaN/Inf: the plan's learning rate is unstable at this size")
     elif loss_curve and loss_curve[-1][1] >= loss_curve[0][1]:
@@ -95,11 +126,26 @@ def check_gate(val_loss: float, loss_curve: list[tuple[int, float]], predicted: 
                            f"={cfg.max_grad_norm_ratio:g}): training was close to diverging")
     if predicted is not None:
         low, high = predicted["low"], predicted["high"]
-        checks["inside_interval"] = low <= val_loss <= high
+        checks["law_run"], checks["law_run_val_loss"] = law_name, law_loss
+        checks["inside_interval"] = low <= law_loss <= high
         if not checks["inside_interval"]:
-            side = "above" if val_loss > high else "below"
+            side = "above" if law_loss > high else "below"
             reasons.append(
-                f"observed loss {val_loss:.4f} is {side} the {predicted['level']:.0%} prediction interval "
+                f"observed loss {law_loss:.4f} ({law_name}) is {side} the {predicted['level']:.0%} prediction interval "
                 f"[{low:.4f}, {high:.4f}]: the fitted law does not transfer to this size. Sweep closer to it (larger "
                 "budgets, more widths), or, having read why, start production with train.gate_override")
-    return GateReport(not reasons, val_loss, predicted, reasons, checks)
+    rows: list[CapabilityRow] = []
+    if capabilities is not None:
+        rows, capability_reasons = capabilities
+        checks["capabilities_continue"] = all(r.continues for r in rows if r.gated)
+        reasons += capability_reasons
+    if mixture_transfer is not None:
+        rho, floor = mixture_transfer.get("spearman"), cfg.mixture_transfer.min_spearman
+        checks["mixture_transfer_spearman"] = None if rho is None else round(rho, 3)
+        if floor is not None and (rho is None or rho < floor):
+            got = "no rank correlation" if rho is None else f"rank correlation {rho:.2f}"
+            reasons.append(f"the mixture regression's ranking does not transfer to the validate size: {got} between "
+                           f"predicted and observed losses (validate.mixture_transfer.min_spearman={floor:g}); the "
+                           "plan's mixture is chosen from a ranking that does not hold here")
+    return GateReport(not reasons, val_loss, predicted, reasons, checks, [r.as_dict() for r in rows],
+                      mixture_transfer)

@@ -181,5 +181,6 @@ STAGE = Stage(
     name="fit", description="scaling laws, LR/batch laws, mixture regression, the plan", body=run,
     inputs=("sweep", "tokenize"), config=FitConfig,
     reads=("validate.model", "validate.run"), headline=headline,
-    reports=(REPORT_FILE,), version=2,
+    # 3: the mixture regression's predictions for its optimum and each mixture trial (validate's transfer check)
+    reports=(REPORT_FILE,), version=3,
 )

@@ -1,15 +1,34 @@
-"""Stage `validate`: a mid-scale run with the plan's LR and mixture, held to the fit's bootstrap
-prediction interval (the gate). It records the gate report (`gate.json`, and the law plot with
-the observed point); the train stage is the one that refuses to start on a failed gate."""
+"""Stage `validate`: a mid-scale run with the plan's LR and mixture, and the gate on it. Beside it,
+a few of the fit's mixtures, the reference among them, are trained at this size to check that
+the mixture regression's ranking transfers. The run on the reference mixture (the law's and the
+proxies') is the one held to the fit's bootstrap prediction interval and, with the sweep's best
+proxy per budget, scored on the eval suite (capabilities against compute). It records the
+gate report (`gate.json`, `gate.md`, the law plot with the observed point, `capabilities.png`);
+the train stage is the one that refuses to start on a failed gate."""
 
 from __future__ import annotations
 
 import json
+from typing import TYPE_CHECKING, Any
 
+from tasks.data.tokenize import SHARDS_FILE, TOKENIZER_FILE
 from tasks.scaling.fit import PLAN_FILE, loss_law_from_dict
 from tasks.scaling.validate import REPORT_FILE, ValidateConfig, check_gate
 from tasks.stage import Stage, StageContext
-from tasks.stages._training import plan_mixture, run_training, train_headline, train_stats
+from tasks.stages._common import configured_eval_files
+from tasks.stages._training import (
+    plan_mixture,
+    run_training,
+    train_headline,
+    train_stats,
+)
+
+if TYPE_CHECKING:
+    from tasks.scaling.capabilities import CapabilityRow
+    from tasks.train.config import OptimConfig
+
+CAPABILITIES_DIR = "capabilities"  # capabilities/<model>/results.json: each scored model's eval results
+TRANSFER_DIR = "transfer"  # transfer/<mixture>/: each transfer run
 
 
 def run(ctx: StageContext) -> dict:
@@ -25,32 +44,138 @@ def run(ctx: StageContext) -> dict:
         low, high = planned["interval"]
         predicted = {"loss": planned["predicted_loss"], "low": low, "high": high, "level": planned["level"],
                      "num_params": planned["num_params"], "tokens": planned["tokens"]}
+    transfer = (mixture_transfer(ctx, plan, optim, result.val_loss) if cfg.validate_.mixture_transfer.num_mixtures
+                else None)
+    on_reference = law_run(ctx, plan, transfer)
+    capabilities = None
+    if cfg.validate_.capabilities.enabled:
+        capabilities = score_capabilities(ctx, planned["compute"], on_reference[0] if on_reference else None)
     report = check_gate(result.val_loss, result.loss_curve, predicted, health_events=result.health_events,
-                        grad_norm_curve=result.grad_norm_curve, warmup_steps=optim.warmup_steps, cfg=cfg.validate_)
+                        grad_norm_curve=result.grad_norm_curve, warmup_steps=optim.warmup_steps, cfg=cfg.validate_,
+                        capabilities=capabilities, mixture_transfer=transfer, law_run=on_reference)
     (ctx.out_dir / REPORT_FILE).write_text(json.dumps(report.as_dict(), indent=2))
     law = loss_law_from_dict(plan["loss_law"]) if plan["loss_law"] else None
     plots.plot_law(plan["points"], law, plan["runs"], ctx.out_dir / plots.LAW_PLOT,
                    observed={"validate": result.val_loss})
+    images = [plots.inline_image(ctx.out_dir / plots.LAW_PLOT, "law")]
+    if report.capabilities:
+        plots.plot_capabilities(report.capabilities, ctx.out_dir / plots.CAPABILITIES_PLOT)
+        images.append(plots.inline_image(ctx.out_dir / plots.CAPABILITIES_PLOT, "capabilities"))
     (ctx.out_dir / "gate.md").write_text(f"# Kiln validation gate\n\n```\n{report.describe()}\n```\n\n"
-                                         + plots.inline_image(ctx.out_dir / plots.LAW_PLOT, "law") + "\n")
+                                         + "\n\n".join(images) + "\n")
     stats = train_stats(result, device=cfg.validate_.run.device, world_size=result.world_size, lr=planned["lr"],
                         gate=report.as_dict(), gate_passed=report.passed)
     if predicted:
         stats |= {"predicted_val_loss": predicted["loss"], "interval_low": predicted["low"],
                   "interval_high": predicted["high"]}
+    if on_reference:
+        stats["law_run"], stats["law_run_val_loss"] = on_reference
+    if transfer and transfer["spearman"] is not None:
+        stats["mixture_transfer_spearman"] = transfer["spearman"]
     return stats
+
+
+def score_capabilities(ctx: StageContext, midscale_compute: float, reference_run: str | None
+                       ) -> tuple[list[CapabilityRow], list[str]]:
+    """The eval suite (local tasks, `validate.capabilities.limit` items each) on the best proxy of each
+    IsoFLOP budget and on the mid-scale model trained on their mixture (`reference_run`, a folder of
+    this stage, or the validate run itself when None), and the trend check; the validate run, on
+    the plan's other mixture, is scored beside it."""
+    from tasks.evals.evaluate import evaluate_model  # lm-eval takes seconds to import
+    from tasks.scaling.capabilities import ScoredModel, capability_trend
+    from tasks.scaling.sweep import TRIALS_DIR, TRIALS_FILE, best_isoflop_trials, load_trials
+
+    caps = ctx.cfg.validate_.capabilities
+    eval_cfg = ctx.cfg.evaluate.model_copy(update={"limit": caps.limit, "standard_suite": False, "extra_tasks": []})
+    tokenizer = ctx.inputs["tokenize"] / TOKENIZER_FILE
+
+    def score(name: str, model_dir: Any, compute: float) -> ScoredModel:
+        out = ctx.out_dir / CAPABILITIES_DIR / name.replace("/", "-")
+        out.mkdir(parents=True)
+        return ScoredModel(name, compute, evaluate_model(eval_cfg, model_dir, tokenizer, out, tasks=caps.tasks or None))
+
+    sweep_dir = ctx.inputs["sweep"]
+    best = best_isoflop_trials(ctx.cfg.sweep, load_trials(sweep_dir / TRIALS_FILE)).values()
+    proxies = [score(t.name, sweep_dir / TRIALS_DIR / t.name / "model", 6.0 * t.num_params * t.tokens) for t in best]
+    validate = score("validate", ctx.out_dir / "model", midscale_compute)
+    if reference_run is None:
+        return capability_trend(proxies, validate, caps)
+    return capability_trend(proxies, score(reference_run, ctx.out_dir / reference_run / "model", midscale_compute),
+                            caps, plan_model=validate)
+
+
+def mixture_transfer(ctx: StageContext, plan: dict[str, Any], optim: OptimConfig, validate_loss: float
+                     ) -> dict[str, Any]:
+    """Train `validate.mixture_transfer.num_mixtures` of the fit's predicted mixtures at the validate
+    model's size; their predicted and observed losses and the rank correlation between them. At the
+    validate run's length the validate run itself is the plan mixture's run (not trained twice)."""
+    from tasks.scaling.transfer import choose_transfer_mixtures, transfer_spearman
+    from tasks.train.data_loader import mixture_with_weights
+    from tasks.train.health import TrainingDivergedError
+    from tasks.train.loop import train_model
+
+    cfg = ctx.cfg.validate_
+    regression = plan["mixture_regression"]
+    predictions = regression.get("predictions") or {}
+    if not predictions:
+        why = regression.get("refused") or "no mixture regression was fitted"
+        return {"predicted": {}, "observed": {}, "spearman": None, "note": f"nothing to rank ({why})"}
+    names = choose_transfer_mixtures({n: p["predicted_loss"] for n, p in predictions.items()},
+                                     [plan["mixture"]["name"], ctx.cfg.sweep.reference], cfg.mixture_transfer.num_mixtures)
+    shards = ctx.read_json("tokenize", SHARDS_FILE)
+    steps = cfg.mixture_transfer.steps or cfg.run.steps
+    run_cfg = cfg.run.model_copy(update={"steps": steps})
+    target = regression["target"]
+    observed, diverged, reused = {}, [], None
+    for name in names:
+        if name == plan["mixture"]["name"] and steps == cfg.run.steps and target == "average":
+            observed[name], reused = validate_loss, name
+            continue
+        mixture = mixture_with_weights(shards, ctx.inputs["tokenize"], predictions[name]["weights"],
+                                       f"the fit's mixture {name}")
+        try:
+            result = train_model(cfg.model, optim, run_cfg, mixture, ctx.out_dir / TRANSFER_DIR / name)
+        except TrainingDivergedError:
+            diverged.append(name)
+            continue
+        observed[name] = result.val_loss if target == "average" else result.val_loss_by_domain[target]
+    predicted = {n: predictions[n]["predicted_loss"] for n in names}
+    rho = transfer_spearman(predicted, observed)
+    out: dict[str, Any] = {"predicted": predicted, "observed": observed, "spearman": rho, "target": target,
+                           "steps": steps, "diverged": diverged, "validate_run_is": reused}
+    if rho is None:
+        out["note"] = (f"no rank correlation: {len(observed)} of {len(names)} mixtures finished"
+                       + (f" ({', '.join(diverged)} diverged)" if diverged else "") + " or their losses tie")
+    return out
+
+
+def law_run(ctx: StageContext, plan: dict[str, Any], transfer: dict[str, Any] | None) -> tuple[str, float] | None:
+    """The run held to the law's interval when it is not the validate run: the transfer run on the
+    reference mixture (the law's) at the validate run's length, when the plan chose another mixture."""
+    reference = ctx.cfg.sweep.reference
+    if (transfer is None or plan["mixture"]["name"] == reference or reference not in transfer["observed"]
+            or transfer.get("steps") != ctx.cfg.validate_.run.steps or transfer.get("target") != "average"):
+        return None
+    return f"{TRANSFER_DIR}/{reference}", transfer["observed"][reference]
 
 
 def headline(stats: dict) -> dict:
     out = {**train_headline(stats), "gate": "passed" if stats["gate_passed"] else "FAILED"}
     if "predicted_val_loss" in stats:
         out["interval"] = f"[{stats['interval_low']:.4f}, {stats['interval_high']:.4f}]"
+    if "law_run" in stats:  # the run held to the interval: the one on the law's mixture
+        out["reference_val_loss"] = round(stats["law_run_val_loss"], 4)
+    if "mixture_transfer_spearman" in stats:
+        out["mix_transfer_rho"] = round(stats["mixture_transfer_spearman"], 2)
     return out
 
 
 # version 2: the gate's interval is the fit's bootstrap prediction interval (no floor); validate.run;
-# a failed gate is recorded here and enforced by the train stage
+# a failed gate is recorded here and enforced by the train stage. 3: the eval suite against the
+# proxies' trend (capabilities), the mixture regression's ranking checked at this size (transfer)
 STAGE = Stage(
-    name="validate", description="mid-scale run vs the prediction (gate)", body=run, inputs=("mix", "fit"),
-    config=ValidateConfig, headline=headline, version=2, reports=("gate.md",),
+    name="validate", description="mid-scale run vs the prediction (gate)", body=run,
+    inputs=("mix", "fit", "sweep", "tokenize"), config=ValidateConfig,
+    reads=("evaluate.eval_files", "evaluate.choice", "evaluate.lines"), external_files=configured_eval_files,
+    headline=headline, version=3, reports=("gate.md",),
 )

@@ -18,6 +18,7 @@ from tasks.scaling.laws import compute_optimal_allocation
 from tasks.scaling.mix import MixConfig, build_mixture_manifest
 from tasks.scaling.plan import budget_from_accelerators, plan_for_compute, plan_for_model
 from tasks.scaling.sweep import IsoFlopBudget, MixtureDesign, SweepConfig, TrialResult
+from tasks.scaling.transfer import transfer_spearman
 from tasks.scaling.validate import ValidateConfig, check_gate
 from tasks.train.config import ModelConfig, TrainRunConfig
 
@@ -160,6 +161,13 @@ def test_the_mixture_regression_recovers_a_known_optimum_and_ranks_held_out_tria
     chosen = chosen_mixture(mixture)
     assert chosen["source"] == "regression"
     assert [chosen["weights"][d] for d in ("web", "code", "prose")] == pytest.approx([0.2, 0.5, 0.3], abs=0.07)
+    # validate's transfer check reads what the regression predicts for each trial and for its optimum
+    predictions = mixture["predictions"]
+    assert set(predictions) == {f"dirichlet{i:02d}" for i in range(40)} | {f"regression-{mixture['chosen']}"}
+    assert predictions[f"regression-{mixture['chosen']}"] == {
+        "weights": mixture["recommendation"]["weights"], "predicted_loss": mixture["recommendation"]["predicted_loss"]}
+    observed = {t.mixture: t.val_loss for t in mixture_trials(40)}
+    assert transfer_spearman({n: p["predicted_loss"] for n, p in predictions.items()}, observed) > 0.9
     domain = fit_mixture(FitConfig(mixture_target="web", mixture_model="ridge"), sweep, mixture_trials(40))
     assert domain["chosen"] == "ridge" and domain["target"] == "web"
 
@@ -190,6 +198,7 @@ def test_an_unreliable_mixture_regression_falls_back_to_the_best_observed_trial(
                       "observed_loss": best.val_loss}
     few = fit_mixture(FitConfig(), sweep, trials[:5])
     assert "at least 20 trials" in few["refused"] and chosen_mixture(few)["source"] == "best observed trial"
+    assert few["predictions"] == {}  # nothing for validate's transfer check to rank
 
 
 SHARDS = {"dtype": "uint16", "vocab_size": 500, "eos_id": 0, "domains": {
