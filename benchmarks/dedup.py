@@ -202,16 +202,20 @@ def run_datatrove(cfg: DedupConfig, input_file: Path, out_dir: Path) -> dict[str
     return clusters_from_output(out_dir)
 
 
-def measure(method: Method, cfg: DedupConfig, input_file: Path, work: Path, repeats: int) -> tuple[float, dict[str, str]]:
-    times, result = [], None
+def measure(methods: list[Method], cfg: DedupConfig, input_file: Path, work: Path, repeats: int
+            ) -> dict[str, tuple[list[float], dict[str, str]]]:
+    """Each method's seconds per repeat and its clusters; repeats interleaved, so that every method
+    sees the same load over time (the first repeat of each also pays its imports)."""
+    results: dict[str, tuple[list[float], dict[str, str]]] = {}
     for repeat in range(repeats):
-        out = work / f"{method.__name__}-{repeat}"
-        out.mkdir()
-        started = time.perf_counter()
-        cluster_of = method(cfg, input_file, out)
-        times.append(time.perf_counter() - started)
-        result = result or cluster_of
-    return statistics.median(times), result
+        for method in methods:
+            name = method.__name__.removeprefix("run_")
+            out = work / f"{name}-{repeat}"
+            out.mkdir()
+            started = time.perf_counter()
+            cluster_of = method(cfg, input_file, out)
+            results.setdefault(name, ([], cluster_of))[0].append(time.perf_counter() - started)
+    return results
 
 
 def main() -> None:
@@ -233,8 +237,8 @@ def main() -> None:
               f"{input_file.stat().st_size / 1e6:.1f} MB, {len(injected)} injected copies; LSH "
               f"{minhash.lsh_params(cfg.threshold, cfg.num_perm, cfg.fp_weight, cfg.fn_weight)} (bands, rows) at "
               f"threshold {cfg.threshold}, {cfg.num_perm} permutations; medians of {args.repeats}; one core")
-        results = {method.__name__.removeprefix("run_"): measure(method, cfg, input_file, work, args.repeats)
-                   for method in methods}
+        runs = measure(methods, cfg, input_file, work, args.repeats)
+    results = {name: (statistics.median(times), cluster_of) for name, (times, cluster_of) in runs.items()}
     normalized = [normalize(d.text, cfg) for d in docs]
     sig_times = []
     for _ in range(args.repeats):
@@ -256,12 +260,12 @@ def main() -> None:
     positives = truth.positives()
     print(f"true pairs (Jaccard >= {TRUE_JACCARD}): {len(positives)}")
     print(f"{'method':<12}{'seconds':>9}{'docs/s/core':>13}{'pairs':>8}{f'recall>={TRUE_JACCARD}':>12}"
-          f"{f'precision>={TRUE_JACCARD}':>15}")
+          f"{f'precision>={TRUE_JACCARD}':>15}   all runs (s)")
     for name, (seconds, _) in results.items():
         hits = len(found[name] & positives)
         precision = hits / len(found[name]) if found[name] else 1.0
         print(f"{name:<12}{seconds:>9.2f}{num_docs / seconds:>13.0f}{len(found[name]):>8}"
-              f"{hits / len(positives):>12.4f}{precision:>15.4f}")
+              f"{hits / len(positives):>12.4f}{precision:>15.4f}   {', '.join(f'{t:.2f}' for t in runs[name][0])}")
     datasketch = results["datasketch"][0]
     print(f"shingles + signatures of normalised text alone: Kiln {sig_fast:.2f} s, datasketch {sig_datasketch:.2f} s "
           f"({sig_datasketch / sig_fast:.1f}x)")

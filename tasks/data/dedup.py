@@ -336,7 +336,7 @@ def _plot_cluster_sizes(sizes: Counter[int], path: Path) -> None:
     axes.set_xlabel("documents in cluster")
     axes.set_ylabel("clusters")
     axes.set_title(f"Duplicate clusters ({sum(sizes.values())})")
-    figure.tight_layout()
+    figure.subplots_adjust(left=0.16, bottom=0.16, right=0.97, top=0.9)  # fixed: tight_layout doubled the cost
     figure.savefig(path, dpi=80)
 
 
