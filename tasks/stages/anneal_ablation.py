@@ -5,8 +5,8 @@ Each candidate is the anneal stage's own run (`anneal_into`) in `branches/<name>
 logged under `<name>/` in the stage's MLflow run; the start model is scored too, so every change is
 against the weights all candidates began from. Candidates are ranked by the mean change of their
 bits per byte over the suite's perplexity tasks: on the few steps an ablation affords, perplexity
-moves measurably where accuracies over a few items are noise. A crashed attempt resumes: a branch
-whose evaluation is written is not run again, one that was training resumes from its checkpoints.
+moves measurably where accuracies over a few items are noise. A crashed attempt resumes: a finished
+branch (its `branch.json` written) is not run again, one that was training resumes from its checkpoints.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ START = "start"  # the report's baseline: the model every candidate starts from
 REPORT_FILE = "ablation.md"
 SUMMARY_FILE = "ablation.json"
 METRICS_FILE = "metrics.json"  # beside each evaluation's results.json: the flat scores
+BRANCH_FILE = "branch.json"  # a finished branch: its mixture, losses and quality selections
 RANK_METRIC = "bits_per_byte"
 
 
@@ -114,13 +115,16 @@ def run(ctx: StageContext) -> dict:
         results = {START: _evaluate(ctx, start.model_dir, ctx.out_dir / START, contamination)}
         for name, mixture in cfg.candidates.items():
             branch = ctx.out_dir / BRANCHES_DIR / name
-            branch.mkdir(parents=True, exist_ok=True)
-            branch_ctx = replace(ctx, out_dir=branch, recorder=BranchRecorder(ctx.recorder, name))
-            stats = anneal_into(branch_ctx, cfg.anneal_config(mixture), start, f"anneal_ablation.candidates.{name}")
-            results[name] = _evaluate(ctx, branch / "model", branch / "eval", contamination)
-            summary["candidates"][name] = {
-                "mixture": cfg.model_dump(mode="json")["candidates"][name], "val_loss": stats["val_loss"],
-                "final_train_loss": stats["final_train_loss"], "quality_selections": stats["quality_selections"]}
+            if not (branch / BRANCH_FILE).is_file():  # written last: an earlier attempt finished this branch
+                branch.mkdir(parents=True, exist_ok=True)
+                branch_ctx = replace(ctx, out_dir=branch, recorder=BranchRecorder(ctx.recorder, name))
+                stats = anneal_into(branch_ctx, cfg.anneal_config(mixture), start, f"anneal_ablation.candidates.{name}")
+                _evaluate(ctx, branch / "model", branch / "eval", contamination)
+                info = {"mixture": cfg.model_dump(mode="json")["candidates"][name], "val_loss": stats["val_loss"],
+                        "final_train_loss": stats["final_train_loss"], "quality_selections": stats["quality_selections"]}
+                (branch / BRANCH_FILE).write_text(json.dumps(info, indent=1) + "\n", encoding="utf-8")
+            summary["candidates"][name] = json.loads((branch / BRANCH_FILE).read_text(encoding="utf-8"))
+            results[name] = json.loads((branch / "eval" / RESULTS_FILE).read_text(encoding="utf-8"))
         rows = report_rows(results, START)
         summary["ranking"] = rank_candidates(rows, list(cfg.candidates))
         summary["best"] = next((n for n, change in summary["ranking"].items() if change is not None), None)

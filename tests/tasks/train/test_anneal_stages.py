@@ -106,11 +106,15 @@ def test_the_ablation_anneals_each_candidate_from_one_checkpoint_and_ranks_them(
     branches = anneal_ablation.ablation_results(ctx.out_dir)
     assert set(branches) == {"ablation/prose_only", "ablation/best_web"}
     assert branches["ablation/prose_only"]["metrics"]["kiln_heldout/bits_per_byte"] == row["prose_only"]
+    # a resumed attempt on the same folder trains and evaluates nothing already finished
+    model_file = ctx.out_dir / "branches/prose_only/model/model.pt"
+    written = model_file.stat().st_mtime_ns
+    assert anneal_ablation.run(ctx) == stats and model_file.stat().st_mtime_ns == written
 
 
 def test_no_candidates_is_a_no_op_that_says_so(inputs, tmp_path):
-    ctx = context(inputs, tmp_path / "none")
-    assert anneal_ablation.run(ctx) == {"best": None, "ranking": {}, "from_step": None, "steps": 20, "candidates": {}}
+    ctx = context(inputs, tmp_path / "none", "anneal_ablation.candidates={}")
+    assert anneal_ablation.run(ctx) == {"best": None, "ranking": {}, "from_step": None, "steps": 5, "candidates": {}}
     assert "nothing was run" in (ctx.out_dir / anneal_ablation.REPORT_FILE).read_text()
     assert anneal_ablation.ablation_results(ctx.out_dir) == {}
     assert sorted(p.name for p in ctx.out_dir.iterdir()) == [anneal_ablation.SUMMARY_FILE, anneal_ablation.REPORT_FILE]
