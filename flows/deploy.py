@@ -3,10 +3,12 @@
 `deploy` registers every deployment of infra/prefect.yaml (the pipeline, one per stage, continuous
 eval) with `prefect deploy`, creating its work pool first: the process pool by default, or the
 Kubernetes pool (base job template: infra/work-pools/kubernetes.json), onto which every deployment
-then moves. `worker` starts a worker for the process pool with the process settings CLI runs get
-(a Kubernetes pool's worker runs in the cluster); `serve` serves the same flows from one process,
-for a laptop. The continuous-eval schedule stays off until it is told which config to watch: a
-schedule silently scoring `configs/default.yaml` every ten minutes helps no one.
+then moves. Every deployment's job env gets the heartbeat frequency of the deploying process, the one
+the unresponsive-run alert assumes, so a run whose worker dies is marked Crashed on time. `worker`
+starts a worker for the process pool with the process settings CLI runs get (a Kubernetes pool's
+worker runs in the cluster); `serve` serves the same flows from one process, for a laptop. The
+continuous-eval schedule stays off until it is told which config to watch: a schedule silently
+scoring `configs/default.yaml` every ten minutes helps no one.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ WORK_POOL_TEMPLATES = REPO / "infra" / "work-pools"  # {type}.json: a pool's bas
 WORK_POOL_TYPES = ("process", "kubernetes")
 POOL = "kiln-process"
 CONTINUOUS_EVAL = "kiln-continuous-eval/continuous-eval"
+HEARTBEAT_SETTING = "PREFECT_FLOWS_HEARTBEAT_FREQUENCY"
 
 
 def _require_server() -> str:
@@ -89,10 +92,21 @@ async def _ensure_work_pool(name: str, kind: str) -> None:
         await client.create_work_pool(WorkPoolCreate(name=name, type=kind, base_job_template=template))
 
 
+def heartbeat_env() -> dict[str, str]:
+    """The heartbeat the unresponsive-run detector (`flows.alerts`) assumes: this process's setting, which
+    every deployment run gets in its job env, so a worker-run flow heartbeats at the cadence it is judged by
+    whatever the worker's own environment says (CLI runs send none: see flows/cli.py)."""
+    from prefect.settings import get_current_settings
+
+    seconds = get_current_settings().flows.heartbeat_frequency
+    return {} if seconds is None else {HEARTBEAT_SETTING: str(seconds)}
+
+
 def prefect_file_for(kind: str) -> dict:
-    """infra/prefect.yaml with every deployment on the work pool `kind`."""
+    """infra/prefect.yaml with every deployment on the work pool `kind`, its job env carrying `heartbeat_env`."""
     spec = yaml.safe_load(PREFECT_FILE.read_text())
-    pool = work_pool(kind)
+    pool = copy.deepcopy(work_pool(kind))
+    pool["job_variables"]["env"].update(heartbeat_env())
     for deployment in spec["deployments"]:
         deployment["work_pool"] = copy.deepcopy(pool)
     return spec
@@ -109,16 +123,14 @@ def deploy(continuous_eval_config: str | None = None, overrides: list[str] | Non
         raise KilnError("the kubernetes work pool runs flows in a container: give its image with --image "
                         "(or KILN_IMAGE), one with Kiln at /opt/kiln and kubectl")
     name = ensure_work_pool(pool)
-    if pool == "process":
-        summary = _prefect("--no-prompt", "deploy", "--prefect-file", str(PREFECT_FILE), "--all").stdout
-    else:
-        with tempfile.TemporaryDirectory(prefix="kiln-deploy-") as tmp:
-            prefect_file = Path(tmp) / "prefect.yaml"
-            prefect_file.write_text(yaml.safe_dump(prefect_file_for(pool), sort_keys=False))
-            # `prefect deploy` resolves the pull step's {{ $KILN_REPO_DIR }} now: to where Kiln is in the image
-            in_image = work_pool(pool)["job_variables"]["env"]["KILN_REPO_DIR"]
-            summary = _prefect("--no-prompt", "deploy", "--prefect-file", str(prefect_file), "--all",
-                               env={"KILN_IMAGE": image, "KILN_REPO_DIR": in_image}).stdout
+    # `prefect deploy` resolves the pull step's {{ $KILN_REPO_DIR }} now: this checkout, or Kiln's place in the image
+    env = {} if pool == "process" else {"KILN_IMAGE": image,
+                                        "KILN_REPO_DIR": work_pool(pool)["job_variables"]["env"]["KILN_REPO_DIR"]}
+    with tempfile.TemporaryDirectory(prefix="kiln-deploy-") as tmp:
+        prefect_file = Path(tmp) / "prefect.yaml"
+        prefect_file.write_text(yaml.safe_dump(prefect_file_for(pool), sort_keys=False))
+        summary = _prefect("--no-prompt", "deploy", "--prefect-file", str(prefect_file), "--all", env=env).stdout
+    if pool != "process":
         summary += f"\nevery deployment is on the work pool {name} (image {image})"
     if continuous_eval_config is not None:
         asyncio.run(_watch(continuous_eval_config, list(overrides or [])))

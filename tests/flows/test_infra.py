@@ -103,6 +103,32 @@ def test_cluster_setup_is_valid_kubernetes():
             ("services", "patch"), ("pods", "list"), ("pods/log", "get")} <= allowed
 
 
+def test_every_deployment_heartbeats_at_the_cadence_the_crash_alert_assumes():
+    """The unresponsive-run detector's window is three heartbeats of the deploying process's setting
+    (flows/alerts.py); every deployment run gets that setting in its job env, on either pool, whatever
+    the worker's own environment says. With heartbeats off there is no detector and nothing is set."""
+    from datetime import timedelta
+
+    from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, get_current_settings, temporary_settings
+
+    from flows.alerts import unresponsive_after
+    from flows.deploy import prefect_file_for, work_pool
+
+    for kind in ("process", "kubernetes"):
+        with temporary_settings({PREFECT_FLOWS_HEARTBEAT_FREQUENCY: 45}):
+            spec = prefect_file_for(kind)
+            assert unresponsive_after(get_current_settings().flows.heartbeat_frequency) == timedelta(seconds=135)
+        envs = [d["work_pool"]["job_variables"]["env"] for d in spec["deployments"]]
+        assert len(envs) == len(spec["deployments"]) > 10
+        assert all(env == {**work_pool(kind)["job_variables"]["env"], "PREFECT_FLOWS_HEARTBEAT_FREQUENCY": "45"}
+                   for env in envs)
+        with temporary_settings({PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
+            assert unresponsive_after(get_current_settings().flows.heartbeat_frequency) is None
+            assert all(d["work_pool"]["job_variables"]["env"] == work_pool(kind)["job_variables"]["env"]
+                       for d in prefect_file_for(kind)["deployments"])
+    assert "PREFECT_FLOWS_HEARTBEAT_FREQUENCY" not in work_pool("process")["job_variables"]["env"]  # the file is unchanged
+
+
 @pytest.fixture
 def api_url(prefect_api, monkeypatch):
     """The test Prefect API, also for the `prefect` subprocesses `kiln deploy` starts."""
@@ -118,6 +144,7 @@ def test_kiln_deploy_on_the_kubernetes_pool_gives_a_valid_job_manifest(api_url):
     prefect-kubernetes' worker would create for a flow run of it is valid Kubernetes. No cluster:
     nothing is submitted."""
     from prefect.client.orchestration import get_client
+    from prefect.settings import get_current_settings
     from prefect.workers.process import ProcessWorker
     from prefect_kubernetes.worker import KubernetesWorkerJobConfiguration
 
@@ -155,9 +182,36 @@ def test_kiln_deploy_on_the_kubernetes_pool_gives_a_valid_job_manifest(api_url):
     container = pod["containers"][0]
     assert container["image"] == IMAGE and pod["serviceAccountName"] == "kiln"
     assert {"name": "KILN_REPO_DIR", "value": "/opt/kiln"} in container["env"]
+    heartbeat = str(get_current_settings().flows.heartbeat_frequency)  # what the crash alert assumes
+    assert {"name": "PREFECT_FLOWS_HEARTBEAT_FREQUENCY", "value": heartbeat} in container["env"]
     assert container["volumeMounts"] == [{"name": "store", "mountPath": "/kiln"}]
     assert pod["volumes"] == [{"name": "store", "persistentVolumeClaim": {"claimName": "kiln-store"}}]
     # prefect-kubernetes' own validator demands these two in the pod spec, where the Job API has no such
     # fields (the API server drops them, with a warning); everything else must be valid, strictly
     assert (pod.pop("parallelism"), pod.pop("completions")) == (1, 1)
     kubernetes_validate.validate(job, K8S_VERSION, strict=True)
+
+
+def test_kiln_deploy_gives_process_pool_runs_the_alerts_heartbeat(api_url):
+    """The flow-run process a process worker would start for a deployment run gets the heartbeat setting
+    (job env wins over the worker's own environment)."""
+    from prefect.client.orchestration import get_client
+    from prefect.settings import get_current_settings
+    from prefect.workers.process import ProcessJobConfiguration
+
+    from flows.deploy import deploy
+
+    deploy()
+
+    async def resolve():
+        async with get_client() as client:
+            pool = await client.read_work_pool("kiln-process")
+            deployment = await client.read_deployment_by_name("kiln-pipeline/pipeline")
+            flow_run = await client.create_flow_run_from_deployment(deployment.id)
+            return await ProcessJobConfiguration.resolve_for_flow_run(
+                flow_run, client=client, work_pool=pool, worker_name="kiln-test", deployment=deployment)
+
+    config = asyncio.run(resolve())
+    heartbeat = str(get_current_settings().flows.heartbeat_frequency)
+    assert config.env["PREFECT_FLOWS_HEARTBEAT_FREQUENCY"] == heartbeat
+    assert config.env["OMP_WAIT_POLICY"] == "PASSIVE"
