@@ -78,6 +78,17 @@ def ecg_path(cfg: KilnConfig, keys: dict[str, str]) -> Path:
     return Path(cfg.work_dir) / "continuous_eval" / keys["train"] / ECG_FILE
 
 
+def up_to_date(cfg: KilnConfig, keys: dict[str, str]) -> bool:
+    """A pass would change nothing: every due checkpoint of both training stages is scored at the current
+    task versions, none was missed, and the ECG is drawn. Read from the state files, without a flow run."""
+    if not ecg_path(cfg, keys).is_file():
+        return False
+    targets = eval_targets(cfg, keys)
+    versions = suite_versions(targets[0].evaluate)
+    plans = [plan_evaluations(target, versions) for target in targets]
+    return not any(plan.due or plan.missed for plan in plans)
+
+
 def config_name(config_path: str | None) -> str:
     """The name in the regression event's resource id: the config file's stem (`configs/tiny.yaml` -> `tiny`)."""
     return Path(config_path).stem if config_path else "default"

@@ -69,11 +69,15 @@ def _parent_run(tracker: MlflowTracker, cfg: KilnConfig, config_path: str | None
     return parent
 
 
-def _score_checkpoints(config_path: str | None, overrides: list[str]) -> None:
+def _score_checkpoints(cfg: KilnConfig, keys: dict[str, str], config_path: str | None, overrides: list[str]) -> None:
     """The continuous-eval pass a watched run gets on its schedule, once at the end: each kept train and
-    anneal checkpoint scored, the ECG drawn (a subflow, so it shows under this run in Prefect)."""
-    from flows.continuous_eval import continuous_eval
+    anneal checkpoint scored, the ECG drawn (a subflow, so it shows under this run in Prefect). When the
+    state files say the pass would change nothing (a cached rerun), no subflow is started."""
+    from flows.continuous_eval import continuous_eval, ecg_path, up_to_date
 
+    if up_to_date(cfg, keys):
+        print(f"[ ecg ] every kept checkpoint is scored; ECG {ecg_path(cfg, keys)}", file=sys.stderr, flush=True)
+        return
     print("[ ecg ] scoring the kept train and anneal checkpoints...", file=sys.stderr, flush=True)
     started = time.perf_counter()
     summaries = continuous_eval(config_path, overrides)
@@ -101,7 +105,7 @@ def pipeline(config_path: str | None = "configs/default.yaml", overrides: list[s
             outcomes.append(outcome)
             print(f"[{index:2d}/{len(names)}] {name:<14} {describe(outcome)}", file=sys.stderr, flush=True)
         if cfg.continuous_eval.after_run and "anneal" in names:
-            _score_checkpoints(config_path, overrides)
+            _score_checkpoints(cfg, keys, config_path, overrides)
     except BaseException:
         tracker.end_run(parent, failed=True)
         raise

@@ -84,7 +84,8 @@ def execute(name: str, cfg: KilnConfig, keys: dict[str, str], parent_run_id: str
                             parent_run_id=parent_run_id, flow_run_id=_flow_run_id())
     else:
         outcome = StageOutcome(**state.result())
-    _publish(outcome)
+    if outcome.status == "ran":  # a reused stage's table and reports are those its run published
+        _publish(outcome)
     return outcome
 
 

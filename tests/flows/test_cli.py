@@ -75,4 +75,16 @@ def test_status_totals_the_cost_recorded_in_the_manifests(in_repo, tmp_path, cap
             "wall_s": wall, "cpu_s": 2 * wall, "peak_rss_mb": wall * 10, "accelerator_s": 3600 * wall / 6}})
     assert main(["status", "configs/tiny.yaml", f"work_dir={tmp_path}"]) == 0
     out = capsys.readouterr().out
-    assert "cost of the complete stages: 42 s wall, 84 s CPU, 7.00 accelerator-hours, peak memory 300 MiB" in out
+    assert "cost of this pipeline's complete stages: 42 s wall, 84 s CPU, 7.00 accelerator-hours, peak memory 300 MiB" in out
+
+    # a training stage brings the planner's forecast: its device-hours beside the spent ones, totalled
+    store.begin("train", keys["train"])
+    store.commit("train", keys["train"], {"stats": {"headline": {"device_h": 2.0, "forecast_device_h": 1.5}},
+                                          "wall_s": 900.0, "cost": {
+        "wall_s": 900.0, "cpu_s": 100.0, "peak_rss_mb": 500.0, "accelerator_s": 7200.0,
+        "forecast_accelerator_s": 5400.0, "forecast_ratio": 7200.0 / 5400.0}})
+    assert main(["status", "configs/tiny.yaml", f"work_dir={tmp_path}"]) == 0
+    out = capsys.readouterr().out
+    assert "device_h=2.0, forecast_device_h=1.5" in out
+    assert ("cost of this pipeline's complete stages: 942 s wall, 184 s CPU, 9.00 accelerator-hours (the planner "
+            "forecast 1.5 for its training stages), peak memory 500 MiB") in out

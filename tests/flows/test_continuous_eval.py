@@ -10,7 +10,7 @@ import time
 from mlflow.tracking import MlflowClient
 
 from flows.cli import main
-from flows.continuous_eval import continuous_eval, ecg_path
+from flows.continuous_eval import continuous_eval, ecg_path, up_to_date
 from tasks.config import load_config
 from tasks.data.tokenize import TOKENIZER_FILE
 from flows.continuous_eval import eval_targets
@@ -34,6 +34,7 @@ def test_checkpoints_are_scored_in_mlflow_at_their_steps_once(prefect_api, in_re
     store.commit("tokenize", keys["tokenize"], {"stage": "tokenize"})
 
     assert continuous_eval(TINY, overrides)["train"]["evaluated"] == []  # training has not started: nothing to do
+    assert not up_to_date(cfg, keys)  # but no ECG either: a pipeline's after-run pass still runs the flow
 
     # Training is running: checkpoints 5, 10, 15 in the partial folder; 10 is due.
     mixture = write_mixture(tmp_path / "data", tokenizer)
@@ -75,6 +76,7 @@ def test_checkpoints_are_scored_in_mlflow_at_their_steps_once(prefect_api, in_re
         os.environ.clear()
         os.environ.update(environ)
     assert f"train {keys['train']}: evaluated steps none new; 2 steps recorded" in capsys.readouterr().out
+    assert up_to_date(cfg, keys)  # what lets a cached pipeline rerun skip the after-run pass
 
     target = eval_targets(cfg, keys)[0]
     rows = {step: row for (step, _), row in read_recorded(target.state_file).items()}
@@ -93,10 +95,14 @@ def test_checkpoints_are_scored_in_mlflow_at_their_steps_once(prefect_api, in_re
     # The anneal stage's checkpoints are scored too, in their own series.
     anneal_partial = store.begin("anneal", keys["anneal"], resumable=True)
     train_model(MODEL, OPTIM, RUN, mixture, anneal_partial, stop_after=10)
+    assert not up_to_date(cfg, keys)
     annealed = continuous_eval(TINY, overrides)
     # every anneal checkpoint (tiny.yaml: anneal.checkpoint_every=5); continuous_eval.every thins only the train ones
     assert annealed["train"]["evaluated"] == [] and annealed["anneal"]["evaluated"] == [5, 10]
     assert annealed["anneal"]["mlflow_run_id"] != second["mlflow_run_id"]
+    assert up_to_date(cfg, keys)
+    ecg_path(cfg, keys).unlink()
+    assert not up_to_date(cfg, keys)
 
 
 def _wait_for_event(name: str, current: float, timeout_s: float = 30.0):
