@@ -121,6 +121,14 @@ def test_pipeline_end_to_end_then_fully_cached(prefect_api, in_repo, tmp_path, c
     assert "ablation/prose − train" in report and "ablation/best − train" in report
     assert (work / "continuous_eval" / keys["train"] / "ecg.png").read_bytes()[:4] == b"\x89PNG"
     assert train["val_loss"] > 0 and manifests["validate"]["stats"]["gate_passed"] is True
+    # The gate scored the mid-scale model and the best proxy of each of tiny's 2 budgets on the eval suite:
+    # one row per task's primary metric, bits per byte gated, the rest shown as trends.
+    gate = manifests["validate"]["stats"]["gate"]
+    assert gate["checks"]["capabilities_continue"] is True and gate["mixture_transfer"] is None
+    assert [(r["metric"], r["gated"], len(r["proxies"])) for r in gate["capabilities"]] == [
+        ("kiln_heldout/bits_per_byte", True, 2), ("kiln_heldout_choice/acc_norm", False, 2),
+        ("kiln_heldout_code/bits_per_byte", True, 2), ("kiln_heldout_code_choice/acc_norm", False, 2),
+        ("kiln_heldout_code_lines/exact_match", False, 2)]
     # Cost: every manifest prices its stage; on CPU no accelerator-seconds are spent.
     assert all(m["cost"]["wall_s"] > 0 and m["cost"]["cpu_s"] >= 0 for m in manifests.values())
     assert (train["num_accelerators"], manifests["train"]["cost"]["accelerator_s"]) == (0, 0)
