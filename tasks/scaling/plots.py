@@ -233,9 +233,13 @@ def plot_capabilities(rows: Sequence[dict[str, Any]], path: Path) -> None:
         ax.scatter([row["midscale_compute"]], [row["midscale"]], marker="*", s=160, zorder=4,
                    color="tab:green" if row["continues"] else "tab:red",
                    label="mid-scale (" + ("continues" if row["continues"] else "breaks") + " the trend)")
+        if row["plan_mixture"] is not None:
+            ax.scatter([row["midscale_compute"]], [row["plan_mixture"]], marker="*", s=160, zorder=4,
+                       facecolor="none", edgecolor="grey", label="mid-scale, plan's mixture")
         direction = "higher" if row["higher_is_better"] else "lower"
         ax.set(xscale="log", xlabel="compute C = 6ND (FLOPs)", ylabel=f"{row['metric'].split('/')[1]} ({direction} "
                "is better)", title=row["metric"].split("/")[0] + ("" if row["gated"] else " (not gated)"))
+        ax.xaxis.set_minor_formatter(plt.NullFormatter())  # 2x10^9, 3x10^9, ... labels overlap
         ax.title.set_fontsize(9)
         ax.legend(fontsize=7)
     fig.savefig(path, dpi=DPI)

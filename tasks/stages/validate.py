@@ -56,7 +56,7 @@ def run(ctx: StageContext) -> dict:
     (ctx.out_dir / REPORT_FILE).write_text(json.dumps(report.as_dict(), indent=2))
     law = loss_law_from_dict(plan["loss_law"]) if plan["loss_law"] else None
     plots.plot_law(plan["points"], law, plan["runs"], ctx.out_dir / plots.LAW_PLOT,
-                   observed={"validate": result.val_loss})
+                   observed={"validate": on_reference[1] if on_reference else result.val_loss})
     images = [plots.inline_image(ctx.out_dir / plots.LAW_PLOT, "law")]
     if report.capabilities:
         plots.plot_capabilities(report.capabilities, ctx.out_dir / plots.CAPABILITIES_PLOT)
