@@ -25,7 +25,6 @@ import json
 import shutil
 from collections import Counter
 from collections.abc import Iterator
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -196,7 +195,7 @@ def _write_shards(input_file: Path, shard_dir: Path, num_shards: int, quarantine
             counts.num_in += 1
             if not doc.text.strip():
                 counts.quarantined["empty_text"] += 1
-                quarantine.add("empty_text", asdict(doc))
+                quarantine.add("empty_text", vars(doc))
                 continue
             metadata = {"source": doc.source, "domain": doc.domain, "licence": doc.licence}
             metadata |= {_URL: doc.metadata.get("url"), _KILN_METADATA: doc.metadata, _INDEX: index}
@@ -330,7 +329,7 @@ def clean_documents(cfg: CleanConfig, input_file: Path, out_dir: Path, executor:
     with open(out_dir / DOCUMENTS_FILE, "w", encoding="utf-8") as kept:
         for record in _merged([scratch / "kept"]):
             doc, _, pii = _to_kiln(record)
-            kept.write(doc.to_json() + "\n")
+            kept.write(json.dumps(vars(doc), ensure_ascii=False) + "\n")  # to_json without asdict's deep copy
             counts.num_kept += 1
             replacements.update(pii)
             num_redacted += any(pii.values())
@@ -343,7 +342,7 @@ def clean_documents(cfg: CleanConfig, input_file: Path, out_dir: Path, executor:
         for record in _merged([scratch / "removed" / label for label in FILTERS]):
             doc, reason, _ = _to_kiln(record)
             assert reason is not None, f"document {doc.id} was removed without a reason"
-            removed.add(reason, asdict(doc))
+            removed.add(reason, vars(doc))
             counts.removed[reason] += 1
             label = reason.split(":", 1)[0]
             removed_by_filter[label] += 1
