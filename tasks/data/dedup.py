@@ -25,7 +25,7 @@ import multiprocessing
 import sys
 import unicodedata
 from collections import Counter
-from collections.abc import Set
+from collections.abc import Set as AbstractSet
 from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -88,27 +88,28 @@ def _verify_threshold(cfg: DedupConfig) -> float:
 # is classified with byte tables.
 _ASCII_PUNCTUATION = bytes(c for c in range(128) if unicodedata.category(chr(c)).startswith("P"))
 _ASCII_SPACE = np.array([chr(c).isspace() for c in range(256)]) & (np.arange(256) < 128)
+_KNOWN, _PUNCTUATION, _SPACE = np.uint8(1), np.uint8(2), np.uint8(4)  # bits of _CodePointClasses
 
 
 class _CodePointClasses:
-    """Which code points are punctuation and which whitespace, filled in for the code points texts
-    actually use: one gather per character beats any per-character call, and classifying all 1.1M
-    code points up front cost more than normalising a corpus."""
+    """Which code points are punctuation and which whitespace, as bits of one table filled in for
+    the code points texts actually use: one gather per character beats any per-character call, and
+    classifying all 1.1M code points up front cost more than normalising a corpus."""
 
     def __init__(self) -> None:
-        self.known = np.zeros(sys.maxunicode + 1, dtype=bool)
-        self.is_punctuation = np.zeros(sys.maxunicode + 1, dtype=bool)
-        self.is_space = np.zeros(sys.maxunicode + 1, dtype=bool)
+        self.bits = np.zeros(sys.maxunicode + 1, dtype=np.uint8)
 
-    def classify(self, codes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(is punctuation, is whitespace) of each code point."""
-        unknown = codes[~self.known[codes]]
+    def classify(self, codes: np.ndarray) -> np.ndarray:
+        """The class bits of each code point."""
+        bits = self.bits[codes]
+        unknown = codes[bits == 0]
         if unknown.size:
             for code in np.unique(unknown).tolist():
-                self.is_punctuation[code] = unicodedata.category(chr(code)).startswith("P")
-                self.is_space[code] = chr(code).isspace()
-            self.known[unknown] = True
-        return self.is_punctuation[codes], self.is_space[codes]
+                char = chr(code)
+                self.bits[code] = (_KNOWN | (_PUNCTUATION if unicodedata.category(char).startswith("P") else 0)
+                                   | (_SPACE if char.isspace() else 0))
+            bits = self.bits[codes]
+        return bits
 
 
 _CLASSES = _CodePointClasses()
@@ -126,9 +127,11 @@ def _strip(text: str, punctuation: bool, whitespace: bool) -> str:
     else:
         # One code point per uint32; surrogatepass keeps lone surrogates (valid in JSON) intact.
         codes = np.frombuffer(text.encode("utf-32-le", "surrogatepass"), dtype=np.uint32)
-        is_punctuation, is_space = _CLASSES.classify(codes)
+        bits = _CLASSES.classify(codes)
         if punctuation:
-            codes, is_space = codes[~is_punctuation], is_space[~is_punctuation]
+            kept = (bits & _PUNCTUATION) == 0
+            codes, bits = codes[kept], bits[kept]
+        is_space = (bits & _SPACE) != 0
     if whitespace and codes.size:
         keep = ~is_space  # ...and the first space of each run inside the text
         keep[1:] |= is_space[1:] & ~is_space[:-1]
@@ -390,7 +393,7 @@ def _read_and_sign(cfg: DedupConfig, input_file: Path) -> _Batch:
     return batch
 
 
-def _sign_batch(texts: list[str], cfg: DedupConfig, signed_before: Set[bytes] = frozenset()
+def _sign_batch(texts: list[str], cfg: DedupConfig, signed_before: AbstractSet[bytes] = frozenset()
                 ) -> tuple[list[bytes], np.ndarray, np.ndarray]:
     """Digests of the normalised texts, their signatures, and which have any shingle.
 
