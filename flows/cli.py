@@ -93,7 +93,7 @@ def _ui_hint(cfg: KilnConfig) -> str:
         f"  outputs    {cfg.store_root.resolve()}/<stage>/<key>/  (kiln status lists them)\n"
         f"  MLflow UI  {mlflow_ui}\n"
         f"  Prefect UI {prefect_ui}\n"
-        f"  plots      {cfg.store_root.resolve()}/fit/*/{{isoflop,law,hyperparameters,mixture}}.png, validate/*/law.png\n"
+        f"  plots      {cfg.store_root.resolve()}/fit/*/{{isoflop,law,hyperparameters,mixture}}.png, validate/*/{{law,capabilities}}.png\n"
         f"  servers    kiln up starts both UIs for this working directory; kiln down stops them"
     )
 

@@ -169,8 +169,9 @@ def continuous_eval(config_path: str | None = "configs/default.yaml",
     path = ecg_path(cfg, keys)
     drawn = None
     if any(series.values()) and (any(s["evaluated"] for s in summaries.values()) or not path.is_file()):
-        # the anneal stage continues from the trained model: its curve starts where training ended
-        drawn = plot_ecg(series, {"anneal": cfg.train.run.steps}, path,
+        # the anneal continues from a train checkpoint (anneal.from_step, else the last): its curve starts there
+        anneal_start = cfg.train.run.steps if cfg.anneal.from_step is None else cfg.anneal.from_step
+        drawn = plot_ecg(series, {"anneal": anneal_start}, path,
                          {(stage, r.task, r.step) for stage, r in regressions})
         tracker = MlflowTracker.for_config(cfg)
         for summary in summaries.values():

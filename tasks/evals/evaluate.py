@@ -143,7 +143,9 @@ def evaluate_lm(
     online = cfg.online_tasks()
     names = [task.name for task in suite] + online
     unknown_wanted = sorted(set(tasks or ()) - set(names))
-    assert not unknown_wanted, f"tasks {unknown_wanted} are not in the configured suite"
+    if unknown_wanted:
+        raise ConfigError(f"eval tasks {unknown_wanted} are not in the configured suite {names}: name tasks of "
+                          "evaluate.eval_files / evaluate.standard_suite (e.g. validate.capabilities.tasks)")
     if tasks is not None:
         suite = [task for task in suite if task.name in tasks]
         online = [name for name in online if name in tasks]

@@ -166,6 +166,12 @@ def test_duplicate_task_names_rejected(setup: dict[str, Path], tmp_path: Path) -
         evaluate_model(config, setup["root"] / "trained", setup["tokenizer"], tmp_path)
 
 
+def test_unknown_wanted_task_is_a_config_error(setup: dict[str, Path], tmp_path: Path) -> None:
+    config = EvaluateConfig(eval_files=[str(setup["eval_file"])])
+    with pytest.raises(ConfigError, match=r"eval tasks \['no_such_task'\] are not in the configured suite"):
+        evaluate_model(config, setup["root"] / "trained", setup["tokenizer"], tmp_path, tasks=["no_such_task"])
+
+
 @pytest.mark.slow
 def test_unknown_extra_task_names_the_config_key(setup: dict[str, Path], tmp_path: Path) -> None:
     # Slow: naming any built-in task makes lm-eval index all of them (~7-20 s).
