@@ -329,7 +329,7 @@ def clean_documents(cfg: CleanConfig, input_file: Path, out_dir: Path, executor:
     with open(out_dir / DOCUMENTS_FILE, "w", encoding="utf-8") as kept:
         for record in _merged([scratch / "kept"]):
             doc, _, pii = _to_kiln(record)
-            kept.write(json.dumps(vars(doc), ensure_ascii=False) + "\n")  # to_json without asdict's deep copy
+            kept.write(doc.to_json() + "\n")
             counts.num_kept += 1
             replacements.update(pii)
             num_redacted += any(pii.values())

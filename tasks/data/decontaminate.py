@@ -30,7 +30,7 @@ import re
 import unicodedata
 from collections import Counter
 from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
@@ -345,7 +345,7 @@ def decontaminate_documents(
                 doc.metadata["contamination"] = overlaps
             if overlaps and cfg.action == "remove":
                 reason = f"contaminated:{next(iter(overlaps))}"  # the first eval set, in the given order
-                removed.add(reason, asdict(doc))
+                removed.add(reason, vars(doc))
                 counts.removed[reason] += 1
                 tally.add("removed", doc.domain, text_bytes(doc.text), reason)
                 continue

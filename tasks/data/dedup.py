@@ -263,8 +263,7 @@ def _dedup(cfg: DedupConfig, index: DedupIndex, input_file: Path, out_dir: Path)
             if survivor == node or node in sampled_nodes:
                 snippets[node] = doc.text[:SNIPPET_CHARS]
             if survivor == node:
-                # vars, not to_json's asdict: the same JSON without asdict's deep copy of every record
-                out.write(json.dumps(vars(doc), ensure_ascii=False) + "\n")
+                out.write(doc.to_json() + "\n")
                 counts.num_kept += 1
                 kept.append(i)
                 tally.add("kept", doc.domain, text_bytes(doc.text))

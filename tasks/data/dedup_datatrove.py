@@ -32,7 +32,6 @@ import json
 import math
 import shutil
 from collections import Counter, defaultdict
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -162,7 +161,7 @@ def dedup_with_datatrove(
                 tally.add("kept", doc.domain, text_bytes(doc.text))
                 continue
             doc.metadata["duplicate_of"] = survivor_of_cluster[cluster]
-            removed_log.add(_REASON, asdict(doc))
+            removed_log.add(_REASON, vars(doc))
             counts.removed[_REASON] += 1
             removed_by_domain[doc.domain] += 1
             tally.add("removed", doc.domain, text_bytes(doc.text), _REASON)
