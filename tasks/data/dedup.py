@@ -11,6 +11,11 @@ position, so shuffling the input keeps the same survivors. The others go to `rem
 `removals.json/.md/.png` count documents and bytes in, kept and removed by reason per domain
 (`tasks.data.inspection`, tallied while writing), and `cluster_sizes.png` plots the clusters.
 
+The input is parsed once. A line that is already its document's `Document.to_json()` (checked
+while reading: true of every file a Kiln stage writes) is written back byte for byte when kept,
+and spliced into its removal record when removed; any other line is parsed again and
+re-serialised, so the output is the same either way.
+
 Every run saves its kept documents' signatures and LSH bucket tables in `out_dir/lsh_index/`, so
 `dedup_against_index` can deduplicate a later batch against everything kept so far without
 recomputing a signature.
@@ -25,11 +30,12 @@ import multiprocessing
 import sys
 import unicodedata
 from collections import Counter
+from collections.abc import Iterator
 from collections.abc import Set as AbstractSet
 from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, BinaryIO, Literal
 
 import numpy as np
 from pydantic import Field
@@ -38,7 +44,7 @@ from tasks.accounting import DocCounts
 from tasks.configbase import Section, runtime_field
 from tasks.data import minhash
 from tasks.data.dedup_index import DIGEST_BYTES, INDEX_DIR, SNIPPET_CHARS, DedupIndex
-from tasks.data.documents import DOCUMENTS_FILE, REMOVED_FILE, Document, ReasonLog, read_documents
+from tasks.data.documents import DOCUMENTS_FILE, REMOVED_FILE, Document
 from tasks.data.inspection import RemovalTally, text_bytes, write_removal_report
 
 _BATCH = 1000  # documents per signature batch: amortises numpy calls, bounds memory per worker
@@ -191,12 +197,18 @@ def dedup_against_index(cfg: DedupConfig, index_dir: Path, new_input_file: Path,
 
 @dataclass
 class _Batch:
-    """What the stage remembers of each input document (the text is re-read when writing)."""
+    """What the stage remembers of each input document (its line is re-read when writing)."""
 
+    line_numbers: list[int]  # of the input's lines, blank ones skipped as `read_documents` does
     ids: list[str]
     lengths: list[int]
+    text_bytes: list[int]
+    snippets: list[str]
     domains: list[str]
     quality: list[float]
+    # b"" or b", " (what goes before a `duplicate_of` appended to its metadata) where the line is
+    # the document's `to_json()` and its metadata has no `duplicate_of`; else None (re-serialise).
+    splices: list[bytes | None]
     digests: list[bytes]
     signatures: np.ndarray
     has_shingles: np.ndarray
@@ -250,31 +262,26 @@ def _dedup(cfg: DedupConfig, index: DedupIndex, input_file: Path, out_dir: Path)
     removed_by_domain: Counter[str] = Counter()
     tally = RemovalTally()
     sampled = _sample_clusters(clusters, survivor_of)
-    sampled_nodes = {i for cluster in sampled for i in cluster}
-    snippets = {i: str(index.snippets[i]) for i in sampled_nodes if i < m}
+    snippets = {i: str(index.snippets[i]) if i < m else batch.snippets[i - m] for cluster in sampled for i in cluster}
     kept: list[int] = []
-    with (
-        open(out_dir / DOCUMENTS_FILE, "w", encoding="utf-8") as out,
-        ReasonLog(out_dir / REMOVED_FILE) as removed,
-    ):
-        for i, doc in enumerate(read_documents(input_file)):
+    with open(out_dir / DOCUMENTS_FILE, "wb") as out, _LazyFile(out_dir / REMOVED_FILE) as removed:
+        for i, line in enumerate(_document_lines(input_file, batch.line_numbers)):
             node = m + i
             survivor = int(survivor_of[node])
-            if survivor == node or node in sampled_nodes:
-                snippets[node] = doc.text[:SNIPPET_CHARS]
+            domain, num_bytes = batch.domains[i], batch.text_bytes[i]
             if survivor == node:
-                out.write(doc.to_json() + "\n")
+                out.write(line if batch.splices[i] is not None else _json_line(_parse(line).to_json()))
+                snippets[node] = batch.snippets[i]
                 counts.num_kept += 1
                 kept.append(i)
-                tally.add("kept", doc.domain, text_bytes(doc.text))
+                tally.add("kept", domain, num_bytes)
                 continue
             # The reason is the relation to the kept document, whichever member made the link.
             reason = "exact_duplicate" if cfg.exact and digests[survivor] == digests[node] else "near_duplicate"
-            doc.metadata["duplicate_of"] = ids[survivor]
-            removed.add(reason, vars(doc))
+            removed.write(_removal_line(line, batch.splices[i], reason, ids[survivor]))
             counts.removed[reason] += 1
-            removed_by_domain[doc.domain] += 1
-            tally.add("removed", doc.domain, text_bytes(doc.text), reason)
+            removed_by_domain[domain] += 1
+            tally.add("removed", domain, num_bytes, reason)
 
     index.extended(
         ids=[batch.ids[i] for i in kept], digests=[batch.digests[i] for i in kept],
@@ -342,8 +349,60 @@ def _plot_cluster_sizes(sizes: Counter[int], path: Path) -> None:
     figure.savefig(path, dpi=80)
 
 
+class _LazyFile:
+    """A binary file created by its first write, so that a run that removes nothing leaves none."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._handle: BinaryIO | None = None
+
+    def write(self, data: bytes) -> None:
+        if self._handle is None:
+            self._handle = open(self.path, "wb")
+        self._handle.write(data)
+
+    def __enter__(self) -> _LazyFile:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._handle is not None:
+            self._handle.close()
+
+
+def _document_lines(input_file: Path, line_numbers: list[int]) -> Iterator[bytes]:
+    """The input's document lines (those numbered in `line_numbers`), as bytes ending in a newline."""
+    wanted = iter(line_numbers)
+    next_wanted = next(wanted, -1)
+    with open(input_file, "rb") as lines:
+        for number, line in enumerate(lines):
+            if number == next_wanted:
+                yield line if line.endswith(b"\n") else line + b"\n"
+                next_wanted = next(wanted, -1)
+
+
+def _parse(line: bytes) -> Document:
+    return Document.from_dict(json.loads(line.decode("utf-8")))
+
+
+def _json_line(text: str) -> bytes:
+    return (text + "\n").encode("utf-8")
+
+
+def _removal_line(line: bytes, splice: bytes | None, reason: str, survivor_id: str) -> bytes:
+    """The removed document's record: `{"reason": ..., **vars(doc)}` with `metadata.duplicate_of`,
+    as `ReasonLog` writes it; a canonical line is spliced instead of parsed and re-serialised."""
+    if splice is None:
+        doc = _parse(line)
+        doc.metadata["duplicate_of"] = survivor_id
+        return _json_line(json.dumps({"reason": reason, **vars(doc)}, ensure_ascii=False))
+    # `line` is `{...fields, "metadata": {...}}` + newline: open both braces, append, close them.
+    return (b'{"reason": ' + json.dumps(reason).encode() + b", " + line[1:-3] + splice + b'"duplicate_of": '
+            + json.dumps(survivor_id, ensure_ascii=False).encode("utf-8") + b"}}\n")
+
+
 def _read_and_sign(cfg: DedupConfig, input_file: Path) -> _Batch:
-    batch = _Batch([], [], [], [], [], np.zeros((0, cfg.num_perm), dtype=np.uint32), np.zeros(0, dtype=bool))
+    batch = _Batch([], [], [], [], [], [], [], [], [], np.zeros((0, cfg.num_perm), dtype=np.uint32),
+                   np.zeros(0, dtype=bool))
     parts: list[Future[tuple] | tuple] = []
     signed: set[bytes] = set()  # normalised texts signed so far, in this process
     pool = None
@@ -361,11 +420,16 @@ def _read_and_sign(cfg: DedupConfig, input_file: Path) -> _Batch:
     try:
         pending: list[str] = []
         pending_chars = 0
-        for doc in read_documents(input_file):
+        for number, line, doc in _read_lines(input_file):
+            batch.line_numbers.append(number)
             batch.ids.append(doc.id)
             batch.lengths.append(len(doc.text))
+            batch.text_bytes.append(text_bytes(doc.text))
+            batch.snippets.append(doc.text[:SNIPPET_CHARS])
             batch.domains.append(doc.domain)
             batch.quality.append(quality_score(doc))
+            canonical = line.removesuffix("\n") == doc.to_json() and "duplicate_of" not in doc.metadata
+            batch.splices.append((b", " if doc.metadata else b"") if canonical else None)
             pending.append(doc.text)
             pending_chars += len(doc.text)
             if len(pending) >= _BATCH or pending_chars >= _BATCH_CHARS:
@@ -390,6 +454,16 @@ def _read_and_sign(cfg: DedupConfig, input_file: Path) -> _Batch:
         rows, firsts = np.array(copies).T
         batch.signatures[rows] = batch.signatures[firsts]
     return batch
+
+
+def _read_lines(input_file: Path) -> Iterator[tuple[int, str, Document]]:
+    """(line number, line, document) of each document line, as `read_documents` reads them but split
+    at newlines only, as `_document_lines` reads them again; the line is kept to check its form."""
+    with open(input_file, "rb") as lines:
+        for number, raw in enumerate(lines):
+            line = raw.decode("utf-8")
+            if line and not line.isspace():  # read_documents' `line.strip()`, without copying the line
+                yield number, line, Document.from_dict(json.loads(line))
 
 
 def _sign_batch(texts: list[str], cfg: DedupConfig, signed_before: AbstractSet[bytes] = frozenset()

@@ -352,6 +352,53 @@ def test_an_exact_copy_that_survives_keeps_its_own_signature_in_the_index(tmp_pa
     assert np.array_equal(index.signatures, expected)
 
 
+def test_documents_are_written_as_to_json_and_removal_records_as_reason_log_whatever_the_input_form(tmp_path):
+    # Canonical lines are copied or spliced, others re-serialised: both must give these exact bytes.
+    quoted = 'Ünïcode "quoted" \\ back\tslash\u2028 ' + GPL_PREAMBLE[3]
+    docs = [
+        _doc("a", GPL_PREAMBLE[1]),  # no metadata: removed, duplicate_of opens its metadata
+        _doc("a-copy", GPL_PREAMBLE[1].upper(), quality_score=0.5),
+        _doc("b", GPL_PREAMBLE[2], quality_score=0.9),
+        _doc("b-copy", GPL_PREAMBLE[2] + " ", duplicate_of="earlier"),  # replaced in place, not appended
+        _doc("c", quoted, lang="fr", tags=["x"]),
+        _doc("c-copy", quoted.lower(), lang="fr"),
+        _doc("d", FULL_PREAMBLE),
+        _doc("d-cut", FULL_PREAMBLE[:-40], lang="en"),
+    ]
+    canonical = _write(tmp_path / "canonical.jsonl", docs)
+    other_forms = [
+        lambda r: json.dumps(r),  # ASCII escapes
+        lambda r: json.dumps(dict(reversed(r.items())), ensure_ascii=False),
+        lambda r: json.dumps({**r, "extra": 1}, ensure_ascii=False),  # dropped, as from_dict drops it
+        lambda r: json.dumps({k: v for k, v in r.items() if not (k == "metadata" and not v)}, ensure_ascii=False),
+        lambda r: json.dumps(r, ensure_ascii=False, separators=(",", ":")),
+        lambda r: json.dumps(r, ensure_ascii=False) + "\r",
+    ]
+    lines = [other_forms[i % len(other_forms)](vars(d)) for i, d in enumerate(docs)]
+    lines.insert(3, "  ")
+    odd = tmp_path / "odd.jsonl"
+    odd.write_bytes(("\n".join(lines)).encode("utf-8"))  # no newline after the last line
+    outputs = []
+    for name, input_file in (("canonical", canonical), ("odd", odd)):
+        out = tmp_path / name
+        out.mkdir()
+        stats = dedup_documents(DedupConfig(), input_file, out)
+        outputs.append([(out / f).read_bytes() for f in ("documents.jsonl", "removed.jsonl", "removals.json")])
+        assert (stats["num_kept"], stats["removed"]) == (4, {"exact_duplicate": 3, "near_duplicate": 1})
+    assert outputs[0] == outputs[1]
+    by_id = {d.id: d for d in docs}
+    assert outputs[0][0].decode("utf-8") == "".join(by_id[i].to_json() + "\n" for i in ("a-copy", "b", "c", "d"))
+    removals = [("a", "exact_duplicate", "a-copy"), ("b-copy", "exact_duplicate", "b"),
+                ("c-copy", "exact_duplicate", "c"), ("d-cut", "near_duplicate", "d")]
+    expected = []
+    for doc_id, reason, survivor in removals:
+        record = vars(by_id[doc_id]) | {"metadata": by_id[doc_id].metadata | {"duplicate_of": survivor}}
+        expected.append(json.dumps({"reason": reason, **record}, ensure_ascii=False) + "\n")
+    assert outputs[0][1].decode("utf-8") == "".join(expected)
+    assert '"metadata": {"duplicate_of": "b", "quality_score"' not in expected[1]  # its key kept its place
+    assert expected[1].endswith('"metadata": {"duplicate_of": "b"}}\n')
+
+
 @pytest.mark.parametrize("punctuation", [True, False])
 @pytest.mark.parametrize("whitespace", [True, False])
 def test_normalize_deletes_every_punctuation_code_point_and_collapses_every_whitespace(punctuation, whitespace):
