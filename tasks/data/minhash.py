@@ -26,6 +26,7 @@ _MASK64 = (1 << 64) - 1
 _BASE = 0x100000001B3  # FNV-1a's 64-bit prime: odd, so invertible mod 2^64
 _BASE_INV = pow(_BASE, -1, 1 << 64)
 _SPAN_BLOCK = 1 << 16  # spans hashed per block: bounds the prefix arrays for enormous documents
+_POWER_CACHE_MAX = 1 << 20  # powers of the base kept between calls (16 MB); longer blocks compute their own
 _PERM_BLOCK = 1 << 13  # shingles per permutation block: 4 MB of uint32 at 128 permutations
 # Members of one LSH bucket compared with each other: a bucket is all pairs up to this size,
 # and each member with its next (this - 1) members beyond, so huge buckets stay linear.
@@ -98,6 +99,30 @@ def shingle_spans(data: np.ndarray, word_mode: bool, size: int) -> tuple[np.ndar
     return starts[: starts.size - size + 1].astype(np.int64), ends[size - 1 :].astype(np.int64)
 
 
+def _compute_powers(length: int) -> tuple[np.ndarray, np.ndarray]:
+    """(B^k for k in 0..length, B^-(k+1) for k in 0..length-1), uint64 (mod 2^64)."""
+    inv_powers = np.cumprod(np.full(length, _BASE_INV, dtype=np.uint64))
+    powers = np.empty(length + 1, dtype=np.uint64)
+    powers[0] = 1
+    np.cumprod(np.full(length, _BASE, dtype=np.uint64), out=powers[1:])
+    return powers, inv_powers
+
+
+_powers_cache = _compute_powers(0)
+
+
+def _powers(length: int) -> tuple[np.ndarray, np.ndarray]:
+    """`_compute_powers(length)`, sliced from tables kept between calls: every block of every
+    batch needs the same powers, and recomputing them was a sixth of the signature time."""
+    global _powers_cache
+    if length > _POWER_CACHE_MAX:
+        return _compute_powers(length)
+    if length >= len(_powers_cache[0]):
+        _powers_cache = _compute_powers(min(max(length, 2 * len(_powers_cache[0])), _POWER_CACHE_MAX))
+    powers, inv_powers = _powers_cache
+    return powers[: length + 1], inv_powers[:length]
+
+
 def span_hashes(data: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
     """`shingle_hash32` of every span `data[s:e]`, vectorised. `starts` must be ascending."""
     out = np.empty(starts.size, dtype=np.uint32)
@@ -107,10 +132,7 @@ def span_hashes(data: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> np.nd
         # prefix[k] = sum_{i<k} (byte_i + 1) * B^-(i+1), so (prefix[e] - prefix[s]) * B^e is the
         # polynomial hash of bytes s..e-1: relative offsets, so each block starts afresh.
         length = top - base
-        inv_powers = np.cumprod(np.full(length, _BASE_INV, dtype=np.uint64))
-        powers = np.cumprod(np.full(length + 1, _BASE, dtype=np.uint64))
-        powers[1:] = powers[:-1]  # powers[k] = B^k
-        powers[0] = 1
+        powers, inv_powers = _powers(length)
         terms = (data[base:top].astype(np.uint64) + np.uint64(1)) * inv_powers
         prefix = np.zeros(length + 1, dtype=np.uint64)
         np.cumsum(terms, dtype=np.uint64, out=prefix[1:])
@@ -132,9 +154,12 @@ def signatures(texts: Sequence[str], shingle_size: int, num_perm: int, seed: int
     # Spans come grouped by document. A repeated shingle is not removed: the minimum is the same,
     # and sorting to find repeats cost more than permuting them.
     mixed = _fmix(span_hashes(data, starts, ends), _FMIX32)
-    # Permutations x shingles, so that the per-document minimum runs over contiguous memory.
+    # Permutations x shingles, so that the per-document minimum runs over contiguous memory; one
+    # buffer for every block (a fresh 4 MB array a block cost its page faults each time).
+    buffer = np.empty((num_perm, min(_PERM_BLOCK, mixed.size)), dtype=np.uint32)
     for lo in range(0, mixed.size, _PERM_BLOCK):
-        block = a[:, None] * mixed[None, lo : lo + _PERM_BLOCK]
+        block = buffer[:, : min(_PERM_BLOCK, mixed.size - lo)]
+        np.multiply(a[:, None], mixed[None, lo : lo + _PERM_BLOCK], out=block)
         block += b[:, None]
         docs = doc_of[lo : lo + _PERM_BLOCK]
         first = np.flatnonzero(np.concatenate(([True], docs[1:] != docs[:-1])))
