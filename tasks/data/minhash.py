@@ -201,6 +201,8 @@ def batch_spans(joined: Sequence[str], size: int) -> tuple[np.ndarray, np.ndarra
     ends = unit_ends[last : last + count][same]
     owners = unit_owner[:count][same]
     short = np.flatnonzero((np.bincount(unit_owner, minlength=len(joined)) < size) & (lengths > 0))
+    if short.size == 0:  # the usual batch: no copy of every span array to insert nothing
+        return data, starts, ends, owners
     at = np.searchsorted(starts, offsets[short])
     return data, np.insert(starts, at, offsets[short]), np.insert(ends, at, offsets[short + 1]), np.insert(owners, at, short)
 
