@@ -23,8 +23,8 @@ it puts in one cluster (all pairs within each cluster) that are true pairs.
               candidate a duplicate, union-find clusters: datasketch as its documentation uses it.
 - datatrove (`--datatrove`): `dedup_with_datatrove`, the four-stage local MinHash pipeline, one task.
 
-Prints medians over `--repeats` runs, documents/s, both ratios (whole stage and signatures against
-datasketch) and the accuracy of each; last line
+Prints medians over `--repeats` runs (after an untimed warm-up run of each), documents/s, both
+ratios (whole stage and signatures against datasketch) and the accuracy of each; last line
 `RESULT dedup_stage_speedup <datasketch seconds / whole-stage seconds>`.
 """
 
@@ -205,7 +205,12 @@ def run_datatrove(cfg: DedupConfig, input_file: Path, out_dir: Path) -> dict[str
 def measure(methods: list[Method], cfg: DedupConfig, input_file: Path, work: Path, repeats: int
             ) -> dict[str, tuple[list[float], dict[str, str]]]:
     """Each method's seconds per repeat and its clusters; repeats interleaved, so that every method
-    sees the same load over time (the first repeat of each also pays its imports)."""
+    sees the same load over time, after one untimed run of each that pays its imports (matplotlib,
+    scipy, datasketch's) and first-call costs, which are no part of the throughput per document."""
+    for method in methods:
+        out = work / f"{method.__name__}-warmup"
+        out.mkdir()
+        method(cfg, input_file, out)
     results: dict[str, tuple[list[float], dict[str, str]]] = {}
     for repeat in range(repeats):
         for method in methods:
