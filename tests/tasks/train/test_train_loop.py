@@ -173,14 +173,21 @@ def test_restores_global_torch_settings(mixture, tmp_path) -> None:
 
 
 def test_no_validation_data_fails_before_training(mixture, tmp_path) -> None:
+    empty = tmp_path / "empty-val.bin"
+    empty.write_bytes(b"")
     short = Mixture(
-        domains={n: replace(d, val=()) for n, d in mixture.domains.items()},
+        domains={n: replace(d, val=(empty,)) for n, d in mixture.domains.items()},
         dtype=mixture.dtype, vocab_size=mixture.vocab_size, eos_id=mixture.eos_id,
     )
     with pytest.warns(UserWarning, match="validation has 0 tokens"):
         with pytest.raises(InputError, match="larger val split"):
-            train_model(MODEL, OPTIM, RUN, short, tmp_path)
-    assert not (tmp_path / "checkpoints").exists()
+            train_model(MODEL, OPTIM, RUN, short, tmp_path / "run")
+    assert not (tmp_path / "run" / "checkpoints").exists()
+    # No val shards at all (as an anneal's quality selection has): skipped without a warning, still refused
+    none = Mixture(domains={n: replace(d, val=()) for n, d in mixture.domains.items()},
+                   dtype=mixture.dtype, vocab_size=mixture.vocab_size, eos_id=mixture.eos_id)
+    with pytest.raises(InputError, match="larger val split"):
+        train_model(MODEL, OPTIM, RUN, none, tmp_path / "run2")
 
 
 def test_mfu_from_peak_tflops(mixture, tmp_path) -> None:
