@@ -19,8 +19,10 @@ from tasks.data.quality_training import (
     QualityTraining,
     classifier_metrics,
     model_key,
+    score_texts,
     trained_model,
 )
+from tasks.data.documents import read_documents
 from tasks.store import Store
 
 REPO = Path(__file__).resolve().parents[3]
@@ -75,7 +77,15 @@ def test_clean_scores_every_document_and_keeps_the_top_fraction(collected, tmp_p
     report = json.loads((tmp_path / REPORT_FILE).read_text())
     assert (tmp_path / STORE_STAGE / MODEL_FILE).is_file() and report["top_fraction"] == 0.5
     web_scores = [d["metadata"]["quality_score"] for d in kept if d["domain"] == "web"]
-    assert min(web_scores) >= report["threshold"] and stats["removed_by_filter"]["quality_classifier"] > 0
+    assert min(web_scores) >= report["threshold"]
+    # The threshold keeps the top half of the input's web documents (ties kept) and cuts the rest. Those
+    # below it may all fall to earlier filters (language, Gopher) first: fastText's threaded training
+    # scores differently each run, so how many the classifier itself removes is not fixed.
+    model = fasttext.load_model(str(tmp_path / STORE_STAGE / MODEL_FILE))
+    web = [d.text for d in read_documents(collected / "documents.jsonl") if d.domain == "web" and d.text.strip()]
+    scores = [round(score, 4) for score in score_texts(model, web)]
+    assert round(0.5 * len(scores)) <= sum(score >= report["threshold"] for score in scores) < len(scores)
+    assert stats["removed_by_filter"].get("quality_classifier", 0) <= len(scores) - round(0.5 * len(scores))
 
 
 def test_training_settings_are_checked():
