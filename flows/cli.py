@@ -7,12 +7,16 @@ Config and environment are resolved before Prefect is imported, because Prefect 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
+import logging
 import os
+import re
 import sys
 import time
 import traceback
+from collections.abc import Iterator
 from pathlib import Path
 
 # before torch loads libgomp (see flows/environment.py)
@@ -69,15 +73,43 @@ def _load(ns: argparse.Namespace) -> tuple[KilnConfig, str | None, list[str]]:
     return load_config(config_path, overrides), config_path, overrides
 
 
-def _prefect_quiet():
+class _KilnErrorEcho(logging.Filter):
+    """Drops the console echo of a run that failed on a KilnError (Prefect's traceback and failed-state
+    line): `main` prints the error once, as `kiln: error: ...`. The Prefect API still gets the records."""
+
+    _FAILED_STATE = re.compile(r"encountered an exception:? (\w+):")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno < logging.ERROR or not record.name.startswith(("prefect.flow_runs", "prefect.task_runs")):
+            return True
+        if record.exc_info and record.exc_info[1] is not None:
+            return not isinstance(record.exc_info[1], KilnError)
+        failed = self._FAILED_STATE.search(record.getMessage())
+        return failed is None or failed.group(1) not in _subclass_names(KilnError)
+
+
+def _subclass_names(cls: type) -> set[str]:
+    return {cls.__name__}.union(*(_subclass_names(sub) for sub in cls.__subclasses__()))
+
+
+@contextlib.contextmanager
+def _prefect_quiet() -> Iterator[None]:
     from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
 
     from flows import embedded_api
 
     embedded_api.wait_until_ready()  # started by prepare_environment, while the CLI imported the rest
-
-    # Heartbeats detect crashed runs under a worker; local runs would spend ~1 s per subflow joining them.
-    return temporary_settings({PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None})
+    echo = _KilnErrorEcho()
+    handlers = list(logging.getLogger().handlers)
+    for handler in handlers:
+        handler.addFilter(echo)
+    try:
+        # Heartbeats detect crashed runs under a worker; local runs would spend ~1 s per subflow joining them.
+        with temporary_settings({PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
+            yield
+    finally:
+        for handler in handlers:
+            handler.removeFilter(echo)
 
 
 def _ui_hint(cfg: KilnConfig) -> str:

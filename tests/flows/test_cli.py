@@ -88,3 +88,28 @@ def test_status_totals_the_cost_recorded_in_the_manifests(in_repo, tmp_path, cap
     assert "device_h=2.0, forecast_device_h=1.5" in out
     assert ("cost of this pipeline's complete stages: 942 s wall, 184 s CPU, 9.00 accelerator-hours (the planner "
             "forecast 1.5 for its training stages), peak memory 500 MiB") in out
+
+
+def test_a_run_failing_on_a_kiln_error_is_echoed_once_by_main_not_by_prefects_console():
+    import logging
+
+    from flows.cli import _KilnErrorEcho
+    from tasks.scaling.validate import ValidationGateError
+
+    def record(name: str, message: str, error: BaseException | None = None, level: int = logging.ERROR):
+        exc_info = (type(error), error, None) if error is not None else None
+        return logging.LogRecord(name, level, __file__, 1, message, None, exc_info)
+
+    echo = _KilnErrorEcho()
+    gate = ValidationGateError("production training refused: the validation gate failed")
+    # Prefect's traceback and failed-state line of a user error: `main` prints it as `kiln: error: ...`
+    assert not echo.filter(record("prefect.flow_runs", "Encountered exception during execution", gate))
+    assert not echo.filter(record("prefect.task_runs", "Finished in state Failed('Task run encountered an exception "
+                                  "ValidationGateError: production training refused')"))
+    # anything else still reaches the console: unexpected errors, retries, other loggers, lower levels
+    assert echo.filter(record("prefect.task_runs", "Task run failed with exception", RuntimeError("bug")))
+    assert echo.filter(record("prefect.task_runs", "Finished in state Failed('Task run encountered an exception "
+                              "RuntimeError: bug')"))
+    assert echo.filter(record("tasks.train.loop", "a warning of Kiln's own", gate))
+    assert echo.filter(record("prefect.flow_runs", "Finished in state Failed('Flow run encountered an exception: "
+                              "ValidationGateError: x')", level=logging.INFO))
