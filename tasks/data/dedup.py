@@ -11,7 +11,7 @@ position, so shuffling the input keeps the same survivors. The others go to `rem
 `removals.json/.md/.png` count documents and bytes in, kept and removed by reason per domain
 (`tasks.data.inspection`, tallied while writing), and `cluster_sizes.png` plots the clusters.
 
-The input is parsed once. A line that is already its document's `Document.to_json()` (checked
+The input is parsed once. A line that is already its document's `Document.to_json_line()` (checked
 while reading: true of every file a Kiln stage writes) is written back byte for byte when kept,
 and spliced into its removal record when removed; any other line is parsed again and
 re-serialised, so the output is the same either way.
@@ -428,7 +428,7 @@ def _read_and_sign(cfg: DedupConfig, input_file: Path) -> _Batch:
             batch.snippets.append(doc.text[:SNIPPET_CHARS])
             batch.domains.append(doc.domain)
             batch.quality.append(quality_score(doc))
-            canonical = line.removesuffix("\n") == doc.to_json() and "duplicate_of" not in doc.metadata
+            canonical = line == doc.to_json_line() and "duplicate_of" not in doc.metadata
             batch.splices.append((b", " if doc.metadata else b"") if canonical else None)
             pending.append(doc.text)
             pending_chars += len(doc.text)
@@ -456,14 +456,15 @@ def _read_and_sign(cfg: DedupConfig, input_file: Path) -> _Batch:
     return batch
 
 
-def _read_lines(input_file: Path) -> Iterator[tuple[int, str, Document]]:
+def _read_lines(input_file: Path) -> Iterator[tuple[int, bytes, Document]]:
     """(line number, line, document) of each document line, as `read_documents` reads them but split
-    at newlines only, as `_document_lines` reads them again; the line is kept to check its form."""
+    at newlines only, as `_document_lines` reads them again; the line (bytes, ending in a newline)
+    is kept to check its form."""
     with open(input_file, "rb") as lines:
         for number, raw in enumerate(lines):
             line = raw.decode("utf-8")
             if line and not line.isspace():  # read_documents' `line.strip()`, without copying the line
-                yield number, line, Document.from_dict(json.loads(line))
+                yield number, raw if raw.endswith(b"\n") else raw + b"\n", Document.from_dict(json.loads(line))
 
 
 def _sign_batch(texts: list[str], cfg: DedupConfig, signed_before: AbstractSet[bytes] = frozenset()

@@ -10,12 +10,16 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
+from json.encoder import encode_basestring
 from pathlib import Path
 from typing import Any, TextIO
+
+import orjson
 
 DOCUMENTS_FILE = "documents.jsonl"
 REMOVED_FILE = "removed.jsonl"
 QUARANTINE_FILE = "quarantine.jsonl"
+_ENCODER = json.JSONEncoder(ensure_ascii=False)  # json.dumps(..., ensure_ascii=False) without a new encoder a call
 
 
 @dataclass
@@ -30,6 +34,21 @@ class Document:
     def to_json(self) -> str:
         # vars, not asdict: the same JSON (every field is JSON already) without a deep copy of each record
         return json.dumps(vars(self), ensure_ascii=False)
+
+    def to_json_line(self) -> bytes:
+        """`to_json()` and a newline, as UTF-8. The text, nearly all of a record's bytes, is encoded by
+        orjson, several times faster: its escaping equals `json.dumps(ensure_ascii=False)`'s for every
+        string it accepts (tests check every code point); the short fields go through `json`."""
+        fields = vars(self)
+        if not isinstance(self.text, str):
+            return (self.to_json() + "\n").encode("utf-8")
+        try:
+            text = orjson.dumps(self.text)
+        except orjson.JSONEncodeError:  # lone surrogates: json's path, with its error
+            return (self.to_json() + "\n").encode("utf-8")
+        tail = _ENCODER.encode({k: v for k, v in fields.items() if k not in ("id", "text")})[1:]
+        return b"".join((b'{"id": ', encode_basestring(self.id).encode("utf-8"), b', "text": ', text, b", ",
+                         tail.encode("utf-8"), b"\n"))
 
     @classmethod
     def from_dict(cls, record: dict[str, Any]) -> Document:
@@ -54,9 +73,9 @@ def read_documents(path: Path) -> Iterator[Document]:
 def write_documents(path: Path, documents: Iterable[Document]) -> int:
     """Write documents as JSON lines; returns how many were written."""
     count = 0
-    with open(path, "w", encoding="utf-8") as handle:
+    with open(path, "wb") as handle:
         for doc in documents:
-            handle.write(doc.to_json() + "\n")
+            handle.write(doc.to_json_line())
             count += 1
     return count
 

@@ -1,0 +1,59 @@
+"""`Document.to_json_line` must write exactly the bytes of `to_json()`: dedup writes kept lines back
+byte for byte only when they equal it, and every stage's output hash depends on it."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tasks.data.documents import Document, read_documents, write_documents
+
+_JSON_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=True) | st.text(),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner, max_size=3),
+    max_leaves=8,
+)
+
+
+def _expected(doc: Document) -> bytes:
+    return (doc.to_json() + "\n").encode("utf-8")
+
+
+def test_every_code_point_is_escaped_as_json_escapes_it() -> None:
+    code_points = [c for c in range(sys.maxunicode + 1) if not 0xD800 <= c <= 0xDFFF]
+    chunks = ["".join(map(chr, code_points[lo : lo + 4096])) for lo in range(0, len(code_points), 4096)]
+    for text in chunks:
+        doc = Document("id", text, "src", "web", "MIT")
+        assert doc.to_json_line() == _expected(doc)
+
+
+@settings(max_examples=300, deadline=None)
+@given(doc_id=st.text(), text=st.text(), source=st.text(), metadata=st.dictionaries(st.text(), _JSON_VALUES))
+def test_equals_to_json_for_any_document(doc_id: str, text: str, source: str, metadata: dict) -> None:
+    doc = Document(doc_id, text, source, "prose", "CC-BY-4.0", metadata)
+    try:
+        expected = _expected(doc)
+    except UnicodeEncodeError:  # a lone surrogate: neither form can be written as UTF-8
+        with pytest.raises(UnicodeEncodeError):
+            doc.to_json_line()
+        return
+    assert doc.to_json_line() == expected
+
+
+def test_a_text_that_is_not_a_string_is_written_as_to_json_writes_it() -> None:
+    doc = Document.from_dict({"id": 7, "text": ["a", 1], "source": "s", "domain": "d", "licence": "MIT"})
+    assert doc.to_json_line() == _expected(doc)
+
+
+def test_written_documents_read_back_equal(tmp_path) -> None:
+    docs = [Document("a", 'line one\nsaid "hi"\t\\ é 中文 \U0001f600', "s", "web", "MIT", {"quality_score": 0.5}),
+            Document("b", "", "s", "code", "GPL-2.0-or-later")]
+    path = tmp_path / "documents.jsonl"
+    assert write_documents(path, docs) == 2
+    assert list(read_documents(path)) == docs
+    assert path.read_bytes() == b"".join(_expected(d) for d in docs)
+    assert [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()][1]["text"] == ""
