@@ -107,6 +107,7 @@ def run(ctx: StageContext) -> dict:
     summary: dict[str, Any] = {"candidates": {}, "ranking": {}, "best": None, "steps": cfg.steps,
                                "schedule": cfg.schedule, "from_step": None}
     table = ""
+    num_accelerators = 0  # held by the anneals this attempt trains: the runner prices the stage's wall time by it
     if cfg.candidates:
         eval_file_paths(ctx.cfg)
         contamination = read_contamination(ctx.inputs["decontaminate"])
@@ -119,6 +120,7 @@ def run(ctx: StageContext) -> dict:
                 branch.mkdir(parents=True, exist_ok=True)
                 branch_ctx = replace(ctx, out_dir=branch, recorder=BranchRecorder(ctx.recorder, name))
                 stats = anneal_into(branch_ctx, cfg.anneal_config(mixture), start, f"anneal_ablation.candidates.{name}")
+                num_accelerators = max(num_accelerators, stats["num_accelerators"])
                 _evaluate(ctx, branch / "model", branch / "eval", contamination)
                 info = {"mixture": cfg.model_dump(mode="json")["candidates"][name], "val_loss": stats["val_loss"],
                         "final_train_loss": stats["final_train_loss"], "quality_selections": stats["quality_selections"]}
@@ -134,7 +136,7 @@ def run(ctx: StageContext) -> dict:
     (ctx.out_dir / REPORT_FILE).write_text(summary_markdown(summary, table), encoding="utf-8")
     return {key: summary[key] for key in ("best", "ranking", "from_step", "steps")} | {
         "candidates": {name: {k: v for k, v in info.items() if k != "mixture"}
-                       for name, info in summary["candidates"].items()}}
+                       for name, info in summary["candidates"].items()}, "num_accelerators": num_accelerators}
 
 
 def headline(stats: dict[str, Any]) -> dict[str, Any]:

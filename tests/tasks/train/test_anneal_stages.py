@@ -88,6 +88,7 @@ def test_the_ablation_anneals_each_candidate_from_one_checkpoint_and_ranks_them(
                   "anneal_ablation.steps=3", "anneal_ablation.from_step=2")
     stats = anneal_ablation.run(ctx)
     assert stats["from_step"] == 2 and stats["steps"] == 3
+    assert stats["num_accelerators"] == 0  # what the runner prices its wall time by: the anneals ran on CPU
     assert set(stats["ranking"]) == {"prose_only", "best_web"} and stats["best"] == next(iter(stats["ranking"]))
     summary = json.loads((ctx.out_dir / anneal_ablation.SUMMARY_FILE).read_text())
     # each candidate's change is its bits per byte minus the start's, on the same task
@@ -114,7 +115,8 @@ def test_the_ablation_anneals_each_candidate_from_one_checkpoint_and_ranks_them(
 
 def test_no_candidates_is_a_no_op_that_says_so(inputs, tmp_path):
     ctx = context(inputs, tmp_path / "none", "anneal_ablation.candidates={}")
-    assert anneal_ablation.run(ctx) == {"best": None, "ranking": {}, "from_step": None, "steps": 5, "candidates": {}}
+    assert anneal_ablation.run(ctx) == {"best": None, "ranking": {}, "from_step": None, "steps": 5, "candidates": {},
+                                        "num_accelerators": 0}
     assert "nothing was run" in (ctx.out_dir / anneal_ablation.REPORT_FILE).read_text()
     assert anneal_ablation.ablation_results(ctx.out_dir) == {}
     assert sorted(p.name for p in ctx.out_dir.iterdir()) == [anneal_ablation.SUMMARY_FILE, anneal_ablation.REPORT_FILE]
