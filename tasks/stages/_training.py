@@ -13,7 +13,7 @@ from tasks.stage import StageContext
 
 if TYPE_CHECKING:  # torch-backed: stage modules import training code in their bodies, so that the
     # config tree, keys and cached reruns never load torch
-    from tasks.train.config import ModelConfig, OptimConfig, ParallelDims, TrainRunConfig
+    from tasks.train.config import ModelConfig, OptimConfig, TrainRunConfig
     from tasks.train.data_loader import Mixture
     from tasks.train.loop import TrainResult
 
@@ -32,32 +32,17 @@ def plan_mixture(ctx: StageContext) -> Mixture:
     return Mixture.from_manifest(ctx.inputs["mix"] / MIXTURE_FILE, ctx.store.root)
 
 
-def training_layout(ctx: StageContext, model_cfg: ModelConfig, run_cfg: TrainRunConfig, vocab_size: int
-                    ) -> tuple[ParallelDims, TrainRunConfig]:
-    """`train.parallel` resolved for this cluster (`auto`: the planner's choice), checked against the
-    global batch; a layout that cannot hold it is a ConfigError that says why."""
-    from tasks.errors import ConfigError
-    from tasks.train.planner import resolve_parallel
-
-    dims, run_cfg = resolve_parallel(ctx.cfg.train.parallel, model_cfg, run_cfg, vocab_size, ctx.cfg.cluster)
-    try:
-        dims.check_holds_batch(run_cfg)
-    except ValueError as error:
-        raise ConfigError(f"train.parallel={dims.model_dump(exclude_defaults=True)}: {error}") from None
-    return dims, run_cfg
-
-
 def run_training(ctx: StageContext, model_cfg: ModelConfig, optim: OptimConfig, run_cfg: TrainRunConfig,
                  mixture: Mixture, *, init_model_dir: Path | None = None) -> TrainResult:
     """Train into the stage's folder: in this process when the layout is one process and
     `cluster.launcher` is `local`, else through the launcher. Layout and launcher are runtime: a run
     stopped under one resumes under another, from its DCP checkpoints, with the same global batches.
     The planner's forecast of the run on `cluster` goes to the recorder, to be set beside its cost."""
-    from tasks.train.planner import forecast_record
+    from tasks.train.planner import checked_layout, forecast_record
 
     ctx.recorder.record_forecast(forecast_record(model_cfg, mixture.vocab_size, run_cfg, ctx.cfg.train.parallel,
                                                  ctx.cfg.cluster))
-    dims, run_cfg = training_layout(ctx, model_cfg, run_cfg, mixture.vocab_size)
+    dims, run_cfg = checked_layout(ctx.cfg.train.parallel, model_cfg, run_cfg, mixture.vocab_size, ctx.cfg.cluster)
     launcher = ctx.cfg.cluster.launcher
     if dims.world_size == 1 and launcher == "local":
         from tasks.train.loop import train_model

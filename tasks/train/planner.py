@@ -624,6 +624,18 @@ def resolve_parallel(parallel: ParallelDims | Literal["auto"], model: ModelConfi
                                         "activation_checkpointing": lo.checkpointing != "none"})
 
 
+def checked_layout(parallel: ParallelDims | Literal["auto"], model: ModelConfig, run: TrainRunConfig,
+                   vocab_size: int, cluster: ClusterSpec) -> tuple[ParallelDims, TrainRunConfig]:
+    """`resolve_parallel`, checked against the global batch: a layout that cannot hold it is a
+    ConfigError that says why."""
+    dims, run = resolve_parallel(parallel, model, run, vocab_size, cluster)
+    try:
+        dims.check_holds_batch(run)
+    except ValueError as error:
+        raise ConfigError(f"train.parallel={dims.model_dump(exclude_defaults=True)}: {error}") from None
+    return dims, run
+
+
 # ----------------------------------------------------------------------------------------------
 # Forecast
 
@@ -661,11 +673,7 @@ def forecast_training(model: ModelConfig, vocab_size: int, run: TrainRunConfig,
     if cluster.gpus_per_node < 1:
         raise ConfigError("cluster.gpus_per_node is 0: the forecast prices accelerator time; describe the GPUs "
                           "(a configs/clusters/*.yaml preset) to get one")
-    dims, run = resolve_parallel(parallel, model, run.model_copy(update={"device": "cuda"}), vocab_size, cluster)
-    try:
-        dims.check_holds_batch(run)
-    except ValueError as error:
-        raise ConfigError(f"train.parallel={dims.model_dump(exclude_defaults=True)}: {error}") from None
+    dims, run = checked_layout(parallel, model, run.model_copy(update={"device": "cuda"}), vocab_size, cluster)
     layout = CandidateLayout(dims.dp, dims.tp, dims.pp, dims.cp, run.batch_size // (dims.dp * run.grad_accum),
                              "full" if run.activation_checkpointing else "none")  # the trainer recomputes whole blocks
     step = estimate_step_time(model, vocab_size, run.seq_len, run.batch_size, layout, cluster)

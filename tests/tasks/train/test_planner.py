@@ -19,6 +19,7 @@ from tasks.train.model import build_model, count_parameters, flops_per_token
 from tasks.train.planner import (
     CandidateLayout,
     activation_bytes_per_layer,
+    checked_layout,
     estimate_memory,
     estimate_step_time,
     forecast_record,
@@ -288,6 +289,13 @@ def test_auto_on_cpus_is_one_data_parallel_process_per_node_and_a_given_layout_i
     assert resolve_parallel("auto", ModelConfig(), run, 512, ClusterSpec(nodes=2)) == (ParallelDims(dp=2), run)
     given = ParallelDims(dp=2, tp=1)
     assert resolve_parallel(given, ModelConfig(), run, 512, ClusterSpec()) == (given, run)
+
+
+def test_a_given_layout_that_cannot_hold_the_batch_is_a_config_error_naming_train_parallel() -> None:
+    run = TrainRunConfig(batch_size=4)
+    assert checked_layout(ParallelDims(dp=2), ModelConfig(), run, 512, ClusterSpec()) == (ParallelDims(dp=2), run)
+    with pytest.raises(ConfigError, match=r"train.parallel=\{'dp': 3\}: train.run.batch_size=4 .* does not split"):
+        checked_layout(ParallelDims(dp=3), ModelConfig(), run, 512, ClusterSpec())
 
 
 # ---- forecast of a training run -----------------------------------------------------------------
