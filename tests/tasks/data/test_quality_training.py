@@ -11,6 +11,7 @@ from pydantic import ValidationError
 
 from tasks.data.clean import CleanConfig, clean_documents
 from tasks.data.collect import CollectConfig, SourceConfig, collect_documents
+from tasks.data.documents import read_documents
 from tasks.data.quality import HQ_LABEL
 from tasks.data.quality_training import (
     MODEL_FILE,
@@ -22,7 +23,6 @@ from tasks.data.quality_training import (
     score_texts,
     trained_model,
 )
-from tasks.data.documents import read_documents
 from tasks.store import Store
 
 REPO = Path(__file__).resolve().parents[3]
