@@ -228,8 +228,9 @@ def plot_capabilities(rows: Sequence[dict[str, Any]], path: Path) -> None:
         ax.plot(compute, [v for _, _, v in row["proxies"]], marker="o", color="tab:blue", label="best proxy per budget")
         if row["slope_per_decade"] is not None:
             xs = np.geomspace(min(compute), row["midscale_compute"], 20)
-            at_min = row["trend_at_midscale"] - row["slope_per_decade"] * np.log10(row["midscale_compute"])
-            ax.plot(xs, at_min + row["slope_per_decade"] * np.log10(xs), ls=":", color="tab:blue", label="proxies' trend")
+            intercept = row["trend_at_midscale"] - row["slope_per_decade"] * np.log10(row["midscale_compute"])
+            ax.plot(xs, intercept + row["slope_per_decade"] * np.log10(xs), ls=":", color="tab:blue",
+                    label="proxies' trend")
         ax.scatter([row["midscale_compute"]], [row["midscale"]], marker="*", s=160, zorder=4,
                    color="tab:green" if row["continues"] else "tab:red",
                    label="mid-scale (" + ("continues" if row["continues"] else "breaks") + " the trend)")
