@@ -66,7 +66,8 @@ def stage_task(name: str, key: str, cfg: KilnConfig, keys: dict[str, str], paren
 
 
 def execute(name: str, cfg: KilnConfig, keys: dict[str, str], parent_run_id: str | None = None) -> StageOutcome:
-    """One stage inside a flow: the cached task, then its Prefect artifacts."""
+    """One stage inside a flow: the cached task, then its Prefect artifacts if it ran (a reused stage's
+    are those its run published)."""
     key = keys[name]
     complete = Store(cfg.store_root).is_complete(name, key)
     orchestration = cfg.orchestration

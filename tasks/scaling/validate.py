@@ -2,12 +2,13 @@
 
 A run beyond the sweep's compute trains with the plan's learning rate and mixture; the gate passes
 only if its loss stayed finite and fell, the run had no more than `max_spikes` loss spikes and
-no gradient-norm blow-up, and its validation loss lies in the fit's bootstrap prediction
-interval (no floor: a law that does not transfer fails here). Beside the loss, the mid-scale
-model's eval-suite scores must continue the proxies' trend (`capabilities`), and the mixture
-regression's ranking is checked at the validate size (`transfer`). The validate stage records the
-report; the train stage refuses to start on a failed gate unless `train.gate_override` gives a
-reason, which is recorded.
+no gradient-norm blow-up, and the validation loss of the run at this size on the law's mixture
+(this run, or the transfer run on the reference mixture when the plan chose another: `law_run`)
+lies in the fit's bootstrap prediction interval (no floor: a law that does not transfer fails
+here). Beside the loss, the mid-scale model's eval-suite scores must continue the proxies' trend
+(`capabilities`), and the mixture regression's ranking is checked at the validate size
+(`transfer`). The validate stage records the report; the train stage refuses to start on a failed
+gate unless `train.gate_override` gives a reason, which is recorded.
 """
 
 from __future__ import annotations
