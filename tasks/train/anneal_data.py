@@ -10,6 +10,7 @@ held-out counterparts are in their domains' validation, which the anneal's val l
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 from typing import Any
 
@@ -82,9 +83,13 @@ def anneal_mixture(shards: dict, shards_root: Path, mixture: AnnealMixture, wher
                    ) -> tuple[Mixture, dict[str, dict[str, Any]]]:
     """The `Mixture` an anneal trains on: the tokenize stage's domains by weight, plus one component per
     quality selection (its shard written under `out_dir`); and each selection's stats."""
-    clash = sorted(n for n, entry in mixture.items() if isinstance(entry, QualitySelection) and n in shards["domains"])
+    names = [n for n, entry in mixture.items() if isinstance(entry, QualitySelection)]
+    clash = sorted(n for n in names if n in shards["domains"])
     if clash:
         raise ConfigError(f"{where}: {clash} name quality selections but are domains of the corpus; rename them")
+    unsafe = sorted(n for n in names if not re.fullmatch(r"[A-Za-z0-9_.-]+", n) or n.startswith("."))
+    if unsafe:  # each selection's tokens are written to <name>.bin
+        raise ConfigError(f"{where}: quality selection names {unsafe} name files: use letters, digits, '_', '-' or '.'")
     selections, stats = {}, {}
     for name, entry in mixture.items():
         if isinstance(entry, QualitySelection):

@@ -103,6 +103,9 @@ def test_unscored_and_unknown_domains_are_refused_with_the_reason(tokenized, tmp
                           "anneal.mixture", tmp_path)
     with pytest.raises(ConfigError, match=r"anneal.mixture: \['web'\] name quality selections but are domains"):
         anneal_mixture(shards, root, {"web": QualitySelection(quality_top=0.5, weight=1.0)}, "anneal.mixture", tmp_path)
+    with pytest.raises(ConfigError, match=r"anneal.mixture: quality selection names \['\.\./best', 'top web'\] name files"):
+        anneal_mixture(shards, root, {"top web": QualitySelection(quality_top=0.5, weight=1.0),
+                                      "../best": QualitySelection(quality_top=0.5, weight=1.0)}, "anneal.mixture", tmp_path)
 
 
 def test_the_mixture_weighs_domains_and_selections_together(tokenized, tmp_path):
