@@ -208,8 +208,8 @@ def run_datatrove(cfg: DedupConfig, input_file: Path, out_dir: Path) -> Callable
 
 def measure(methods: list[Method], cfg: DedupConfig, input_file: Path, work: Path, repeats: int
             ) -> dict[str, tuple[list[float], dict[str, str]]]:
-    """Each method's seconds per repeat and its clusters; repeats interleaved, so that every method
-    sees the same load over time, after one untimed run of each that pays its imports (matplotlib,
+    """Each method's seconds per repeat and its clusters; repeats interleaved, in rotating order, so
+    that every method sees the same load over time, after one untimed run of each that pays its imports (matplotlib,
     scipy, datasketch's) and first-call costs, which are no part of the throughput per document."""
     for method in methods:
         out = work / f"{method.__name__}-warmup"
@@ -217,7 +217,8 @@ def measure(methods: list[Method], cfg: DedupConfig, input_file: Path, work: Pat
         method(cfg, input_file, out)
     results: dict[str, tuple[list[float], dict[str, str]]] = {}
     for repeat in range(repeats):
-        for method in methods:
+        shift = repeat % len(methods)  # each method goes first in turn: none always runs on a cold cache
+        for method in methods[shift:] + methods[:shift]:
             name = method.__name__.removeprefix("run_")
             out = work / f"{name}-{repeat}"
             out.mkdir()

@@ -33,9 +33,9 @@ from collections import Counter
 from collections.abc import Iterator
 from collections.abc import Set as AbstractSet
 from concurrent.futures import Future, ProcessPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO, Literal
+from typing import Any, Literal
 
 import numpy as np
 from pydantic import Field
@@ -44,7 +44,7 @@ from tasks.accounting import DocCounts
 from tasks.configbase import Section, runtime_field
 from tasks.data import minhash
 from tasks.data.dedup_index import DIGEST_BYTES, INDEX_DIR, SNIPPET_CHARS, DedupIndex
-from tasks.data.documents import DOCUMENTS_FILE, REMOVED_FILE, Document
+from tasks.data.documents import DOCUMENTS_FILE, REMOVED_FILE, Document, ReasonLog
 from tasks.data.inspection import RemovalTally, text_bytes, write_removal_report
 
 _BATCH = 1000  # documents per signature batch: amortises numpy calls, bounds memory per worker
@@ -108,14 +108,13 @@ class _CodePointClasses:
     def classify(self, codes: np.ndarray) -> np.ndarray:
         """The class bits of each code point."""
         bits = self.bits[codes]
-        unknown = codes[bits == 0]
-        if unknown.size:
-            for code in np.unique(unknown).tolist():
-                char = chr(code)
-                self.bits[code] = (_KNOWN | (_PUNCTUATION if unicodedata.category(char).startswith("P") else 0)
-                                   | (_SPACE if char.isspace() else 0))
-            bits = self.bits[codes]
-        return bits
+        if bits.all():  # the usual case: every code point seen before
+            return bits
+        for code in np.unique(codes[bits == 0]).tolist():
+            char = chr(code)
+            self.bits[code] = (_KNOWN | (_PUNCTUATION if unicodedata.category(char).startswith("P") else 0)
+                               | (_SPACE if char.isspace() else 0))
+        return self.bits[codes]
 
 
 _CLASSES = _CodePointClasses()
@@ -199,19 +198,23 @@ def dedup_against_index(cfg: DedupConfig, index_dir: Path, new_input_file: Path,
 class _Batch:
     """What the stage remembers of each input document (its line is re-read when writing)."""
 
-    line_numbers: list[int]  # of the input's lines, blank ones skipped as `read_documents` does
-    ids: list[str]
-    lengths: list[int]
-    text_bytes: list[int]
-    snippets: list[str]
-    domains: list[str]
-    quality: list[float]
+    num_perm: int
+    line_numbers: list[int] = field(default_factory=list)  # blank lines skipped, as `read_documents` does
+    ids: list[str] = field(default_factory=list)
+    lengths: list[int] = field(default_factory=list)
+    text_bytes: list[int] = field(default_factory=list)
+    snippets: list[str] = field(default_factory=list)
+    domains: list[str] = field(default_factory=list)
+    quality: list[float] = field(default_factory=list)
     # b"" or b", " (what goes before a `duplicate_of` appended to its metadata) where the line is
-    # the document's `to_json()` and its metadata has no `duplicate_of`; else None (re-serialise).
-    splices: list[bytes | None]
-    digests: list[bytes]
-    signatures: np.ndarray
-    has_shingles: np.ndarray
+    # the document's `to_json_line()` and its metadata has no `duplicate_of`; else None (re-serialise).
+    splices: list[bytes | None] = field(default_factory=list)
+    digests: list[bytes] = field(default_factory=list)
+    signatures: np.ndarray = field(init=False)
+    has_shingles: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=bool))
+
+    def __post_init__(self) -> None:
+        self.signatures = np.zeros((0, self.num_perm), dtype=np.uint32)
 
 
 def _dedup(cfg: DedupConfig, index: DedupIndex, input_file: Path, out_dir: Path) -> dict:
@@ -264,7 +267,7 @@ def _dedup(cfg: DedupConfig, index: DedupIndex, input_file: Path, out_dir: Path)
     sampled = _sample_clusters(clusters, survivor_of)
     snippets = {i: str(index.snippets[i]) if i < m else batch.snippets[i - m] for cluster in sampled for i in cluster}
     kept: list[int] = []
-    with open(out_dir / DOCUMENTS_FILE, "wb") as out, _LazyFile(out_dir / REMOVED_FILE) as removed:
+    with open(out_dir / DOCUMENTS_FILE, "wb") as out, ReasonLog(out_dir / REMOVED_FILE) as removed:
         for i, line in enumerate(_document_lines(input_file, batch.line_numbers)):
             node = m + i
             survivor = int(survivor_of[node])
@@ -278,7 +281,7 @@ def _dedup(cfg: DedupConfig, index: DedupIndex, input_file: Path, out_dir: Path)
                 continue
             # The reason is the relation to the kept document, whichever member made the link.
             reason = "exact_duplicate" if cfg.exact and digests[survivor] == digests[node] else "near_duplicate"
-            removed.write(_removal_line(line, batch.splices[i], reason, ids[survivor]))
+            removed.write_line(_removal_line(line, batch.splices[i], reason, ids[survivor]))
             counts.removed[reason] += 1
             removed_by_domain[domain] += 1
             tally.add("removed", domain, num_bytes, reason)
@@ -336,6 +339,7 @@ def _sample_clusters(clusters: list[list[int]], survivor_of: np.ndarray) -> list
 def _plot_cluster_sizes(sizes: Counter[int], path: Path) -> None:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
 
     figure = Figure(figsize=(5, 3.2))
     FigureCanvasAgg(figure)
@@ -344,29 +348,10 @@ def _plot_cluster_sizes(sizes: Counter[int], path: Path) -> None:
     axes.bar([str(x) for x in xs], [sizes[x] for x in xs], color="#4477aa")
     axes.set_xlabel("documents in cluster")
     axes.set_ylabel("clusters")
+    axes.yaxis.set_major_locator(MaxNLocator(5, integer=True))  # whole clusters: no fractional ticks
     axes.set_title(f"Duplicate clusters ({sum(sizes.values())})")
     figure.subplots_adjust(left=0.16, bottom=0.16, right=0.97, top=0.9)  # fixed: tight_layout doubled the cost
     figure.savefig(path, dpi=80)
-
-
-class _LazyFile:
-    """A binary file created by its first write, so that a run that removes nothing leaves none."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self._handle: BinaryIO | None = None
-
-    def write(self, data: bytes) -> None:
-        if self._handle is None:
-            self._handle = open(self.path, "wb")
-        self._handle.write(data)
-
-    def __enter__(self) -> _LazyFile:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self._handle is not None:
-            self._handle.close()
 
 
 def _document_lines(input_file: Path, line_numbers: list[int]) -> Iterator[bytes]:
@@ -395,14 +380,14 @@ def _removal_line(line: bytes, splice: bytes | None, reason: str, survivor_id: s
         doc = _parse(line)
         doc.metadata["duplicate_of"] = survivor_id
         return _json_line(json.dumps({"reason": reason, **vars(doc)}, ensure_ascii=False))
-    # `line` is `{...fields, "metadata": {...}}` + newline: open both braces, append, close them.
+    # `line` is `{...fields, "metadata": {...}}` + newline (`to_json_line` writes the fields in the
+    # dataclass's order, metadata last): open both braces, append, close them.
     return (b'{"reason": ' + json.dumps(reason).encode() + b", " + line[1:-3] + splice + b'"duplicate_of": '
             + json.dumps(survivor_id, ensure_ascii=False).encode("utf-8") + b"}}\n")
 
 
 def _read_and_sign(cfg: DedupConfig, input_file: Path) -> _Batch:
-    batch = _Batch([], [], [], [], [], [], [], [], [], np.zeros((0, cfg.num_perm), dtype=np.uint32),
-                   np.zeros(0, dtype=bool))
+    batch = _Batch(cfg.num_perm)
     parts: list[Future[tuple] | tuple] = []
     signed: set[bytes] = set()  # normalised texts signed so far, in this process
     pool = None

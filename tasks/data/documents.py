@@ -12,7 +12,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from json.encoder import encode_basestring
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, BinaryIO
 
 import orjson
 
@@ -81,16 +81,21 @@ def write_documents(path: Path, documents: Iterable[Document]) -> int:
 
 
 class ReasonLog:
-    """Appends records that left the stream (removed or quarantined) with the reason why."""
+    """Appends records that left the stream (removed or quarantined) with the reason why. The file
+    is created by the first record, so a stage that removes nothing leaves none."""
 
     def __init__(self, path: Path):
         self.path = path
-        self._handle: TextIO | None = None
+        self._handle: BinaryIO | None = None
 
     def add(self, reason: str, record: dict[str, Any]) -> None:
+        self.write_line((_ENCODER.encode({"reason": reason, **record}) + "\n").encode("utf-8"))
+
+    def write_line(self, line: bytes) -> None:
+        """One record already serialised as `add` would write it (UTF-8, ending in a newline)."""
         if self._handle is None:
-            self._handle = open(self.path, "w", encoding="utf-8")
-        self._handle.write(json.dumps({"reason": reason, **record}, ensure_ascii=False) + "\n")
+            self._handle = open(self.path, "wb")
+        self._handle.write(line)
 
     def close(self) -> None:
         if self._handle is not None:

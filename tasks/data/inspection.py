@@ -65,7 +65,7 @@ def source_domains(out_dir: Path) -> dict[str, str]:
 
 def text_bytes(text: str) -> int:
     """A text's size as the report counts it: UTF-8 bytes (lone surrogates, valid in JSON, as written)."""
-    return len(text.encode("utf-8", errors="surrogatepass"))
+    return len(text) if text.isascii() else len(text.encode("utf-8", errors="surrogatepass"))
 
 
 class RemovalTally:
@@ -123,6 +123,7 @@ def plot(table: dict[str, Any], path: Path, stage: str) -> None:
     # The object API, not pyplot: pyplot's import and state cost more than the plot in a short stage.
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
 
     filters = sorted({f"{outcome}: {name}" for row in table.values() for outcome in ("removed", "quarantined")
                       for name in row[outcome]})
@@ -137,14 +138,15 @@ def plot(table: dict[str, Any], path: Path, stage: str) -> None:
             ax.barh(filters, counts, left=left, label=domain)
             left = [a + b for a, b in zip(left, counts)]
     ax.set_xlabel("documents")
+    ax.xaxis.set_major_locator(MaxNLocator(5, integer=True))  # whole documents: no fractional ticks
     ax.set_title(f"{stage}: documents removed by filter and domain")
     if filters:
         ax.legend(fontsize="small", loc="lower right")
     ax.invert_yaxis()
     # Margins in inches from the longest label (about 0.085 in a character at 10 pt), not tight_layout,
     # which measures every artist by drawing the figure once more.
-    left = (0.3 + 0.085 * max((len(label) for label in filters), default=0)) / width
-    fig.subplots_adjust(left=min(left, 0.6), right=0.97, bottom=0.55 / height, top=1 - 0.4 / height)
+    margin = (0.3 + 0.085 * max((len(label) for label in filters), default=0)) / width
+    fig.subplots_adjust(left=min(margin, 0.6), right=0.97, bottom=0.55 / height, top=1 - 0.4 / height)
     fig.savefig(path, dpi=100)
 
 
