@@ -3,9 +3,10 @@
 The shipped model (`data/models/quality_classifier.ftz`, built by
 `scripts/train_quality_classifier.py`) has two labels, `hq` and `lq`; a document is kept when
 its P(hq) reaches the configured threshold. A model trained from the user's references
-(`tasks/data/quality_training.py`) replaces it when `clean.quality_training` is set. Training is multi-threaded and not reproducible, so
-the model is trained once and committed; applying it is deterministic, and the stage key hashes
-the model file's bytes (`tasks/graph.py`).
+(`tasks/data/quality_training.py`) replaces it when `clean.quality_training` is set, trained
+reproducibly. The shipped one was trained with fastText's 10 Hogwild threads, which is not
+reproducible, so it is trained once and committed; applying either is deterministic, and the stage
+key hashes the model file's bytes (`tasks/graph.py`).
 """
 
 from __future__ import annotations

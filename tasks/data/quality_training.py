@@ -10,21 +10,30 @@ each, so that long and short documents both count), the larger class is subsampl
 smaller, and a split of whole documents, chosen by a hash of their id, is held out: precision and
 recall at P(hq) = 0.5 and ROC-AUC over those documents are the model's report card.
 
-fastText 0.9 needs `thread >= 10` and `dim` divisible by 10 (otherwise "Encountered NaN"), and
-threaded training is not bit-reproducible, so a trained model is kept in the store under a key
-(`quality_model/<key>`: the training config, the references' content, the collect output it read)
-and reused by every clean run with that key: a model is trained once per key, versioned as a
-store output with a manifest, and the clean stage that applies it records which one it was.
+Training is reproducible: the same data and config give the same model, bit for bit, so a fresh
+run's quality scores (and everything ranked by them: dedup's survivors, the anneal's selections)
+repeat. fastText 0.9 initialises only a tenth of its input matrix per thread and leaves the rest
+as allocated, so with fewer than 10 threads that rest is whatever the heap held ("Encountered
+NaN"), and with 10 threads training is Hogwild, whose updates race. `_train_in_fresh_process`
+trains with one thread in a child process whose large allocations come from fresh, zeroed pages
+(glibc's mmap threshold fixed low with `mallopt`): the rest starts at zero, deterministically.
+Without glibc it falls back to 10 threads (not reproducible; `dim` must then be a multiple of 10),
+and the report says so. A model is kept in the store under a key (`quality_model/<key>`: the
+training config, the references' content, the collect output it read) and reused by every clean
+run with that key, versioned as a store output with a manifest; the clean stage that applies it
+records which one it was.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import multiprocessing
 import random
 import tempfile
 import time
 from collections.abc import Iterator
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -40,8 +49,9 @@ from tasks.store import Store, stage_key
 STORE_STAGE = "quality_model"  # the store folder of trained models
 MODEL_FILE = "quality_classifier.bin"
 REPORT_FILE = "quality_classifier.json"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: trained reproducibly (one thread on zeroed memory), not Hogwild
 _LQ_LABEL = "__label__lq"
+_M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
 
 
 class QualityTraining(Section):
@@ -58,9 +68,9 @@ class QualityTraining(Section):
     epoch: int = Field(25, ge=1)
     lr: float = Field(0.5, gt=0.0)
     word_ngrams: int = Field(2, ge=1)
-    dim: int = Field(10, ge=10)  # a multiple of 10 (fastText 0.9's NaN bug otherwise)
+    dim: int = Field(10, ge=10)  # a multiple of 10 (the 10-thread fallback's NaN bug otherwise)
     bucket: int = Field(100_000, ge=1_000)  # hashed word-bigram rows
-    seed: int = 0  # subsampling and shuffling; fastText's threads add their own noise
+    seed: int = 0  # subsampling, shuffling and fastText's initialisation
 
     @field_validator("dim")
     @classmethod
@@ -145,11 +155,13 @@ def train_quality_model(cfg: QualityTraining, collected: Path, out_dir: Path) ->
         train_file = Path(tmp) / "train.txt"
         train_file.write_text("\n".join(lines) + "\n", encoding="utf-8")
         fit = dict(lr=cfg.lr, epoch=cfg.epoch, wordNgrams=cfg.word_ngrams, dim=cfg.dim, bucket=cfg.bucket,
-                   minCount=1, thread=10, seed=cfg.seed, verbose=0)  # thread >= 10: see the module docstring
+                   minCount=1, seed=cfg.seed, verbose=0)
         # Not quantised: on two cores quantising (with its retraining) costs ~6x the training itself,
         # and the unquantised model is (bucket + vocabulary) x dim floats: 4 MB at the defaults.
-        model = fasttext.train_supervised(str(train_file), **fit)
-    model.save_model(str(out_dir / MODEL_FILE))
+        # forkserver, not fork: the caller (a flow runner) may hold threads, and locks, that fork copies.
+        with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("forkserver")) as pool:
+            threads = pool.submit(_train_in_fresh_process, str(train_file), str(out_dir / MODEL_FILE), fit).result()
+    model = fasttext.load_model(str(out_dir / MODEL_FILE))
     train_s = time.perf_counter() - started
 
     truth = [int(label == "hq") for label, _, _ in test]
@@ -157,7 +169,7 @@ def train_quality_model(cfg: QualityTraining, collected: Path, out_dir: Path) ->
     predicted = [int(score >= 0.5) for score in scores]
     both = 0 < sum(truth) < len(truth)
     report = {
-        **counts, **window_counts, "train_s": round(train_s, 2),
+        **counts, **window_counts, "train_s": round(train_s, 2), "threads": threads, "reproducible": threads == 1,
         "held_out": {
             "precision": precision_score(truth, predicted, zero_division=0.0) if test else None,
             "recall": recall_score(truth, predicted, zero_division=0.0) if test else None,
@@ -166,6 +178,22 @@ def train_quality_model(cfg: QualityTraining, collected: Path, out_dir: Path) ->
     }
     (out_dir / REPORT_FILE).write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
     return report
+
+
+def _train_in_fresh_process(train_file: str, model_file: str, fit: dict[str, Any]) -> int:
+    """Train and save a fastText model in this (new) process; returns the threads it used. With
+    glibc, every allocation of 128 KiB or more is mapped afresh (zeroed) from here on, so the part
+    of the input matrix that one thread leaves uninitialised is zero; without it, 10 threads."""
+    import ctypes
+
+    import fasttext
+
+    try:
+        threads = 1 if ctypes.CDLL(None).mallopt(_M_MMAP_THRESHOLD, 128 * 1024) == 1 else 10
+    except AttributeError:  # no mallopt: not glibc
+        threads = 10
+    fasttext.train_supervised(train_file, thread=threads, **fit).save_model(model_file)
+    return threads
 
 
 def score_texts(model: Any, texts: list[str]) -> list[float]:
