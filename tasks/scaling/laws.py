@@ -113,15 +113,20 @@ class LossLawFit:
         Each bootstrap law's prediction is multiplied by exp(a residual drawn from the fit's own
         residuals), so the interval holds both the law's uncertainty and the scatter of single
         runs about it (seeds, data order): a confidence interval of the law alone would fail
-        a correct law on run-to-run noise. No floor: it is as wide as the evidence says.
+        a correct law on run-to-run noise. In-sample residuals understate the error of predicting
+        beyond the points, so when the held-out check (the largest-compute points predicted by a
+        fit to the rest) erred more, they are scaled up to its RMSE. No floor: it is as wide as the
+        evidence says.
         """
         if not len(self.bootstrap_params):
             raise ValueError("this fit has no bootstrap (num_bootstrap=0): it cannot give a prediction interval")
         boot = self.bootstrap_params
         preds = boot[:, 0] + boot[:, 1] / n ** boot[:, 3] + boot[:, 2] / d ** boot[:, 4]
         kept = np.array([r for i, r in enumerate(self.residuals) if i not in {p.index for p in self.dropped}])
+        rms = float(np.sqrt(np.mean(kept**2))) if kept.size else 0.0
+        scale = max(1.0, self.heldout_rmse_log / rms) if self.heldout_rmse_log and rms > 0 else 1.0
         rng = np.random.default_rng(seed)
-        draws = np.log(preds) + rng.choice(kept, size=len(preds))
+        draws = np.log(preds) + scale * rng.choice(kept, size=len(preds))
         lo_q, hi_q = _quantiles(self.level if level is None else level)
         return float(np.exp(np.quantile(draws, lo_q))), float(np.exp(np.quantile(draws, hi_q)))
 

@@ -182,5 +182,6 @@ STAGE = Stage(
     inputs=("sweep", "tokenize"), config=FitConfig,
     reads=("validate.model", "validate.run"), headline=headline,
     # 3: the mixture regression's predictions for its optimum and each mixture trial (validate's transfer check)
-    reports=(REPORT_FILE,), version=3,
+    # 4: prediction intervals scale the residuals up to the held-out (extrapolation) RMSE when that is larger
+    reports=(REPORT_FILE,), version=4,
 )

@@ -10,6 +10,7 @@ sd(α), sd(β)≈0.013 (so ±0.04). Over 40 seeds the 95% bootstrap intervals co
 
 import json
 import math
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -228,3 +229,13 @@ def test_prediction_intervals_cover_new_runs_at_their_level(hoffmann_fit):
     # a law fitted without its bootstrap cannot say how sure it is
     with pytest.raises(ValueError, match="no bootstrap"):
         fit_loss_law(*synthetic(30, seed=1), num_bootstrap=0).prediction_interval(1e9, 1e10)
+
+
+def test_prediction_intervals_widen_to_the_held_out_error_of_extrapolating(hoffmann_fit):
+    """In-sample residuals understate the error beyond the points: a larger held-out RMSE scales them."""
+    n, d = 2e9, 4e10
+    low, high = hoffmann_fit.prediction_interval(n, d)
+    assert replace(hoffmann_fit, heldout_rmse_log=0.5 * hoffmann_fit.rmse_log).prediction_interval(n, d) == (low, high)
+    wide_low, wide_high = replace(hoffmann_fit, heldout_rmse_log=3 * hoffmann_fit.rmse_log).prediction_interval(n, d)
+    assert wide_low < low and wide_high > high
+    assert 2.0 < np.log(wide_high / wide_low) / np.log(high / low) < 3.0  # the law's own uncertainty is not scaled
