@@ -326,10 +326,10 @@ def clean_documents(cfg: CleanConfig, input_file: Path, out_dir: Path, executor:
     languages: Counter[str] = Counter()
     replacements: Counter[str] = Counter(dict.fromkeys(PII_KINDS, 0))
     num_redacted = 0
-    with open(out_dir / DOCUMENTS_FILE, "w", encoding="utf-8") as kept:
+    with open(out_dir / DOCUMENTS_FILE, "wb") as kept:
         for record in _merged([scratch / "kept"]):
             doc, _, pii = _to_kiln(record)
-            kept.write(doc.to_json() + "\n")
+            kept.write(doc.to_json_line())
             counts.num_kept += 1
             replacements.update(pii)
             num_redacted += any(pii.values())

@@ -238,7 +238,7 @@ def collect_documents(cfg: CollectConfig, out_dir: Path) -> dict:
     by_format: Counter[str] = Counter()
     num_repaired = 0
     with (
-        open(out_dir / DOCUMENTS_FILE, "w", encoding="utf-8") as kept,
+        open(out_dir / DOCUMENTS_FILE, "wb") as kept,
         ReasonLog(out_dir / REMOVED_FILE) as removed,
         ReasonLog(out_dir / QUARANTINE_FILE) as quarantine,
     ):
@@ -259,7 +259,7 @@ def collect_documents(cfg: CollectConfig, out_dir: Path) -> dict:
                 if reason is None:
                     assert doc is not None
                     seen_ids.add(doc.id)
-                    kept.write(doc.to_json() + "\n")
+                    kept.write(doc.to_json_line())
                     counts.num_kept += 1
                     report.num_kept += 1
                     report.num_chars += len(doc.text)

@@ -317,7 +317,7 @@ def decontaminate_documents(
     tally = RemovalTally()
     num_flagged = 0
     with (
-        open(out_dir / DOCUMENTS_FILE, "w", encoding="utf-8") as out,
+        open(out_dir / DOCUMENTS_FILE, "wb") as out,
         ReasonLog(out_dir / REMOVED_FILE) as removed,
     ):
         for doc in read_documents(input_file):
@@ -350,7 +350,7 @@ def decontaminate_documents(
                 tally.add("removed", doc.domain, text_bytes(doc.text), reason)
                 continue
             num_flagged += bool(overlaps)
-            out.write(doc.to_json() + "\n")
+            out.write(doc.to_json_line())
             counts.num_kept += 1
             tally.add("kept", doc.domain, text_bytes(doc.text))
     report = {

@@ -147,7 +147,7 @@ def dedup_with_datatrove(
     clusters: dict[int, list[str]] = defaultdict(list)
     tally = RemovalTally()
     with (
-        open(out_dir / DOCUMENTS_FILE, "w", encoding="utf-8") as out,
+        open(out_dir / DOCUMENTS_FILE, "wb") as out,
         ReasonLog(out_dir / REMOVED_FILE) as removed_log,
     ):
         for doc in read_documents(input_file):
@@ -156,7 +156,7 @@ def dedup_with_datatrove(
             if cluster != -1:
                 clusters[cluster].append(doc.id)
             if cluster == -1 or survivor_of_cluster[cluster] == doc.id:
-                out.write(doc.to_json() + "\n")
+                out.write(doc.to_json_line())
                 counts.num_kept += 1
                 tally.add("kept", doc.domain, text_bytes(doc.text))
                 continue
@@ -200,14 +200,14 @@ def _write_shards(input_file: Path, shard_dir: Path, tasks: int) -> int:
         num_docs = sum(1 for line in handle if line.strip())
     per_shard = max(1, math.ceil(num_docs / tasks))
     shard_dir.mkdir(parents=True)
-    shards = [open(shard_dir / f"{rank:05d}.jsonl", "w", encoding="utf-8") for rank in range(tasks)]
+    shards = [open(shard_dir / f"{rank:05d}.jsonl", "wb") for rank in range(tasks)]
     seen: set[str] = set()
     try:
         for i, doc in enumerate(read_documents(input_file)):
             if doc.id in seen:
                 raise InputError(f"{input_file}: document id {doc.id!r} occurs twice; ids must be unique for dedup")
             seen.add(doc.id)
-            shards[i // per_shard].write(doc.to_json() + "\n")
+            shards[i // per_shard].write(doc.to_json_line())
     finally:
         for shard in shards:
             shard.close()
