@@ -18,6 +18,7 @@ import logging
 import math
 import os
 import shutil
+import tempfile
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -142,10 +143,7 @@ def evaluate_lm(
         log.warning("eval task %s not built: %s", name, reason)
     online = cfg.online_tasks()
     names = [task.name for task in suite] + online
-    unknown_wanted = sorted(set(tasks or ()) - set(names))
-    if unknown_wanted:
-        raise ConfigError(f"eval tasks {unknown_wanted} are not in the configured suite {names}: name tasks of "
-                          "evaluate.eval_files / evaluate.standard_suite (e.g. validate.capabilities.tasks)")
+    check_wanted_tasks(tasks, names)
     if tasks is not None:
         suite = [task for task in suite if task.name in tasks]
         online = [name for name in online if name in tasks]
@@ -176,6 +174,23 @@ def evaluate_lm(
     for task, rate in rates.items():
         flat[f"{task}/contamination_rate"] = float(rate)
     return flat
+
+
+def suite_task_names(cfg: EvaluateConfig) -> list[str]:
+    """The task names `evaluate_lm` computes for `cfg`, without a model: which local tasks exist depends
+    on the items their builders draw, so the suite is built, into a temporary folder."""
+    eval_paths = eval_paths_of(cfg)
+    with tempfile.TemporaryDirectory(prefix="kiln-suite-") as task_dir:
+        suite, _ = build_local_suite(eval_paths, Path(task_dir), cfg.choice, cfg.lines)
+    return [task.name for task in suite] + cfg.online_tasks()
+
+
+def check_wanted_tasks(tasks: Collection[str] | None, names: Sequence[str]) -> None:
+    """A ConfigError naming the wanted tasks that are not among the suite's `names`."""
+    unknown = sorted(set(tasks or ()) - set(names))
+    if unknown:
+        raise ConfigError(f"eval tasks {unknown} are not in the configured suite {list(names)}: name tasks of "
+                          "evaluate.eval_files / evaluate.standard_suite (e.g. validate.capabilities.tasks)")
 
 
 def _run_lm_eval(lm: LM, task_manager: Any, names: list[str], limit: int | None) -> dict[str, Any]:

@@ -24,6 +24,8 @@ from tasks.stages._training import (
 )
 
 if TYPE_CHECKING:
+    from tasks.config import KilnConfig
+    from tasks.evals.evaluate import EvaluateConfig
     from tasks.scaling.capabilities import CapabilityRow
     from tasks.train.config import OptimConfig
 
@@ -35,6 +37,8 @@ def run(ctx: StageContext) -> dict:
     from tasks.scaling import plots
 
     cfg = ctx.cfg
+    if cfg.validate_.capabilities.enabled and cfg.validate_.capabilities.tasks:
+        check_capability_tasks(cfg)
     plan = ctx.read_json("fit", PLAN_FILE)
     planned = plan["runs"]["validate"]
     optim = cfg.sweep.optim.model_copy(update={"lr": planned["lr"]})
@@ -75,6 +79,20 @@ def run(ctx: StageContext) -> dict:
     return stats
 
 
+def capabilities_eval_config(cfg: KilnConfig) -> EvaluateConfig:
+    """The evaluate section the capabilities are scored with: the local suite, `validate.capabilities.limit` items."""
+    return cfg.evaluate.model_copy(update={"limit": cfg.validate_.capabilities.limit, "standard_suite": False,
+                                           "extra_tasks": []})
+
+
+def check_capability_tasks(cfg: KilnConfig) -> None:
+    """`validate.capabilities.tasks` not in the suite is a ConfigError before the validate run trains,
+    not after it, when the capabilities are scored."""
+    from tasks.evals.evaluate import check_wanted_tasks, suite_task_names
+
+    check_wanted_tasks(cfg.validate_.capabilities.tasks, suite_task_names(capabilities_eval_config(cfg)))
+
+
 def score_capabilities(ctx: StageContext, midscale_compute: float, reference_run: str | None
                        ) -> tuple[list[CapabilityRow], list[str]]:
     """The eval suite (local tasks, `validate.capabilities.limit` items each) on the best proxy of each
@@ -86,7 +104,7 @@ def score_capabilities(ctx: StageContext, midscale_compute: float, reference_run
     from tasks.scaling.sweep import TRIALS_DIR, TRIALS_FILE, best_isoflop_trials, load_trials
 
     caps = ctx.cfg.validate_.capabilities
-    eval_cfg = ctx.cfg.evaluate.model_copy(update={"limit": caps.limit, "standard_suite": False, "extra_tasks": []})
+    eval_cfg = capabilities_eval_config(ctx.cfg)
     tokenizer = ctx.inputs["tokenize"] / TOKENIZER_FILE
 
     def score(name: str, model_dir: Any, compute: float) -> ScoredModel:

@@ -1,13 +1,18 @@
 """The gate's capability trend (the mid-scale model against the sweep's best proxies on the eval
-suite) and the mixture-transfer check, on constructed numbers with exact expectations."""
+suite) and the mixture-transfer check, on constructed numbers with exact expectations; the validate
+stage refusing unknown capability tasks before it trains."""
 
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 from pydantic import ValidationError
 
+from tasks.config import load_config
+from tasks.errors import ConfigError
+from tasks.runner import run_stage
 from tasks.scaling.capabilities import (
     CapabilityConfig,
     ScoredModel,
@@ -20,6 +25,10 @@ from tasks.scaling.transfer import (
     transfer_spearman,
 )
 from tasks.scaling.validate import ValidateConfig, check_gate
+from tasks.store import Store
+from tests.fixtures.validate_inputs import KEYS, commit_validate_inputs
+
+REPO = Path(__file__).resolve().parents[3]
 
 CURVE = [(1, 6.0), (10, 3.0)]
 # bits per byte falls by 0.2 per doubling of compute; accuracy rises
@@ -165,3 +174,22 @@ def test_the_interval_is_checked_on_the_run_on_the_laws_mixture_when_given():
     failed = check_gate(6.3, CURVE, predicted, law_run=("transfer/uniform", 6.45))
     assert failed.reasons[0].startswith("observed loss 6.4500 (transfer/uniform) is above the 95% prediction "
                                         "interval [6.2000, 6.4000]")
+
+
+def test_unknown_capability_tasks_stop_the_validate_stage_before_it_trains(tmp_path):
+    cfg = load_config(REPO / "configs" / "tiny.yaml", [
+        f"work_dir={tmp_path / 'work'}", "validate.run.steps=4", "validate.run.eval_batches=1",
+        "validate.capabilities.tasks=[kiln_heldout, kiln_heldout_nope]",
+        f"evaluate.eval_files=[{REPO / 'data/evals/heldout.jsonl'}, {REPO / 'data/evals/heldout_code.jsonl'}]"])
+    store = commit_validate_inputs(Store(tmp_path / "store"), cfg.sweep.reference)
+    # the names evaluate_lm computes for the capabilities' suite (local tasks only)
+    suite = ["kiln_heldout", "kiln_heldout_choice", "kiln_heldout_code", "kiln_heldout_code_choice",
+             "kiln_heldout_code_lines"]
+    with pytest.raises(ConfigError) as raised:
+        run_stage("validate", cfg, store=store, keys=KEYS)
+    assert str(raised.value) == (
+        f"eval tasks ['kiln_heldout_nope'] are not in the configured suite {suite}: name tasks of "
+        "evaluate.eval_files / evaluate.standard_suite (e.g. validate.capabilities.tasks)")
+    # nothing trained: the stage's partial folder is empty (no model, checkpoints or metrics) and not committed
+    assert list(store.partial_path("validate", KEYS["validate"]).iterdir()) == []
+    assert not store.is_complete("validate", KEYS["validate"])
