@@ -52,12 +52,13 @@ class StageRecorder:
                  on_event: Callable[[str, dict[str, Any]], None] | None = None) -> None:
         self.tracker, self.run_id, self.stage, self.key = tracker, run_id, stage, key
         self._on_event = on_event
-        self.forecast: dict[str, Any] | None = None
+        self.forecasts: dict[str, dict[str, Any]] = {}
 
-    def record_forecast(self, forecast: dict[str, Any]) -> None:
-        """The planner's forecast of this stage's cost (`tasks.train.planner.forecast_record`): the
-        runner records it beside the measured cost, in stats, manifest and MLflow."""
-        self.forecast = forecast
+    def record_forecast(self, forecast: dict[str, Any], run: str | None = None) -> None:
+        """The planner's forecast of one training run of this stage (`tasks.train.planner.forecast_record`),
+        named `run` (the stage's name by default): the runner records their sum (`stage_forecast`) beside
+        the measured cost, in stats, manifest and MLflow."""
+        self.forecasts[run or self.stage] = forecast
 
     def metrics(self, step: int, metrics: dict[str, float]) -> None:
         self.tracker.log_metrics(self.run_id, metrics, step)
@@ -88,6 +89,19 @@ def _numeric(stats: dict[str, Any], prefix: str = "") -> dict[str, float]:
         elif isinstance(value, (int, float)) and not isinstance(value, bool):
             flat[f"{prefix}{key}"] = value
     return flat
+
+
+def stage_forecast(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """A stage's forecast: each training run's, by name, and their sum, which the measured cost of the
+    whole stage is set against. It covers the training runs only: a stage's evaluations and other work
+    are not forecast. No sum when a run has no forecast (the first such run says why)."""
+    out = {"covers": "the training runs in `runs`; evaluations and other work are not forecast", "runs": runs}
+    skipped = [(name, forecast["skipped"]) for name, forecast in runs.items() if "skipped" in forecast]
+    if skipped:
+        name, why = skipped[0]
+        return {**out, "skipped": f"{name}: {why}"}
+    return {**out, **{key: sum(forecast[key] for forecast in runs.values())
+                      for key in ("wall_s", "accelerator_s", "device_hours")}}
 
 
 def priced_forecast(forecast: dict[str, Any] | None, accelerator_s: float) -> dict[str, float]:
@@ -197,9 +211,10 @@ def _execute(stage: Stage, cfg: KilnConfig, store: Store, tracker: Tracker, regi
     # accelerator-seconds: devices held (a training stage's num_accelerators; 0 on CPU) x wall time
     cost = {"wall_s": wall_s, "cpu_s": cpu_after - cpu_before, "peak_rss_mb": peak_rss_mb,
             "accelerator_s": stats.get("num_accelerators", 0) * wall_s}
-    if recorder.forecast is not None:
-        stats = {**stats, "forecast": recorder.forecast}
-        cost.update(priced_forecast(recorder.forecast, cost["accelerator_s"]))
+    if recorder.forecasts:
+        forecast = stage_forecast(recorder.forecasts)
+        stats = {**stats, "forecast": forecast}
+        cost.update(priced_forecast(forecast, cost["accelerator_s"]))
     stats = {"headline": {**stage.headline(stats), **cost_headline(cost)}, **stats}
     manifest = {
         "stage": stage.name, "key": key, "format_version": stage.version,

@@ -37,7 +37,8 @@ def run_training(ctx: StageContext, model_cfg: ModelConfig, optim: OptimConfig, 
     """Train into the stage's folder: in this process when the layout is one process and
     `cluster.launcher` is `local`, else through the launcher. Layout and launcher are runtime: a run
     stopped under one resumes under another, from its DCP checkpoints, with the same global batches.
-    The planner's forecast of the run on `cluster` goes to the recorder, to be set beside its cost."""
+    The planner's forecast of the run on `cluster` goes to the recorder: the stage's forecast, set
+    beside its cost, is the sum over the training runs it records."""
     from tasks.train.planner import checked_layout, forecast_record
 
     ctx.recorder.record_forecast(forecast_record(model_cfg, mixture.vocab_size, run_cfg, ctx.cfg.train.parallel,

@@ -35,14 +35,18 @@ RANK_METRIC = "bits_per_byte"
 
 
 class BranchRecorder(StageRecorder):
-    """The stage's recorder, with one candidate's training metrics under `<name>/`."""
+    """The stage's recorder, with one candidate's training metrics under `<name>/` and its anneal's
+    forecast in the stage's, as `branches/<name>` (the stage's forecast is the sum over its anneals)."""
 
     def __init__(self, parent: StageRecorder, name: str) -> None:
         super().__init__(parent.tracker, parent.run_id, parent.stage, parent.key, parent._on_event)
-        self.prefix = f"{name}/"
+        self.parent, self.name, self.prefix = parent, name, f"{name}/"
 
     def metrics(self, step: int, metrics: dict[str, float]) -> None:
         super().metrics(step, {self.prefix + key: value for key, value in metrics.items()})
+
+    def record_forecast(self, forecast: dict[str, Any], run: str | None = None) -> None:
+        self.parent.record_forecast(forecast, run or f"{BRANCHES_DIR}/{self.name}")
 
 
 def _evaluate(ctx: StageContext, model_dir: Path, out: Path, contamination: Any) -> dict[str, Any]:

@@ -13,15 +13,16 @@ from tasks.config import load_config
 from tasks.data.documents import Document, write_documents
 from tasks.data.tokenize import SHARDS_FILE, TokenizeConfig, tokenize_corpus
 from tasks.errors import ConfigError
-from tasks.runner import StageRecorder
+from tasks.runner import StageRecorder, stage_forecast
 from tasks.stage import StageContext
 from tasks.stages import anneal, anneal_ablation
 from tasks.store import Store
 from tasks.tracker import NullTracker
-from tasks.train.config import ModelConfig, OptimConfig
+from tasks.train.config import ModelConfig, OptimConfig, TrainRunConfig
 from tasks.train.data_loader import mixture_with_weights
 from tasks.train.loop import train_model
 from tasks.train.model import load_model
+from tasks.train.planner import forecast_training
 
 REPO = Path(__file__).resolve().parents[3]
 MODEL = ModelConfig(d_model=16, n_layers=1, n_heads=2, max_seq_len=64)
@@ -85,10 +86,15 @@ def test_the_anneal_starts_from_a_kept_checkpoint_and_refuses_one_that_is_not(in
 
 def test_the_ablation_anneals_each_candidate_from_one_checkpoint_and_ranks_them(inputs, tmp_path):
     ctx = context(inputs, tmp_path / "ablation", f"anneal_ablation.candidates={CANDIDATES}",
-                  "anneal_ablation.steps=3", "anneal_ablation.from_step=2")
+                  "anneal_ablation.steps=3", "anneal_ablation.from_step=2", "cluster.gpus_per_node=1")
     stats = anneal_ablation.run(ctx)
     assert stats["from_step"] == 2 and stats["steps"] == 3
     assert stats["num_accelerators"] == 0  # what the runner prices its wall time by: the anneals ran on CPU
+    # each anneal's forecast (for the cluster's one GPU) is in the stage's, which the runner sums
+    run = TrainRunConfig(steps=3, batch_size=8, seq_len=64)
+    expected = forecast_training(MODEL, 300, run, ctx.cfg.train.parallel, ctx.cfg.cluster).to_dict()
+    assert ctx.recorder.forecasts == {"branches/prose_only": expected, "branches/best_web": expected}
+    assert stage_forecast(ctx.recorder.forecasts)["accelerator_s"] == expected["accelerator_s"] * 2
     assert set(stats["ranking"]) == {"prose_only", "best_web"} and stats["best"] == next(iter(stats["ranking"]))
     summary = json.loads((ctx.out_dir / anneal_ablation.SUMMARY_FILE).read_text())
     # each candidate's change is its bits per byte minus the start's, on the same task

@@ -1,5 +1,7 @@
-"""The train stage records the planner's forecast beside what it spent: a real (tiny) train stage
-through the runner, on inputs committed to a store as the mix, fit and validate stages commit them."""
+"""The training stages record the planner's forecast beside what they spent: real (tiny) train and
+validate stages through the runner, on inputs committed to a store as the stages before them commit
+them. A stage's forecast is the sum over every training run it does (validate: its run and the
+mixture-transfer runs), and says that it covers training only."""
 
 from __future__ import annotations
 
@@ -11,42 +13,31 @@ import pytest
 from tasks.config import load_config
 from tasks.runner import run_stage
 from tasks.scaling.fit import PLAN_FILE
-from tasks.scaling.mix import MIXTURE_FILE
 from tasks.scaling.validate import REPORT_FILE
 from tasks.store import Store
-from tasks.train.config import TrainRunConfig
+from tasks.train.config import ParallelDims, TrainRunConfig
 from tasks.train.planner import forecast_training
-from tests.fixtures.continuous_eval import write_mixture, write_tokenizer
+from tests.fixtures.validate_inputs import (
+    KEYS,
+    VOCAB_SIZE,
+    commit,
+    commit_mix,
+    commit_validate_inputs,
+)
 
 REPO = Path(__file__).resolve().parents[3]
-KEYS = {"mix": "31c0000e0001", "fit": "f170000e0002", "validate": "7a11da7e0003", "train": "7a10000e0004"}
-INPUTS = {"mix": (), "fit": (), "validate": ()}
 STEPS = ["train.run.steps=4", "train.run.checkpoint_every=2", "train.run.eval_batches=1", "train.lr=0.01",
          "train.run.num_threads=1"]
-
-
-def commit(store: Store, stage: str, write) -> None:
-    out = store.begin(stage, KEYS[stage])
-    write(out)
-    store.commit(stage, KEYS[stage], {"stage": stage, "key": KEYS[stage], "format_version": 1, "inputs": {},
-                                      "identity": {}, "stats": {"headline": {}}, "wall_s": 0.1,
-                                      "mlflow_run_id": "untracked", "created_at": "2026-01-01T00:00:00Z"})
+COVERS = "the training runs in `runs`; evaluations and other work are not forecast"
+NO_GPUS = ("cluster.gpus_per_node is 0: the forecast prices accelerator time; describe the GPUs (a "
+           "configs/clusters/*.yaml preset) to get one")
 
 
 @pytest.fixture
 def inputs(tmp_path) -> Store:
     """A store with a one-domain mixture, a plan without a production run, and a passed gate."""
     store = Store(tmp_path / "store")
-
-    def mixture(out: Path) -> None:
-        write_mixture(out, write_tokenizer(out / "tokenizer.json"))
-        manifest = json.loads((out / "manifest.json").read_text())
-        for domain in manifest["domains"].values():  # shard paths are relative to the store root
-            domain["train"] = [f"mix/{KEYS['mix']}/{name}" for name in domain["train"]]
-            domain["val"] = [f"mix/{KEYS['mix']}/{name}" for name in domain["val"]]
-        (out / MIXTURE_FILE).write_text(json.dumps(manifest))
-
-    commit(store, "mix", mixture)
+    commit_mix(store)
     commit(store, "fit", lambda out: (out / PLAN_FILE).write_text(json.dumps(
         {"lr": 0.01, "runs": {}, "refused": {"production": "not planned in this test"}, "loss_law": None})))
     commit(store, "validate", lambda out: (out / REPORT_FILE).write_text(json.dumps({"passed": True, "reasons": []})))
@@ -65,7 +56,9 @@ def test_a_train_stage_records_the_forecast_for_its_cluster_beside_its_cost(tmp_
     expected = forecast_training(cfg.train.model, 320, TrainRunConfig(steps=4, batch_size=8, seq_len=64),
                                  cfg.train.parallel, cfg.cluster).to_dict()
     stats = manifest["stats"]
-    assert stats["steps"] == 4 and stats["forecast"] == expected
+    assert stats["steps"] == 4 and stats["forecast"] == {
+        "covers": COVERS, "runs": {"train": expected}, "wall_s": expected["wall_s"],
+        "accelerator_s": expected["accelerator_s"], "device_hours": expected["device_hours"]}
     assert expected["devices"] == 1 and expected["step_s"] > 0
     assert manifest["cost"]["forecast_accelerator_s"] == expected["accelerator_s"]
     # nothing ran on an accelerator: no actual/forecast ratio, and 0 device-hours spent
@@ -76,7 +69,32 @@ def test_a_train_stage_records_the_forecast_for_its_cluster_beside_its_cost(tmp_
 
 def test_a_train_stage_on_a_cluster_without_accelerators_says_why_there_is_no_forecast(tmp_path, inputs):
     _, manifest, outcome = train(tmp_path, inputs)
-    assert manifest["stats"]["forecast"] == {"skipped": "cluster.gpus_per_node is 0: the forecast prices "
-                                             "accelerator time; describe the GPUs (a configs/clusters/*.yaml "
-                                             "preset) to get one"}
+    assert manifest["stats"]["forecast"] == {"covers": COVERS, "runs": {"train": {"skipped": NO_GPUS}},
+                                             "skipped": f"train: {NO_GPUS}"}
     assert "forecast_accelerator_s" not in manifest["cost"] and "forecast_device_h" not in outcome.headline
+
+
+def test_a_validate_stage_forecasts_its_run_and_each_mixture_transfer_run_it_trains(tmp_path):
+    cfg = load_config(REPO / "configs" / "tiny.yaml", [
+        f"work_dir={tmp_path / 'work'}", "cluster.gpus_per_node=1", "validate.capabilities.enabled=false",
+        "validate.run.steps=4", "validate.run.checkpoint_every=2", "validate.run.eval_batches=1",
+        "validate.run.num_threads=1", "validate.mixture_transfer.num_mixtures=3", "validate.mixture_transfer.steps=2"])
+    store = commit_validate_inputs(Store(tmp_path / "store"), cfg.sweep.reference)
+    run_stage("validate", cfg, store=store, keys=KEYS)
+    manifest = store.manifest("validate", KEYS["validate"])
+    run = TrainRunConfig(steps=4, batch_size=8, seq_len=64, eval_batches=1, checkpoint_every=2, num_threads=1)
+    main = forecast_training(cfg.validate_.model, VOCAB_SIZE, run, cfg.train.parallel, cfg.cluster).to_dict()
+    # the transfer runs train in the stage's process: one device, at the transfer's 2 steps; none is the
+    # validate run itself (that needs the validate run's length)
+    transfer = forecast_training(cfg.validate_.model, VOCAB_SIZE, run.model_copy(update={"steps": 2}), ParallelDims(),
+                                 cfg.cluster).to_dict()
+    assert (main["steps"], transfer["steps"], transfer["devices"]) == (4, 2, 1)
+    assert transfer["step_s"] == main["step_s"]  # one layout on one device: twice the steps, twice the forecast
+    names = ["planned", cfg.sweep.reference, "other"]
+    assert manifest["stats"]["forecast"] == {
+        "covers": COVERS, "runs": {"validate": main, **{f"transfer/{name}": transfer for name in names}},
+        **{key: main[key] + transfer[key] + transfer[key] + transfer[key]
+           for key in ("wall_s", "accelerator_s", "device_hours")}}
+    assert manifest["stats"]["forecast"]["accelerator_s"] == pytest.approx(2.5 * main["accelerator_s"], rel=1e-12)
+    assert manifest["cost"]["forecast_accelerator_s"] == manifest["stats"]["forecast"]["accelerator_s"]
+    assert sorted(manifest["stats"]["gate"]["mixture_transfer"]["observed"]) == sorted(names)
