@@ -15,8 +15,9 @@ run's quality scores (and everything ranked by them: dedup's survivors, the anne
 repeat. fastText 0.9 initialises only a tenth of its input matrix per thread and leaves the rest
 as allocated, so with fewer than 10 threads that rest is whatever the heap held ("Encountered
 NaN"), and with 10 threads training is Hogwild, whose updates race. `_train_in_fresh_process`
-trains with one thread in a child process whose large allocations come from fresh, zeroed pages
-(glibc's mmap threshold fixed low with `mallopt`): the rest starts at zero, deterministically.
+trains with one thread in a child process where glibc fills every new allocation with zeros
+(`mallopt(M_PERTURB, 0xff)`; fresh pages are zero anyway): the rest starts at zero, whatever the
+heap held before, so training is deterministic.
 Without glibc it falls back to 10 threads (not reproducible; `dim` must then be a multiple of 10),
 and the report says so. A model is kept in the store under a key (`quality_model/<key>`: the
 training config, the references' content, the collect output it read) and reused by every clean
@@ -49,9 +50,9 @@ from tasks.store import Store, stage_key
 STORE_STAGE = "quality_model"  # the store folder of trained models
 MODEL_FILE = "quality_classifier.bin"
 REPORT_FILE = "quality_classifier.json"
-FORMAT_VERSION = 2  # 2: trained reproducibly (one thread on zeroed memory), not Hogwild
+FORMAT_VERSION = 2  # 2: trained reproducibly (one thread on zero-filled memory), not Hogwild
 _LQ_LABEL = "__label__lq"
-_M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
+_M_PERTURB = -6  # glibc's mallopt parameter: new allocations are filled with the complement of its byte
 
 
 class QualityTraining(Section):
@@ -182,14 +183,14 @@ def train_quality_model(cfg: QualityTraining, collected: Path, out_dir: Path) ->
 
 def _train_in_fresh_process(train_file: str, model_file: str, fit: dict[str, Any]) -> int:
     """Train and save a fastText model in this (new) process; returns the threads it used. With
-    glibc, every allocation of 128 KiB or more is mapped afresh (zeroed) from here on, so the part
+    glibc, every allocation from here on is zero-filled (and freed memory overwritten), so the part
     of the input matrix that one thread leaves uninitialised is zero; without it, 10 threads."""
     import ctypes
 
     import fasttext
 
     try:
-        threads = 1 if ctypes.CDLL(None).mallopt(_M_MMAP_THRESHOLD, 128 * 1024) == 1 else 10
+        threads = 1 if ctypes.CDLL(None).mallopt(_M_PERTURB, 0xFF) == 1 else 10
     except AttributeError:  # no mallopt: not glibc
         threads = 10
     fasttext.train_supervised(train_file, thread=threads, **fit).save_model(model_file)
