@@ -4,6 +4,7 @@ how a `TrainResult` becomes stage stats."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -33,31 +34,40 @@ def plan_mixture(ctx: StageContext) -> Mixture:
 
 
 def run_training(ctx: StageContext, model_cfg: ModelConfig, optim: OptimConfig, run_cfg: TrainRunConfig,
-                 mixture: Mixture, *, init_model_dir: Path | None = None) -> TrainResult:
-    """Train into the stage's folder: in this process when the layout is one process and
-    `cluster.launcher` is `local`, else through the launcher. Layout and launcher are runtime: a run
-    stopped under one resumes under another, from its DCP checkpoints, with the same global batches.
-    The planner's forecast of the run on `cluster` goes to the recorder: the stage's forecast, set
+                 mixture: Mixture, *, init_model_dir: Path | None = None, name: str | None = None) -> TrainResult:
+    """Train into the stage's folder (or its subfolder `name`, for a stage's further runs, whose metrics
+    go under `name/`): in this process when the layout is one process and `cluster.launcher` is
+    `local`, else through the launcher. Layout and launcher are runtime: a run stopped under one
+    resumes under another, from its DCP checkpoints, with the same global batches. The planner's
+    forecast of the run on `cluster` goes to the recorder (as `name`): the stage's forecast, set
     beside its cost, is the sum over the training runs it records."""
     from tasks.train.planner import checked_layout, forecast_record
 
     ctx.recorder.record_forecast(forecast_record(model_cfg, mixture.vocab_size, run_cfg, ctx.cfg.train.parallel,
-                                                 ctx.cfg.cluster))
+                                                 ctx.cfg.cluster), name)
     dims, run_cfg = checked_layout(ctx.cfg.train.parallel, model_cfg, run_cfg, mixture.vocab_size, ctx.cfg.cluster)
+    out_dir, on_metrics = ctx.out_dir, ctx.recorder.metrics
+    if name is not None:
+        out_dir = ctx.out_dir / name
+        out_dir.mkdir(parents=True, exist_ok=True)
+        on_metrics = _prefixed(ctx.recorder.metrics, f"{name}/")
     launcher = ctx.cfg.cluster.launcher
     if dims.world_size == 1 and launcher == "local":
         from tasks.train.loop import train_model
 
-        return train_model(model_cfg, optim, run_cfg, mixture, ctx.out_dir, init_model_dir=init_model_dir,
-                           on_metrics=ctx.recorder.metrics, on_event=ctx.recorder.event)
+        return train_model(model_cfg, optim, run_cfg, mixture, out_dir, init_model_dir=init_model_dir,
+                           on_metrics=on_metrics, on_event=ctx.recorder.event)
     from tasks.launch.launched_training import train_with_launcher
     from tasks.train.data_loader import write_manifest
 
-    manifest = write_manifest(mixture, ctx.out_dir / LAUNCHED_MIXTURE_FILE, ctx.store.root)
+    manifest = write_manifest(mixture, out_dir / LAUNCHED_MIXTURE_FILE, ctx.store.root)
     return train_with_launcher(model_cfg, optim, run_cfg, dims, ctx.cfg.cluster, manifest, ctx.store.root,
-                               ctx.out_dir, launcher="torchrun" if launcher == "local" else launcher,
-                               init_model_dir=init_model_dir, on_metrics=ctx.recorder.metrics,
-                               on_event=ctx.recorder.event)
+                               out_dir, launcher="torchrun" if launcher == "local" else launcher,
+                               init_model_dir=init_model_dir, on_metrics=on_metrics, on_event=ctx.recorder.event)
+
+
+def _prefixed(log: Callable[[int, dict[str, float]], None], prefix: str) -> Callable[[int, dict[str, float]], None]:
+    return lambda step, metrics: log(step, {prefix + key: value for key, value in metrics.items()})
 
 
 def train_stats(result: TrainResult, *, device: str, world_size: int = 1, **extra: Any) -> dict[str, Any]:

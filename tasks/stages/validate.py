@@ -128,11 +128,8 @@ def mixture_transfer(ctx: StageContext, plan: dict[str, Any], optim: OptimConfig
     model's size; their predicted and observed losses and the rank correlation between them. At the
     validate run's length the validate run itself is the plan mixture's run (not trained twice)."""
     from tasks.scaling.transfer import choose_transfer_mixtures, transfer_spearman
-    from tasks.train.config import ParallelDims
     from tasks.train.data_loader import mixture_with_weights
     from tasks.train.health import TrainingDivergedError
-    from tasks.train.loop import train_model
-    from tasks.train.planner import forecast_record
 
     cfg = ctx.cfg.validate_
     regression = plan["mixture_regression"]
@@ -153,11 +150,8 @@ def mixture_transfer(ctx: StageContext, plan: dict[str, Any], optim: OptimConfig
             continue
         mixture = mixture_with_weights(shards, ctx.inputs["tokenize"], predictions[name]["weights"],
                                        f"the fit's mixture {name}")
-        # trained here, in one process: forecast on one device of the cluster
-        ctx.recorder.record_forecast(forecast_record(cfg.model, mixture.vocab_size, run_cfg, ParallelDims(),
-                                                     ctx.cfg.cluster), f"{TRANSFER_DIR}/{name}")
-        try:
-            result = train_model(cfg.model, optim, run_cfg, mixture, ctx.out_dir / TRANSFER_DIR / name)
+        try:  # where the validate run trains: this process, or through cluster.launcher
+            result = run_training(ctx, cfg.model, optim, run_cfg, mixture, name=f"{TRANSFER_DIR}/{name}")
         except TrainingDivergedError:
             diverged.append(name)
             continue

@@ -11,11 +11,12 @@ from pathlib import Path
 import pytest
 
 from tasks.config import load_config
+from tasks.launch.launched_training import WORKER_CONFIG
 from tasks.runner import run_stage
 from tasks.scaling.fit import PLAN_FILE
 from tasks.scaling.validate import REPORT_FILE
 from tasks.store import Store
-from tasks.train.config import ParallelDims, TrainRunConfig
+from tasks.train.config import TrainRunConfig
 from tasks.train.planner import forecast_training
 from tests.fixtures.validate_inputs import (
     KEYS,
@@ -84,10 +85,10 @@ def test_a_validate_stage_forecasts_its_run_and_each_mixture_transfer_run_it_tra
     manifest = store.manifest("validate", KEYS["validate"])
     run = TrainRunConfig(steps=4, batch_size=8, seq_len=64, eval_batches=1, checkpoint_every=2, num_threads=1)
     main = forecast_training(cfg.validate_.model, VOCAB_SIZE, run, cfg.train.parallel, cfg.cluster).to_dict()
-    # the transfer runs train in the stage's process: one device, at the transfer's 2 steps; none is the
-    # validate run itself (that needs the validate run's length)
-    transfer = forecast_training(cfg.validate_.model, VOCAB_SIZE, run.model_copy(update={"steps": 2}), ParallelDims(),
-                                 cfg.cluster).to_dict()
+    # the transfer runs train where the validate run does, at the transfer's 2 steps; none is the validate
+    # run itself (that needs the validate run's length)
+    transfer = forecast_training(cfg.validate_.model, VOCAB_SIZE, run.model_copy(update={"steps": 2}),
+                                 cfg.train.parallel, cfg.cluster).to_dict()
     assert (main["steps"], transfer["steps"], transfer["devices"]) == (4, 2, 1)
     assert transfer["step_s"] == main["step_s"]  # one layout on one device: twice the steps, twice the forecast
     names = ["planned", cfg.sweep.reference, "other"]
@@ -98,3 +99,23 @@ def test_a_validate_stage_forecasts_its_run_and_each_mixture_transfer_run_it_tra
     assert manifest["stats"]["forecast"]["accelerator_s"] == pytest.approx(2.5 * main["accelerator_s"], rel=1e-12)
     assert manifest["cost"]["forecast_accelerator_s"] == manifest["stats"]["forecast"]["accelerator_s"]
     assert sorted(manifest["stats"]["gate"]["mixture_transfer"]["observed"]) == sorted(names)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_mixture_transfer_runs_train_through_the_configured_launcher(tmp_path):
+    """validate's transfer runs train where its own run does: here each is a torchrun job of its own."""
+    cfg = load_config(REPO / "configs" / "tiny.yaml", [
+        f"work_dir={tmp_path / 'work'}", "cluster.launcher=torchrun", "validate.capabilities.enabled=false",
+        "validate.run.steps=4", "validate.run.checkpoint_every=2", "validate.run.eval_batches=1",
+        "validate.run.num_threads=1", "validate.mixture_transfer.num_mixtures=3", "validate.mixture_transfer.steps=2"])
+    store = commit_validate_inputs(Store(tmp_path / "store"), cfg.sweep.reference)
+    run_stage("validate", cfg, store=store, keys=KEYS)
+    out = store.path("validate", KEYS["validate"])
+    names = ["planned", cfg.sweep.reference, "other"]
+    for name in names:
+        launched = json.loads((out / "transfer" / name / WORKER_CONFIG).read_text())
+        assert launched["train"]["steps"] == 2
+        assert (out / "transfer" / name / "model").is_dir()
+    observed = store.manifest("validate", KEYS["validate"])["stats"]["gate"]["mixture_transfer"]["observed"]
+    assert sorted(observed) == sorted(names) and all(loss > 0 for loss in observed.values())
