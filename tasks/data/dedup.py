@@ -273,7 +273,7 @@ def _dedup(cfg: DedupConfig, index: DedupIndex, input_file: Path, out_dir: Path)
             survivor = int(survivor_of[node])
             domain, num_bytes = batch.domains[i], batch.text_bytes[i]
             if survivor == node:
-                out.write(line if batch.splices[i] is not None else _json_line(_parse(line).to_json()))
+                out.write(line if batch.splices[i] is not None else _parse(line).to_json_line())
                 snippets[node] = batch.snippets[i]
                 counts.num_kept += 1
                 kept.append(i)
@@ -281,7 +281,13 @@ def _dedup(cfg: DedupConfig, index: DedupIndex, input_file: Path, out_dir: Path)
                 continue
             # The reason is the relation to the kept document, whichever member made the link.
             reason = "exact_duplicate" if cfg.exact and digests[survivor] == digests[node] else "near_duplicate"
-            removed.write_line(_removal_line(line, batch.splices[i], reason, ids[survivor]))
+            splice = batch.splices[i]
+            if splice is None:
+                doc = _parse(line)
+                doc.metadata["duplicate_of"] = ids[survivor]
+                removed.add(reason, vars(doc))
+            else:
+                removed.write_line(_spliced_removal(line, splice, reason, ids[survivor]))
             counts.removed[reason] += 1
             removed_by_domain[domain] += 1
             tally.add("removed", domain, num_bytes, reason)
@@ -369,17 +375,9 @@ def _parse(line: bytes) -> Document:
     return Document.from_dict(json.loads(line.decode("utf-8")))
 
 
-def _json_line(text: str) -> bytes:
-    return (text + "\n").encode("utf-8")
-
-
-def _removal_line(line: bytes, splice: bytes | None, reason: str, survivor_id: str) -> bytes:
-    """The removed document's record: `{"reason": ..., **vars(doc)}` with `metadata.duplicate_of`,
-    as `ReasonLog` writes it; a canonical line is spliced instead of parsed and re-serialised."""
-    if splice is None:
-        doc = _parse(line)
-        doc.metadata["duplicate_of"] = survivor_id
-        return _json_line(json.dumps({"reason": reason, **vars(doc)}, ensure_ascii=False))
+def _spliced_removal(line: bytes, splice: bytes, reason: str, survivor_id: str) -> bytes:
+    """The removed document's record as `ReasonLog.add(reason, vars(doc))` writes it, with
+    `metadata.duplicate_of`, spliced into its canonical line instead of parsed and re-serialised."""
     # `line` is `{...fields, "metadata": {...}}` + newline (`to_json_line` writes the fields in the
     # dataclass's order, metadata last): open both braces, append, close them.
     return (b'{"reason": ' + json.dumps(reason).encode() + b", " + line[1:-3] + splice + b'"duplicate_of": '
