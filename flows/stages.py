@@ -3,9 +3,10 @@
 `stage_task` wraps `tasks.runner.run_stage` (which locks the key, reuses or computes it, writes
 the manifest, commits and records the MLflow run). Its cache key is the stage and its key, with
 results persisted, so a stage the store already has shows as `Cached` and a UI Retry re-executes
-only what failed. Retries (`orchestration.retries`) apply to unexpected failures, never to user
-errors. The stage flows (`kiln-collect`, ...) are generated from the registry, one per stage,
-so each has its own deployment; each loads its config once and runs its stage.
+only what failed. Retries (`orchestration.retries`) apply to infrastructure failures and unexpected
+errors (`tasks.errors.is_retryable`), never to user errors. The stage flows (`kiln-collect`, ...) are
+generated from the registry, one per stage, so each has its own deployment; each loads its config
+once and runs its stage.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from prefect.runtime import flow_run
 
 from flows.environment import apply_run_settings
 from tasks.config import KilnConfig, load_config
-from tasks.errors import KilnError
+from tasks.errors import is_retryable
 from tasks.graph import stage_keys
 from tasks.runner import StageOutcome, run_stage
 from tasks.stages import REGISTRY
@@ -31,16 +32,17 @@ from tasks.train.health import TrainingDivergedError
 
 PREFECT_CACHE_DIR = ".prefect-cache"  # under the store root
 
-# Failures a retry cannot cure: the user must change the config, the data or the plan.
-_NOT_RETRIED = (KilnError, TrainingDivergedError)
 
 
 def _cache_key(context: Any, parameters: dict[str, Any]) -> str:
     return f"kiln-{parameters['name']}-{parameters['key']}"
 
 
-def _retry_unexpected_only(task: Any, task_run: Any, state: Any) -> bool:
-    return not isinstance(state.data, _NOT_RETRIED)
+def _retry_if_it_can_help(task: Any, task_run: Any, state: Any) -> bool:
+    """Retry infrastructure failures and unexpected errors; never a config or data error, nor a diverged
+    run (the user must change the config, the data or the plan)."""
+    error = state.data
+    return not isinstance(error, TrainingDivergedError) and is_retryable(error)
 
 
 def _flow_run_id() -> str | None:
@@ -56,7 +58,7 @@ def _emit(name: str, key: str):
 
 
 @task(name="stage", cache_policy=CacheKeyFnPolicy(cache_key_fn=_cache_key), persist_result=True,
-      task_run_name="{name}-{key}", retry_condition_fn=_retry_unexpected_only)
+      task_run_name="{name}-{key}", retry_condition_fn=_retry_if_it_can_help)
 def stage_task(name: str, key: str, cfg: KilnConfig, keys: dict[str, str], parent_run_id: str | None) -> dict[str, Any]:
     """Run (or reuse) one stage through the runner; the result is its outcome."""
     outcome = run_stage(name, cfg, tracker=MlflowTracker.for_config(cfg), keys=keys, parent_run_id=parent_run_id,

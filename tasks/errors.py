@@ -1,12 +1,20 @@
-"""Errors a user can act on. The CLI prints these without a traceback.
+"""Errors a user can act on, and whether running the same work again can help.
 
-Raise `ConfigError` for a bad setting and `InputError` for bad or missing input data; the
-message must name the file, line or key at fault and say how to fix it.
+The CLI prints a `KilnError` without a traceback. Raise `ConfigError` for a bad setting and
+`InputError` for bad or missing input data; the message must name the file, line or key at fault
+and say how to fix it. Raise `InfrastructureError` (or a subclass) when the work broke for a reason
+outside the config and the data: a lost node, a preempted or timed-out job, a rank that died. Its
+`retryable` is true, so the orchestrator retries the stage (or the sub-run), which resumes from its
+partial state; every other `KilnError` stops at once, since a retry would fail the same way.
 """
 
 
 class KilnError(Exception):
     """A user-facing error whose message alone tells the user what to do."""
+
+    # Whether running the same work again, unchanged, can succeed. A class default that an instance may
+    # override (`error.retryable = False` for a scheduler's refusal raised as a launch failure).
+    retryable: bool = False
 
 
 class ConfigError(KilnError):
@@ -15,3 +23,17 @@ class ConfigError(KilnError):
 
 class InputError(KilnError):
     """An input path or file cannot be used as configured."""
+
+
+class InfrastructureError(KilnError):
+    """The machines broke, not the config or the data: a retry, resuming from the partial state, can succeed."""
+
+    retryable = True
+
+
+def is_retryable(error: BaseException) -> bool:
+    """Whether an orchestrator should retry work that raised `error`: Kiln's infrastructure errors and
+    unexpected exceptions (a bug or a fault Kiln did not foresee) yes, every other `KilnError` no."""
+    if isinstance(error, KilnError):
+        return error.retryable
+    return isinstance(error, Exception)

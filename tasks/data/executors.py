@@ -47,7 +47,7 @@ from datatrove.executor import (
 from datatrove.executor.base import PipelineExecutor
 from datatrove.utils.stats import PipelineStats
 
-from tasks.errors import ConfigError, KilnError
+from tasks.errors import ConfigError, InfrastructureError
 
 if TYPE_CHECKING:
     from tasks.config import ClusterConfig
@@ -65,8 +65,9 @@ _POLL_FRACTION = 0.1
 _T = TypeVar("_T")
 
 
-class ExecutorError(KilnError):
-    """A data pipeline ended with ranks unfinished; the message names their logs."""
+class ExecutorError(InfrastructureError):
+    """A data pipeline ended with ranks unfinished; the message names their logs. Retryable: a rerun runs
+    only the unfinished ranks (datatrove's completion markers)."""
 
 
 @dataclass(frozen=True)

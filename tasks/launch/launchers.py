@@ -36,7 +36,7 @@ from typing import ClassVar
 
 import jinja2
 
-from tasks.errors import ConfigError, KilnError
+from tasks.errors import ConfigError, InfrastructureError, KilnError
 from tasks.launch.cluster import ClusterSpec
 
 INFRA_DIR = Path(__file__).resolve().parents[2] / "infra"
@@ -44,8 +44,9 @@ KILL_GRACE_S = 10.0  # after SIGTERM, how long a timed-out job gets to exit befo
 LOG_TAIL_CHARS = 2000
 
 
-class LaunchError(KilnError):
-    """A launched job failed, timed out, or could not be submitted.
+class LaunchError(InfrastructureError):
+    """A launched job failed, timed out, or could not be submitted. Retryable: the job resumes from its last
+    checkpoint (a refusal that a retry cannot cure sets `retryable = False`).
 
     `log` is the job's whole output when it ran here (the message holds only its tail); `hosts` the
     hosts the launcher itself blames, when it can name them (this machine for a local launch);
