@@ -92,9 +92,14 @@ class LocalSlurmCluster:
         return len(self.node_names) > 1
 
     def stop(self) -> None:
-        """Stop the daemons (by their pid files) and wait for them to exit; munged is shared, so it stays.
+        """Cancel this cluster's jobs, then stop its daemons (by their pid files) and wait for them to
+        exit; munged is shared, so it stays.
 
-        All are signalled first and then awaited together: each takes ~2 s to shut down."""
+        A job's steps run under their own slurmstepd, which outlives slurmd: cancelled first, they
+        end with the cluster instead of running on unowned. The daemons are signalled first and then
+        awaited together: each takes ~2 s to shut down. A pid file whose process is not this
+        cluster's daemon (it died and the pid was reused) is left alone."""
+        self._cancel_jobs()
         slurmds = [f"slurmd-{name}" for name in self.node_names] if self.multiple else ["slurmd"]
         stopping = []
         for daemon in [*slurmds, "slurmctld"]:
@@ -102,7 +107,7 @@ class LocalSlurmCluster:
             if not pid_file.is_file():
                 continue
             pid = int(pid_file.read_text().strip() or 0)
-            if pid <= 0:
+            if pid <= 0 or not self._is_daemon(pid):
                 continue
             try:
                 os.kill(pid, signal.SIGTERM)
@@ -115,6 +120,30 @@ class LocalSlurmCluster:
         for pid in stopping:
             if _alive(pid):
                 os.kill(pid, signal.SIGKILL)
+
+    def _cancel_jobs(self, timeout_s: float = 30.0) -> None:
+        """scancel every job in this cluster's queue and wait until none is left (at most `timeout_s`)."""
+        env = {**os.environ, **self.env}
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                queued = subprocess.run(["squeue", "-h", "-o", "%A"], capture_output=True, text=True, env=env,
+                                        timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                return
+            jobs = queued.stdout.split()
+            if queued.returncode != 0 or not jobs:  # a controller that is not up has no jobs to cancel
+                return
+            subprocess.run(["scancel", *jobs], capture_output=True, env=env, timeout=timeout_s)
+            time.sleep(0.5)
+
+    def _is_daemon(self, pid: int) -> bool:
+        """Whether `pid` runs with this cluster's config (`-f {conf}`)."""
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            return False
+        return str(self.conf).encode() in argv
 
     def __enter__(self) -> LocalSlurmCluster:
         return self.start()

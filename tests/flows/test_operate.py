@@ -32,8 +32,9 @@ from mlflow.tracking import MlflowClient
 from flows.cli import main
 from flows.servers import servers_dir
 from tasks.scaling.plots import LAW_PLOT
+from tests.processes import kill_tree
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.cluster]  # `kiln up` starts Prefect and MLflow servers
 REPO = Path(__file__).resolve().parents[2]
 ARTIFACTS = REPO / "build" / "test-artifacts" / "operate"
 CHROMIUM = "/usr/bin/chromium"  # Debian's package (infra/system-packages.sh); Playwright's download cannot work here
@@ -108,23 +109,6 @@ def digests(folder: Path) -> dict[str, str]:
             for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
-def process_tree(root: int) -> list[int]:
-    """`root` and every process below it (from /proc)."""
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-        children.setdefault(ppid, []).append(int(stat.parent.name))
-    tree, todo = [], [root]
-    while todo:
-        pid = todo.pop()
-        tree.append(pid)
-        todo += children.get(pid, [])
-    return tree
-
-
 class WebhookReceiver(ThreadingHTTPServer):
     """A chat webhook on loopback that keeps every JSON body posted to it."""
 
@@ -183,12 +167,8 @@ class Operated:
                                        start_new_session=True, stdout=log, stderr=subprocess.STDOUT)
 
     def kill_worker(self) -> None:
-        """SIGKILL the worker and every process under it, as when its machine dies."""
-        for pid in process_tree(self.worker.pid):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        """SIGKILL the worker and every process under it (the flow runs it started), as when its machine dies."""
+        kill_tree(self.worker.pid)
         self.worker.wait(timeout=30)
 
     def stop_worker(self) -> None:

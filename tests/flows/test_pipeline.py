@@ -9,7 +9,6 @@ import sys
 import time
 from pathlib import Path
 
-import psutil
 import pytest
 from mlflow.tracking import MlflowClient
 
@@ -19,6 +18,7 @@ from tasks.graph import stage_keys
 from tasks.stages import REGISTRY
 from tasks.store import MANIFEST_FILE, Store
 from tests.fixtures import toy_stage
+from tests.processes import kill_tree
 
 pytestmark = pytest.mark.slow
 STAGE_NAMES = REGISTRY.pipeline()
@@ -45,13 +45,14 @@ def stop_train_after_checkpoint(partial: Path, step: int, args: list[str]) -> in
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
     marker = partial / "checkpoints" / f"step_{step:07d}" / "COMPLETE"
     deadline = time.monotonic() + 300
-    while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert proc.poll() is None, f"the train stage ended before its step-{step} checkpoint: {proc.stderr.read()[-2000:]}"
-    tree = psutil.Process(proc.pid)
-    for child in [*tree.children(recursive=True), tree]:
-        child.kill()
-    proc.wait()
+    try:
+        while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert proc.poll() is None, f"the train stage ended before its step-{step} checkpoint: {proc.stderr.read()[-2000:]}"
+        assert marker.exists(), f"the train stage (pid {proc.pid}) completed no step-{step} checkpoint ({marker}) in 300 s"
+    finally:
+        kill_tree(proc.pid)
+        proc.wait()
     done = [int(p.parent.name.split("_")[1]) for p in (partial / "checkpoints").glob("step_*/COMPLETE")]
     return max(done)
 

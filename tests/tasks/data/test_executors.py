@@ -4,7 +4,7 @@ worker killed mid-stage loses and duplicates nothing.
 The corpus is a slice of the bundled sample (coreutils man pages, with their natural near
 duplicates, Python sources, Czech/Danish and other man pages, and one empty document), cleaned
 and deduplicated once on the local executor as the reference. Workers are killed for real, with
-SIGKILL from outside: on Slurm the stage then fails naming the rank's log, and a rerun skips the
+SIGKILL from outside (this test's own, found through its engine: tests/processes.py): on Slurm the stage then fails naming the rank's log, and a rerun skips the
 rank that finished (datatrove's completion markers); on Ray datatrove resubmits the dead actor's
 ranks within the same run.
 """
@@ -12,13 +12,9 @@ ranks within the same run.
 from __future__ import annotations
 
 import json
-import os
 import re
-import signal
 import sys
-import threading
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -44,6 +40,7 @@ from tasks.data.documents import (
 )
 from tasks.data.executors import ExecutorError, ExecutorSettings, build_executor
 from tasks.errors import ConfigError
+from tests.processes import killing_first, ray_actors, slurm_job_steps
 
 REPO = Path(__file__).parents[3]
 SAMPLE = REPO / "data" / "sample"
@@ -121,76 +118,13 @@ def _logged() -> Iterator[list[str]]:
         logger.remove(sink)
 
 
-@contextmanager
-def _kill_first(matches: Callable[[int, tuple[str, ...]], bool]) -> Iterator[list[int]]:
-    """SIGKILL the first new process (and its children) that `matches(pid, command line)`, from a watcher
-    thread. Processes already running as they are (a previous run's workers on their way out) are left
-    alone; a process that changes its title (Ray's idle workers become actors) is new."""
-    killed: list[int] = []
-    stop = threading.Event()
-    existing = set(_processes())
-
-    def watch() -> None:
-        while not stop.is_set() and not killed:
-            for pid, argv in _processes():
-                if (pid, argv) not in existing and matches(pid, argv):
-                    for child in _children(pid):
-                        _kill(child)
-                    _kill(pid)
-                    killed.append(pid)
-                    return
-            time.sleep(0.01)
-
-    watcher = threading.Thread(target=watch, daemon=True)
-    watcher.start()
-    try:
-        yield killed
-    finally:
-        stop.set()
-        watcher.join()
-
-
-def _processes() -> Iterator[tuple[int, tuple[str, ...]]]:
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            yield int(entry), _argv(int(entry))
-
-
-def _argv(pid: int) -> tuple[str, ...]:
-    try:
-        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-    except OSError:  # exited meanwhile
-        return ()
-    return tuple(a.decode(errors="replace") for a in argv if a)
-
-
-def _parent(pid: int) -> int:
-    try:
-        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-    except OSError:
-        return 0
-
-
-def _children(pid: int) -> list[int]:
-    return [child for child, _ in _processes() if _parent(child) == pid]
-
-
-def _kill(pid: int) -> None:
-    try:
-        os.kill(pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-
-
 def test_clean_on_slurm_survives_a_killed_rank_and_equals_local(local, slurm_cluster, tmp_path):
     out = tmp_path / "clean"
     logs = out / "_datatrove" / "logs"
     pickle = str(logs / "executor.pik")
 
-    def rank_process(pid: int, argv: tuple[str, ...]) -> bool:  # the job's Python, not the srun that started it
-        return "python" in Path(argv[0]).name if argv and pickle in argv else False
-
-    with _kill_first(rank_process) as killed, pytest.raises(ExecutorError) as failed:
+    ranks = slurm_job_steps(slurm_cluster.env, argument=pickle)  # this cluster's job steps running the pickle
+    with killing_first(ranks) as killed, pytest.raises(ExecutorError) as failed:
         _clean(out, local["corpus"], SLURM)
     assert killed, "no Slurm rank was seen running"
     message = str(failed.value)
@@ -217,15 +151,10 @@ def test_dedup_on_slurm_equals_local(local, slurm_cluster, tmp_path):
 
 
 def test_clean_on_ray_resubmits_a_killed_worker_and_equals_local(local, ray_cluster, tmp_path):
-    def running_rank_worker(pid: int, argv: tuple[str, ...]) -> bool:
-        """A RankWorker actor (not one of the rank processes it forks, which carry its title) that has
-        forked its rank: killed earlier, while the actor starts, datatrove 0.10.1 waits forever."""
-        def is_worker(argv: tuple[str, ...]) -> bool:
-            return bool(argv) and argv[0].startswith("ray::RankWorker")
-
-        return is_worker(argv) and not is_worker(_argv(_parent(pid))) and bool(_children(pid))
-
-    with _logged() as messages, _kill_first(running_rank_worker) as killed:
+    # This job's RankWorker actors that have forked their rank (killed earlier, while the actor
+    # starts, datatrove 0.10.1 waits forever); the rank processes carry the actor's title too.
+    workers = ray_actors("RankWorker", forked=True)
+    with _logged() as messages, killing_first(workers) as killed:
         stats = _clean(tmp_path, local["corpus"], RAY)
     assert killed, "no Ray rank worker was seen running"
     assert any("RayActorError" in m for m in messages), messages  # datatrove saw the death and resubmitted

@@ -16,6 +16,6 @@ def test_an_sbatch_job_runs_srun_to_completion(slurm_cluster, tmp_path):
         if state not in ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING"):
             break
         time.sleep(0.2)
-    assert state == "COMPLETED"
+    assert state == "COMPLETED", f"job {job_id} on the Slurm cluster {slurm_cluster.conf} ended {state} or was still {state} after 40 s"
     lines = (tmp_path / f"out-{job_id}.txt").read_text().split()
     assert lines == [slurm_cluster.node] * 2
