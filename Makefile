@@ -1,4 +1,4 @@
-# Kiln's two commands:  `make run` (set up + run the default pipeline)  and  `make test` (set up + run the tests).
+# Kiln's two commands:  `make run` (set up + run the default pipeline)  and  `make test` (set up + run every test).
 PYTHON ?= python3.11
 VENV ?= .venv
 BIN := $(VENV)/bin
@@ -26,8 +26,10 @@ run: setup
 test: setup
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
+# Everything but whole-pipeline runs, tests that start an engine (Slurm, Ray, a server, a browser) and
+# multi-process torch.distributed tests: the tier to run on every change (README, "Testing").
 test-fast: setup
-	$(BIN)/python -m pytest -q -m "not slow" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -m "not slow and not cluster and not distributed" $(PYTEST_ARGS)
 
 clean:
 	rm -rf kiln-work .pytest_cache

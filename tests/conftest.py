@@ -1,4 +1,5 @@
-"""Test-wide settings that must precede the first torch import."""
+"""Test-wide settings that must precede the first torch import, the engine fixtures, and the rule
+that marks every test using one of them `cluster`."""
 
 import os
 
@@ -9,6 +10,21 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 from contextlib import contextmanager  # noqa: E402
 
 import pytest  # noqa: E402
+
+# Fixtures that start a real engine: a test that uses one, directly or through another fixture, is a
+# `cluster` test whatever its own markers say, so that `make test-fast` never starts one.
+ENGINE_FIXTURES = frozenset({"slurm_cluster", "slurm_two_nodes", "ray_cluster", "prefect_api"})
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.pluginmanager.import_plugin("tests.timeouts")  # a timed-out test shows what it waited for
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest's own hook deselects by marker
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if ENGINE_FIXTURES.intersection(item.fixturenames):
+            item.add_marker(pytest.mark.cluster)
 
 
 @contextmanager

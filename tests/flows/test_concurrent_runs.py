@@ -15,7 +15,8 @@ from tasks.config import load_config
 from tasks.graph import stage_keys
 from tasks.store import Store
 
-pytestmark = pytest.mark.slow
+# each `kiln run` starts its own Prefect API server; three runs to tokenize, each allowed 600 s
+pytestmark = [pytest.mark.slow, pytest.mark.cluster, pytest.mark.timeout(900)]
 UNTIL = "tokenize"
 STAGES = ("collect", "clean", "dedup", "decontaminate", "tokenize")
 

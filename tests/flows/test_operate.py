@@ -34,7 +34,9 @@ from flows.servers import servers_dir
 from tasks.scaling.plots import LAW_PLOT
 from tests.processes import kill_tree
 
-pytestmark = [pytest.mark.slow, pytest.mark.cluster]  # `kiln up` starts Prefect and MLflow servers
+# `kiln up` starts Prefect and MLflow servers; the first test also pays for the module's servers, deployments
+# and crash drill (~95 s measured with it on 2 busy cores)
+pytestmark = [pytest.mark.slow, pytest.mark.cluster, pytest.mark.timeout(900)]
 REPO = Path(__file__).resolve().parents[2]
 ARTIFACTS = REPO / "build" / "test-artifacts" / "operate"
 CHROMIUM = "/usr/bin/chromium"  # Debian's package (infra/system-packages.sh); Playwright's download cannot work here

@@ -14,7 +14,8 @@ from mlflow.tracking import MlflowClient
 from flows.cli import main
 from flows.servers import read_servers, servers_dir
 
-pytestmark = pytest.mark.slow
+# `kiln up` starts Prefect and MLflow servers; a tiny run to collect through them may take 300 s on a busy machine
+pytestmark = [pytest.mark.slow, pytest.mark.cluster, pytest.mark.timeout(600)]
 
 
 def free_port() -> int:

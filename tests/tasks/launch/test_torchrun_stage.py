@@ -16,6 +16,7 @@ from tasks.train.testing_faults import FaultInjection
 
 @pytest.mark.slow
 @pytest.mark.distributed
+@pytest.mark.timeout(900)  # torch.compile in two ranks and one process: 118 s measured on 2 busy cores
 def test_compiled_fsdp_blocks_train_like_one_eager_process(tmp_path):
     """`run.compile` under torchrun compiles each FSDP block; the losses are the eager single process's."""
     from tests.tasks.train.test_train_loop import MODEL, OPTIM, RUN, write_mixture
