@@ -1,5 +1,5 @@
-"""Test-wide settings that must precede the first torch import, the engine fixtures, and the rule
-that marks every test using one of them `cluster`."""
+"""Test-wide settings that must precede the first torch import, the engine fixtures (a test that uses
+one is marked `cluster`), and the report of a test that ran past its time limit (tests/timeouts.py)."""
 
 import os
 

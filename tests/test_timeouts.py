@@ -23,9 +23,11 @@ def test_a_hung_wait():
 
 def test_a_hung_test_fails_at_its_limit_and_names_the_job_and_port_it_waited_on(tmp_path):
     (tmp_path / "test_hung.py").write_text(HUNG)
-    done = subprocess.run([sys.executable, "-m", "pytest", "-p", "tests.timeouts", "-p", "no:cacheprovider",
-                           "--timeout=1", "test_hung.py"], cwd=tmp_path, capture_output=True, text=True,
-                          env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=120)
+    # only pytest-timeout and the plugin under test (the installed plugins cost seconds to load)
+    done = subprocess.run([sys.executable, "-m", "pytest", "-p", "pytest_timeout", "-p", "tests.timeouts",
+                           "-p", "no:cacheprovider", "--timeout=1", "test_hung.py"], cwd=tmp_path, capture_output=True,
+                          text=True, env={**os.environ, "PYTHONPATH": str(REPO), "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"},
+                          timeout=120)
     assert done.returncode == 1, done.stdout + done.stderr
     assert "Failed: Timeout (>1.0s) from pytest-timeout." in done.stdout
     assert re.search(r"job_id\s+= '4242'", done.stdout) and re.search(r"port\s+= 45678", done.stdout), done.stdout
