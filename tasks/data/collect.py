@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, TypeAdapter
+from pydantic import Field, TypeAdapter, field_validator, model_validator
 
 from tasks.accounting import DocCounts
 from tasks.configbase import Section, runtime_field
@@ -49,13 +50,25 @@ OPEN_LICENCES = [
 ]  # fmt: skip
 
 
+# A domain names a folder of token shards and a key of every mixture.
+_DOMAIN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
+
+
+def _check_domain_names(names: list[str]) -> list[str]:
+    bad = [name for name in names if not _DOMAIN_NAME.fullmatch(name)]
+    if bad:
+        raise ValueError(f"domain names {bad} must be letters, digits, '_', '-' or '.', starting with a letter or "
+                         "digit (a domain names a folder of token shards)")
+    return names
+
+
 class _Source(Section):
     """What every source has: a name, where it is, its domain, its licence and weight."""
 
     name: str
     # A file, a folder, a glob (`data/*.jsonl.gz`) or an fsspec URL (`s3://bucket/crawl/`, `file:///abs`).
     path: str
-    domain: str
+    domain: str  # every document's, or the fallback of a source with a `domain_field`
     # An SPDX expression. None where the records or files carry their own (jsonl, parquet, hf:
     # a "licence" or "license" field; code: SPDX headers or the tree's LICENSE); theirs wins.
     licence: str | None = None
@@ -66,12 +79,50 @@ class _Source(Section):
     # (AWS_ACCESS_KEY_ID, ...), not here: config params are logged. Where the files are is not what they are.
     storage_options: dict[str, Any] = runtime_field({})
 
+    @field_validator("domain")
+    @classmethod
+    def _domain_is_a_name(cls, domain: str) -> str:
+        return _check_domain_names([domain])[0]
+
+    def all_domains(self) -> list[str]:
+        """Every domain this source's documents may have."""
+        return [self.domain]
+
+
+class _RecordDomains(_Source):
+    """A source of records (jsonl, parquet, datasets) may take each record's domain from one of its fields."""
+
+    # The field (jsonl key, parquet or dataset column) holding each record's domain; records without it
+    # (or with null) get `domain`. A value outside `domains` is quarantined as `unknown_domain`.
+    domain_field: str | None = None
+    # The values domain_field may take, so that every domain a config names is checked when it loads.
+    domains: list[str] = []
+
+    @field_validator("domains")
+    @classmethod
+    def _domains_are_names(cls, domains: list[str]) -> list[str]:
+        return _check_domain_names(domains)
+
+    @model_validator(mode="after")
+    def _domains_with_their_field(self) -> _RecordDomains:
+        if self.domain_field is not None and not self.domains:
+            raise ValueError(f"domain_field {self.domain_field!r} needs `domains`: the values it may take (e.g. "
+                             "domains: [news, forum]), so that mixtures and filters naming domains are checked "
+                             "when the config loads")
+        if self.domain_field is None and self.domains:
+            raise ValueError("`domains` lists the values of a record field: set domain_field (e.g. domain_field: "
+                             "domain) or drop `domains`")
+        return self
+
+    def all_domains(self) -> list[str]:
+        return list(dict.fromkeys([self.domain, *self.domains]))
+
 
 class _FileSource(_Source):
     glob: str | None = None  # files of a folder to read (default: every file of the format, recursively)
 
 
-class JsonlSource(_FileSource):
+class JsonlSource(_FileSource, _RecordDomains):
     format: Literal["jsonl"]
     compression: Literal["infer", "none", "gzip", "zstd"] = "infer"  # infer: from .gz / .zst
 
@@ -84,7 +135,7 @@ class HtmlSource(_FileSource):
     format: Literal["html"]
 
 
-class ParquetSource(_FileSource):
+class ParquetSource(_FileSource, _RecordDomains):
     format: Literal["parquet"]
     text_column: str = "text"
     id_column: str | None = "id"
@@ -100,7 +151,7 @@ class CodeSource(_FileSource):
     exclude: list[str] = []  # globs of paths in the tree to skip (`docs/**`), removed as `excluded`
 
 
-class DatasetSource(_Source):
+class DatasetSource(_RecordDomains):
     """A Hugging Face dataset: a local folder (save_to_disk output, or data files datasets can build)
     or a hub id, loaded by `datasets` itself. Pin `revision` for a hub dataset: its key is its config."""
 
@@ -138,6 +189,10 @@ class CollectConfig(Section):
     # quarantined as `too_large` without being read into memory (a corrupt file with no newline,
     # a dump of a binary); 10 MB is far above any real document, far below the memory of a worker.
     max_doc_bytes: int = Field(10_000_000, ge=1)
+
+    def domains(self) -> list[str]:
+        """Every domain the sources' documents may have, in the order the sources name them."""
+        return list(dict.fromkeys(domain for source in self.sources for domain in source.all_domains()))
 
     def identity(self) -> dict[str, Any]:
         """Remote sources' content enters the key as their listing (names, sizes, ETags): a local
@@ -263,7 +318,7 @@ def collect_documents(cfg: CollectConfig, out_dir: Path) -> dict:
                     counts.num_kept += 1
                     report.num_kept += 1
                     report.num_chars += len(doc.text)
-                    by_domain[source.domain] += 1
+                    by_domain[doc.domain] += 1
                     by_format[source.format] += 1
                 elif doc is not None:  # readable, but its licence is not allowed (or not known), or sampled out
                     removed.add(reason, {**log_record, "document": json.loads(doc.to_json())})
@@ -299,6 +354,22 @@ def _position(location: dict[str, Any]) -> Any:
     return next((location[key] for key in ("line", "row", "offset") if key in location), None)
 
 
+def _domain_of(candidate: Candidate, source: Source) -> str | None:
+    """The candidate's domain: its `domain_field` (a declared domain), else the source's; None (with the
+    candidate's detail saying why) for a value the source does not declare."""
+    field = getattr(source, "domain_field", None)
+    value = None if field is None else candidate.metadata.get(field)
+    if value is None:
+        return source.domain
+    if isinstance(value, str) and value in source.all_domains():
+        return value
+    candidate.detail = (f"field {field!r} is {value!r}, not one of the source's domains {source.all_domains()}; "
+                        f"add it to the source's `domains` or fix the record")
+    candidate.raw = json.dumps({"id": candidate.id, "text": candidate.text, "licence": candidate.licence,
+                                "metadata": candidate.metadata}, ensure_ascii=False)  # quarantined whole, not lost
+    return None
+
+
 def _judge(
     candidate: Candidate, source: Source, min_chars: int, policy: LicencePolicy, seen_ids: set[str]
 ) -> tuple[str | None, Document | None, LicenceVerdict | None]:
@@ -309,6 +380,9 @@ def _judge(
     if candidate.problem is not None:
         return candidate.problem, None, None
     assert candidate.text is not None
+    domain = _domain_of(candidate, source)
+    if domain is None:
+        return "unknown_domain", None, None
     written = candidate.licence or source.licence
     if written is None:
         return "missing_licence", None, None
@@ -325,7 +399,7 @@ def _judge(
     metadata = candidate.metadata
     if verdict.label != written:  # provenance: the licence as the input wrote it
         metadata = {**metadata, "licence_as_written": written}
-    doc = Document(doc_id, candidate.text, source.name, source.domain, verdict.label, metadata)
+    doc = Document(doc_id, candidate.text, source.name, domain, verdict.label, metadata)
     if not _sampled(doc_id, source.weight):
         return "sampled_out", doc, None
     if verdict.status == "unknown":

@@ -8,6 +8,11 @@ expression: an OR is allowed if any branch is (a user may pick that branch), an 
 part is, and `X WITH exception` as `X` (an exception only adds permissions). Keys are compared
 exactly after normalisation: `GPL-2.0-only` allowed does not allow `GPL-2.0-or-later`.
 
+Package indexes write licence *names*: PyPI's trove classifiers (`License :: OSI Approved :: MIT
+License`) and the `License` field (`Apache License, Version 2.0`, `PSFL`). A whole string that is
+one of the common names maps to its SPDX id (`_INDEX_NAMES`); a name that does not say which licence
+it is (`Apache Software License` without a version, `GPL` alone) stays unknown.
+
 A string that does not parse, or names a licence the SPDX index does not know (and is no
 `LicenseRef-`), is *unknown*: the collect stage removes such records with the reason and lists
 the string in its compliance report. Nothing here raises on input data.
@@ -36,6 +41,54 @@ _DEBIAN_ALIASES = {
     "python": "PSF-2.0",
     "perl": "(Artistic-1.0-Perl OR GPL-1.0-or-later)",  # DEP-5 defines "Perl" as this choice
 }
+# Licence names as package indexes write them (trove classifiers without their `License :: ... ::` prefix,
+# PyPI's License field), lowercased, commas dropped, spaces collapsed (`_index_key`) -> SPDX.
+_INDEX_NAMES = {
+    **dict.fromkeys(["mit license", "the mit license", "mit license (mit)", "expat license"], "MIT"),
+    "mit no attribution license (mit-0)": "MIT-0",
+    **dict.fromkeys(["apache license version 2.0", "apache license 2.0", "apache license v2.0", "apache license v2",
+                     "apache 2.0", "apache 2", "apache2", "apache-2", "apache software license 2.0",
+                     "apache software license version 2.0", "apache license (2.0)", "asl 2.0", "al2"], "Apache-2.0"),
+    # The classifier does not say which BSD licence; BSD-3-Clause's terms include BSD-2-Clause's, so a
+    # use that complies with it complies with either. licence_as_written keeps what the record said.
+    **dict.fromkeys(["bsd license", "bsd", "new bsd license", "modified bsd license", "revised bsd license",
+                     "3-clause bsd license", "bsd 3-clause license", "bsd 3-clause", "bsd-3",
+                     "bsd 3-clause \"new\" or \"revised\" license"], "BSD-3-Clause"),
+    **dict.fromkeys(["simplified bsd license", "2-clause bsd license", "bsd 2-clause license", "bsd 2-clause",
+                     "bsd-2", "freebsd license", "bsd 2-clause \"simplified\" license"], "BSD-2-Clause"),
+    **dict.fromkeys(["psfl", "psf license", "psf", "python software foundation license",
+                     "python software foundation license version 2", "psf-2"], "PSF-2.0"),
+    **dict.fromkeys(["isc license (iscl)", "isc license", "iscl"], "ISC"),
+    **dict.fromkeys(["mozilla public license 2.0 (mpl 2.0)", "mozilla public license 2.0", "mpl 2.0", "mpl-2",
+                     "mplv2"], "MPL-2.0"),
+    **dict.fromkeys(["gnu general public license v2 (gplv2)", "gplv2", "gpl v2", "gpl version 2"], "GPL-2.0-only"),
+    **dict.fromkeys(["gnu general public license v2 or later (gplv2+)", "gplv2+", "gpl v2+", "gplv2 or later"],
+                    "GPL-2.0-or-later"),
+    **dict.fromkeys(["gnu general public license v3 (gplv3)", "gplv3", "gpl v3", "gpl version 3"], "GPL-3.0-only"),
+    **dict.fromkeys(["gnu general public license v3 or later (gplv3+)", "gplv3+", "gpl v3+", "gplv3 or later"],
+                    "GPL-3.0-or-later"),
+    **dict.fromkeys(["gnu lesser general public license v2 (lgplv2)", "lgplv2"], "LGPL-2.0-only"),
+    **dict.fromkeys(["gnu lesser general public license v2 or later (lgplv2+)", "lgplv2+"], "LGPL-2.0-or-later"),
+    **dict.fromkeys(["gnu lesser general public license v3 (lgplv3)", "lgplv3"], "LGPL-3.0-only"),
+    **dict.fromkeys(["gnu lesser general public license v3 or later (lgplv3+)", "lgplv3+"], "LGPL-3.0-or-later"),
+    **dict.fromkeys(["gnu affero general public license v3", "agplv3"], "AGPL-3.0-only"),
+    **dict.fromkeys(["gnu affero general public license v3 or later (agplv3+)", "agplv3+"], "AGPL-3.0-or-later"),
+    **dict.fromkeys(["the unlicense (unlicense)", "the unlicense"], "Unlicense"),
+    **dict.fromkeys(["zlib/libpng license", "zlib license"], "Zlib"),
+    **dict.fromkeys(["eclipse public license 2.0 (epl-2.0)", "eclipse public license 2.0"], "EPL-2.0"),
+    **dict.fromkeys(["eclipse public license 1.0 (epl-1.0)", "eclipse public license 1.0"], "EPL-1.0"),
+    **dict.fromkeys(["boost software license 1.0 (bsl-1.0)", "boost software license 1.0"], "BSL-1.0"),
+    **dict.fromkeys(["historical permission notice and disclaimer (hpnd)"], "HPND"),
+    **dict.fromkeys(["cc0 1.0 universal (cc0 1.0) public domain dedication", "cc0 1.0 universal", "cc0"], "CC0-1.0"),
+    **dict.fromkeys(["public domain", "public domain dedication"], "LicenseRef-public-domain"),
+    **dict.fromkeys(["creative commons attribution 4.0 international", "cc by 4.0", "cc-by 4.0"], "CC-BY-4.0"),
+    **dict.fromkeys(["creative commons attribution-sharealike 4.0 international", "cc by-sa 4.0", "cc-by-sa 4.0"],
+                    "CC-BY-SA-4.0"),
+    **dict.fromkeys(["creative commons attribution 3.0 unported", "cc by 3.0", "cc-by 3.0"], "CC-BY-3.0"),
+    **dict.fromkeys(["creative commons attribution-sharealike 3.0 unported", "cc by-sa 3.0", "cc-by-sa 3.0"],
+                    "CC-BY-SA-3.0"),
+}
+_CLASSIFIER_PREFIX = re.compile(r"^\s*license\s*::\s*(?:osi approved\s*::\s*)?", re.IGNORECASE)
 _OPERATORS = {"and", "or", "with"}
 _TOKEN = re.compile(r"[A-Za-z0-9][A-Za-z0-9.\-+_:]*")
 _DEBIAN_VERSION = re.compile(r"(?P<name>.+?)-(?P<version>\d+(?:\.\d+)*)(?P<plus>\+?)")
@@ -147,10 +200,14 @@ def _status(node, allowed: frozenset[str]) -> Status:
     return next(status for status in winner if status in statuses)
 
 
+def _index_key(text: str) -> str:
+    return " ".join(_CLASSIFIER_PREFIX.sub("", text).lower().replace(",", " ").split())
+
+
 def _expression(raw: str):
     if len(raw) > MAX_LICENCE_CHARS or not raw.strip():
         return None
-    return _parse(_debian_to_spdx(raw))
+    return _parse(_INDEX_NAMES.get(_index_key(raw)) or _debian_to_spdx(raw))
 
 
 def normalise(raw: str) -> str | None:

@@ -39,6 +39,7 @@ if TYPE_CHECKING:
     from tasks.data.collect import Source
 
 _BOM = b"\xef\xbb\xbf"  # some editors start a UTF-8 file with it; JSON parsers refuse it
+_RECORD_FIELDS = frozenset(("text", "id", "licence", "license", "metadata"))  # a record's own; the rest is metadata
 
 
 @dataclass
@@ -150,12 +151,15 @@ def _from_record(record: Any, location: dict[str, Any], line: str, repaired: int
     licence, licence_problem = _licence_field(record)
     if licence_problem is not None:
         return bad("invalid_licence", licence_problem)
+    # Every other field (`lang`, `source`, a `domain` for `domain_field`...) is metadata, as a table's
+    # other columns are (`_row_json`): a field beside `metadata` wins over the same key inside it.
+    extra = {key: value for key, value in record.items() if key not in _RECORD_FIELDS}
     return Candidate(
         location,
         id=None if record_id is None else str(record_id),
         text=text,
         licence=licence,
-        metadata={**(metadata or {}), **location},
+        metadata={**(metadata or {}), **extra, **location},
         num_repaired=repaired,
     )
 
@@ -359,16 +363,36 @@ def read_warc(file: SourceFile, source: Source, max_bytes: int) -> Iterator[Cand
             yield _warc_candidate(record, process_record, {"path": file.rel, "offset": offset}, max_bytes)
 
 
+_PAYLOAD_TYPE = "WARC-Identified-Payload-Type"
+
+
+_HTML_TYPES = ("text/html", "application/xhtml+xml")  # what process_record reads as HTML
+
+
+def _declare_payload_type(record: Any) -> None:
+    """Mark a response without `WARC-Identified-Payload-Type` as HTML when its HTTP `Content-Type`
+    says so. datatrove's `process_record` trusts that header and otherwise sniffs the body with
+    libmagic, which calls an HTML page that does not open with `<html>` or a doctype (a fragment, a
+    page starting with `<div>`) text/plain. Any other declared type is left to the sniffing, which
+    still finds HTML a server labelled wrongly."""
+    if record.rec_headers.get_header(_PAYLOAD_TYPE) is not None or record.http_headers is None:
+        return
+    media_type = (record.http_headers.get_header("Content-Type") or "").split(";", 1)[0].strip().lower()
+    if media_type in _HTML_TYPES:
+        record.rec_headers.add_header(_PAYLOAD_TYPE, media_type)
+
+
 def _warc_candidate(record: Any, process_record: Callable, location: dict[str, Any], max_bytes: int) -> Candidate:
     length = record.rec_headers.get_header("Content-Length")
     if length is not None and length.strip().isdigit() and int(length) > max_bytes:
         return _too_large(location, int(length), max_bytes)
+    _declare_payload_type(record)
     try:
         extracted = process_record(record)
     except Exception as err:  # noqa: BLE001 — one damaged record (bad content encoding, missing URI); the next may be fine
         return Candidate(location, problem="unreadable_warc_record", detail=f"{type(err).__name__}: {err}"[:500])
     if not extracted:
-        payload = record.rec_headers.get_header("WARC-Identified-Payload-Type")
+        payload = record.rec_headers.get_header(_PAYLOAD_TYPE)
         if payload is None and record.http_headers is not None:
             payload = record.http_headers.get_header("Content-Type")
         return Candidate(location, problem="not_html", detail=f"payload {payload or 'of unknown type'} (or an undecodable charset)")

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from fsspec import AbstractFileSystem
+from fsspec.spec import AbstractBufferedFile
 from fsspec.core import url_to_fs
 
 from tasks.errors import InputError
@@ -105,10 +106,13 @@ def compression_of(name: str, compression: str = "infer") -> str | None:
 
 
 def decompressed(raw: BinaryIO, compression: str | None) -> BinaryIO:
-    """A binary stream of the file's content. A corrupt stream raises (OSError, EOFError,
-    zlib.error or zstandard.ZstdError) when read, not here: readers quarantine from that point."""
+    """A buffered binary stream of the file's content, whose `readline` takes a size limit. A corrupt
+    stream raises (OSError, EOFError, zlib.error or zstandard.ZstdError) when read, not here: readers
+    quarantine from that point."""
     if compression is None:
-        return raw
+        # fsspec's remote files (s3fs, gcsfs, ...) are AbstractBufferedFiles whose readline() takes no
+        # size: io.BufferedReader over their readinto gives the standard one. Local files have it already.
+        return io.BufferedReader(raw) if isinstance(raw, AbstractBufferedFile) else raw
     if compression == "gzip":
         return gzip.GzipFile(fileobj=raw, mode="rb")
     assert compression == "zstd", compression

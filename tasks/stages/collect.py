@@ -16,7 +16,9 @@ def run(ctx: StageContext) -> dict:
 # version 2: licences normalised to SPDX (documents carry the SPDX expression, the written one in
 # metadata.licence_as_written); lone surrogates repaired; new quarantine reasons; compliance report v2
 # version 3: typed sources (warc, parquet, compressed jsonl, hf, code), positions by row/offset, weights, by_format
+# version 4: a jsonl record's other fields kept in metadata; a domain per record (domain_field); WARC pages
+# by their HTTP Content-Type; licence names as PyPI writes them
 STAGE = Stage(
-    name="collect", description="read sources, check licences", body=run, config=CollectConfig, version=3,
+    name="collect", description="read sources, check licences", body=run, config=CollectConfig, version=4,
     external_files=lambda cfg: source_paths(cfg.collect), headline=document_headline, reports=("compliance.md", "removals.md"),
 )

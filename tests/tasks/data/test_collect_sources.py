@@ -302,23 +302,6 @@ def test_globs_and_file_urls(tmp_path, monkeypatch):
     assert source_paths(CollectConfig(sources=[by_glob, by_url])) == [Path("d"), tmp_path / "d"]
 
 
-@pytest.fixture(scope="module")
-def s3():
-    """A bucket on moto's S3 server, listening on loopback; credentials and endpoint as fsspec reads them."""
-    from moto.server import ThreadedMotoServer
-
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    options = {"endpoint_url": f"http://{host}:{port}", "key": "testing", "secret": "testing"}
-    import s3fs
-
-    fs = s3fs.S3FileSystem(**options)
-    fs.mkdir("crawl")
-    yield fs, options
-    server.stop()
-
-
 def test_sources_in_an_s3_bucket(tmp_path, s3):
     fs, options = s3
     fs.pipe("crawl/2024/a.warc.gz", warc_bytes([("https://example.org/a", _page("Alpha", PROSE).encode(), "text/html")]))

@@ -35,6 +35,39 @@ def test_licence_strings_normalise_to_spdx(written, spdx):
 
 
 @pytest.mark.parametrize(
+    ("written", "spdx"),
+    [
+        ("MIT License", "MIT"),
+        ("License :: OSI Approved :: MIT License", "MIT"),  # a trove classifier, whole
+        ("Apache License, Version 2.0", "Apache-2.0"),
+        ("Apache License 2.0", "Apache-2.0"),
+        ("BSD License", "BSD-3-Clause"),  # the variant unsaid: the one whose terms include the other's
+        ("Simplified BSD License", "BSD-2-Clause"),
+        ("PSFL", "PSF-2.0"),
+        ("Python Software Foundation License", "PSF-2.0"),
+        ("ISC License (ISCL)", "ISC"),
+        ("Mozilla Public License 2.0 (MPL 2.0)", "MPL-2.0"),
+        ("GNU General Public License v2 or later (GPLv2+)", "GPL-2.0-or-later"),
+        ("License :: OSI Approved :: GNU Lesser General Public License v3 (LGPLv3)", "LGPL-3.0-only"),
+        ("GNU Affero General Public License v3", "AGPL-3.0-only"),
+        ("The Unlicense (Unlicense)", "Unlicense"),
+        ("zlib/libpng License", "Zlib"),
+        ("CC0 1.0 Universal (CC0 1.0) Public Domain Dedication", "CC0-1.0"),
+        ("Public Domain", "LicenseRef-public-domain"),
+        ("Creative Commons Attribution 4.0 International", "CC-BY-4.0"),
+    ],
+)
+def test_licence_names_as_package_indexes_write_them_map_to_spdx(written, spdx):
+    assert normalise(written) == spdx
+    assert POLICY.judge(written).spdx == spdx
+
+
+@pytest.mark.parametrize("written", ["Apache Software License", "Other/Proprietary License", "Freely Distributable"])
+def test_licence_names_that_do_not_say_which_licence_stay_unknown(written):
+    assert POLICY.judge(written).status == "unknown"  # reported as written, never guessed
+
+
+@pytest.mark.parametrize(
     ("written", "status"),
     [
         ("GPL-2+", "allowed"),
