@@ -1,8 +1,12 @@
 """Kiln's one config tree: every stage's section, loaded from composable YAML plus CLI overrides.
 
-Precedence is CLI override > file (> the files it `extends`) > default. Every error names the
-file (or the override) that set the bad key, the key, and what was expected, because a
-pipeline that runs for hours must not start on a typo.
+Precedence is CLI override > file (> the files it `extends`) > default. A file's mappings merge
+into those of the file it extends, key by key; its lists, its values and any mapping it tags
+`!replace` take the inherited one's place whole (how a config drops a domain from a mixture).
+Every error names the file (or the override) that set the bad key, the key, and what was
+expected, because a pipeline that runs for hours must not start on a typo. Once valid, every
+domain and source the config names (mixtures, filters, quality training: `Section.references`)
+is checked against collect's sources, with the same file and key.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import Field, ValidationError, create_model
 
-from tasks.configbase import Section, read_yaml, runtime_field
+from tasks.configbase import Reference, Section, read_yaml, runtime_field
 from tasks.errors import ConfigError
 from tasks.evals.continuous import ContinuousEvalConfig
 from tasks.launch.cluster import ClusterSpec
@@ -110,6 +114,29 @@ def _config_model(sections: tuple[tuple[str, str, type[Section]], ...]) -> type[
 _CLI = "command line"
 
 
+class Replace:
+    """A mapping or list tagged `!replace` in a config file: it takes the place of the inherited value."""
+
+    def __init__(self, value: dict[str, Any] | list[Any]):
+        self.value = value
+
+
+class _ConfigLoader(yaml.SafeLoader):
+    """YAML's safe loader plus the `!replace` tag."""
+
+
+def _construct_replace(loader: _ConfigLoader, node: yaml.Node) -> Replace:
+    if isinstance(node, yaml.MappingNode):
+        return Replace(loader.construct_mapping(node, deep=True))
+    if isinstance(node, yaml.SequenceNode):
+        return Replace(loader.construct_sequence(node, deep=True))
+    raise yaml.constructor.ConstructorError(None, None, "!replace tags a mapping or a list (a plain value always "
+                                            "replaces the inherited one)", node.start_mark)
+
+
+_ConfigLoader.add_constructor("!replace", _construct_replace)
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = (),
                 registry: Registry | None = None) -> KilnConfig:
     """Load `path` (following `extends:`), apply `key.sub=value` overrides, validate against the
@@ -121,11 +148,38 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     for override in overrides:
         key, value = _parse_override(override)
         _set_dotted(data, key, value)
-        origins[key] = f"{_CLI} ({override})"
+        for set_key in [key, *(_leaf_keys(value, key + ".") if isinstance(value, dict) else ())]:
+            origins[set_key] = f"{_CLI} ({override})"
     try:
-        return config_model(registry).model_validate(data)
+        cfg = config_model(registry).model_validate(data)
     except ValidationError as error:
         raise ConfigError(_explain(error, origins)) from None
+    check_references(cfg, origins)
+    return cfg
+
+
+def check_references(cfg: KilnConfig, origins: dict[str, str] | None = None) -> None:
+    """ConfigError, naming the file and key of each, when the config names a domain or a source that
+    `collect.sources` does not have. A config without sources (nothing to collect) is not checked."""
+    collect = getattr(cfg, "collect", None)
+    if collect is None or not collect.sources:
+        return
+    known = {"domain": collect.domains(), "source": [source.name for source in collect.sources]}
+    problems: dict[tuple[str, str, str], list[str]] = {}
+    for ref in cfg.names_used():
+        for name in ref.names:
+            if name not in known[ref.kind]:
+                origin = (origins or {}).get(f"{ref.key}.{name}" if ref.keyed else ref.key, "defaults")
+                problems.setdefault((origin, ref.key, ref.kind), []).append(name)
+    if not problems:
+        return
+    lines = [f"the config names domains or sources that collect.sources does not have (its domains: "
+             f"{known['domain']}; its sources: {known['source']}):"]
+    lines += [f"  {origin}: {key}: {kind}s {names} are not in collect.sources" for (origin, key, kind), names in problems.items()]
+    lines.append("Name only the sources' domains and sources (a source's domain_field adds its `domains`). A config "
+                 "that extends another replaces an inherited mapping with `!replace` (sweep: {mixtures: !replace "
+                 "{mine: {news: 1}}}); a list always replaces the inherited one.")
+    raise ConfigError("\n".join(lines))
 
 
 def _load_file(path: Path, origins: dict[str, str], seen: tuple[Path, ...]) -> dict[str, Any]:
@@ -133,7 +187,7 @@ def _load_file(path: Path, origins: dict[str, str], seen: tuple[Path, ...]) -> d
         raise ConfigError(f"config file {path} does not exist (check the path; configs live in configs/)")
     if path.resolve() in seen:
         raise ConfigError(f"{path}: `extends` forms a cycle through {' -> '.join(map(str, seen))}")
-    loaded = read_yaml(path) or {}
+    loaded = read_yaml(path, _ConfigLoader) or {}
     if not isinstance(loaded, dict):
         raise ConfigError(f"{path}: expected a mapping of sections at the top level, got {type(loaded).__name__}")
     base: dict[str, Any] = {}
@@ -169,13 +223,26 @@ def _set_dotted(data: dict[str, Any], key: str, value: Any) -> None:
 
 
 def _deep_merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
+    """`top` over `base`: mappings merge key by key, anything else (and a `Replace`) takes the place of
+    the value below; the result holds no `Replace`."""
     merged = dict(base)
     for key, value in top.items():
         if isinstance(value, dict) and isinstance(merged.get(key), dict):
             merged[key] = _deep_merge(merged[key], value)
         else:
-            merged[key] = value
+            merged[key] = _plain(value)
     return merged
+
+
+def _plain(value: Any) -> Any:
+    """`value` with every `Replace` inside it unwrapped."""
+    if isinstance(value, Replace):
+        value = value.value
+    if isinstance(value, dict):
+        return {key: _plain(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_plain(item) for item in value]
+    return value
 
 
 def _leaf_keys(data: dict[str, Any], prefix: str = "") -> list[str]:
@@ -183,6 +250,7 @@ def _leaf_keys(data: dict[str, Any], prefix: str = "") -> list[str]:
     for key, value in data.items():
         dotted = f"{prefix}{key}"
         keys.append(dotted)
+        value = value.value if isinstance(value, Replace) else value
         if isinstance(value, dict):
             keys.extend(_leaf_keys(value, dotted + "."))
     return keys

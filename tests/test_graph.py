@@ -72,11 +72,14 @@ def test_eval_suite_moves_decontamination(base_keys, tmp_path):
 def test_source_content_moves_collect(base_keys, tmp_path):
     src = tmp_path / "src"
     src.mkdir()
-    (src / "a.txt").write_text("one text")
-    override = f"collect.sources=[{{name: s, path: {src}, format: txt, domain: prose, licence: MIT}}]"
-    first = stage_keys(load_config("configs/default.yaml", [override]))
-    (src / "a.txt").write_text("another text")
-    second = stage_keys(load_config("configs/default.yaml", [override]))
+    (src / "a.jsonl").write_text('{"text": "one text"}\n')
+    # records may also be of the other domains the default config's filters and mixtures name
+    override = (f"collect.sources=[{{name: s, path: {src}, format: jsonl, domain: prose, licence: MIT, "
+                "domain_field: domain, domains: [web, code, multilingual]}]")
+    overrides = [override, "clean.quality_training.positive_sources=[]"]  # the source it names is gone
+    first = stage_keys(load_config("configs/default.yaml", overrides))
+    (src / "a.jsonl").write_text('{"text": "another text"}\n')
+    second = stage_keys(load_config("configs/default.yaml", overrides))
     assert first["collect"] != second["collect"] and first["clean"] != second["clean"]
 
 

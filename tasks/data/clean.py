@@ -37,7 +37,7 @@ from datatrove.utils.lid import FT176LID
 from pydantic import Field
 
 from tasks.accounting import DocCounts
-from tasks.configbase import Section, runtime_field
+from tasks.configbase import Section, names_field, runtime_field
 from tasks.data.documents import (
     DOCUMENTS_FILE,
     QUARANTINE_FILE,
@@ -72,8 +72,8 @@ class CleanConfig(Section):
     languages: list[str] = Field(default=["en", "de", "fr", "es"], min_length=1)  # lid.176 labels to keep
     language_threshold: float = Field(default=0.65, ge=0.0, le=1.0)
     # Domains each filter applies to; others pass through untouched.
-    language_domains: list[str] = ["web", "prose", "multilingual"]
-    quality_domains: list[str] = ["web", "prose"]  # Gopher rules (English stop words): English domains only
+    language_domains: list[str] = names_field("domain", ["web", "prose", "multilingual"])
+    quality_domains: list[str] = names_field("domain", ["web", "prose"])  # Gopher rules (English stop words): English domains only
     gopher_min_doc_words: int = Field(default=50, ge=0)
     gopher_max_doc_words: int = Field(default=100_000, ge=1)
     gopher_min_avg_word_length: int = Field(default=3, ge=0)
@@ -92,13 +92,13 @@ class CleanConfig(Section):
     # their content enters the stage key, and a removal's reason is the list's file name.
     url_blocklist: str | None = None  # domains and URL prefixes, matched against each document's url
     word_blocklist: str | None = None  # words and phrases, matched as whole words anywhere in the text
-    blocklist_domains: list[str] | None = None  # null: every domain
+    blocklist_domains: list[str] | None = names_field("domain", None)  # null: every domain
     # fastText quality classifier (null: none); keeps documents with P(hq) >= quality_threshold.
     quality_model: str | None = SHIPPED_MODEL
     # Low on purpose: only what the model is sure is boilerplate. Every document of the bundled
     # corpus that the rules keep scores >= 0.9; unseen index and navigation pages score < 0.05.
     quality_threshold: float = Field(default=0.1, ge=0.0, le=1.0)
-    quality_model_domains: list[str] = ["web", "prose"]  # the domains the model was trained on
+    quality_model_domains: list[str] = names_field("domain", ["web", "prose"])  # the domains the model was trained on
     # Train the classifier from your references instead (tasks/data/quality_training.py); null: the model above.
     quality_training: QualityTraining | None = None
     # Keep the best share of the input documents of quality_model_domains by score (DCLM style), instead of
@@ -108,7 +108,7 @@ class CleanConfig(Section):
     pii_kinds: list[PIIKind] = list(PII_KINDS)
     # Not code by default: datatrove's IP pattern also matches version and section numbers
     # ("7.1.4.34", "8.2.4.44" in CPython's stdlib), and rewriting those corrupts source files.
-    pii_domains: list[str] = ["web", "prose", "multilingual"]
+    pii_domains: list[str] = names_field("domain", ["web", "prose", "multilingual"])
     num_workers: int = runtime_field(1, ge=1)  # datatrove tasks and workers; output is identical for any value
 
 

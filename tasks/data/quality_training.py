@@ -40,7 +40,7 @@ from typing import Any
 
 from pydantic import Field, field_validator
 
-from tasks.configbase import Section
+from tasks.configbase import Section, names_field
 from tasks.data.collect import Source, _candidates
 from tasks.data.compliance import SourceReport
 from tasks.data.documents import read_documents
@@ -61,8 +61,8 @@ class QualityTraining(Section):
     # Positives: high-quality reference text, as collect source entries (format, path, domain...);
     # their licences are not judged: reference text trains the classifier, never the model.
     references: list[Source] = Field(min_length=1)
-    positive_sources: list[str] = []  # collect sources whose documents are positives too
-    negative_domains: list[str] = ["web", "prose"]  # negatives: collected documents of these domains
+    positive_sources: list[str] = names_field("source", [])  # collect sources whose documents are positives too
+    negative_domains: list[str] = names_field("domain", ["web", "prose"])  # negatives: collected documents of these domains
     held_out_fraction: float = Field(0.2, gt=0.0, lt=0.5)
     window_words: int = Field(64, ge=8)
     min_window_words: int = Field(16, ge=1)  # a document's shorter tail is dropped below this

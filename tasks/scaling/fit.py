@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import numpy as np
 from pydantic import Field
 
-from tasks.configbase import Section
+from tasks.configbase import Reference, Section
 from tasks.errors import KilnError
 from tasks.scaling.sweep import SweepConfig, TrialResult, best_isoflop_trials, normalised, succeeded
 
@@ -60,6 +60,10 @@ class FitConfig(Section):
     budget_flops: float | None = Field(
         None, gt=0, description="the production run's compute (6·N·D) the plan sizes N, D, LR and batch for "
         "(`train.model: plan` trains it); null: no production plan")
+
+    def names_used(self) -> list[Reference]:
+        target = [] if self.mixture_target == "average" else [Reference("mixture_target", "domain", (self.mixture_target,))]
+        return super().names_used() + target
 
 
 class NotEnoughTrialsError(KilnError):

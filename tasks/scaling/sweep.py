@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Literal
 import numpy as np
 from pydantic import Field, model_validator
 
-from tasks.configbase import Section, runtime_field
+from tasks.configbase import Reference, Section, runtime_field
 from tasks.errors import ConfigError, KilnError
 from tasks.train.config import ModelConfig, OptimConfig, TrainRunConfig
 
@@ -161,6 +161,10 @@ class SweepConfig(Section):
     def lr_at(self, width: int) -> float:
         """The width rule: `lr` at model.d_model, scaled by (d_model / width) ** lr_width_exponent."""
         return self.lr * (self.model.d_model / width) ** self.lr_width_exponent
+
+    def names_used(self) -> list[Reference]:
+        return super().names_used() + [Reference(f"mixtures.{name}", "domain", tuple(weights), keyed=True)
+                                       for name, weights in self.mixtures.items()]
 
     def identity(self) -> dict:
         identity = super().identity()

@@ -12,7 +12,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator
 
-from tasks.configbase import Section, runtime_field
+from tasks.configbase import Reference, Section, runtime_field
 from tasks.train.config import OptimConfig, TrainRunConfig
 
 
@@ -31,6 +31,14 @@ class QualitySelection(Section):
 AnnealMixture = dict[str, float | QualitySelection]
 
 
+def mixture_references(key: str, mixture: AnnealMixture) -> list[Reference]:
+    """The domains an anneal mixture at `key` names: its weighted keys and its selections' `domains`."""
+    weighted = tuple(name for name, entry in mixture.items() if not isinstance(entry, QualitySelection))
+    return [Reference(key, "domain", weighted, keyed=True)] + [
+        Reference(f"{key}.{name}.domains", "domain", tuple(entry.domains)) for name, entry in mixture.items()
+        if isinstance(entry, QualitySelection) and entry.domains is not None]
+
+
 class AnnealConfig(Section):
     steps: int = Field(60, gt=0)
     lr_fraction: float = Field(0.5, gt=0, le=1, description="starting LR as a fraction of the production LR")
@@ -47,6 +55,9 @@ class AnnealConfig(Section):
     # train run's checkpoint_every and keep_every. An anneal is short, so its own cadence is usually finer.
     checkpoint_every: int | None = runtime_field(None, gt=0)
     keep_every: int | None = runtime_field(None, gt=0)  # anneal checkpoints at multiples of this are never pruned
+
+    def names_used(self) -> list[Reference]:
+        return super().names_used() + mixture_references("mixture", self.mixture)
 
 
 def anneal_settings(cfg: AnnealConfig, optim: OptimConfig, run: TrainRunConfig, lr: float) -> tuple[OptimConfig, TrainRunConfig]:
@@ -86,6 +97,10 @@ class AnnealAblationConfig(Section):
             raise ValueError(f"candidate names {bad} must be letters, digits, '_', '-' or '.' (they name folders), "
                              "and not 'start' (the report's name for the model every candidate starts from)")
         return candidates
+
+    def names_used(self) -> list[Reference]:
+        return super().names_used() + [ref for name, mixture in self.candidates.items()
+                                       for ref in mixture_references(f"candidates.{name}", mixture)]
 
     def anneal_config(self, mixture: AnnealMixture) -> AnnealConfig:
         """The anneal one candidate runs."""

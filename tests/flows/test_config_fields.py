@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 from pydantic import BaseModel
 
+import tasks.config
 import tasks.graph
 from flows.cli import main
 from flows.continuous_eval import continuous_eval
@@ -43,6 +44,8 @@ ALLOWED = {
     **{f"collect.sources[].{field}": "read when an hf source loads a hub dataset (not a saved folder, as the "
        "bundled one is): tests/tasks/data/test_collect_sources.py"
        for field in ("config_name", "data_files", "revision")},
+    "collect.sources[].domains": "read when a source sets domain_field: tests/tasks/data/test_collect_records.py, "
+                                 "the own-data run in tests/flows/test_own_data.py",
     "train.parallel.dp_mode": "read when dp > 1: tests/tasks/train/test_parallel.py, the FSDP run in test_pipeline.py",
     **{f"validate.mixture_transfer.{field}": "read when num_mixtures > 0, which tiny (no Dirichlet mixtures, no "
        "regression) turns off: the default run; min_spearman in tests/tasks/scaling/test_capabilities_and_transfer.py"
@@ -98,7 +101,8 @@ def test_every_config_field_is_read_by_the_pipeline(prefect_api, in_repo, tmp_pa
     monkeypatch.setattr(Section, "__getattribute__", recording_getattribute)
     monkeypatch.setattr(Section, "identity", _unrecorded(Section.identity))
     monkeypatch.setattr(tasks.graph, "stage_identity", _unrecorded(tasks.graph.stage_identity))
-    # validators read fields to check them, which is not using them
+    # validators read fields to check them, which is not using them; so does the check of the names a config uses
+    monkeypatch.setattr(tasks.config, "check_references", _unrecorded(tasks.config.check_references))
     monkeypatch.setattr(Section, "__init__", _unrecorded(Section.__init__))
     validate = BaseModel.model_validate.__func__
     monkeypatch.setattr(BaseModel, "model_validate", classmethod(_unrecorded(validate)))

@@ -15,13 +15,13 @@ from datatrove.data import Document as DtDocument
 from datatrove.pipeline.filters import C4QualityFilter, FineWebQualityFilter
 from pydantic import Field
 
-from tasks.configbase import Section
+from tasks.configbase import Section, names_field
 
 
 class C4Rules(Section):
     """clean.c4: datatrove's C4QualityFilter with FineWeb's settings (no terminal-punctuation rule)."""
 
-    domains: list[str] = ["web", "prose"]
+    domains: list[str] = names_field("domain", ["web", "prose"])
     filter_no_terminal_punct: bool = False  # True is the C4 paper's rule; FineWeb turned it off
     min_num_sentences: int = Field(default=5, ge=-1)  # in lines the line rules keep; -1: off
     min_words_per_line: int = Field(default=3, ge=-1)  # shorter lines do not count; -1: off
@@ -32,7 +32,7 @@ class C4Rules(Section):
 class FineWebRules(Section):
     """clean.fineweb: datatrove's FineWebQualityFilter; the defaults are FineWeb's."""
 
-    domains: list[str] = ["web", "prose"]
+    domains: list[str] = names_field("domain", ["web", "prose"])
     line_punct_thr: float = Field(default=0.12, ge=0.0, le=1.0)  # min fraction of lines ending in . ! ? etc.
     short_line_thr: float = Field(default=0.67, ge=0.0, le=1.0)  # max fraction of lines of <= short_line_length
     short_line_length: int = Field(default=30, ge=0)

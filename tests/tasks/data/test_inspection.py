@@ -69,7 +69,9 @@ def test_kiln_inspect_prints_samples_with_their_reasons(tmp_path, capsys, monkey
     (tmp_path / "in/a.jsonl").write_text("".join(json.dumps(r) + "\n" for r in [
         {"id": "ok", "text": PROSE, "licence": "MIT"}, {"id": "gfdl", "text": PROSE + " x", "licence": "GFDL-1.3-or-later"},
         {"text": "no licence"}]))
-    sources = f"collect.sources=[{{name: s, path: {tmp_path / 'in'}, format: jsonl, domain: prose}}]"
+    # records may also be of the other domains the default config's filters and mixtures name (they are all prose)
+    sources = (f"collect.sources=[{{name: s, path: {tmp_path / 'in'}, format: jsonl, domain: prose, domain_field: domain, "
+               "domains: [web, code, multilingual]}]")
     run_stage("collect", load_config(TOY, [work, sources]))
     assert main(["inspect", "collect", TOY, work, sources]) == 0
     out = capsys.readouterr().out
