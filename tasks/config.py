@@ -112,6 +112,7 @@ def _config_model(sections: tuple[tuple[str, str, type[Section]], ...]) -> type[
 
 
 _CLI = "command line"
+_MAX_SHOWN = 200  # characters of a refused value an error shows: a whole section's repr would bury the message
 
 
 class Replace:
@@ -202,7 +203,7 @@ def _load_file(path: Path, origins: dict[str, str], seen: tuple[Path, ...]) -> d
 def _parse_override(override: str) -> tuple[str, Any]:
     key, sep, raw = override.partition("=")
     if not sep or not key.strip():
-        raise ConfigError(f"override {override!r} is not of the form key.sub=value (e.g. train.optim.lr=3e-4)")
+        raise ConfigError(f"override {override!r} is not of the form key.sub=value (e.g. train.run.steps=500)")
     try:
         value = yaml.safe_load(raw) if raw.strip() else None
     except yaml.YAMLError:
@@ -264,7 +265,8 @@ def _explain(error: ValidationError, origins: dict[str, str]) -> str:
         if item["type"] == "extra_forbidden":
             what = "unknown key (check the spelling; `kiln config --help` shows how to list valid keys)"
         else:
-            what = f"{item['msg']} (got {item.get('input')!r})"
+            got = repr(item.get("input"))
+            what = f"{item['msg']} (got {got if len(got) <= _MAX_SHOWN else got[:_MAX_SHOWN] + '…'})"
         lines.append(f"  {origin}: {key or '<top level>'}: {what}")
     return "\n".join(lines)
 

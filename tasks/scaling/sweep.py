@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
 import numpy as np
-from pydantic import Field, model_validator
+from pydantic import Field, SerializerFunctionWrapHandler, model_serializer, model_validator
 
 from tasks.configbase import Reference, Section, runtime_field
 from tasks.errors import ConfigError, KilnError
@@ -165,6 +165,14 @@ class SweepConfig(Section):
     def names_used(self) -> list[Reference]:
         return super().names_used() + [Reference(f"mixtures.{name}", "domain", tuple(weights), keyed=True)
                                        for name, weights in self.mixtures.items()]
+
+    @model_serializer(mode="wrap")
+    def _without_optim_lr(self, handler: SerializerFunctionWrapHandler) -> dict:
+        """Dumps (`kiln config`, logged params) leave out `optim.lr`, which this section refuses: what
+        `kiln config` prints must load back as it is."""
+        dumped = handler(self)
+        dumped["optim"].pop("lr", None)
+        return dumped
 
     def identity(self) -> dict:
         identity = super().identity()

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from typing import Any, Literal
 
-from pydantic import PositiveFloat, model_validator
+from pydantic import PositiveFloat, SerializerFunctionWrapHandler, model_serializer, model_validator
 
 from tasks.configbase import Section, runtime_field
 from tasks.errors import ConfigError
@@ -53,6 +53,14 @@ class TrainConfig(Section):
             raise ValueError("train.optim.lr is not used: the learning rate is train.lr "
                              "('plan' for the fit stage's choice, or a number)")
         return self
+
+    @model_serializer(mode="wrap")
+    def _without_optim_lr(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        """Dumps (`kiln config`, logged params) leave out `optim.lr`, which this section refuses: what
+        `kiln config` prints must load back as it is."""
+        dumped = handler(self)
+        dumped["optim"].pop("lr", None)
+        return dumped
 
     def identity(self) -> dict:
         identity = super().identity()
