@@ -75,21 +75,43 @@ def _load(ns: argparse.Namespace) -> tuple[KilnConfig, str | None, list[str]]:
 
 class _KilnErrorEcho(logging.Filter):
     """Drops the console echo of a run that failed on a KilnError (Prefect's traceback and failed-state
-    line): `main` prints the error once, as `kiln: error: ...`. The Prefect API still gets the records."""
+    line): `main` prints the error once, as `kiln: error: ...`. Any other exception's traceback is
+    echoed once, with the task run that raised it: the flow run's echo of the same error (and a retried
+    attempt's) keeps its line without the traceback, and `main` then says only that it failed.
+    The Prefect API still gets the records whole: they reach this console handler, on the root
+    logger, after the run loggers' API handlers have sent them."""
 
     _FAILED_STATE = re.compile(r"encountered an exception:? (\w+):")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.echoed: set[tuple[str, str]] = set()  # errors whose traceback the console has shown
 
     def filter(self, record: logging.LogRecord) -> bool:
         if record.levelno < logging.ERROR or not record.name.startswith(("prefect.flow_runs", "prefect.task_runs")):
             return True
         if record.exc_info and record.exc_info[1] is not None:
-            return not isinstance(record.exc_info[1], KilnError)
+            error = record.exc_info[1]
+            if isinstance(error, KilnError):
+                return False
+            if _error_id(error) in self.echoed:
+                record.exc_info = record.exc_text = None
+            self.echoed.add(_error_id(error))
+            return True
         failed = self._FAILED_STATE.search(record.getMessage())
         return failed is None or failed.group(1) not in _subclass_names(KilnError)
 
 
+def _error_id(error: BaseException) -> tuple[str, str]:
+    """An error as the console shows it; Prefect may hand the flow a copy of the task's (a persisted result)."""
+    return type(error).__name__, str(error)
+
+
 def _subclass_names(cls: type) -> set[str]:
     return {cls.__name__}.union(*(_subclass_names(sub) for sub in cls.__subclasses__()))
+
+
+_ECHO = _KilnErrorEcho()  # one per process: `main` asks it whether a traceback was shown
 
 
 @contextlib.contextmanager
@@ -99,7 +121,7 @@ def _prefect_quiet() -> Iterator[None]:
     from flows import embedded_api
 
     embedded_api.wait_until_ready()  # started by prepare_environment, while the CLI imported the rest
-    echo = _KilnErrorEcho()
+    echo = _ECHO
     handlers = list(logging.getLogger().handlers)
     for handler in handlers:
         handler.addFilter(echo)
@@ -577,8 +599,11 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("kiln: interrupted; completed stages are kept and the next run resumes after them", file=sys.stderr)
         return 130
-    except Exception:
-        traceback.print_exc()
+    except Exception as error:
+        if _error_id(error) in _ECHO.echoed:  # Prefect's echo of the task run showed it
+            print(f"kiln: failed: {type(error).__name__}: {error}", file=sys.stderr)
+        else:
+            traceback.print_exc()
         print("kiln: failed (traceback above). Completed stages are kept; fix the cause and rerun.", file=sys.stderr)
         return 1
     finally:

@@ -35,6 +35,7 @@ from tasks.configbase import Section, runtime_field
 from tasks.errors import ConfigError, InputError
 from tasks.evals.evaluate import RESULTS_FILE, EvaluateConfig, eval_paths_of, evaluate_model
 from tasks.evals.suite import build_local_suite, online_task_versions
+from tasks.library_output import LIBRARY_LOG
 from tasks.store import Store, stage_key
 from tasks.train.checkpoint import MARKER, checkpoint_dir, sha256_file, steps_on_disk
 from tasks.train.config import ModelConfig
@@ -260,7 +261,8 @@ def evaluate_checkpoint(target: EvalTarget, step: int, tasks: Sequence[str] | No
         model_dir, out_dir = Path(tmp) / "model", Path(tmp) / "eval"
         save_model(model, model_cfg, vocab_size, model_dir)
         out_dir.mkdir()
-        metrics = evaluate_model(target.evaluate, model_dir, target.tokenizer, out_dir, tasks=tasks)
+        metrics = evaluate_model(target.evaluate, model_dir, target.tokenizer, out_dir, tasks=tasks,
+                                 log_file=target.state_dir / LIBRARY_LOG)  # the series' log, every step's
         results = json.loads((out_dir / RESULTS_FILE).read_text(encoding="utf-8"))
     _merge_results(target.state_dir / f"step_{step:07d}.{RESULTS_FILE}", results)
     wall_s = time.perf_counter() - started

@@ -30,6 +30,7 @@ from tasks.configbase import Section, runtime_field
 from tasks.errors import ConfigError, InputError
 from tasks.evals.heldout_task import HF_CACHE_DIR, task_name_for
 from tasks.evals.suite import STANDARD_SUITE, ChoiceTaskConfig, LinesTaskConfig, LocalTask, build_local_suite
+from tasks.library_output import LIBRARY_LOG, library_output_to
 
 if TYPE_CHECKING:
     from lm_eval.api.model import LM
@@ -107,8 +108,10 @@ def evaluate_model(
     *,
     contamination: Contamination | None = None,
     tasks: Collection[str] | None = None,
+    log_file: Path | None = None,
 ) -> dict:
-    """Evaluate the model in `model_dir`; writes `tasks/` and `results.json` into `out_dir`.
+    """Evaluate the model in `model_dir`; writes `tasks/` and `results.json` into `out_dir`, and what
+    lm-eval and `datasets` print into `log_file` (default `out_dir/libraries.log`), not the terminal.
 
     Returns flat metrics `{"<task>/<metric>": value, ..., "num_eval_docs": n}`. Given what the
     decontaminate stage found, each task's contamination rate is recorded beside its score as
@@ -120,7 +123,7 @@ def evaluate_model(
     # Check the inputs before paying for loading the model.
     eval_paths = eval_paths_of(cfg)
     lm = KilnLM.from_dirs(model_dir, tokenizer_path, batch_size=cfg.batch_size)
-    return evaluate_lm(cfg, lm, out_dir, eval_paths, contamination=contamination, tasks=tasks)
+    return evaluate_lm(cfg, lm, out_dir, eval_paths, contamination=contamination, tasks=tasks, log_file=log_file)
 
 
 def evaluate_lm(
@@ -131,6 +134,7 @@ def evaluate_lm(
     *,
     contamination: Contamination | None = None,
     tasks: Collection[str] | None = None,
+    log_file: Path | None = None,
 ) -> dict:
     """`evaluate_model` for a model already wrapped in an lm-eval `LM` (e.g. `KilnLM`)."""
     # Imported here: lm-eval takes seconds to import and only this stage needs it.
@@ -148,13 +152,13 @@ def evaluate_lm(
         suite = [task for task in suite if task.name in tasks]
         online = [name for name in online if name in tasks]
         names = [task.name for task in suite] + online
-    task_manager = TaskManager(include_path=str(task_dir), include_defaults=bool(online))
-    unknown = [name for name in online if name not in task_manager.all_tasks]
-    if unknown:
-        raise ConfigError(f"evaluate.extra_tasks: {unknown} are not lm-eval tasks; see `lm_eval ls tasks`")
-    require_hub(online)
-
-    results = _run_lm_eval(lm, task_manager, names, cfg.limit)
+    with library_output_to(log_file or out_dir / LIBRARY_LOG):
+        task_manager = TaskManager(include_path=str(task_dir), include_defaults=bool(online))
+        unknown = [name for name in online if name not in task_manager.all_tasks]
+        if unknown:
+            raise ConfigError(f"evaluate.extra_tasks: {unknown} are not lm-eval tasks; see `lm_eval ls tasks`")
+        require_hub(online)
+        results = _run_lm_eval(lm, task_manager, names, cfg.limit)
     # The dataset cache is a copy of the documents already beside the task files.
     shutil.rmtree(task_dir / HF_CACHE_DIR, ignore_errors=True)
     kept = {key: results[key] for key in _DETERMINISTIC_KEYS if key in results}

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import math
+import logging
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -16,6 +18,7 @@ from lm_eval.api.instance import Instance
 from tasks.errors import ConfigError, InputError
 from tasks.evals.adapter import KilnLM
 from tasks.evals.evaluate import EvaluateConfig, evaluate_model
+from tasks.library_output import library_output_to
 from tasks.train.config import ModelConfig
 from tasks.train.model import build_model, save_model
 from tests.fixtures.continuous_eval import EOS, TEXTS, write_eval_file, write_tokenizer
@@ -88,6 +91,21 @@ def test_evaluate_model_reports_perplexities_from_the_adapter(setup: dict[str, P
     results = json.loads((out_dir / "results.json").read_text())
     assert results["results"]["kiln_heldout"]["word_perplexity,none"] == stats["kiln_heldout/word_perplexity"]
     assert sorted(p.name for p in (out_dir / "tasks").iterdir()) == ["kiln_heldout.docs.jsonl", "kiln_heldout.yaml"]
+
+
+def test_what_the_libraries_print_goes_to_the_log_file_not_the_terminal(setup: dict[str, Path], capfd) -> None:
+    run(setup, "trained", "quiet")
+    out, err = capfd.readouterr()
+    assert out == "" and err == ""  # it was "Generating test split" and a progress bar per request type
+    log = (setup["root"] / "quiet" / "libraries.log").read_text()
+    assert "Generating test split" in log and "100%" in log
+
+    stderr, logger = sys.stderr, logging.getLogger("lm_eval")
+    with pytest.raises(RuntimeError), library_output_to(setup["root"] / "failing.log"):
+        logger.info("building")
+        raise RuntimeError("a library call failed")  # reported once, by whoever handles it, not in the log
+    assert sys.stderr is stderr and logger.propagate and not logger.handlers
+    assert "lm_eval: building" in (setup["root"] / "failing.log").read_text()
 
 
 def test_choice_and_line_tasks_score_as_the_adapter_does(setup: dict[str, Path], tmp_path: Path) -> None:

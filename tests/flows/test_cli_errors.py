@@ -1,0 +1,23 @@
+"""An unexpected error in a stage reaches the terminal once: one traceback, from the task run that raised it."""
+
+import pytest
+
+import tasks.stages.collect
+from flows.cli import main
+
+pytestmark = pytest.mark.slow  # a pipeline run through the real Prefect API
+
+
+def test_an_unexpected_error_prints_one_traceback(prefect_api, in_repo, tmp_path, capfd, monkeypatch):
+    def broken(cfg, out_dir):
+        raise TypeError("AbstractBufferedFile.readline() takes 1 positional argument but 2 were given")
+
+    monkeypatch.setattr(tasks.stages.collect, "collect_documents", broken)
+    # retried once (an unexpected error may be infrastructure's), so two attempts fail with it
+    code = main(["run", "configs/tiny.yaml", f"work_dir={tmp_path}", "orchestration.retries=1",
+                 "orchestration.retry_delay_seconds=0", "--until", "collect"])
+    assert code == 1
+    err = capfd.readouterr().err
+    assert err.count("Traceback (most recent call last)") == 1, err
+    assert err.count("TypeError: AbstractBufferedFile.readline()") >= 3  # each echo still says what failed
+    assert "kiln: failed: TypeError: AbstractBufferedFile.readline()" in err
