@@ -51,12 +51,15 @@ from tasks.data.filters.blocklists import URLBlocklistFilter, WordBlocklistFilte
 from tasks.data.filters.code_rules import CodeRules, CodeRulesFilter
 from tasks.data.filters.pii import PII_KINDS, PII_METADATA, PIIKind, PIIRedactor
 from tasks.data.filters.prose_rules import C4Judge, C4Rules, FineWebRules, fineweb_filter
+from tasks.data.progress_step import CountDocuments
 from tasks.data.quality import SHIPPED_MODEL, QualityClassifierFilter, check_quality_model
 from tasks.data.quality_training import QualityTraining, resolve_quality_model
 from tasks.data.datatrove_logs import LOG_FILE, collect_task_logs  # importing it keeps datatrove off the terminal
 from tasks.errors import ConfigError, InputError
+from tasks.progress import CountFiles, Progress, watching
 
 STATS_FILE = "datatrove_stats.json"
+PROGRESS_DIR = "progress"  # each rank's running count, for the stage's progress line
 # In pipeline order: a document removed by several would be counted under the first.
 FILTERS = (
     "url_blocklist", "word_blocklist", "language", "gopher_repetition", "gopher_quality", "c4_quality",
@@ -239,7 +242,8 @@ def _pipeline(
         min_stop_words=cfg.gopher_min_stop_words,
     )
     language = LocalLanguageFilter(cfg.languages, cfg.language_threshold, str(model_path))
-    steps: list = [JsonlReader(str(scratch / "shards"), glob_pattern="*.jsonl", compression=None, add_file_path=False)]
+    steps: list = [JsonlReader(str(scratch / "shards"), glob_pattern="*.jsonl", compression=None, add_file_path=False),
+                   CountDocuments(str(scratch / PROGRESS_DIR))]
     # First, so that every listed document is counted under its list whatever else is wrong with it.
     blocklist_domains = cfg.blocklist_domains
     for label, step in (("url_blocklist", URLBlocklistFilter), ("word_blocklist", WordBlocklistFilter)):
@@ -318,10 +322,12 @@ def clean_documents(cfg: CleanConfig, input_file: Path, out_dir: Path, executor:
         keep_or_reset(scratch, "shards", _plan(cfg, quality_model, blocklists),
                       lambda shards: _write_shards(input_file, shards, cfg.num_workers, quarantine, counts))
 
-    run_pipeline(
-        _pipeline(cfg, scratch, model_path, quality_model, blocklists), scratch / "logs",
-        tasks=cfg.num_workers, jobs=cfg.num_workers, settings=executor, job_name="kiln_clean",
-    )
+    progress = Progress("clean", counts.num_in - counts.num_quarantined, "documents")
+    with progress, watching(CountFiles(scratch / PROGRESS_DIR), progress):
+        run_pipeline(
+            _pipeline(cfg, scratch, model_path, quality_model, blocklists), scratch / "logs",
+            tasks=cfg.num_workers, jobs=cfg.num_workers, settings=executor, job_name="kiln_clean",
+        )
 
     languages: Counter[str] = Counter()
     replacements: Counter[str] = Counter(dict.fromkeys(PII_KINDS, 0))

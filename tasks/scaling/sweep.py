@@ -43,6 +43,7 @@ from pydantic import Field, SerializerFunctionWrapHandler, model_serializer, mod
 
 from tasks.configbase import Reference, Section, runtime_field
 from tasks.errors import ConfigError, KilnError
+from tasks.progress import Progress
 from tasks.train.config import ModelConfig, OptimConfig, TrainRunConfig
 
 if TYPE_CHECKING:  # torch-backed: imported where trials run, so that the config tree stays light
@@ -428,29 +429,36 @@ def run_sweep(cfg: SweepConfig, shards: dict, shards_root: Path, out_dir: Path,
                                                            f"sweep.mixtures.{trial.mixture}")
         return mixtures[trial.mixture]
 
-    def finished(result: TrialResult) -> None:
-        results[result.name] = result
-        if on_trial:
-            on_trial(result, False)
-
-    def run_phase(trials: list[Trial]) -> None:
+    def run_phase(trials: list[Trial], what: str) -> None:
+        if not trials:
+            return
         for trial in trials:
             if trial.name not in results and (kept := load_finished(trials_dir, trial)) is not None:
                 results[trial.name] = kept
                 if on_trial:
                     on_trial(kept, True)
         pending = sorted((t for t in trials if t.name not in results), key=lambda t: -_cost(cfg, t))
-        if cfg.num_workers <= 1:
-            for trial in pending:
-                finished(_run_and_save(trial_fn, cfg, trial, mixture_of(trial), trials_dir))
-        else:
-            broken = _run_in_pool(pending, cfg.num_workers, trial_fn, cfg, mixture_of, trials_dir, finished)
-            _run_isolated(broken, trial_fn, cfg, mixture_of, trials_dir, finished)
+        progress = Progress(what, len(trials), "trials", done=len(trials) - len(pending))
+
+        def finished(result: TrialResult) -> None:
+            results[result.name] = result
+            bad = sum(r.status != "ok" for r in results.values())
+            progress.advance(note=f"{bad} failed or diverged" if bad else "")
+            if on_trial:
+                on_trial(result, False)
+
+        with progress:
+            if cfg.num_workers <= 1:
+                for trial in pending:
+                    finished(_run_and_save(trial_fn, cfg, trial, mixture_of(trial), trials_dir))
+            else:
+                broken = _run_in_pool(pending, cfg.num_workers, trial_fn, cfg, mixture_of, trials_dir, finished)
+                _run_isolated(broken, trial_fn, cfg, mixture_of, trials_dir, finished)
 
     first = design_trials(cfg, shards["vocab_size"])
-    run_phase(first)
+    run_phase(first, "sweep (IsoFLOP and mixture trials)")
     second = design_hyper_trials(cfg, [results[t.name] for t in first])
-    run_phase(second)
+    run_phase(second, "sweep (LR x batch trials)")
     ordered = [results[t.name] for t in first + second]
     (out_dir / TRIALS_FILE).write_text(json.dumps([asdict(r) for r in ordered], indent=2))
     if not succeeded(ordered):

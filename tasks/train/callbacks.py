@@ -31,9 +31,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
-from tqdm import tqdm
 
 from tasks.errors import ConfigError
+from tasks.progress import Progress
 from tasks.train.model import flops_per_token
 
 if TYPE_CHECKING:
@@ -143,28 +143,22 @@ class CallbackSpec:
 
 
 class ProgressBar(TrainCallback):
-    """A tqdm bar on rank 0 (disabled when stderr is not a terminal), with the loss at log steps."""
+    """Rank 0's progress line (`tasks.progress`): steps, rate, time left, the loss at log steps."""
 
     def on_start(self, trainer: Trainer) -> None:
-        self.bar = tqdm(total=trainer.run_cfg.steps, initial=trainer.step, desc="train", unit="step",
-                        disable=None if trainer.is_main else True)
+        self.progress = Progress("train", trainer.run_cfg.steps, "steps", done=trainer.step) if trainer.is_main else None
 
     def post_step(self, trainer: Trainer, out: StepOutput) -> None:
-        if self.bar.disable:
-            return
-        if self.bar.n == out.step - 1:
-            self.bar.update(1)
-        else:  # the first step after a rollback
-            self.bar.n = out.step
-            self.bar.refresh()
-        if trainer.is_log_step(out.step):
-            self.bar.set_postfix(loss=f"{out.loss:.4f}", lr=f"{out.lr:.2e}")
+        if self.progress is not None:  # out.step: the first step after a rollback moves it back
+            self.progress.update(out.step, f"loss {out.loss:.4f}" if trainer.is_log_step(out.step) else "")
 
     def on_end(self, trainer: Trainer, result: TrainResult) -> None:
-        self.bar.close()
+        if self.progress is not None:
+            self.progress.close()
 
     def on_error(self, trainer: Trainer, error: BaseException) -> None:
-        self.bar.close()
+        if self.progress is not None:
+            self.progress.close()
 
 
 def peak_memory_mb(device: torch.device) -> float:

@@ -160,10 +160,13 @@ def test_clean_keeps_removes_and_accounts_exactly(tmp_path: Path) -> None:
     )
 
 
-def test_num_workers_does_not_change_output(tmp_path: Path) -> None:
+def test_num_workers_does_not_change_output(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     stats1, out1 = _run(tmp_path, "w1", num_workers=1)
     stats2, out2 = _run(tmp_path, "w2", num_workers=2)
     assert stats1 == stats2
+    # the ranks' documents, counted in the workers, on this process's progress line (a plain line off a terminal)
+    progress = [line for line in capsys.readouterr().err.splitlines() if line.startswith("clean: ")]
+    assert [line.split(", ")[0] for line in progress] == ["clean: 7/7 documents (100%)"] * 2
     for name in ("documents.jsonl", "removed.jsonl", "quarantine.jsonl"):
         assert (out1 / name).read_bytes() == (out2 / name).read_bytes()
     assert CleanConfig(num_workers=1).identity() == CleanConfig(num_workers=2).identity()

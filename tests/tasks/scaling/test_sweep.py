@@ -79,7 +79,7 @@ def test_a_diverging_trial_is_recorded_and_the_fit_uses_the_rest(shards, tmp_pat
     assert [p["trial"] for p in law_points(results, "u")] == [ok.name]
 
 
-def test_an_interrupted_sweep_reruns_only_unfinished_and_failed_trials(shards, tmp_path):
+def test_an_interrupted_sweep_reruns_only_unfinished_and_failed_trials(shards, tmp_path, capsys):
     cfg = tiny(1e-3, (1.0, 2.0, 3.0))
     first = design_trials(cfg, 64)
     assert len(first) == 1
@@ -97,8 +97,12 @@ def test_an_interrupted_sweep_reruns_only_unfinished_and_failed_trials(shards, t
 
     (tmp_path / TRIALS_DIR / f"{names[1]}.json.tmp").write_text("{")  # torn by the interrupt
     calls: list[tuple[str, bool]] = []
+    capsys.readouterr()
     results = run_sweep(cfg, *shards, tmp_path, lambda r, resumed: calls.append((r.name, resumed)))
     assert calls == [(names[0], True), (names[1], False), (names[2], False)]
+    # a progress line per phase (kept trials counted as done); the trials' training reports nothing of its own
+    assert [line.split(", ")[0] for line in capsys.readouterr().err.splitlines()] == [
+        "sweep (IsoFLOP and mixture trials): 1/1 trials (100%)", "sweep (LR x batch trials): 2/2 trials (100%)"]
     assert [r.status for r in results] == ["ok"] * 3
     assert not list((tmp_path / TRIALS_DIR).glob("*.tmp"))
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+import tasks.progress
 from tasks.errors import ConfigError
 from tasks.train.callbacks import CallbackSpec, Hooks, TrainCallback
 from tasks.train.data_loader import Mixture
@@ -55,6 +56,15 @@ def test_hooks_are_called_at_fixed_points(mixture, tmp_path) -> None:
     expected = [("on_start", 0), *step_calls[0], *step_calls[1], ("on_checkpoint", 2), *step_calls[2],
                 *step_calls[3], ("on_checkpoint", 4), ("on_end", 4)]
     assert recorder.calls == expected
+
+
+def test_training_reports_its_steps_as_plain_lines_in_a_log(mixture, tmp_path, capsys, monkeypatch) -> None:
+    monkeypatch.setattr(tasks.progress, "LOG_EVERY_S", 0.0)  # a line per step, as every 30 s in a long run
+    run = RUN.model_copy(update={"steps": 4, "log_every": 2})
+    train_model(MODEL, OPTIM, run, mixture, tmp_path)
+    lines = [line.split(", ") for line in capsys.readouterr().err.splitlines() if line.startswith("train: ")]
+    assert [parts[0] for parts in lines] == [f"train: {s}/4 steps ({25 * s}%)" for s in (1, 2, 3, 4, 4)]
+    assert lines[1][-1].startswith("loss ") and lines[-1][2].startswith("in ")  # the loss at log steps; the total time
 
 
 def test_on_error_sees_the_exception_leaving_the_loop(mixture, tmp_path) -> None:
