@@ -33,16 +33,14 @@ def library_output_to(path: Path, loggers: Sequence[str] = EVAL_LOGGERS) -> Iter
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
         saved = []
         for name in loggers:
+            # `datasets` gives its logger a handler of its own, on the stderr it saw at import: replaced too
             logger = logging.getLogger(name)
-            saved.append((logger, logger.propagate, logger.level))
-            logger.addHandler(handler)
-            logger.propagate = False
-            if logger.level == logging.NOTSET or logger.level > logging.INFO:
-                logger.setLevel(logging.INFO)
+            saved.append((logger, logger.handlers, logger.propagate, logger.level))
+            logger.handlers, logger.propagate = [handler], False
+            logger.setLevel(logging.INFO)
         try:
             yield
         finally:
-            for logger, propagate, level in saved:
-                logger.removeHandler(handler)
-                logger.propagate = propagate
+            for logger, handlers, propagate, level in saved:
+                logger.handlers, logger.propagate = handlers, propagate
                 logger.setLevel(level)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import io
 import logging
 import re
 import sys
@@ -94,11 +95,18 @@ def test_evaluate_model_reports_perplexities_from_the_adapter(setup: dict[str, P
 
 
 def test_what_the_libraries_print_goes_to_the_log_file_not_the_terminal(setup: dict[str, Path], capfd) -> None:
-    run(setup, "trained", "quiet")
+    import datasets
+
+    terminal = io.StringIO()  # datasets' own handler, on the stderr it saw at import (INFO: as verbose as it gets)
+    datasets.utils.logging.get_logger().addHandler(own := logging.StreamHandler(terminal))
+    try:
+        run(setup, "trained", "quiet")
+    finally:
+        datasets.utils.logging.get_logger().removeHandler(own)
     out, err = capfd.readouterr()
-    assert out == "" and err == ""  # it was "Generating test split" and a progress bar per request type
+    assert out == "" and err == "" and terminal.getvalue() == ""  # it was "Generating test split", progress bars
     log = (setup["root"] / "quiet" / "libraries.log").read_text()
-    assert "Generating test split" in log and "100%" in log
+    assert "Generating test split" in log and "100%" in log and "datasets" in log
 
     stderr, logger = sys.stderr, logging.getLogger("lm_eval")
     with pytest.raises(RuntimeError), library_output_to(setup["root"] / "failing.log"):
