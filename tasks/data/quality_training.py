@@ -73,6 +73,15 @@ class QualityTraining(Section):
     bucket: int = Field(100_000, ge=1_000)  # hashed word-bigram rows
     seed: int = 0  # subsampling, shuffling and fastText's initialisation
 
+    @field_validator("references")
+    @classmethod
+    def _references_take_no_domain_field(cls, references: list[Source]) -> list[Source]:
+        named = [source.name for source in references if getattr(source, "domain_field", None) is not None]
+        if named:
+            raise ValueError(f"references {named} set domain_field: reference text is positive whatever its domain, "
+                             "so no record's domain is read; drop domain_field and domains")
+        return references
+
     @field_validator("dim")
     @classmethod
     def _dim_multiple_of_ten(cls, value: int) -> int:

@@ -46,6 +46,8 @@ ALLOWED = {
        for field in ("config_name", "data_files", "revision")},
     "collect.sources[].domains": "read when a source sets domain_field: tests/tasks/data/test_collect_records.py, "
                                  "the own-data run in tests/flows/test_own_data.py",
+    "clean.quality_training.references[].domains": "refused with domain_field on a reference: "
+                                                   "tests/tasks/data/test_quality_training.py",
     "train.parallel.dp_mode": "read when dp > 1: tests/tasks/train/test_parallel.py, the FSDP run in test_pipeline.py",
     **{f"validate.mixture_transfer.{field}": "read when num_mixtures > 0, which tiny (no Dirichlet mixtures, no "
        "regression) turns off: the default run; min_spearman in tests/tasks/scaling/test_capabilities_and_transfer.py"

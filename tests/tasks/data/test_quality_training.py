@@ -103,3 +103,5 @@ def test_training_settings_are_checked():
         QualityTraining(references=REFERENCES, dim=16)
     with pytest.raises(ValidationError, match="references"):
         QualityTraining(references=[])
+    with pytest.raises(ValidationError, match=r"references \['python-reference'\] set domain_field"):
+        QualityTraining(references=[{**REFERENCES[0], "domain_field": "domain", "domains": ["prose"]}])

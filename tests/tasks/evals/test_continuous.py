@@ -25,6 +25,7 @@ from tasks.evals.continuous import (
 )
 from tasks.evals.evaluate import EvaluateConfig, evaluate_model
 from tasks.graph import stage_keys
+from tasks.library_output import LIBRARY_LOG
 from tasks.store import Store
 from tasks.train.checkpoint import MARKER, checkpoint_dir, sha256_file
 from tasks.train.dcp import load_model_weights
@@ -135,8 +136,9 @@ def test_each_due_checkpoint_is_scored_once_and_recorded_beside_the_data(evaluat
     bits = {step: row["metrics"]["kiln_heldout/bits_per_byte"] for (step, _), row in rows.items()}
     assert 0 < bits[20] < bits[10]  # the electrocardiogram: training on the text improves its score
     assert rows[20, "kiln_heldout"]["metrics"]["kiln_heldout/num_docs"] == len(TEXTS)
-    assert sorted(p.name for p in target.state_dir.iterdir()) == [
-        STATE_FILE, "step_0000010.results.json", "step_0000020.results.json"]  # the temporary model is gone
+    assert sorted(p.name for p in target.state_dir.iterdir()) == [  # the temporary model is gone
+        STATE_FILE, LIBRARY_LOG, "step_0000010.results.json", "step_0000020.results.json"]
+    assert (target.state_dir / LIBRARY_LOG).read_text().count("Generating test split") >= 2  # both steps' lines
     # Step 20 is the last step: its scores are exactly the evaluate stage's on the final saved model.
     out = tmp_path / "final_eval"
     out.mkdir()
