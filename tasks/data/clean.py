@@ -242,8 +242,7 @@ def _pipeline(
         min_stop_words=cfg.gopher_min_stop_words,
     )
     language = LocalLanguageFilter(cfg.languages, cfg.language_threshold, str(model_path))
-    steps: list = [JsonlReader(str(scratch / "shards"), glob_pattern="*.jsonl", compression=None, add_file_path=False),
-                   CountDocuments(str(scratch / PROGRESS_DIR))]
+    steps: list = [JsonlReader(str(scratch / "shards"), glob_pattern="*.jsonl", compression=None, add_file_path=False)]
     # First, so that every listed document is counted under its list whatever else is wrong with it.
     blocklist_domains = cfg.blocklist_domains
     for label, step in (("url_blocklist", URLBlocklistFilter), ("word_blocklist", WordBlocklistFilter)):
@@ -322,12 +321,12 @@ def clean_documents(cfg: CleanConfig, input_file: Path, out_dir: Path, executor:
         keep_or_reset(scratch, "shards", _plan(cfg, quality_model, blocklists),
                       lambda shards: _write_shards(input_file, shards, cfg.num_workers, quarantine, counts))
 
+    pipeline = _pipeline(cfg, scratch, model_path, quality_model, blocklists)
+    pipeline.insert(1, CountDocuments(str(scratch / PROGRESS_DIR)))  # after the reader: documents read, per rank
     progress = Progress("clean", counts.num_in - counts.num_quarantined, "documents")
     with progress, watching(CountFiles(scratch / PROGRESS_DIR), progress):
-        run_pipeline(
-            _pipeline(cfg, scratch, model_path, quality_model, blocklists), scratch / "logs",
-            tasks=cfg.num_workers, jobs=cfg.num_workers, settings=executor, job_name="kiln_clean",
-        )
+        run_pipeline(pipeline, scratch / "logs", tasks=cfg.num_workers, jobs=cfg.num_workers, settings=executor,
+                     job_name="kiln_clean")
 
     languages: Counter[str] = Counter()
     replacements: Counter[str] = Counter(dict.fromkeys(PII_KINDS, 0))
