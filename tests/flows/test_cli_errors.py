@@ -1,11 +1,7 @@
 """An unexpected error in a stage reaches the terminal once: one traceback, from the task run that raised it."""
 
-import pytest
-
 import tasks.stages.collect
 from flows.cli import main
-
-pytestmark = pytest.mark.slow  # a pipeline run through the real Prefect API
 
 
 def test_an_unexpected_error_prints_one_traceback(prefect_api, in_repo, tmp_path, capfd, monkeypatch):

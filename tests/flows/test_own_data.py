@@ -20,7 +20,7 @@ from tasks.graph import stage_keys
 from tasks.stages import REGISTRY
 from tasks.store import Store
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]  # the whole pipeline: 200 s measured at load average 12
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = "configs/examples/own-data.yaml"
 sys.path.insert(0, str(REPO / "scripts"))

@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def s3():
-    """A bucket on moto's S3 server, listening on loopback; credentials and endpoint as fsspec reads them."""
+    """A bucket on moto's S3 server, listening on loopback; credentials and endpoint as fsspec reads them.
+    One for the session: moto keeps its buckets per process, whichever server serves them."""
     from moto.server import ThreadedMotoServer
 
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
