@@ -3,12 +3,15 @@
 `deploy` registers every deployment of infra/prefect.yaml (the pipeline, one per stage, continuous
 eval) with `prefect deploy`, creating its work pool first: the process pool by default, or the
 Kubernetes pool (base job template: infra/work-pools/kubernetes.json), onto which every deployment
-then moves. Every deployment's job env gets the heartbeat frequency of the deploying process, the one
-the unresponsive-run alert assumes, so a run whose worker dies is marked Crashed on time. `worker`
-starts a worker for the process pool with the process settings CLI runs get (a Kubernetes pool's
-worker runs in the cluster); `serve` serves the same flows from one process, for a laptop. The
-continuous-eval schedule stays off until it is told which config to watch: a schedule silently
-scoring `configs/default.yaml` every ten minutes helps no one.
+then moves. The flows are imported from the installed Kiln package (module entrypoints) and run in
+the *project directory*: the folder `kiln deploy` ran in (on Kubernetes, the image's project folder),
+so a run's config path, its data paths and its `work_dir` resolve there, as they do for `kiln run`
+in that folder, wherever Kiln itself is installed. Every deployment's job env gets the heartbeat
+frequency of the deploying process, the one the unresponsive-run alert assumes, so a run whose
+worker dies is marked Crashed on time. `worker` starts a worker for the process pool with the
+process settings CLI runs get (a Kubernetes pool's worker runs in the cluster); `serve` serves the
+same flows from one process, for a laptop. The continuous-eval schedule stays off until it is told
+which config to watch: a schedule silently scoring `configs/default.yaml` every ten minutes helps no one.
 """
 
 from __future__ import annotations
@@ -27,9 +30,10 @@ import yaml
 from flows.environment import PROCESS_SETTINGS
 from tasks.errors import KilnError
 
-REPO = Path(__file__).resolve().parents[1]
-PREFECT_FILE = REPO / "infra" / "prefect.yaml"
-WORK_POOL_TEMPLATES = REPO / "infra" / "work-pools"  # {type}.json: a pool's base job template (none: Prefect's)
+KILN_ROOT = Path(__file__).resolve().parents[1]  # Kiln's own files (infra/), not the user's project
+PREFECT_FILE = KILN_ROOT / "infra" / "prefect.yaml"
+WORK_POOL_TEMPLATES = KILN_ROOT / "infra" / "work-pools"  # {type}.json: a pool's base job template (none: Prefect's)
+PROJECT_DIR_VARIABLE = "KILN_PROJECT_DIR"  # the pull step's working directory, resolved by `prefect deploy`
 WORK_POOL_TYPES = ("process", "kubernetes")
 POOL = "kiln-process"
 CONTINUOUS_EVAL = "kiln-continuous-eval/continuous-eval"
@@ -46,11 +50,11 @@ def _require_server() -> str:
 
 def worker_environment() -> dict[str, str]:
     """The environment of a worker and of the flow-run processes it starts."""
-    return {**PROCESS_SETTINGS, **os.environ, "KILN_REPO_DIR": str(REPO)}
+    return {**PROCESS_SETTINGS, **os.environ}
 
 
 def _prefect(*args: str, check: bool = True, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    result = subprocess.run([sys.executable, "-m", "prefect", *args], cwd=REPO,
+    result = subprocess.run([sys.executable, "-m", "prefect", *args],
                             env={**worker_environment(), **(env or {})}, capture_output=True, text=True)
     if check and result.returncode != 0:
         raise KilnError(f"`prefect {' '.join(args)}` failed ({result.returncode}):\n{result.stdout[-2000:]}"
@@ -117,28 +121,45 @@ def deploy(continuous_eval_config: str | None = None, overrides: list[str] | Non
     """Register every deployment on the work pool `pool` (process or kubernetes; a Kubernetes pool
     runs flows in `image`, which holds Kiln at /opt/kiln); with `continuous_eval_config`, point the
     continuous-eval schedule at that config and switch it on; with `alert_webhook`, create the alert
-    automations (`flows.alerts`). Returns `prefect deploy`'s summary."""
+    automations (`flows.alerts`). Returns a short summary (`prefect deploy`'s own output only when it fails)."""
     _require_server()
     if pool == "kubernetes" and not image:
         raise KilnError("the kubernetes work pool runs flows in a container: give its image with --image "
                         "(or KILN_IMAGE), one with Kiln at /opt/kiln and kubectl")
     name = ensure_work_pool(pool)
-    # `prefect deploy` resolves the pull step's {{ $KILN_REPO_DIR }} now: this checkout, or Kiln's place in the image
-    env = {} if pool == "process" else {"KILN_IMAGE": image,
-                                        "KILN_REPO_DIR": work_pool(pool)["job_variables"]["env"]["KILN_REPO_DIR"]}
+    spec = prefect_file_for(pool)
+    # `prefect deploy` resolves the pull step's {{ $KILN_PROJECT_DIR }} now: this folder, or the image's
+    project = str(Path.cwd()) if pool == "process" else work_pool(pool)["job_variables"]["env"][PROJECT_DIR_VARIABLE]
+    env = {PROJECT_DIR_VARIABLE: project, **({"KILN_IMAGE": image} if image else {})}
     with tempfile.TemporaryDirectory(prefix="kiln-deploy-") as tmp:
         prefect_file = Path(tmp) / "prefect.yaml"
-        prefect_file.write_text(yaml.safe_dump(prefect_file_for(pool), sort_keys=False))
-        summary = _prefect("--no-prompt", "deploy", "--prefect-file", str(prefect_file), "--all", env=env).stdout
-    if pool != "process":
-        summary += f"\nevery deployment is on the work pool {name} (image {image})"
+        prefect_file.write_text(yaml.safe_dump(spec, sort_keys=False))
+        output = _prefect("--no-prompt", "deploy", "--prefect-file", str(prefect_file), "--all", env=env).stdout
+    wanted = [d["name"] for d in spec["deployments"]]
+    missing = sorted(set(wanted) - asyncio.run(_deployment_names(name)))
+    if missing:
+        raise KilnError(f"`prefect deploy` did not register {', '.join(missing)} on {name}:\n{output[-3000:]}")
+    stages = sum(d["entrypoint"].startswith("flows.stages:") for d in spec["deployments"])
+    summary = [f"{len(wanted)} deployments on work pool {name}: kiln-pipeline/pipeline, kiln-<stage>/<stage> for "
+               f"each of {stages} stages, {CONTINUOUS_EVAL}" + (f" (image {image})" if image else ""),
+               f"flows run in {project}: config paths, data paths and work_dir resolve there"]
     if continuous_eval_config is not None:
         asyncio.run(_watch(continuous_eval_config, list(overrides or [])))
     if alert_webhook:
         from flows.alerts import create_alerts
 
-        summary += f"\nalerts to {alert_webhook}: {', '.join(create_alerts(alert_webhook))}"
-    return summary
+        summary.append(f"alerts to {alert_webhook}: {', '.join(create_alerts(alert_webhook))}")
+    return "\n".join(summary)
+
+
+async def _deployment_names(pool: str) -> set[str]:
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import WorkPoolFilter, WorkPoolFilterName
+
+    async with get_client() as client:
+        deployments = await client.read_deployments(
+            work_pool_filter=WorkPoolFilter(name=WorkPoolFilterName(any_=[pool])))
+    return {d.name for d in deployments}
 
 
 async def _watch(config_path: str, overrides: list[str]) -> None:
@@ -154,10 +175,18 @@ async def _watch(config_path: str, overrides: list[str]) -> None:
 
 
 def run_worker() -> None:
-    """Replace this process with a Prefect worker for Kiln's pool."""
+    """Replace this process with a Prefect worker for Kiln's pool, once what a crash left running (a
+    dead worker's task runs, MLflow runs at $MLFLOW_TRACKING_URI) is marked crashed (`flows.crashes`).
+    Its flow runs start in the project directory each deployment names (see `deploy`), not in this
+    process's folder."""
     _require_server()
+    from flows.crashes import reap_crashed
+    from tasks.config import TrackingConfig
+    from tasks.tracking import MlflowTracker
+
+    uri = os.environ.get("MLFLOW_TRACKING_URI")  # the default experiment: a worker has no config of its own
+    reap_crashed(MlflowTracker(uri, TrackingConfig().experiment) if uri else None)
     command = [sys.executable, "-m", "prefect", "worker", "start", "--pool", POOL, "--type", "process"]
-    os.chdir(REPO)
     os.execvpe(command[0], command, worker_environment())
 
 

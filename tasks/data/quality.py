@@ -17,6 +17,7 @@ from datatrove.data import Document as DtDocument
 from datatrove.pipeline.filters.base_filter import BaseFilter
 from datatrove.pipeline.writers import JsonlWriter
 
+from tasks.bundled import locate
 from tasks.errors import ConfigError
 
 SHIPPED_MODEL = "data/models/quality_classifier.ftz"
@@ -30,10 +31,11 @@ def fasttext_text(text: str) -> str:
 
 
 def check_quality_model(path: str) -> Path:
-    """The model at `path` (clean.quality_model), or a ConfigError saying what is wrong."""
+    """The model at `path` (clean.quality_model; the shipped one from any folder: `tasks.bundled`), or a
+    ConfigError saying what is wrong."""
     import fasttext
 
-    model_path = Path(path)
+    model_path = locate(path)
     if not model_path.is_file():
         raise ConfigError(
             f"clean.quality_model: {model_path} does not exist; point it at a fastText model "

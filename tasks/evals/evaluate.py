@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import Field
 
+from tasks.bundled import locate
 from tasks.configbase import Section, runtime_field
 from tasks.errors import ConfigError, InputError
 from tasks.evals.heldout_task import HF_CACHE_DIR, task_name_for
@@ -222,8 +223,9 @@ def _run_lm_eval(lm: LM, task_manager: Any, names: list[str], limit: int | None)
 
 
 def eval_paths_of(cfg: EvaluateConfig) -> list[Path]:
-    """The eval files as absolute paths (relative ones from the current directory), checked."""
-    eval_paths = [Path(name).absolute() for name in cfg.eval_files]
+    """The eval files as absolute paths (relative ones from the current directory, else Kiln's shipped
+    ones: `tasks.bundled`), checked."""
+    eval_paths = [locate(name).absolute() for name in cfg.eval_files]
     for name, path in zip(cfg.eval_files, eval_paths, strict=True):
         if not path.is_file():
             raise InputError(

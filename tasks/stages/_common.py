@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from tasks.bundled import locate
 from tasks.errors import InputError
 
 if TYPE_CHECKING:
@@ -18,7 +19,7 @@ def document_headline(stats: dict[str, Any]) -> dict[str, Any]:
 
 def eval_file_paths(cfg: KilnConfig) -> list[Path]:
     """The configured eval files, each checked to exist (decontamination and evaluation read them)."""
-    paths = [Path(p) for p in cfg.evaluate.eval_files]
+    paths = configured_eval_files(cfg)
     for i, path in enumerate(paths):
         if not path.is_file():
             raise InputError(f"eval file {path} does not exist (config key evaluate.eval_files[{i}]); "
@@ -27,5 +28,6 @@ def eval_file_paths(cfg: KilnConfig) -> list[Path]:
 
 
 def configured_eval_files(cfg: KilnConfig) -> list[Path]:
-    """The eval files whose content a key hashes (missing ones hash as missing; the stage reports them)."""
-    return [Path(p) for p in cfg.evaluate.eval_files]
+    """The eval files whose content a key hashes (missing ones hash as missing; the stage reports them);
+    the defaults are Kiln's own held-out sets (`tasks.bundled`)."""
+    return [locate(p) for p in cfg.evaluate.eval_files]

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from tasks.bundled import locate
 from tasks.data.clean import CleanConfig, clean_documents
 from tasks.data.documents import DOCUMENTS_FILE
 from tasks.data.quality_training import REPORT_FILE, classifier_metrics, reference_paths, resolve_quality_model
@@ -30,8 +31,9 @@ def run(ctx: StageContext) -> dict:
 def external_files(cfg: KilnConfig) -> list[Path]:
     """The quality model, the classifier's references and the user's blocklists: their content, not
     their names, is in the key."""
-    paths = (cfg.clean.quality_model, cfg.clean.url_blocklist, cfg.clean.word_blocklist)
-    return [Path(path) for path in paths if path is not None] + reference_paths(cfg.clean.quality_training)
+    model = [locate(cfg.clean.quality_model)] if cfg.clean.quality_model is not None else []
+    blocklists = [Path(path) for path in (cfg.clean.url_blocklist, cfg.clean.word_blocklist) if path is not None]
+    return model + blocklists + reference_paths(cfg.clean.quality_training)
 
 
 STAGE = Stage(

@@ -23,10 +23,10 @@ def test_every_registered_stage_the_pipeline_and_continuous_eval_are_deployable(
     deployments = {d["name"]: d for d in spec["deployments"]}
     assert set(deployments) == {"pipeline", "continuous-eval", *REGISTRY.names()}
     for stage in REGISTRY:
-        assert deployments[stage.name]["entrypoint"] == f"flows/stages.py:{stage.name.replace('-', '_')}"
+        assert deployments[stage.name]["entrypoint"] == f"flows.stages:{stage.name.replace('-', '_')}"
     for name, deployment in deployments.items():
-        module, attr = deployment["entrypoint"].split(":")
-        target = getattr(importlib.import_module(module.removesuffix(".py").replace("/", ".")), attr)
+        module, attr = deployment["entrypoint"].split(":")  # a module of the installed package, not a file
+        target = getattr(importlib.import_module(module), attr)
         assert isinstance(target, Flow), f"{name}: {deployment['entrypoint']} is not a Prefect flow"
         assert deployment["work_pool"]["name"] == "kiln-process"
         assert set(deployment["parameters"]) <= set(target.parameters.properties)
@@ -66,7 +66,7 @@ def test_both_work_pools_are_declared():
     assert pools["kubernetes"]["job_variables"]["image"] == "{{ $KILN_IMAGE }}"  # resolved by `prefect deploy`
     # the same process settings, plus where Kiln lives in the image (the pull step's directory)
     assert pools["kubernetes"]["job_variables"]["env"] == {**pools["process"]["job_variables"]["env"],
-                                                           "KILN_REPO_DIR": "/opt/kiln"}
+                                                           "KILN_PROJECT_DIR": "/opt/kiln"}
     assert not (INFRA / "work-pools" / "process.json").exists()  # the process pool keeps Prefect's template
 
 
@@ -154,7 +154,7 @@ def test_kiln_deploy_on_the_kubernetes_pool_gives_a_valid_job_manifest(api_url):
         deploy(pool="kubernetes")
     assert ensure_work_pool("process") == "kiln-process"
     summary = deploy(pool="kubernetes", image=IMAGE)
-    assert "every deployment is on the work pool kiln-kubernetes" in summary
+    assert summary.startswith(f"{len(REGISTRY.names()) + 2} deployments on work pool kiln-kubernetes") and IMAGE in summary
     assert ensure_work_pool("kubernetes") == "kiln-kubernetes"  # exists: left as it is
 
     async def read():
@@ -174,14 +174,14 @@ def test_kiln_deploy_on_the_kubernetes_pool_gives_a_valid_job_manifest(api_url):
         (INFRA / "work-pools" / "kubernetes.json").read_text())
     assert deployment.work_pool_name == "kiln-kubernetes"
     assert deployment.job_variables["image"] == IMAGE
-    # `prefect deploy` resolves the pull step's directory: Kiln's place in the image, not this checkout
+    # `prefect deploy` resolves the pull step's directory: the project folder in the image, not this one
     assert deployment.pull_steps == [{"prefect.deployments.steps.set_working_directory": {"directory": "/opt/kiln"}}]
 
     job = config.job_manifest
     pod = job["spec"]["template"]["spec"]
     container = pod["containers"][0]
     assert container["image"] == IMAGE and pod["serviceAccountName"] == "kiln"
-    assert {"name": "KILN_REPO_DIR", "value": "/opt/kiln"} in container["env"]
+    assert {"name": "KILN_PROJECT_DIR", "value": "/opt/kiln"} in container["env"]
     heartbeat = str(get_current_settings().flows.heartbeat_frequency)  # what the crash alert assumes
     assert {"name": "PREFECT_FLOWS_HEARTBEAT_FREQUENCY", "value": heartbeat} in container["env"]
     assert container["volumeMounts"] == [{"name": "store", "mountPath": "/kiln"}]
@@ -192,26 +192,32 @@ def test_kiln_deploy_on_the_kubernetes_pool_gives_a_valid_job_manifest(api_url):
     kubernetes_validate.validate(job, K8S_VERSION, strict=True)
 
 
-def test_kiln_deploy_gives_process_pool_runs_the_alerts_heartbeat(api_url):
+def test_kiln_deploy_gives_process_pool_runs_the_alerts_heartbeat(api_url, tmp_path, monkeypatch):
     """The flow-run process a process worker would start for a deployment run gets the heartbeat setting
-    (job env wins over the worker's own environment)."""
+    (job env wins over the worker's own environment), and starts in the folder `kiln deploy` ran in (the
+    user's project), not in Kiln's checkout."""
     from prefect.client.orchestration import get_client
     from prefect.settings import get_current_settings
     from prefect.workers.process import ProcessJobConfiguration
 
     from flows.deploy import deploy
 
-    deploy()
+    monkeypatch.chdir(tmp_path)
+    summary = deploy()
+    assert f"flows run in {tmp_path}" in summary and "prefect worker start" not in summary
 
     async def resolve():
         async with get_client() as client:
             pool = await client.read_work_pool("kiln-process")
             deployment = await client.read_deployment_by_name("kiln-pipeline/pipeline")
             flow_run = await client.create_flow_run_from_deployment(deployment.id)
-            return await ProcessJobConfiguration.resolve_for_flow_run(
+            return deployment, await ProcessJobConfiguration.resolve_for_flow_run(
                 flow_run, client=client, work_pool=pool, worker_name="kiln-test", deployment=deployment)
 
-    config = asyncio.run(resolve())
+    deployment, config = asyncio.run(resolve())
     heartbeat = str(get_current_settings().flows.heartbeat_frequency)
     assert config.env["PREFECT_FLOWS_HEARTBEAT_FREQUENCY"] == heartbeat
+    assert deployment.entrypoint == "flows.pipeline:pipeline"  # from the installed package, wherever it is
+    assert deployment.pull_steps == [{"prefect.deployments.steps.set_working_directory": {"directory": str(tmp_path)}}]
     assert config.env["OMP_WAIT_POLICY"] == "PASSIVE"
+
