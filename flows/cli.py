@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import re
+import shutil
 import sys
 import time
 import traceback
@@ -31,7 +32,8 @@ DEFAULT_CONFIG = "configs/default.yaml"
 
 _EPILOG = """\
 examples:
-  kiln run                                   the default tiny pipeline (configs/default.yaml) on CPU
+  kiln run                                   the default pipeline (configs/default.yaml: the bundled sample
+                                             corpus, ~5 min on 2 CPU cores); configs/tiny.yaml runs in ~1-3 min
   kiln run configs/default.yaml train.run.steps=500 sweep.batch_sizes=[8,16]
   kiln run --until tokenize                  only the data stages
   kiln stage train                           one stage (its inputs must be complete)
@@ -42,12 +44,15 @@ examples:
   kiln lineage store/anneal/<key>/model      which data, settings and runs produced this model
   kiln config --keys                         the resolved config and every stage key
   kiln ui                                    how to open the MLflow and Prefect UIs
-  kiln up / kiln down                        start / stop local Prefect and MLflow servers
-  kiln deploy && kiln worker                 deployments on that server, and a worker to run them
+  kiln up --work-dir ops / kiln down         start / stop local Prefect and MLflow servers (source ops/servers/env)
+  kiln deploy, then kiln worker              deployments on that server, run from this folder, and a worker
 
+Without a CONFIG.yaml, configs/default.yaml is used if this folder has one, else Kiln's built-in
+defaults. Paths in a config (sources, work_dir) are relative to the folder kiln runs in.
 Overrides are dotted keys (section.key=value, YAML values). Every output lands in the
 working directory (work_dir, default ./kiln-work): the store, MLflow's database and
-artifacts, and PREFECT_HOME.
+artifacts, and PREFECT_HOME (with `kiln up`'s servers, MLflow and Prefect keep their
+records under that command's work_dir/servers).
 """
 
 
@@ -208,6 +213,43 @@ def cmd_config(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _fit(parts: list[str], room: int) -> str:
+    """`parts` joined by ", " within `room` characters; what does not fit is counted, not printed."""
+    shown: list[str] = []
+    for part in parts:
+        rest = len(parts) - len(shown) - 1
+        tail = f", ... {rest} more" if rest else ""
+        if len(", ".join([*shown, part]) + tail) > room:
+            return ", ".join(shown) + f"{', ' if shown else ''}... {len(parts) - len(shown)} more"
+        shown.append(part)
+    return ", ".join(shown)
+
+
+def _stage_state(store, stage, key: str, room: int) -> tuple[str, dict]:
+    """A stage's state in the store as one line of at most `room` characters, and its cost (complete only)."""
+    problems = store.problems(stage.name, key)
+    if not problems:
+        manifest = store.manifest(stage.name, key)
+        numbers = [f"{k}={v}" for k, v in manifest["stats"].get("headline", {}).items()]
+        return f"complete  {manifest['wall_s']:6.1f}s  {_fit(numbers, room - 19)}", manifest.get("cost", {})
+    if store.path(stage.name, key).exists():
+        return _cut(f"damaged ({'; '.join(problems)}): the next run redoes it", room), {}
+    if not store.partial_path(stage.name, key).exists():
+        return "missing", {}
+    owner = store.lock(stage.name, key).owner() if store.lock(stage.name, key).held() else None
+    failure = store.failure(stage.name, key)
+    if owner is not None:
+        return f"running (pid {owner.get('pid')} on {owner.get('host')})", {}
+    if failure is not None:
+        then = "a rerun resumes it" if failure["retryable"] else "fix it, then rerun"
+        return _cut(f"failed ({then}): {failure['error']}: {' '.join(failure['message'].split())}", room), {}
+    return "partial (an attempt crashed or was stopped; the next run resumes or redoes it)", {}
+
+
+def _cut(text: str, room: int) -> str:
+    return text if len(text) <= room else text[:max(room - 3, 0)].rstrip() + "..."
+
+
 def cmd_status(ns: argparse.Namespace) -> int:
     cfg, _, _ = _load(ns)
     from tasks.graph import stage_keys
@@ -217,26 +259,21 @@ def cmd_status(ns: argparse.Namespace) -> int:
     store = Store(cfg.store_root)
     keys = stage_keys(cfg)
     print(f"store: {store.root.resolve()}")
+    width = max(len(name) for name in REGISTRY.names())
+    # a row's numbers are cut to the terminal's width (160 when not a terminal); the manifest has them all
+    columns = max(shutil.get_terminal_size((160, 24)).columns, 100)
     totals: dict[str, float] = {}
     for stage in REGISTRY:
         key = keys[stage.name]
-        problems = store.problems(stage.name, key)
-        if not problems:
-            manifest = store.manifest(stage.name, key)
-            for name, value in manifest.get("cost", {}).items():
-                if name == "peak_rss_mb":
-                    totals[name] = max(totals.get(name, 0.0), value)
-                elif name != "forecast_ratio":  # a ratio per stage; the totals give the pipeline's
-                    totals[name] = totals.get(name, 0.0) + value
-            headline = ", ".join(f"{k}={v}" for k, v in manifest["stats"].get("headline", {}).items())
-            state = f"complete  {manifest['wall_s']:6.1f}s  {headline}"
-        elif store.path(stage.name, key).exists():
-            state = f"damaged ({'; '.join(problems)}): the next run redoes it"
-        elif store.partial_path(stage.name, key).exists():
-            state = "partial (an attempt crashed or is running; the next run resumes or redoes it)"
-        else:
-            state = "missing"
-        print(f"  {stage.name:<14} {key}  {state}")
+        state, cost = _stage_state(store, stage, key, columns - width - len(key) - 5)
+        if state == "missing" and not stage.in_pipeline:
+            continue  # an on-demand stage (kiln dedup-batch) is not owed by the pipeline
+        for name, value in cost.items():
+            if name == "peak_rss_mb":
+                totals[name] = max(totals.get(name, 0.0), value)
+            elif name != "forecast_ratio":  # a ratio per stage; the totals give the pipeline's
+                totals[name] = totals.get(name, 0.0) + value
+        print(f"  {stage.name:<{width}} {key}  {state}")
     if totals:
         forecast = (f" (the planner forecast {totals['forecast_accelerator_s'] / 3600:.3g} for its training stages)"
                     if "forecast_accelerator_s" in totals else "")
@@ -380,10 +417,19 @@ def cmd_up(ns: argparse.Namespace) -> int:
 
 def cmd_down(ns: argparse.Namespace) -> int:
     cfg, _, _ = _load(ns)
-    from flows.servers import stop_servers
+    from flows.servers import running_work_dirs, stop_servers
 
-    stopped = stop_servers(cfg.work_dir)
-    print(f"stopped: {', '.join(stopped)}" if stopped else "no kiln servers were running for this working directory")
+    work = Path(cfg.work_dir).resolve()
+    named = bool(ns.work_dir) or any(a.startswith("work_dir=") or a.endswith((".yaml", ".yml")) for a in ns.args)
+    running = running_work_dirs()
+    if not named and work not in running and running:  # nothing here: the last `kiln up`, wherever it was
+        work = running[0]
+        print(f"no kiln servers for {Path(cfg.work_dir).resolve()}; stopping those of the last `kiln up`, for {work}")
+    stopped = stop_servers(work)
+    print(f"stopped: {', '.join(stopped)}" if stopped else f"no kiln servers were running for {work}")
+    others = [w for w in running if w != work]
+    if others:
+        print("kiln servers still run for: " + ", ".join(f"{w} (kiln down --work-dir {w})" for w in others))
     return 0
 
 
@@ -394,9 +440,11 @@ def cmd_deploy(ns: argparse.Namespace) -> int:
     watching = f"continuous eval scores {ns.continuous_eval} every 10 minutes" if ns.continuous_eval else \
         "continuous eval is deployed with its schedule off (kiln deploy --continuous-eval CONFIG turns it on)"
     pool = work_pool(ns.work_pool)["name"]
-    worker = "kiln worker" if ns.work_pool == "process" else \
+    worker = "kiln worker   (where PREFECT_API_URL and MLFLOW_TRACKING_URI are these)" if ns.work_pool == "process" else \
         f"in the cluster, prefect worker start --pool {pool} --type kubernetes (needs prefect-kubernetes)"
-    print(f"deployed to {os.environ['PREFECT_API_URL']} (work pool {pool}); {watching}\nstart a worker: {worker}")
+    ui = os.environ["PREFECT_API_URL"].removesuffix("/").removesuffix("/api")
+    print(f"{watching}\nstart a worker: {worker}\nrun the pipeline: prefect deployment run kiln-pipeline/pipeline "
+          f"--param config_path=CONFIG.yaml   (or Run in the UI: {ui}/deployments)")
     return 0
 
 
@@ -468,13 +516,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    def add(name: str, help_text: str, func, first: tuple[str, str] | None = None) -> argparse.ArgumentParser:
+    def add(name: str, help_text: str, func, first: tuple[str, str] | None = None,
+            args_help: str = f"a config file (default: {DEFAULT_CONFIG} if this folder has one, else Kiln's "
+                             "defaults) and dotted overrides, e.g. train.run.steps=100") -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help_text, description=help_text,
                            formatter_class=argparse.RawDescriptionHelpFormatter, epilog=_EPILOG)
         if first:
             p.add_argument(first[0], help=first[1])
-        p.add_argument("args", nargs="*", metavar="[CONFIG.yaml] [key=value ...]",
-                       help=f"a config file (default {DEFAULT_CONFIG}) and dotted overrides, e.g. train.run.steps=100")
+        p.add_argument("args", nargs="*", metavar="[CONFIG.yaml] [key=value ...]", help=args_help)
         p.add_argument("--work-dir", help="working directory for the store, MLflow and Prefect (overrides work_dir)")
         p.set_defaults(func=func)
         return p
@@ -485,7 +534,8 @@ def build_parser() -> argparse.ArgumentParser:
         first=("name", "the stage name (kiln status lists them)"))
     config = add("config", "Print the resolved config (file + overrides + defaults).", cmd_config)
     config.add_argument("--keys", action="store_true", help="also print every stage's key")
-    status = add("status", "Show each stage's key and whether its output is complete in the store.", cmd_status)
+    status = add("status", "Show each stage's key and its state in the store: complete (with its key numbers), running, "
+                 "failed (with the error), partial (a crashed attempt) or missing; and the pipeline's cost.", cmd_status)
     status.add_argument("--json", action="store_true", help="also print the keys as JSON")
     lineage = add("lineage", "Print the chain of store entries behind an output, from raw sources to the model: "
                   "keys, config, output digests, MLflow and Prefect runs, code version, licences.", cmd_lineage,
@@ -522,18 +572,24 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--tokenizer", metavar="FILE", help="tokenizer.json (default: the source's tokenize input, "
                         "else this config's tokenize output)")
     export.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    servers_args = "a config file or work_dir=DIR: only its work_dir is used"
     up = add("up", "Start a local Prefect server and MLflow tracking server (127.0.0.1, SQLite under "
-             "work_dir/servers unless a database URL is given) and wait until both are healthy.", cmd_up)
-    up.add_argument("--prefect-port", type=int, default=4200)
-    up.add_argument("--mlflow-port", type=int, default=5000)
+             "work_dir/servers unless a database URL is given), wait until both are healthy, and write "
+             "work_dir/servers/env for `source`.", cmd_up, args_help=servers_args)
+    up.add_argument("--prefect-port", type=int, default=4200, help="the Prefect server and UI's port (default 4200)")
+    up.add_argument("--mlflow-port", type=int, default=5000, help="the MLflow server and UI's port (default 5000)")
     up.add_argument("--prefect-database", default=os.environ.get("KILN_PREFECT_DATABASE"), metavar="URL",
                     help="e.g. postgresql+asyncpg://user:pass@host/prefect (default: $KILN_PREFECT_DATABASE, else SQLite)")
     up.add_argument("--mlflow-database", default=os.environ.get("KILN_MLFLOW_DATABASE"), metavar="URL",
                     help="e.g. postgresql://user:pass@host/mlflow (default: $KILN_MLFLOW_DATABASE, else SQLite)")
-    add("down", "Stop the servers `kiln up` started for this working directory.", cmd_down)
+    add("down", "Stop the servers `kiln up` started for a working directory: the one given (--work-dir), else this "
+        "folder's, else the last `kiln up`'s, wherever it was; names the others still running.", cmd_down,
+        args_help=servers_args)
     for name, func, help_text in (
         ("deploy", cmd_deploy, "Register every deployment (pipeline, each stage, continuous eval) with the Prefect "
-                               "server at PREFECT_API_URL, creating its work pool (process, or --work-pool kubernetes) if needed."),
+                               "server at PREFECT_API_URL, creating its work pool (process, or --work-pool kubernetes) "
+                               "if needed. Flow runs start in this folder: config paths, data paths and work_dir "
+                               "resolve here, wherever Kiln is installed."),
         ("serve", cmd_serve, "Serve the pipeline and every stage (and continuous eval, given a config) from this "
                              "process: deployments without a worker, for a laptop."),
     ):
@@ -553,8 +609,9 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--alert-webhook", metavar="URL", default=os.environ.get("KILN_ALERT_WEBHOOK"),
                            help="post alerts (failed stage, training rollback/abort, crashed run) to this "
                                 "Slack-compatible webhook (default: $KILN_ALERT_WEBHOOK; none: no alerts)")
-    worker = sub.add_parser("worker", help="Start a Prefect worker for Kiln's work pool (kiln-process), with the "
-                            "process settings CLI runs get.", description="Start a Prefect worker for Kiln's pool.")
+    worker_help = ("Start a Prefect worker for Kiln's work pool (kiln-process), with the process settings CLI runs "
+                   "get; its flow runs start in the folder `kiln deploy` ran in.")
+    worker = sub.add_parser("worker", help=worker_help, description=worker_help)
     worker.set_defaults(func=cmd_worker)
     plan = sub.add_parser("plan", help="Pick dp x tp x pp x cp, micro-batch and checkpointing for a model on a cluster.",
                           description="Estimate memory and step time of every parallel layout; reject what does not "

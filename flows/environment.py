@@ -31,15 +31,42 @@ PROCESS_SETTINGS = {
 
 
 def apply_run_settings(cfg: KilnConfig) -> None:
-    """The settings a run's config implies, for the process that runs it (CLI or flow-run process)."""
+    """The settings a run's config implies, for the process that runs it (CLI or flow-run process);
+    inside a flow run, also where Prefect keeps its results (`keep_results_in_work_dir`)."""
     for name, value in PROCESS_SETTINGS.items():
         os.environ.setdefault(name, value)
+    keep_results_in_work_dir(cfg)
     evaluate = getattr(cfg, "evaluate", None)  # a registry without the evaluate stage has no section
     if evaluate is None or not evaluate.online_tasks():
         # Kiln's local eval tasks need no hub; lm-eval's (evaluate.standard_suite, extra_tasks) do.
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     logging.getLogger().setLevel(cfg.log_level)
+
+
+def results_dir(cfg: KilnConfig) -> Path:
+    """Where a run's Prefect results live: `PREFECT_HOME/storage` of a CLI run in this work dir."""
+    return Path(cfg.work_dir).resolve() / "prefect" / "storage"
+
+
+def keep_results_in_work_dir(cfg: KilnConfig) -> None:
+    """Point the current flow run's result store (where Prefect persists its return value or its
+    exception) at `results_dir(cfg)`. A worker's flow-run process was started before its config was
+    read, with the worker's PREFECT_HOME (by default ~/.prefect): its results would land there, outside
+    the run's work dir. Prefect reads the store from the run context when the run ends, so replacing it
+    there is enough; subflows inherit it. Outside a flow run (as before Prefect is imported), nothing to do."""
+    if "prefect.context" not in sys.modules:  # not in a flow run; and the CLI must not import Prefect yet
+        return
+    from prefect.context import FlowRunContext
+    from prefect.filesystems import LocalFileSystem
+
+    context = FlowRunContext.get()
+    if context is None or context.result_store is None:
+        return
+    folder = results_dir(cfg)
+    folder.mkdir(parents=True, exist_ok=True)
+    context.result_store = context.result_store.model_copy(
+        update={"result_storage": LocalFileSystem(basepath=str(folder))})
 
 
 def prepare_environment(cfg: KilnConfig) -> None:

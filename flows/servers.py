@@ -2,13 +2,19 @@
 
 Both bind to 127.0.0.1 and keep their state under `{work_dir}/servers/` (SQLite databases, logs,
 pid files), unless a database URL (Postgres) is given. `up` returns once both answer their
-health checks and writes `servers/env`, the two variables (`PREFECT_API_URL`,
-`MLFLOW_TRACKING_URI`) through which every later `kiln` command, worker and deployment finds
-them. Without those variables Kiln falls back to its embedded defaults.
+health checks and writes `servers/env`, the variables through which every later `kiln` command,
+worker and deployment finds them (`PREFECT_API_URL`, `MLFLOW_TRACKING_URI`) and keeps its Prefect
+client state in the working directory (`PREFECT_HOME={work_dir}/prefect`, not ~/.prefect).
+Without those variables Kiln falls back to its embedded defaults.
+
+`up` also records the working directory in the user's list of running servers
+(`$XDG_STATE_HOME/kiln/servers.json`), so that `down` finds the last `up` from any folder and can
+say which working directories have servers.
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import signal
@@ -17,6 +23,8 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -77,6 +85,7 @@ def start_servers(work_dir: str | Path, *, prefect_port: int = 4200, mlflow_port
     folder.mkdir(parents=True, exist_ok=True)
     running = read_servers(work_dir)
     if running:
+        _remember(folder.parent)
         return running
     for port in (prefect_port, mlflow_port):
         if not _port_free(port):
@@ -114,6 +123,7 @@ def start_servers(work_dir: str | Path, *, prefect_port: int = 4200, mlflow_port
                 stop_servers(work_dir)
                 raise KilnError(f"the {server.name} server was not healthy after {timeout_s:.0f}s; its log: {server.log}")
             time.sleep(0.5)
+    _remember(folder.parent)
     return servers
 
 
@@ -121,7 +131,8 @@ def _write_state(folder: Path, servers: list[Server]) -> None:
     (folder / STATE_FILE).write_text(json.dumps([asdict(s) for s in servers], indent=2))
     urls = {s.name: s.url for s in servers}
     (folder / ENV_FILE).write_text(f"export PREFECT_API_URL={urls['prefect']}\n"
-                                   f"export MLFLOW_TRACKING_URI={urls['mlflow']}\n")
+                                   f"export MLFLOW_TRACKING_URI={urls['mlflow']}\n"
+                                   f"export PREFECT_HOME={folder.parent / 'prefect'}\n")
 
 
 def read_servers(work_dir: str | Path) -> list[Server]:
@@ -153,7 +164,45 @@ def stop_servers(work_dir: str | Path, timeout_s: float = 30.0) -> list[str]:
         stopped.append(server.name)
     state.unlink()
     (servers_dir(work_dir) / ENV_FILE).unlink(missing_ok=True)
+    _forget(Path(work_dir).resolve())
     return stopped
+
+
+def _registry() -> Path:
+    state = os.environ.get("XDG_STATE_HOME") or Path.home() / ".local" / "state"
+    return Path(state) / "kiln" / "servers.json"
+
+
+@contextmanager
+def _registry_entries() -> Iterator[list[str]]:
+    """The recorded working directories (oldest `up` first), under a lock; changes are written back."""
+    path = _registry()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        entries = json.loads(path.read_text()) if path.is_file() else []
+        before = list(entries)
+        yield entries
+        if entries != before:
+            path.write_text(json.dumps(entries, indent=2))
+
+
+def _remember(work_dir: Path) -> None:
+    with _registry_entries() as entries:
+        entries[:] = [e for e in entries if e != str(work_dir)] + [str(work_dir)]
+
+
+def _forget(work_dir: Path) -> None:
+    with _registry_entries() as entries:
+        entries[:] = [e for e in entries if e != str(work_dir)]
+
+
+def running_work_dirs() -> list[Path]:
+    """The working directories whose servers `up` started and that still run, the last `up` first;
+    entries whose servers are gone are dropped."""
+    with _registry_entries() as entries:
+        entries[:] = [e for e in entries if read_servers(e)]
+        return [Path(e) for e in reversed(entries)]
 
 
 def _signal_group(pid: int, sig: signal.Signals) -> None:

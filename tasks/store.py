@@ -21,6 +21,7 @@ from typing import Any
 from tasks.keylock import KeyLock
 
 MANIFEST_FILE = "_kiln_manifest.json"
+FAILURE_FILE = "_kiln_failed.json"  # in a partial folder: why its attempt failed (`kiln status` shows it)
 KEY_LENGTH = 12
 _CHUNK = 1 << 20
 
@@ -117,7 +118,19 @@ class Store:
         if partial.exists() and not resumable:
             shutil.rmtree(partial)
         partial.mkdir(parents=True, exist_ok=True)
+        (partial / FAILURE_FILE).unlink(missing_ok=True)  # a resumed attempt is no longer the failed one
         return partial
+
+    def record_failure(self, stage: str, key: str, failure: dict[str, Any]) -> None:
+        """Keep why the attempt writing the partial folder failed, beside its files, until the next `begin`."""
+        partial = self.partial_path(stage, key)
+        if partial.is_dir():
+            (partial / FAILURE_FILE).write_text(json.dumps(failure, indent=2, default=str))
+
+    def failure(self, stage: str, key: str) -> dict[str, Any] | None:
+        """What `record_failure` kept for the key's partial folder (None: no attempt failed, or one crashed)."""
+        path = self.partial_path(stage, key) / FAILURE_FILE
+        return json.loads(path.read_text()) if path.is_file() else None
 
     def commit(self, stage: str, key: str, manifest: dict[str, Any]) -> Path:
         """List the outputs in the manifest, write it last, then move the partial folder into place atomically."""

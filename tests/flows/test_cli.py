@@ -14,6 +14,9 @@ def test_help_explains_every_command(capsys):
     for command in ("run", "stage", "config", "status", "ui", "plan"):
         assert command in out
     assert "collect → clean → dedup" in out
+    # configs/default.yaml is the whole default run on the bundled corpus; tiny.yaml is the small one
+    assert "tiny pipeline (configs/default.yaml)" not in out and "configs/tiny.yaml" in out
+    assert "kiln worker" in out and "prefect worker start" not in out
 
 
 def test_config_prints_resolved_values_and_keys(in_repo, capsys):
@@ -25,7 +28,38 @@ def test_config_prints_resolved_values_and_keys(in_repo, capsys):
 def test_status_lists_every_stage_as_missing_in_a_fresh_work_dir(in_repo, tmp_path, capsys):
     assert main(["status", "configs/tiny.yaml", f"work_dir={tmp_path}"]) == 0
     out = capsys.readouterr().out
-    assert out.count("missing") == len(REGISTRY.names())  # the pipeline's stages and dedup-batch
+    assert out.count("missing") == len(REGISTRY.pipeline())
+    assert "dedup-batch" not in out  # on demand (kiln dedup-batch): the pipeline owes it nothing
+
+
+def test_status_rows_are_aligned_cut_to_the_terminal_and_say_why_a_stage_failed(in_repo, tmp_path, capsys,
+                                                                                monkeypatch):
+    from tasks.config import load_config
+    from tasks.errors import InputError
+    from tasks.graph import stage_keys
+    from tasks.runner import run_stage
+    from tasks.store import Store
+
+    monkeypatch.setenv("COLUMNS", "120")
+    missing_source = "collect.sources=[{name: mine, path: nowhere/docs.jsonl, format: jsonl, domain: prose}]"
+    args = ["status", "configs/tiny.yaml", f"work_dir={tmp_path}", missing_source]
+    cfg = load_config("configs/tiny.yaml", [f"work_dir={tmp_path}", missing_source])
+    with pytest.raises(InputError):
+        run_stage("collect", cfg)
+    store, keys = Store(cfg.store_root), stage_keys(cfg)
+    headline = {f"model_{i}/kiln_heldout/bits_per_byte": 3.5 + i for i in range(20)}  # evaluate's is this long
+    for stage in ("anneal-ablation", "evaluate"):
+        store.begin(stage, keys[stage])
+        store.commit(stage, keys[stage], {"stats": {"headline": headline}, "wall_s": 1.0, "cost": {}})
+    store.begin("sweep", keys["sweep"])  # an attempt that died without a word
+    assert main(args) == 0
+    rows = {line.split()[0]: line for line in capsys.readouterr().out.splitlines() if line.startswith("  ")}
+    assert {len(row) - len(row.split(maxsplit=1)[1]) for row in rows.values()} == {2 + len("anneal-ablation") + 1}
+    assert all(len(row) <= 120 for row in rows.values())
+    assert rows["evaluate"].endswith("more") and "model_0/kiln_heldout/bits_per_byte=3.5" in rows["evaluate"]
+    assert "failed (fix it, then rerun): InputError: source 'mine': path 'nowhere/docs.jsonl'" in rows["collect"]
+    assert rows["collect"].endswith("...")  # cut to fit
+    assert rows["sweep"].split(maxsplit=2)[2].startswith("partial (an attempt crashed")
 
 
 def test_bad_arguments_and_config_errors_exit_2_without_traceback(in_repo, capsys):
@@ -113,3 +147,23 @@ def test_a_run_failing_on_a_kiln_error_is_echoed_once_by_main_not_by_prefects_co
     assert echo.filter(record("tasks.train.loop", "a warning of Kiln's own", gate))
     assert echo.filter(record("prefect.flow_runs", "Finished in state Failed('Flow run encountered an exception: "
                               "ValidationGateError: x')", level=logging.INFO))
+
+
+def test_down_for_a_work_dir_without_servers_names_those_that_have_them(tmp_path, monkeypatch, capsys):
+    """`kiln up` records where it started servers (here: a record whose server is this live process);
+    `kiln down` for another folder stops nothing and says where servers run."""
+    import json
+    import os
+
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
+    ops = tmp_path / "ops"
+    (ops / "servers").mkdir(parents=True)
+    (ops / "servers" / "servers.json").write_text(json.dumps([{
+        "name": "prefect", "pid": os.getpid(), "url": "u", "ui": "u", "health": "u", "log": "l"}]))
+    (tmp_path / "state" / "kiln").mkdir(parents=True)
+    (tmp_path / "state" / "kiln" / "servers.json").write_text(json.dumps([str(ops), str(tmp_path / "gone")]))
+    assert main(["down", "--work-dir", str(tmp_path / "elsewhere")]) == 0
+    out = capsys.readouterr().out
+    assert f"no kiln servers were running for {tmp_path / 'elsewhere'}" in out
+    assert f"kiln servers still run for: {ops} (kiln down --work-dir {ops})" in out
+    assert json.loads((tmp_path / "state" / "kiln" / "servers.json").read_text()) == [str(ops)]  # the dead dropped

@@ -24,7 +24,8 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def test_up_serves_both_uis_a_run_records_there_and_down_stops_them(in_repo, tmp_path, capsys):
+def test_up_serves_both_uis_a_run_records_there_and_down_stops_them(in_repo, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))  # where `kiln up` records its work dirs
     work = tmp_path / "work"
     prefect_port, mlflow_port = free_port(), free_port()
     args = [f"work_dir={work}", "--prefect-port", str(prefect_port), "--mlflow-port", str(mlflow_port)]
