@@ -2,7 +2,8 @@
 
 The config is resolved once, and every key computed once, per pipeline run. Each stage is one
 `stage` task (see `flows.stages`), so a rerun after a failure (from the CLI, a deployment or the
-UI's Retry) reuses what is complete and redoes only the failed stage and what follows it.
+UI's Retry) reuses what is complete and redoes only the failed stage and what follows it. A retry
+first marks what its crashed attempt left running (`flows.crashes`).
 """
 
 from __future__ import annotations
@@ -18,9 +19,11 @@ from prefect import flow
 from prefect.artifacts import create_markdown_artifact
 from prefect.runtime import flow_run
 
-from flows.stages import execute
+from flows.crashes import reap_crashed
 from flows.environment import apply_run_settings
+from flows.stages import execute
 from tasks.config import KilnConfig, load_config
+from tasks.crashes import CRASH_TAGS, OWNER_TAG, process_owner
 from tasks.graph import stage_keys
 from tasks.provenance import provenance
 from tasks.runner import StageOutcome, stages_until
@@ -51,21 +54,27 @@ def summary_markdown(outcomes: list[StageOutcome]) -> str:
 def _parent_run(tracker: MlflowTracker, cfg: KilnConfig, config_path: str | None, overrides: list[str],
                 until: str | None) -> str:
     """One MLflow run per Prefect flow run: a retry (the UI's Retry, `retries=`) continues the
-    first attempt's run, so both attempts' stages sit under one parent. Named by config and hash."""
+    first attempt's run, so both attempts' stages sit under one parent (each stage run tagged with
+    its attempt). The run is named by config and hash and carries the resolved config as the latest
+    attempt loaded it: a retry after a config fix renames it and logs the fixed config, and every
+    attempt's own copy stays under `attempts/<n>/`."""
     flow_run_id = str(flow_run.get_id() or "")
-    tags = {"kiln.stage": "pipeline", "kiln.prefect_flow_run_id": flow_run_id or "none"}
-    previous = tracker.find_run(tags) if flow_run_id else None
-    if previous is not None:
-        tracker.reopen_run(previous)
-        tracker.set_tags(previous, {"kiln.attempt": flow_run.run_count})
-        return previous
+    attempt = max(flow_run.run_count, 1)
     config_hash = hashlib.sha256(json.dumps(cfg.identity(), sort_keys=True, default=str).encode()).hexdigest()[:12]
     name = f"pipeline/{Path(config_path).stem if config_path else 'defaults'}/{config_hash}"
-    parent = tracker.start_run(name, tags={**tags, "kiln.config_hash": config_hash, "kiln.config_path": str(config_path),
-                                           "kiln.attempt": flow_run.run_count},
-                               params={"config_path": str(config_path), "overrides": overrides, "until": until})
-    tracker.log_dict(parent, cfg.to_dict(), "resolved_config.json")
-    tracker.log_dict(parent, provenance(), "provenance.json")
+    tags = {"kiln.stage": "pipeline", "kiln.prefect_flow_run_id": flow_run_id or "none"}
+    current = {"kiln.config_hash": config_hash, "kiln.config_path": str(config_path), "kiln.attempt": attempt,
+               OWNER_TAG: process_owner()}
+    parent = tracker.find_run(tags) if flow_run_id else None
+    if parent is not None:
+        tracker.reopen_run(parent, name=name, clear_tags=CRASH_TAGS)  # a crashed attempt's, if the reaper ended it
+        tracker.set_tags(parent, current)
+    else:
+        parent = tracker.start_run(name, tags={**tags, **current},
+                                   params={"config_path": str(config_path), "overrides": overrides, "until": until})
+    for folder in ("", f"attempts/{attempt}/"):
+        tracker.log_dict(parent, cfg.to_dict(), f"{folder}resolved_config.json")
+        tracker.log_dict(parent, provenance(), f"{folder}provenance.json")
     return parent
 
 
@@ -96,6 +105,7 @@ def pipeline(config_path: str | None = "configs/default.yaml", overrides: list[s
     keys = stage_keys(cfg)
     tracker = MlflowTracker.for_config(cfg)
     parent = _parent_run(tracker, cfg, config_path, overrides, until)
+    reap_crashed(tracker)  # what a crash left running: an earlier attempt's stage, another run's
     outcomes: list[StageOutcome] = []
     started = time.perf_counter()
     try:

@@ -1,12 +1,14 @@
 """Prefect's view of Kiln's stages: one cached task around the plain-Python runner, one flow per stage.
 
 `stage_task` wraps `tasks.runner.run_stage` (which locks the key, reuses or computes it, writes
-the manifest, commits and records the MLflow run). Its cache key is the stage and its key, with
-results persisted, so a stage the store already has shows as `Cached` and a UI Retry re-executes
-only what failed. Retries (`orchestration.retries`) apply to infrastructure failures and unexpected
-errors (`tasks.errors.is_retryable`), never to user errors. The stage flows (`kiln-collect`, ...) are
-generated from the registry, one per stage, so each has its own deployment; each loads its config
-once and runs its stage.
+the manifest, commits and records the MLflow run, named and tagged with the flow run's attempt).
+Its cache key is the stage and its key, with results persisted, so a stage the store already has
+shows as `Cached` (a key committed without Prefect's record of it gets one first) and a UI Retry
+re-executes only what failed. Retries (`orchestration.retries`) apply to infrastructure failures
+and unexpected errors (`tasks.errors.is_retryable`), never to user errors. The stage flows
+(`kiln-collect`, ...) are generated from the registry, one per stage, so each has its own
+deployment; each loads its config once, marks what a crash left running (`flows.crashes`) and runs
+its stage.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from prefect.cache_policies import CacheKeyFnPolicy
 from prefect.events import emit_event
 from prefect.runtime import flow_run
 
+from flows.crashes import reap_crashed
 from flows.environment import apply_run_settings
 from tasks.config import KilnConfig, load_config
 from tasks.errors import is_retryable
@@ -50,6 +53,11 @@ def _flow_run_id() -> str | None:
     return str(run_id) if run_id else None
 
 
+def _attempt() -> int:
+    """Which run of its flow run this is: 2 and up after a retry (the UI's Retry, `retries=`)."""
+    return max(flow_run.run_count, 1)
+
+
 def _emit(name: str, key: str):
     def on_event(event_name: str, payload: dict[str, Any]) -> None:
         emit_event(event=event_name, resource={"prefect.resource.id": f"kiln.{name}.{key}"},
@@ -62,7 +70,7 @@ def _emit(name: str, key: str):
 def stage_task(name: str, key: str, cfg: KilnConfig, keys: dict[str, str], parent_run_id: str | None) -> dict[str, Any]:
     """Run (or reuse) one stage through the runner; the result is its outcome."""
     outcome = run_stage(name, cfg, tracker=MlflowTracker.for_config(cfg), keys=keys, parent_run_id=parent_run_id,
-                        flow_run_id=_flow_run_id(), on_event=_emit(name, key))
+                        flow_run_id=_flow_run_id(), attempt=_attempt(), on_event=_emit(name, key))
     get_run_logger().info("stage %s %s: %s", name, outcome.status, outcome.path)
     return outcome.as_dict()
 
@@ -71,11 +79,14 @@ def execute(name: str, cfg: KilnConfig, keys: dict[str, str], parent_run_id: str
     """One stage inside a flow: the cached task, then its Prefect artifacts if it ran (a reused stage's
     are those its run published)."""
     key = keys[name]
-    complete = Store(cfg.store_root).is_complete(name, key)
+    store = Store(cfg.store_root)
+    complete = store.is_complete(name, key)
     orchestration = cfg.orchestration
     # Cache records and results live in the store, not in this process's PREFECT_HOME: a stage
     # built by the CLI shows as Cached to a worker sharing the store, and the other way round.
     shared = Path(cfg.store_root).resolve() / PREFECT_CACHE_DIR
+    if complete:
+        _record_reuse(store, name, key, shared)
     state = stage_task.with_options(
         result_storage=shared, refresh_cache=not complete, retries=orchestration.retries,
         retry_delay_seconds=orchestration.retry_delay_seconds,
@@ -84,12 +95,29 @@ def execute(name: str, cfg: KilnConfig, keys: dict[str, str], parent_run_id: str
         # Prefect returned the stored result without running the body: record the reuse through the
         # runner (it finds the key complete), so MLflow shows this run's cached stage too
         outcome = run_stage(name, cfg, tracker=MlflowTracker.for_config(cfg), keys=keys,
-                            parent_run_id=parent_run_id, flow_run_id=_flow_run_id())
+                            parent_run_id=parent_run_id, flow_run_id=_flow_run_id(), attempt=_attempt())
     else:
         outcome = StageOutcome(**state.result())
     if outcome.status == "ran":  # a reused stage's table and reports are those its run published
         _publish(outcome)
     return outcome
+
+
+def _record_reuse(store: Store, name: str, key: str, shared: Path) -> None:
+    """Give a key the store has complete Prefect's cache record for it, if it has none, so that Prefect
+    shows the reuse as Cached like every other: the store decides what is done, and a key can be complete
+    without a record (committed by a notebook or a Slurm job through the runner, or by a run whose
+    process died between the store's commit and Prefect's record)."""
+    from prefect.filesystems import LocalFileSystem
+    from prefect.results import ResultStore
+
+    results = ResultStore(result_storage=LocalFileSystem(basepath=str(shared)))
+    cache_key = _cache_key(None, {"name": name, "key": key})
+    if not results.exists(cache_key):
+        manifest = store.manifest(name, key)
+        outcome = StageOutcome(name, key, "cached", 0.0, manifest["stats"].get("headline", {}),
+                               str(store.path(name, key)), manifest["mlflow_run_id"])
+        results.write(outcome.as_dict(), key=cache_key)
 
 
 def _publish(outcome: StageOutcome) -> None:
@@ -109,6 +137,7 @@ def _make_stage_flow(name: str):
     def run_one(config_path: str | None = "configs/default.yaml", overrides: list[str] | None = None) -> dict[str, Any]:
         cfg = load_config(config_path, list(overrides or []))
         apply_run_settings(cfg)  # a worker's flow-run process gets what the CLI sets
+        reap_crashed(MlflowTracker.for_config(cfg))
         return execute(name, cfg, stage_keys(cfg)).as_dict()
 
     run_one.__name__ = name.replace("-", "_")

@@ -18,6 +18,7 @@ from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field
+from pydantic.fields import FieldInfo
 
 from tasks.errors import ConfigError
 
@@ -60,8 +61,7 @@ class Section(BaseModel):
         """The fields that define this section's outputs (runtime fields dropped), recursively."""
         out: dict[str, Any] = {}
         for name, field in type(self).model_fields.items():
-            extra = field.json_schema_extra
-            if isinstance(extra, dict) and extra.get(_RUNTIME):
+            if is_runtime(field):
                 continue
             out[name] = _identity_of(getattr(self, name))
         return out
@@ -87,6 +87,12 @@ def runtime_field(default: Any = ..., **kwargs: Any) -> Any:
 def names_field(kind: NameKind, default: Any = ..., **kwargs: Any) -> Any:
     """A field naming collect's domains (or sources): a name, or a list of them; checked when the config loads."""
     return Field(default, json_schema_extra={_NAMES: kind}, **kwargs)
+
+
+def is_runtime(field: FieldInfo) -> bool:
+    """Whether a section's field (`type(section).model_fields[name]`) is a `runtime_field`."""
+    extra = field.json_schema_extra
+    return isinstance(extra, dict) and bool(extra.get(_RUNTIME))
 
 
 def read_yaml(path: Path, loader: type[yaml.SafeLoader] = yaml.SafeLoader) -> Any:

@@ -17,8 +17,12 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from pydantic import BaseModel
+
 from tasks.config import KilnConfig
-from tasks.errors import KilnError
+from tasks.configbase import Section, is_runtime
+from tasks.crashes import OWNER_TAG, process_owner
+from tasks.errors import KilnError, is_retryable
 from tasks.graph import config_value, stage_identity, stage_keys
 from tasks.provenance import code_version, provenance
 from tasks.stage import Registry, Stage, StageContext
@@ -62,6 +66,12 @@ class StageRecorder:
 
     def metrics(self, step: int, metrics: dict[str, float]) -> None:
         self.tracker.log_metrics(self.run_id, metrics, step)
+
+    def used(self, settings: dict[str, Any], run: str | None = None) -> None:
+        """The settings a training run of this stage used (where the config says `plan`, the plan's), as
+        params `used.<setting>` (`<run>/used.<setting>` for a stage's further runs): the config's params
+        say what was asked for, these what ran."""
+        self.tracker.log_params(self.run_id, {f"{run}/used" if run else "used": settings})
 
     def event(self, event: dict[str, Any]) -> None:
         """A training health event (rollback, abort, relaunch): a tag and metric here, and the caller's
@@ -128,15 +138,37 @@ def _params(stage: Stage, cfg: KilnConfig) -> dict[str, Any]:
     params: dict[str, Any] = {}
     for dotted in stage.sections:
         value = config_value(cfg, dotted)
-        params[dotted] = value.model_dump(mode="json") if hasattr(value, "model_dump") else value
+        params[dotted] = _settings(value, value.identity()) if isinstance(value, Section) else value
     return params
 
 
-def _tags(stage: Stage, key: str, cfg: KilnConfig, flow_run_id: str | None, status: str) -> dict[str, str]:
+def _settings(section: Section, identity: dict[str, Any]) -> dict[str, Any]:
+    """`section` as params: its identity and runtime fields, but no field its identity leaves out that is
+    not a runtime field either: that is no setting (`train.optim.lr`, where `train.lr` decides)."""
+    out: dict[str, Any] = {}
+    for name, field in type(section).model_fields.items():
+        value = getattr(section, name)
+        if name not in identity and not is_runtime(field):
+            continue
+        if isinstance(value, Section) and isinstance(identity.get(name), dict):
+            out[name] = _settings(value, identity[name])
+        else:
+            out[name] = value.model_dump(mode="json") if isinstance(value, BaseModel) else value
+    return out
+
+
+def run_name(stage: str, attempt: int) -> str:
+    """A stage run's MLflow name: the stage, and which attempt of its flow run made it after the first."""
+    return stage if attempt <= 1 else f"{stage} (attempt {attempt})"
+
+
+def _tags(stage: Stage, key: str, cfg: KilnConfig, flow_run_id: str | None, status: str,
+          attempt: int) -> dict[str, str]:
     code = code_version()
     return {"kiln.stage": stage.name, "kiln.key": key, "kiln.status": status,
-            "kiln.prefect_flow_run_id": flow_run_id or "none", "kiln.git_sha": code["git_sha"],
-            "kiln.git_dirty": str(code["git_dirty"]), "kiln.work_dir": cfg.work_dir}
+            "kiln.prefect_flow_run_id": flow_run_id or "none", "kiln.attempt": str(attempt),
+            "kiln.git_sha": code["git_sha"], "kiln.git_dirty": str(code["git_dirty"]), "kiln.work_dir": cfg.work_dir,
+            OWNER_TAG: process_owner()}
 
 
 def _usage() -> tuple[float, float]:
@@ -148,13 +180,14 @@ def _usage() -> tuple[float, float]:
 
 def run_stage(stage: Stage | str, cfg: KilnConfig, *, store: Store | None = None, tracker: Tracker | None = None,
               registry: Registry | None = None, keys: dict[str, str] | None = None,
-              parent_run_id: str | None = None, flow_run_id: str | None = None,
+              parent_run_id: str | None = None, flow_run_id: str | None = None, attempt: int = 1,
               on_event: Callable[[str, dict[str, Any]], None] | None = None) -> StageOutcome:
     """Run `stage` for `cfg` into the store, or reuse its complete output; returns what happened.
 
     `keys` (every stage's key for `cfg`) saves recomputing them per stage of a pipeline run;
-    `parent_run_id` nests the tracked run under a pipeline run; `on_event(name, payload)` receives
-    training health events."""
+    `parent_run_id` nests the tracked run under a pipeline run; `flow_run_id` and `attempt` (which run
+    of that flow run this is: a retry is attempt 2) are tagged and name the tracked run;
+    `on_event(name, payload)` receives training health events."""
     if registry is None:
         from tasks.stages import REGISTRY as registry
     stage = registry[stage] if isinstance(stage, str) else stage
@@ -177,22 +210,22 @@ def run_stage(stage: Stage | str, cfg: KilnConfig, *, store: Store | None = None
             manifest = store.manifest(stage.name, key)
             run_id = manifest["mlflow_run_id"]
             if parent_run_id:
-                run_id = tracker.start_run(stage.name, parent_id=parent_run_id,
-                                           tags={**_tags(stage, key, cfg, flow_run_id, "cached"),
+                run_id = tracker.start_run(run_name(stage.name, attempt), parent_id=parent_run_id,
+                                           tags={**_tags(stage, key, cfg, flow_run_id, "cached", attempt),
                                                  "kiln.source_run_id": manifest["mlflow_run_id"]})
                 tracker.end_run(run_id)
             return StageOutcome(stage.name, key, "cached", time.perf_counter() - started,
                                 manifest["stats"].get("headline", {}), str(store.path(stage.name, key)), run_id)
-        return _execute(stage, cfg, store, tracker, registry, keys, parent_run_id, flow_run_id, on_event)
+        return _execute(stage, cfg, store, tracker, registry, keys, parent_run_id, flow_run_id, attempt, on_event)
 
 
 def _execute(stage: Stage, cfg: KilnConfig, store: Store, tracker: Tracker, registry: Registry,
-             keys: dict[str, str], parent_run_id: str | None, flow_run_id: str | None,
+             keys: dict[str, str], parent_run_id: str | None, flow_run_id: str | None, attempt: int,
              on_event: Callable[[str, dict[str, Any]], None] | None) -> StageOutcome:
     key = keys[stage.name]
     inputs = {i: store.path(i, keys[i]) for i in stage.inputs}
-    run_id = tracker.start_run(stage.name, parent_id=parent_run_id, tags=_tags(stage, key, cfg, flow_run_id, "ran"),
-                               params=_params(stage, cfg))
+    run_id = tracker.start_run(run_name(stage.name, attempt), parent_id=parent_run_id,
+                               tags=_tags(stage, key, cfg, flow_run_id, "ran", attempt), params=_params(stage, cfg))
     for name, path in inputs.items():
         tracker.log_input(run_id, name, keys[name], path)
     out_dir = store.begin(stage.name, key, resumable=stage.resumable)
@@ -203,6 +236,10 @@ def _execute(stage: Stage, cfg: KilnConfig, store: Store, tracker: Tracker, regi
     except BaseException as error:
         tracker.set_tags(run_id, {"kiln.status": "failed", "kiln.error": str(error)[:5000]})
         tracker.end_run(run_id, failed=True)
+        if isinstance(error, Exception):  # not an interrupt: `kiln status` shows why it failed
+            store.record_failure(stage.name, key, {"error": type(error).__name__, "message": str(error),
+                                                   "retryable": is_retryable(error), "mlflow_run_id": run_id,
+                                                   "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
         if on_event is not None:  # Prefect turns it into an event that automations alert on
             on_event("kiln.stage.failed", {"stage": stage.name, "key": key, "error": f"{type(error).__name__}: {error}"})
         raise

@@ -19,6 +19,10 @@ class Tracker(Protocol):
 
     def end_run(self, run_id: str, *, failed: bool = False) -> None: ...
 
+    def log_params(self, run_id: str, params: Mapping[str, Any]) -> None: ...
+
+    def running_runs(self) -> list[tuple[str, dict[str, str]]]: ...
+
     def set_tags(self, run_id: str, tags: Mapping[str, Any]) -> None: ...
 
     def log_metrics(self, run_id: str, metrics: Mapping[str, float], step: int | None = None) -> None: ...
@@ -39,6 +43,12 @@ class NullTracker:
 
     def end_run(self, run_id: str, *, failed: bool = False) -> None:
         pass
+
+    def log_params(self, run_id: str, params: Mapping[str, Any]) -> None:
+        pass
+
+    def running_runs(self) -> list[tuple[str, dict[str, str]]]:
+        return []
 
     def set_tags(self, run_id: str, tags: Mapping[str, Any]) -> None:
         pass

@@ -140,9 +140,20 @@ class MlflowTracker:
     def end_run(self, run_id: str, *, failed: bool = False) -> None:
         self.client.set_terminated(run_id, "FAILED" if failed else "FINISHED")
 
-    def reopen_run(self, run_id: str) -> None:
-        """Mark an ended run running again: a retried Prefect flow run continues its MLflow run."""
-        self.client.update_run(run_id, status="RUNNING")
+    def reopen_run(self, run_id: str, name: str | None = None, clear_tags: tuple[str, ...] = ()) -> None:
+        """Mark an ended run running again, renamed to `name` if given and without `clear_tags` (what its
+        previous end recorded): a retried Prefect flow run continues its MLflow run."""
+        tags = self.client.get_run(run_id).data.tags
+        for tag in clear_tags:
+            if tag in tags:
+                self.client.delete_tag(run_id, tag)
+        self.client.update_run(run_id, status="RUNNING", name=name)
+
+    def running_runs(self) -> list[tuple[str, dict[str, str]]]:
+        """Every run of this experiment still RUNNING, with its tags (`tasks.crashes` finds the dead ones)."""
+        runs = self.client.search_runs([self.experiment_id], filter_string="attributes.status = 'RUNNING'",
+                                       max_results=5000)
+        return [(run.info.run_id, dict(run.data.tags)) for run in runs]
 
     def log_params(self, run_id: str, params: Mapping[str, Any]) -> None:
         items = [Param(k, v) for k, v in flatten(params).items()]

@@ -40,12 +40,15 @@ def run_training(ctx: StageContext, model_cfg: ModelConfig, optim: OptimConfig, 
     `local`, else through the launcher. Layout and launcher are runtime: a run stopped under one
     resumes under another, from its DCP checkpoints, with the same global batches. The planner's
     forecast of the run on `cluster` goes to the recorder (as `name`): the stage's forecast, set
-    beside its cost, is the sum over the training runs it records."""
+    beside its cost, is the sum over the training runs it records; so do the settings it trains with
+    (`used.*` params: the plan's LR and shape where the config says `plan`, the resolved layout)."""
     from tasks.train.planner import checked_layout, forecast_record
 
     ctx.recorder.record_forecast(forecast_record(model_cfg, mixture.vocab_size, run_cfg, ctx.cfg.train.parallel,
                                                  ctx.cfg.cluster), name)
     dims, run_cfg = checked_layout(ctx.cfg.train.parallel, model_cfg, run_cfg, mixture.vocab_size, ctx.cfg.cluster)
+    ctx.recorder.used({"model": model_cfg.model_dump(mode="json"), "optim": optim.model_dump(mode="json"),
+                       "run": run_cfg.model_dump(mode="json"), "parallel": dims.model_dump(mode="json")}, name)
     out_dir, on_metrics = ctx.out_dir, ctx.recorder.metrics
     if name is not None:
         out_dir = ctx.out_dir / name

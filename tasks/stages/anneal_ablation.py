@@ -35,8 +35,8 @@ RANK_METRIC = "bits_per_byte"
 
 
 class BranchRecorder(StageRecorder):
-    """The stage's recorder, with one candidate's training metrics under `<name>/` and its anneal's
-    forecast in the stage's, as `branches/<name>` (the stage's forecast is the sum over its anneals)."""
+    """The stage's recorder, with one candidate's training metrics and settings under `<name>/` and its
+    anneal's forecast in the stage's, as `branches/<name>` (the stage's forecast is the sum over its anneals)."""
 
     def __init__(self, parent: StageRecorder, name: str) -> None:
         super().__init__(parent.tracker, parent.run_id, parent.stage, parent.key, parent._on_event)
@@ -47,6 +47,9 @@ class BranchRecorder(StageRecorder):
 
     def record_forecast(self, forecast: dict[str, Any], run: str | None = None) -> None:
         self.parent.record_forecast(forecast, run or f"{BRANCHES_DIR}/{self.name}")
+
+    def used(self, settings: dict[str, Any], run: str | None = None) -> None:
+        super().used(settings, run or self.name)
 
 
 def _evaluate(ctx: StageContext, model_dir: Path, out: Path, contamination: Any) -> dict[str, Any]:

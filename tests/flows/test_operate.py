@@ -196,6 +196,7 @@ def ops(tmp_path_factory):
     servers = root / "servers-home"
     with pytest.MonkeyPatch.context() as patch:
         patch.chdir(REPO)
+        patch.setenv("XDG_STATE_HOME", str(root / "state"))  # where `kiln up` records its work dirs
         started = time.perf_counter()
         assert main(["up", f"work_dir={servers}", "--prefect-port", str(free_port()),
                      "--mlflow-port", str(free_port())]) == 0
@@ -339,10 +340,12 @@ def test_retry_button_in_the_prefect_ui_then_the_run_in_the_mlflow_ui(ops, in_re
             page.goto(f"{ops.mlflow}/#/experiments/{experiment}/runs")
             row = page.get_by_role("row").filter(has_text=parent)
             row.locator('[col-id="attributes.`Run Name`"]').get_by_role("button").click()  # expand: its stages
-            for stage in (*UPSTREAM, *RETRIED, "sweep", "fit"):
+            # each attempt's stage runs: the first's by stage name, the Retry's as "<stage> (attempt 2)"
+            retried = (f"{stage} (attempt 2)" for stage in (*UPSTREAM, *RETRIED, "sweep", "fit"))
+            for stage in (*UPSTREAM, "decontaminate", *retried):
                 page.get_by_role("link", name=stage, exact=True).first.wait_for()
             page.screenshot(path=ARTIFACTS / "mlflow-pipeline-run.png")
-            page.get_by_role("link", name="fit", exact=True).click()
+            page.get_by_role("link", name="fit (attempt 2)", exact=True).click()
             page.get_by_role("tab", name="Artifacts").click()
             page.get_by_text(LAW_PLOT, exact=True).click()  # the fit stage's loss-law plot
             # the preview is an <img> of the fetched bytes (a blob: URL): a loaded image as wide as a plot
