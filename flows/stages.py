@@ -145,7 +145,7 @@ def _make_stage_flow(name: str):
     return flow(run_one, name=f"kiln-{name}", description=run_one.__doc__, validate_parameters=True)
 
 
-# one module attribute per stage (`flows/stages.py:train`), the entrypoints of the deployments
+# one module attribute per stage (`flows.stages:train`), the entrypoints of the deployments
 STAGE_FLOWS = {name: _make_stage_flow(name) for name in REGISTRY.names()}
 globals().update({name.replace("-", "_"): stage_flow for name, stage_flow in STAGE_FLOWS.items()})
 
