@@ -19,6 +19,7 @@ import time
 import traceback
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 # before torch loads libgomp (see flows/environment.py)
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
@@ -28,12 +29,16 @@ import yaml  # noqa: E402
 from tasks.config import KilnConfig, load_config  # noqa: E402
 from tasks.errors import KilnError  # noqa: E402
 
+if TYPE_CHECKING:
+    from tasks.stage import Stage
+    from tasks.store import Store
+
 DEFAULT_CONFIG = "configs/default.yaml"
 
 _EPILOG = """\
 examples:
   kiln run                                   the default pipeline (configs/default.yaml: the bundled sample
-                                             corpus, ~5 min on 2 CPU cores); configs/tiny.yaml runs in ~1-3 min
+                                             corpus, ~5 min on 2 CPU cores); configs/tiny.yaml is a slice of it
   kiln run configs/default.yaml train.run.steps=500 sweep.batch_sizes=[8,16]
   kiln run --until tokenize                  only the data stages
   kiln stage train                           one stage (its inputs must be complete)
@@ -225,7 +230,7 @@ def _fit(parts: list[str], room: int) -> str:
     return ", ".join(shown)
 
 
-def _stage_state(store, stage, key: str, room: int) -> tuple[str, dict]:
+def _stage_state(store: Store, stage: Stage, key: str, room: int) -> tuple[str, dict]:
     """A stage's state in the store as one line of at most `room` characters, and its cost (complete only)."""
     problems = store.problems(stage.name, key)
     if not problems:
@@ -236,10 +241,11 @@ def _stage_state(store, stage, key: str, room: int) -> tuple[str, dict]:
         return _cut(f"damaged ({'; '.join(problems)}): the next run redoes it", room), {}
     if not store.partial_path(stage.name, key).exists():
         return "missing", {}
-    owner = store.lock(stage.name, key).owner() if store.lock(stage.name, key).held() else None
-    failure = store.failure(stage.name, key)
-    if owner is not None:
+    lock = store.lock(stage.name, key)
+    if lock.held():
+        owner = lock.owner() or {}
         return f"running (pid {owner.get('pid')} on {owner.get('host')})", {}
+    failure = store.failure(stage.name, key)
     if failure is not None:
         then = "a rerun resumes it" if failure["retryable"] else "fix it, then rerun"
         return _cut(f"failed ({then}): {failure['error']}: {' '.join(failure['message'].split())}", room), {}

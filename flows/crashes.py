@@ -6,8 +6,8 @@ heartbeats, but the task run of the stage it was running stays Running and its M
 RUNNING forever. `reap_crashed` runs when a worker starts (`kiln worker`) and when a Kiln flow
 starts (a UI Retry included), and marks:
 
-- every Prefect task run still Running or Pending whose flow run has ended, or that an earlier
-  attempt of the flow run now starting left open: Crashed, saying why;
+- every Prefect task run still Running whose flow run has ended, or that an earlier attempt of the
+  flow run now starting left running: Crashed, saying why;
 - every MLflow run still RUNNING whose owning process died (`tasks.crashes`), or, for an owner on
   another host, whose flow run has ended or is starting over: FAILED, tagged `kiln.status=crashed`
   with the reason.
@@ -17,7 +17,6 @@ A run whose process is alive, or a flow run still running, is never touched.
 
 from __future__ import annotations
 
-import logging
 import sys
 from uuid import UUID
 
@@ -38,16 +37,14 @@ from prefect.states import Crashed
 from tasks.crashes import reap_tracked
 from tasks.tracker import Tracker
 
-log = logging.getLogger(__name__)
-
 ENDED = [StateType.COMPLETED, StateType.FAILED, StateType.CRASHED, StateType.CANCELLED]
-OPEN = [StateType.RUNNING, StateType.PENDING]
+RUNNING = [StateType.RUNNING]
 
 
 def reap_crashed(tracker: Tracker | None) -> tuple[int, int]:
-    """Mark what crashes left open (see the module doc); `tracker`: the MLflow experiment to look in
-    (None: Prefect only). Inside a flow run that is a retry, its earlier attempts' open task runs and
-    tracked runs count as ended. Returns (task runs, tracked runs) marked."""
+    """Mark what crashes left running (see the module doc); `tracker`: the MLflow experiment to look in
+    (None: Prefect only). Inside a flow run that is a retry, what its earlier attempts left running
+    counts as ended. Returns (task runs, tracked runs) marked."""
     restarting = str(current_flow_run.get_id()) if current_flow_run.get_id() and current_flow_run.run_count > 1 else None
     with get_client(sync_client=True) as client:
         tasks = _reap_task_runs(client, restarting)
@@ -68,11 +65,11 @@ def reap_crashed(tracker: Tracker | None) -> tuple[int, int]:
 
 
 def _reap_task_runs(client: SyncPrefectClient, restarting: str | None) -> int:
-    open_tasks = TaskRunFilter(state=TaskRunFilterState(type=TaskRunFilterStateType(any_=OPEN)))
-    leftovers = client.read_task_runs(task_run_filter=open_tasks, flow_run_filter=FlowRunFilter(
+    running = TaskRunFilter(state=TaskRunFilterState(type=TaskRunFilterStateType(any_=RUNNING)))
+    leftovers = client.read_task_runs(task_run_filter=running, flow_run_filter=FlowRunFilter(
         state=FlowRunFilterState(type=FlowRunFilterStateType(any_=ENDED))))
-    if restarting is not None:  # before this attempt starts a task, every open one is an earlier attempt's
-        leftovers += client.read_task_runs(task_run_filter=open_tasks, flow_run_filter=FlowRunFilter(
+    if restarting is not None:  # before this attempt starts a task, every running one is an earlier attempt's
+        leftovers += client.read_task_runs(task_run_filter=running, flow_run_filter=FlowRunFilter(
             id=FlowRunFilterId(any_=[UUID(restarting)])))
     flow_runs = {str(run.id): run for run in _flow_runs(client, {str(t.flow_run_id) for t in leftovers if t.flow_run_id})}
     marked = 0

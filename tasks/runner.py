@@ -157,7 +157,7 @@ def _settings(section: Section, identity: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def run_name(stage: str, attempt: int) -> str:
+def _run_name(stage: str, attempt: int) -> str:
     """A stage run's MLflow name: the stage, and which attempt of its flow run made it after the first."""
     return stage if attempt <= 1 else f"{stage} (attempt {attempt})"
 
@@ -210,7 +210,7 @@ def run_stage(stage: Stage | str, cfg: KilnConfig, *, store: Store | None = None
             manifest = store.manifest(stage.name, key)
             run_id = manifest["mlflow_run_id"]
             if parent_run_id:
-                run_id = tracker.start_run(run_name(stage.name, attempt), parent_id=parent_run_id,
+                run_id = tracker.start_run(_run_name(stage.name, attempt), parent_id=parent_run_id,
                                            tags={**_tags(stage, key, cfg, flow_run_id, "cached", attempt),
                                                  "kiln.source_run_id": manifest["mlflow_run_id"]})
                 tracker.end_run(run_id)
@@ -224,7 +224,7 @@ def _execute(stage: Stage, cfg: KilnConfig, store: Store, tracker: Tracker, regi
              on_event: Callable[[str, dict[str, Any]], None] | None) -> StageOutcome:
     key = keys[stage.name]
     inputs = {i: store.path(i, keys[i]) for i in stage.inputs}
-    run_id = tracker.start_run(run_name(stage.name, attempt), parent_id=parent_run_id,
+    run_id = tracker.start_run(_run_name(stage.name, attempt), parent_id=parent_run_id,
                                tags=_tags(stage, key, cfg, flow_run_id, "ran", attempt), params=_params(stage, cfg))
     for name, path in inputs.items():
         tracker.log_input(run_id, name, keys[name], path)
