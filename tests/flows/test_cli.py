@@ -41,24 +41,24 @@ def test_status_rows_are_aligned_cut_to_the_terminal_and_say_why_a_stage_failed(
     from tasks.store import Store
 
     monkeypatch.setenv("COLUMNS", "120")
-    missing_source = "collect.sources=[{name: mine, path: nowhere/docs.jsonl, format: jsonl, domain: prose}]"
-    args = ["status", "configs/tiny.yaml", f"work_dir={tmp_path}", missing_source]
-    cfg = load_config("configs/tiny.yaml", [f"work_dir={tmp_path}", missing_source])
-    with pytest.raises(InputError):
-        run_stage("collect", cfg)
+    missing_eval = "evaluate.eval_files=[nowhere/eval.jsonl]"
+    args = ["status", "configs/tiny.yaml", f"work_dir={tmp_path}", missing_eval]
+    cfg = load_config("configs/tiny.yaml", [f"work_dir={tmp_path}", missing_eval])
     store, keys = Store(cfg.store_root), stage_keys(cfg)
     headline = {f"model_{i}/kiln_heldout/bits_per_byte": 3.5 + i for i in range(20)}  # evaluate's is this long
-    for stage in ("anneal-ablation", "evaluate"):
+    for stage in ("dedup", "anneal-ablation", "evaluate"):
         store.begin(stage, keys[stage])
         store.commit(stage, keys[stage], {"stats": {"headline": headline}, "wall_s": 1.0, "cost": {}})
+    with pytest.raises(InputError):  # a data error: the eval file the config names is not there
+        run_stage("decontaminate", cfg, keys=keys)
     store.begin("sweep", keys["sweep"])  # an attempt that died without a word
     assert main(args) == 0
     rows = {line.split()[0]: line for line in capsys.readouterr().out.splitlines() if line.startswith("  ")}
     assert {len(row) - len(row.split(maxsplit=1)[1]) for row in rows.values()} == {2 + len("anneal-ablation") + 1}
     assert all(len(row) <= 120 for row in rows.values())
     assert rows["evaluate"].endswith("more") and "model_0/kiln_heldout/bits_per_byte=3.5" in rows["evaluate"]
-    assert "failed (fix it, then rerun): InputError: source 'mine': path 'nowhere/docs.jsonl'" in rows["collect"]
-    assert rows["collect"].endswith("...")  # cut to fit
+    assert "failed (fix it, then rerun): InputError: eval file nowhere/eval.jsonl does not exist" in rows["decontaminate"]
+    assert rows["decontaminate"].endswith("...")  # cut to fit
     assert rows["sweep"].split(maxsplit=2)[2].startswith("partial (an attempt crashed")
 
 
