@@ -15,6 +15,10 @@ from tasks.configbase import Section, runtime_field
 
 FFN_MULTIPLE = 32  # SwiGLU hidden width is rounded up to this, for matmul-friendly shapes
 
+Checkpointing = Literal["none", "selective", "full"]
+Precision = Literal["bf16-mixed", "fp32"]
+PipelineSchedule = Literal["gpipe", "1f1b", "interleaved-1f1b"]
+
 S = TypeVar("S", bound=Section)
 
 
@@ -24,11 +28,19 @@ def revalidated(section: S) -> S:
 
 
 class ModelConfig(Section):
-    """A decoder-only transformer's shape (Llama-style: RMSNorm, RoPE, SwiGLU)."""
+    """A decoder-only transformer's shape (Llama-style: RMSNorm, RoPE, SwiGLU, grouped-query attention).
+
+    A planned shape (d_model, n_layers, n_heads, n_kv_heads, SwiGLU width d_ff, and the vocabulary,
+    which is the tokenizer's) is `ModelConfig(d_model=..., n_layers=..., n_heads=..., n_kv_heads=...,
+    ffn_multiplier=d_ff / d_model)`: `ffn_hidden` gives d_ff back whenever it is a multiple of 32.
+    """
 
     d_model: int = Field(128, gt=0)
     n_layers: int = Field(4, gt=0)
     n_heads: int = Field(4, gt=0)
+    # grouped-query attention (Llama 2 70B, Llama 3): query heads share K/V heads in groups of
+    # n_heads // n_kv_heads; None is multi-head attention (one K/V head per query head)
+    n_kv_heads: int | None = Field(None, gt=0)
     ffn_multiplier: float = Field(8 / 3, gt=0)
     max_seq_len: int = Field(256, gt=0)
     rope_theta: float = Field(10000.0, gt=0)
@@ -43,6 +55,11 @@ class ModelConfig(Section):
                 f"model.d_model={self.d_model} is not divisible by model.n_heads={self.n_heads}: "
                 "choose n_heads that divides d_model (each head gets d_model // n_heads dims)"
             )
+        if self.n_heads % self.kv_heads:
+            raise ValueError(
+                f"model.n_kv_heads={self.n_kv_heads} does not divide model.n_heads={self.n_heads}: each K/V "
+                "head serves an equal group of query heads; choose a divisor of n_heads"
+            )
         if self.head_dim % 2:
             raise ValueError(
                 f"model.d_model // model.n_heads = {self.head_dim} is odd: RoPE rotates dimension "
@@ -50,9 +67,26 @@ class ModelConfig(Section):
             )
         return self
 
+    def identity(self) -> dict:
+        identity = super().identity()
+        if self.kv_heads == self.n_heads:
+            # the same model as before n_kv_heads existed: its keys (and checkpoints) stay valid
+            del identity["n_kv_heads"]
+        return identity
+
     @property
     def head_dim(self) -> int:
         return self.d_model // self.n_heads
+
+    @property
+    def kv_heads(self) -> int:
+        """K/V heads: n_kv_heads, or n_heads without grouped-query attention."""
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def kv_dim(self) -> int:
+        """Width of the K and V projections."""
+        return self.kv_heads * self.head_dim
 
     @property
     def ffn_hidden(self) -> int:
@@ -120,7 +154,13 @@ class TrainRunConfig(Section):
     log_every: int = runtime_field(10, gt=0)
     device: str = runtime_field("cpu")
     num_threads: int | None = runtime_field(None, gt=0)
-    activation_checkpointing: bool = runtime_field(False)  # recompute block activations in backward
+    # recompute in backward: "full" every block's activations, "selective" all but the matmul and
+    # attention outputs (torchtitan's op-level policy, `tasks.train.parallel`), "none" nothing
+    activation_checkpointing: Checkpointing = runtime_field("none")
+    # "bf16-mixed": bf16 compute on fp32 master weights and optimizer (FSDP2's MixedPrecisionPolicy
+    # with fp32 gradient reduction where FSDP shards, autocast elsewhere); "auto": bf16-mixed on
+    # CUDA, fp32 on CPU (bit-reproducible)
+    precision: Literal["auto", "bf16-mixed", "fp32"] = runtime_field("auto")
     compile: bool = runtime_field(False)  # torch.compile the model's forward
     peak_tflops: float | None = runtime_field(None, gt=0)  # the device's peak, for MFU; None: no MFU
     # a runtime setting: a clean run is bit-identical whatever it says; it only decides how a
@@ -129,12 +169,19 @@ class TrainRunConfig(Section):
 
     @model_validator(mode="after")
     def _check_compile_with_checkpointing(self) -> TrainRunConfig:
-        if self.activation_checkpointing and self.compile:
+        if self.activation_checkpointing != "none" and self.compile:
             # torch 2.13: the recomputed activations of a compiled model differ in metadata
             # ("CheckpointError: Recomputed values ... have different metadata") in the first backward.
-            raise ValueError("run.activation_checkpointing and run.compile cannot both be true yet "
-                             "(torch 2.13 fails in the first backward): turn one of them off")
+            raise ValueError(f"run.activation_checkpointing={self.activation_checkpointing!r} cannot be combined with "
+                             "run.compile yet (torch 2.13 fails in the first backward): set one of them off")
         return self
+
+    @property
+    def resolved_precision(self) -> Precision:
+        """The precision this run trains in (`precision`, with "auto" decided by the device)."""
+        if self.precision != "auto":
+            return self.precision
+        return "bf16-mixed" if self.device.startswith("cuda") else "fp32"
 
     def check_fits(self, model: ModelConfig) -> None:
         """Raise ValueError when this run's sequences are longer than the model supports."""
@@ -149,13 +196,22 @@ class ParallelDims(Section):
     """How many ways to split the layers (pp), the data (dp), each sequence (cp) and each layer (tp);
     their product is the world size. train.seq_len must be divisible by cp (checked where it is
     known: `tasks.train.parallel.check_context_split`). Activation checkpointing is not a split:
-    it is `run.activation_checkpointing`, for one process and many alike."""
+    it is `run.activation_checkpointing`, for one process and many alike.
+
+    With pp > 1, `pp_schedule` orders the micro-batches (torch.distributed.pipelining): "gpipe"
+    runs every forward before any backward (each stage holds all micro-batches' activations),
+    "1f1b" alternates once the pipeline is full (stage s holds at most pp - s), and
+    "interleaved-1f1b" gives each rank `stages_per_rank` non-adjacent slices of the layers
+    (virtual stages), cutting the bubble by that factor.
+    """
 
     pp: int = Field(1, gt=0)
     dp: int = Field(1, gt=0)
     cp: int = Field(1, gt=0)
     tp: int = Field(1, gt=0)
     dp_mode: Literal["fsdp", "ddp"] = "fsdp"
+    pp_schedule: PipelineSchedule = "1f1b"
+    stages_per_rank: int = Field(1, gt=0)  # virtual pipeline stages per rank: > 1 only for interleaved-1f1b
 
     @model_validator(mode="after")
     def _check_combinations(self) -> ParallelDims:
@@ -185,9 +241,24 @@ class ParallelDims(Section):
             )
         return self
 
+    @model_validator(mode="after")
+    def _check_schedule(self) -> ParallelDims:
+        if self.pp_schedule == "interleaved-1f1b" and self.stages_per_rank < 2:
+            raise ValueError("parallel.pp_schedule='interleaved-1f1b' needs parallel.stages_per_rank >= 2 "
+                             "(the layer slices each rank holds); with one, use '1f1b'")
+        if self.pp_schedule != "interleaved-1f1b" and self.stages_per_rank > 1:
+            raise ValueError(f"parallel.stages_per_rank={self.stages_per_rank} needs "
+                             "parallel.pp_schedule='interleaved-1f1b': gpipe and 1f1b run one stage per rank")
+        return self
+
     @property
     def world_size(self) -> int:
         return self.pp * self.dp * self.cp * self.tp
+
+    @property
+    def num_stages(self) -> int:
+        """Pipeline stages in all: pp ranks times the virtual stages each holds."""
+        return self.pp * self.stages_per_rank
 
     def check_holds_batch(self, run: TrainRunConfig) -> None:
         """ValueError saying why, when this layout cannot split `run`'s global batch evenly."""
@@ -203,3 +274,18 @@ class ParallelDims(Section):
                 f"which do not split into train.run.grad_accum={run.grad_accum} equal micro-batches: choose a "
                 f"grad_accum that divides {per_rank}"
             )
+        problem = schedule_problem(self.pp, self.pp_schedule, run.grad_accum)
+        if problem:
+            raise ValueError(problem)
+
+
+def schedule_problem(pp: int, schedule: PipelineSchedule, microbatches: int) -> str | None:
+    """Why torch's `schedule` cannot run `microbatches` (train.run.grad_accum) per step on pp ranks; None if it can."""
+    if pp > 1 and schedule == "1f1b" and microbatches < pp:
+        return (f"parallel.pp_schedule='1f1b' needs at least parallel.pp={pp} micro-batches per step, got "
+                f"train.run.grad_accum={microbatches}: raise grad_accum or use 'gpipe'")
+    rounds = max(1, microbatches // pp)
+    if pp > 1 and schedule == "interleaved-1f1b" and microbatches % rounds:
+        return (f"parallel.pp_schedule='interleaved-1f1b' runs micro-batches in rounds of pp={pp}: "
+                f"train.run.grad_accum={microbatches} is not a multiple of its {rounds} rounds; use a multiple of pp")
+    return None

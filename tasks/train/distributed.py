@@ -3,14 +3,17 @@
 `Layout.create(dims, device)` is the loop's only view of parallelism. With `dims.world_size == 1`
 it is a single process without any process group or mesh, and every method is the plain
 computation. Otherwise it joins torchrun's process group, builds the ("pp", "dp", "cp", "tp")
-mesh, and `prepare` splits the model (`tasks.train.parallel`): TP, context parallel, activation
-checkpointing, FSDP2 or DDP, or a pipeline stage driven by a GPipe schedule. Each data-parallel
-rank trains on its own rows of the step's global batch (`batch`; TP, CP and PP ranks of one dp
-group share rows, and each CP rank takes its own chunk of every sequence), so the global batch
-per step is `batch_size` rows whatever the world size — exactly the rows a single
-process uses — and a parallel run's loss curve matches the single-process one up to float
-summation order. `batch_checksum` digests each step's global batch, so runs with different layouts
-(or a resumed run) can be compared step by step.
+mesh, and `build` constructs this rank's part of the model in place (`tasks.train.parallel`):
+on the meta device, then TP, context parallel, activation checkpointing, FSDP2 or DDP, or
+pipeline stages driven by the configured torch schedule (GPipe, 1F1B or interleaved 1F1B), then
+materialised and initialised shard by shard. `run.precision` bf16-mixed is FSDP2's
+mixed-precision policy where FSDP shards, and bf16 autocast elsewhere (one process, DDP, TP or a
+pipeline without dp). Each data-parallel rank trains on its own rows of the step's global batch
+(`batch`; TP, CP and PP ranks of one dp group share rows, and each CP rank takes its own chunk
+of every sequence), so the global batch per step is `batch_size` rows whatever the world size —
+exactly the rows a single process uses — and a parallel run's loss curve matches the
+single-process one up to float summation order. `batch_checksum` digests each step's global
+batch, so runs with different layouts (or a resumed run) can be compared step by step.
 """
 
 from __future__ import annotations
@@ -18,8 +21,6 @@ from __future__ import annotations
 import hashlib
 import os
 from collections import defaultdict
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,23 +29,26 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule
-from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 from torch.distributed.tensor import DTensor
 
 from tasks.train.config import ModelConfig, OptimConfig, ParallelDims, TrainRunConfig
 from tasks.train.data_loader import Mixture, batch_for_step
-from tasks.train.model import Transformer
+from tasks.train.model import Transformer, WeightSource, fill_weights, materialize, model_from_state
 from tasks.train.parallel import (
+    TransformerStage,
     apply_activation_checkpointing,
     build_mesh,
+    build_parallel,
     check_context_split,
     check_divisible,
     context_chunk,
     dp_cp_mesh,
-    parallelize,
-    pipeline_stage,
+    init_weights,
+    uses_fsdp,
 )
+
+SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 
 CHECKSUM_MOD = 2**48  # ranks' partial sums stay below 2**63 for up to 2**15 data-parallel ranks
 
@@ -141,14 +145,6 @@ def objective(logits: torch.Tensor, targets: torch.Tensor, z_loss: float) -> tup
     return loss, loss
 
 
-@contextmanager
-def _gradient_sync(model: nn.Module, enabled: bool) -> Iterator[None]:
-    # FSDP skips the reduce-scatter on all but the last micro-batch of an accumulated step
-    if isinstance(model, FSDPModule):
-        model.set_requires_gradient_sync(enabled)
-    yield
-
-
 def _compile_blocks(model: nn.Module) -> None:
     for block in model.blocks.children():
         block.compile()
@@ -163,6 +159,8 @@ class Layout:
     mesh: DeviceMesh | None  # None: a single process, no process group
     _pipeline_ce: list[torch.Tensor] = field(default_factory=list)  # the last stage's micro-batch losses
     _n_microbatches: int = 1
+    _autocast: bool = False  # bf16 autocast around forward: bf16-mixed where FSDP does not cast
+    _stages: list[TransformerStage] = field(default_factory=list)  # the pipeline stages this rank runs
 
     @classmethod
     def create(cls, dims: ParallelDims, device: torch.device) -> Layout:
@@ -194,42 +192,56 @@ class Layout:
     def pp_mesh(self) -> DeviceMesh | None:
         return self.mesh["pp"] if self.mesh is not None else None
 
-    def prepare(self, model: Transformer, run_cfg: TrainRunConfig, z_loss: float) -> tuple[nn.Module, Any]:
-        """Split `model` over the layout (in place where possible); returns (module to train, GPipe
-        schedule or None), with `run.activation_checkpointing`. `run.compile` compiles
-        the whole model on one process, and block by block when sharded (torchtitan's choice: FSDP's
+    def build(self, model_cfg: ModelConfig, vocab_size: int, run_cfg: TrainRunConfig, z_loss: float,
+              source: WeightSource) -> tuple[nn.Module, Any]:
+        """This rank's part of the model, built on the meta device, split over the layout with
+        `run.activation_checkpointing` and `run.precision`, then materialised and initialised from
+        `source`: (the module to train, the pipeline schedule or None). `run.compile` compiles the
+        whole model on one process, and block by block when sharded (torchtitan's choice: FSDP's
         gathers and the pipeline's cuts sit at block boundaries)."""
-        check_divisible(self.dims, model)
+        check_divisible(self.dims, model_cfg)
         check_context_split(self.dims, run_cfg.seq_len)
-        dims, recompute = self.dims, run_cfg.activation_checkpointing
+        dims, precision = self.dims, run_cfg.resolved_precision
+        self._autocast = precision == "bf16-mixed" and not (self.mesh is not None and uses_fsdp(dims))
         if self.mesh is None:
-            if recompute:
-                apply_activation_checkpointing(model)
+            with torch.device("meta"):
+                model = Transformer(model_cfg, vocab_size)
+            apply_activation_checkpointing(model, run_cfg.activation_checkpointing)
+            materialize(model, self.device)
+            fill_weights(model, model_cfg, source)
             if run_cfg.compile:
                 model.compile()
             return model, None
-        if dims.pp > 1:
-            pp_mesh = self.mesh["pp"]
-            stage_module = parallelize(pipeline_stage(model, pp_mesh.get_local_rank(), dims.pp), dims, self.mesh,
-                                       recompute)
+        held, self._stages = build_parallel(model_cfg, vocab_size, dims, self.mesh, self.device, source,
+                                            run_cfg.activation_checkpointing, precision)
+        for module in self._stages or [held]:
             if run_cfg.compile:
-                _compile_blocks(stage_module)
-            stage = PipelineStage(stage_module, pp_mesh.get_local_rank(), dims.pp, self.device,
-                                  group=pp_mesh.get_group())
+                _compile_blocks(module)
+        if dims.pp == 1:
+            return held, None
+        return held, self._schedule(run_cfg.grad_accum, z_loss)
 
-            def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-                loss, total = objective(logits, targets, z_loss)
-                self._pipeline_ce.append(loss.detach())
-                return total
+    def _schedule(self, n_microbatches: int, z_loss: float) -> Any:
+        """Torch's `dims.pp_schedule` over this rank's stages (stage s of the pipeline runs on rank s mod pp)."""
+        pp_mesh = self.mesh["pp"]
+        stages = [PipelineStage(module, pp_mesh.get_local_rank() + i * self.dims.pp, self.dims.num_stages,
+                                self.device, group=pp_mesh.get_group()) for i, module in enumerate(self._stages)]
 
-            # GPipe cuts the step's rows into grad_accum micro-batches in order, as the loop does,
-            # and scales their gradients by 1 / grad_accum
-            self._n_microbatches = run_cfg.grad_accum
-            return stage_module, ScheduleGPipe(stage, n_microbatches=run_cfg.grad_accum, loss_fn=loss_fn)
-        model = parallelize(model, dims, self.mesh, recompute)
-        if run_cfg.compile:
-            _compile_blocks(model)
-        return model, None
+        def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+            loss, total = objective(logits, targets, z_loss)
+            self._pipeline_ce.append(loss.detach())
+            return total
+
+        # the schedule cuts the step's rows into grad_accum micro-batches in order, as the loop
+        # does, and scales their gradients by 1 / grad_accum
+        self._n_microbatches = n_microbatches
+        if self.dims.pp_schedule == "interleaved-1f1b":
+            return ScheduleInterleaved1F1B(stages, n_microbatches=n_microbatches, loss_fn=loss_fn)
+        return SCHEDULES[self.dims.pp_schedule](stages[0], n_microbatches=n_microbatches, loss_fn=loss_fn)
+
+    def reinitialize(self, model: nn.Module, model_cfg: ModelConfig, source: WeightSource) -> None:
+        """Refill the (already built) model's shards from `source`: a rollback to step 0."""
+        init_weights(self._stages or [model], model_cfg, source)
 
     def batch(self, mixture: Mixture, seed: int, index: int, rows: int, seq_len: int
               ) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -250,6 +262,21 @@ class Layout:
         dp group takes its own chunk of every row: the global loss is the mean over all dp x cp ranks."""
         if schedule is not None:
             return self._pipeline_step(schedule, x, y)
+        mean = self.accumulate_gradients(model, x, y, grad_accum, z_loss)
+        if self.mesh is not None:
+            # gloo has no AVG reduction: sum then divide
+            dist.all_reduce(mean, op=dist.ReduceOp.SUM, group=dp_cp_mesh(self.mesh).get_group())
+            return mean.item() / (self.dims.dp * self.dims.cp)
+        return mean.item()
+
+    def accumulate_gradients(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, grad_accum: int,
+                             z_loss: float) -> torch.Tensor:
+        """Forward and backward of this rank's rows in grad_accum micro-batches (no pipeline); this
+        rank's mean cross-entropy as a tensor (nothing waits on its value: `tasks.train.verify` runs
+        this on fake tensors).
+
+        FSDP reduce-scatters each micro-batch's gradients as its backward ends (as torchtitan does):
+        skipping the sync would keep every layer's unsharded gradient until the last micro-batch."""
         start_pos = 0
         if self.dims.cp > 1:
             x, y, start_pos = context_chunk(x, y, self.mesh["cp"].get_local_rank(), self.dims.cp)
@@ -257,31 +284,29 @@ class Layout:
         loss_sum = torch.zeros((), device=x.device)
         for m in range(grad_accum):
             rows = slice(m * local_batch, (m + 1) * local_batch)
-            with _gradient_sync(model, m == grad_accum - 1):
-                # bf16 autocast on GPU only: CPU runs stay fp32 and bit-reproducible
-                with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=x.device.type == "cuda"):
-                    logits = model(x[rows], start_pos=start_pos)
-                loss, total = objective(logits, y[rows], z_loss)
-                (total / grad_accum).backward()
+            with self._autocast_context():
+                logits = model(x[rows], start_pos=start_pos)
+            loss, total = objective(logits, y[rows], z_loss)
+            del logits  # the loss keeps what backward needs; the logits themselves would double the head's memory
+            (total / grad_accum).backward()
             loss_sum += loss.detach()
-        mean = loss_sum / grad_accum
-        if self.mesh is not None:
-            # gloo has no AVG reduction: sum then divide
-            dist.all_reduce(mean, op=dist.ReduceOp.SUM, group=dp_cp_mesh(self.mesh).get_group())
-            return mean.item() / (self.dims.dp * self.dims.cp)
-        return mean.item()
+        return loss_sum / grad_accum
 
-    def _pipeline_step(self, schedule: ScheduleGPipe, x: torch.Tensor, y: torch.Tensor) -> float:
-        """One GPipe forward/backward; the last stage's mean micro-batch loss, broadcast to every stage."""
+    def _autocast_context(self) -> Any:
+        return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self._autocast)
+
+    def _pipeline_step(self, schedule: Any, x: torch.Tensor, y: torch.Tensor) -> float:
+        """One pipelined forward/backward; the last stage's mean micro-batch loss, broadcast to every stage."""
         pp_mesh = self.mesh["pp"]
         pp_rank, last = pp_mesh.get_local_rank(), pp_mesh.size() - 1
         self._pipeline_ce.clear()
-        if pp_rank == 0:
-            schedule.step(x)
-        elif pp_rank == last:
-            schedule.step(target=y, losses=[])
-        else:
-            schedule.step()
+        with self._autocast_context():
+            if pp_rank == 0:  # the first stage is rank 0's (its others, if interleaved, take no input)
+                schedule.step(x)
+            elif pp_rank == last:
+                schedule.step(target=y, losses=[])
+            else:
+                schedule.step()
         # the first step also calls loss_fn once on placeholder data to infer shapes: only the
         # last grad_accum calls are this step's micro-batches
         n = self._n_microbatches
@@ -299,24 +324,29 @@ class Layout:
     def full_model(self, model: nn.Module, model_cfg: ModelConfig, vocab_size: int) -> Transformer | None:
         """The trained weights as one plain `Transformer` on the main rank (None elsewhere; collective).
 
-        Sharded parameters are gathered and pipeline stages merged; every rank briefly holds its
-        stage's full weights on CPU, which suits the model sizes trained in one job here.
+        Sharded parameters are gathered one at a time (every rank takes part; only the main rank
+        keeps them) and pipeline stages merged, each stage's main rank sending its stage's weights.
         """
         if self.mesh is None:
             assert isinstance(model, Transformer)
             return model
-        state = {name: (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu()
-                 for name, v in model.state_dict().items()}
+        state = {}
+        for name, value in model.state_dict().items():
+            full = value.full_tensor() if isinstance(value, DTensor) else value
+            if self.is_main or (self.dims.pp > 1 and self._is_stage_main):
+                state[name] = full.detach().cpu()
         if self.dims.pp > 1:
             parts: list[dict[str, torch.Tensor]] | None = [{} for _ in range(dist.get_world_size())] \
                 if self.is_main else None
             dist.gather_object(state, parts, dst=0)
             state = {k: v for part in parts or [] for k, v in part.items()}
-        if not self.is_main:
-            return None
-        plain = Transformer(model_cfg, vocab_size)
-        plain.load_state_dict(state)
-        return plain
+        return model_from_state(model_cfg, vocab_size, state) if self.is_main else None
+
+    @property
+    def _is_stage_main(self) -> bool:
+        """The first rank of this pipeline stage's dp x cp x tp group: the one that sends its weights."""
+        return self.mesh["dp"].get_local_rank() == 0 and self.mesh["cp"].get_local_rank() == 0 \
+            and self.mesh["tp"].get_local_rank() == 0
 
     def broadcast(self, value: Any) -> Any:
         """The main rank's `value`, on every rank."""

@@ -31,7 +31,6 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
 from tasks.errors import InputError
 from tasks.train.callbacks import Checkpointer, Hooks, MetricsLogger, ProgressBar, TrainCallback
@@ -40,7 +39,14 @@ from tasks.train.data_loader import Mixture, validation_batches
 from tasks.train.dcp import latest_intact_dcp, load_dcp, read_train_state, save_dcp
 from tasks.train.distributed import Layout, clip_grad_norm, make_optimizer
 from tasks.train.health import EVENTS_FILE, SkipWindow, data_index, lr_factor, read_events, windows_from_events
-from tasks.train.model import Transformer, build_model, count_parameters, load_model, save_model
+from tasks.train.model import (
+    WeightSource,
+    count_parameters,
+    read_model_config,
+    save_model,
+    saved_weights,
+    seeded_weights,
+)
 from tasks.train.plots import LOSS_PLOT, plot_loss_curve
 from tasks.train.rollback import HealthMonitor
 from tasks.train.schedule import lr_at
@@ -108,22 +114,19 @@ def _identity(model_cfg: ModelConfig, optim_cfg: OptimConfig, run_cfg: TrainRunC
     return json.loads(json.dumps(identity))  # as it reads back from a checkpoint
 
 
-def _initial_model(
-    model_cfg: ModelConfig, vocab_size: int, seed: int, init_model_dir: Path | None
-) -> Transformer:
-    """The step-0 weights: seeded (the same on every rank, before any sharding) or a saved model."""
+def initial_weights(model_cfg: ModelConfig, vocab_size: int, seed: int, init_model_dir: Path | None) -> WeightSource:
+    """The step-0 weights: seeded (each parameter from its own seeded generator, whatever the
+    layout) or a saved model's, read lazily so each rank takes only its shards."""
     if init_model_dir is None:
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
-            return build_model(model_cfg, vocab_size)
-    model, saved_cfg = load_model(init_model_dir)
-    if saved_cfg != model_cfg or model.vocab_size != vocab_size:
+        return seeded_weights(model_cfg, seed)
+    saved_cfg, saved_vocab = read_model_config(init_model_dir)
+    if saved_cfg != model_cfg or saved_vocab != vocab_size:
         raise ValueError(
             f"init model in {init_model_dir} has config {saved_cfg.model_dump()} and vocab_size "
-            f"{model.vocab_size}, but this run asks for {model_cfg.model_dump()} and vocab_size "
+            f"{saved_vocab}, but this run asks for {model_cfg.model_dump()} and vocab_size "
             f"{vocab_size}: use the same model section and tokenizer as the run that produced it"
         )
-    return model.train()
+    return saved_weights(init_model_dir)
 
 
 @torch.inference_mode()
@@ -262,10 +265,10 @@ class Trainer:
     run_cfg: TrainRunConfig
     mixture: Mixture
     out_dir: Path
-    init_model_dir: Path | None
+    initial: WeightSource  # the step-0 weights (a rollback to step 0 refills them)
     layout: Layout
     model: nn.Module
-    schedule: Any  # the GPipe schedule under pipeline parallelism, else None
+    schedule: Any  # the pipeline schedule under pipeline parallelism, else None
     optimizer: torch.optim.Optimizer
     hooks: Hooks
     identity: dict[str, Any]  # what a checkpoint must have been written with to be resumed from
@@ -286,13 +289,12 @@ class Trainer:
         layout = Layout.create(dims, torch.device(run_cfg.device))
         if layout.is_main:
             out_dir.mkdir(parents=True, exist_ok=True)
-        model, schedule = layout.prepare(
-            _initial_model(model_cfg, mixture.vocab_size, run_cfg.seed, init_model_dir).to(layout.device),
-            run_cfg, optim_cfg.z_loss)
+        weights = initial_weights(model_cfg, mixture.vocab_size, run_cfg.seed, init_model_dir)
+        model, schedule = layout.build(model_cfg, mixture.vocab_size, run_cfg, optim_cfg.z_loss, weights)
         optimizer = make_optimizer(model, optim_cfg, layout.device)
         # the record of earlier attempts too: their skip windows must apply to this one
         events = read_events(out_dir / EVENTS_FILE)
-        trainer = cls(model_cfg, optim_cfg, run_cfg, mixture, out_dir, init_model_dir, layout, model, schedule,
+        trainer = cls(model_cfg, optim_cfg, run_cfg, mixture, out_dir, weights, layout, model, schedule,
                       optimizer, hooks, _identity(model_cfg, optim_cfg, run_cfg, mixture.vocab_size), events,
                       windows_from_events(events), (optimizer.state_dict(), torch.get_rng_state()),
                       mixture_history=[[0, mixture_summary(mixture)]])
@@ -376,9 +378,7 @@ class Trainer:
             self.curves = {name: [tuple(p) for p in state["curves"][name]] for name in CURVES}
             self.step = state["step"]
         else:
-            initial = _initial_model(self.model_cfg, self.mixture.vocab_size, self.run_cfg.seed, self.init_model_dir)
-            set_model_state_dict(self.model, initial.state_dict(),
-                                 options=StateDictOptions(full_state_dict=True, strict=self.layout.dims.pp == 1))
+            self.layout.reinitialize(self.model, self.model_cfg, self.initial)
             self.optimizer.load_state_dict(self.fresh_state[0])
             torch.set_rng_state(self.fresh_state[1])
             state = {}

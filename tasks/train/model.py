@@ -1,14 +1,23 @@
-"""The decoder-only transformer Kiln trains, with its analytic size and cost, and model IO.
+"""The decoder-only transformer Kiln trains, its initialisation, its analytic size and cost, and model IO.
 
 Llama-style blocks: pre-RMSNorm, rotary position embeddings, causal scaled-dot-product attention
-(optionally with QK-norm) and a SwiGLU MLP. No distributed code lives here: parallelism is applied
-to the module from outside.
+with grouped-query heads (optionally with QK-norm) and a SwiGLU MLP. No distributed code lives
+here: parallelism is applied to the module from outside.
+
+Construction allocates but does not initialise (torchtitan's split): a model is built on the
+meta device, parallelised, materialised with `to_empty` and then initialised shard by shard
+(`tasks.train.parallel.init_weights`). Initialisation is layout-independent by construction:
+each parameter's full value is drawn from a generator seeded by (seed, parameter name)
+(`initial_value`), so a rank computes exactly the slice of it that it holds, and one seed gives
+the same weights on one process, under FSDP, TP or a pipeline.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -22,11 +31,11 @@ MODEL_FILE = "model.pt"
 CONFIG_FILE = "model_config.json"
 
 
-def _rope_tables(cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin tables of shape [max_seq_len, head_dim // 2]."""
+def rope_tables(cfg: ModelConfig, device: torch.device | str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables of shape [max_seq_len, head_dim // 2] (on `device`, or torch's default one)."""
     half = cfg.head_dim // 2
-    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(half, dtype=torch.float64) / half))
-    angles = torch.outer(torch.arange(cfg.max_seq_len, dtype=torch.float64), inv_freq)
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(half, dtype=torch.float64, device=device) / half))
+    angles = torch.outer(torch.arange(cfg.max_seq_len, dtype=torch.float64, device=device), inv_freq)
     return angles.cos().float(), angles.sin().float()
 
 
@@ -37,20 +46,23 @@ def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Each query attends to the keys at its own and earlier positions (q, k, v: [B, H, T, D])."""
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    """Each query attends to the keys at its own and earlier positions (q: [B, H, T, D]; k, v:
+    [B, H_kv, T, D], query head h reading K/V head h // (H / H_kv))."""
+    # the fused kernel groups the heads itself, so K and V are never repeated in memory
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
 
 
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.n_heads = cfg.n_heads
+        self.n_kv_heads = cfg.kv_heads
         self.head_dim = cfg.head_dim
         # separate projections, not one fused [q; k; v] matmul: tensor parallel then splits each
         # by heads with a plain column split, which checkpoints reshard (measured no slower on CPU)
         self.wq = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
-        self.wk = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
-        self.wv = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
+        self.wk = nn.Linear(cfg.d_model, cfg.kv_dim, bias=False)
+        self.wv = nn.Linear(cfg.d_model, cfg.kv_dim, bias=False)
         self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
         self.q_norm = nn.RMSNorm(cfg.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
         self.k_norm = nn.RMSNorm(cfg.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
@@ -60,7 +72,8 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         b, t, d = x.shape
-        q, k, v = (w(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
+        q = self.wq(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
+        k, v = (w(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2) for w in (self.wk, self.wv))
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = _apply_rope(q, cos, sin), _apply_rope(k, cos, sin)
@@ -93,7 +106,11 @@ class Block(nn.Module):
 
 
 class Transformer(nn.Module):
-    """Token ids [B, T] -> next-token logits [B, T, vocab_size]."""
+    """Token ids [B, T] -> next-token logits [B, T, vocab_size].
+
+    Built uninitialised (on the meta device, or with torch's default layer init): `build_model`
+    gives an initialised one, and parallel training initialises each shard after sharding.
+    """
 
     def __init__(self, cfg: ModelConfig, vocab_size: int) -> None:
         super().__init__()
@@ -107,21 +124,10 @@ class Transformer(nn.Module):
         self.lm_head = nn.Linear(cfg.d_model, vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.tok_emb.weight
-        cos, sin = _rope_tables(cfg)
+        cos, sin = rope_tables(cfg)
         # not persistent: derived from the config, so they stay out of checkpoints
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
-        self._init_weights()
-
-    def _init_weights(self) -> None:
-        # GPT-2 scaling: each residual branch's output projection is shrunk by 1/sqrt(2L) so the
-        # residual stream's variance does not grow with depth
-        residual_std = INIT_STD / math.sqrt(2 * self.cfg.n_layers)
-        for name, p in self.named_parameters():
-            if p.dim() < 2:
-                continue  # RMSNorm gains keep their ones
-            std = residual_std if name.endswith(("attn.proj.weight", "mlp.down.weight")) else INIT_STD
-            nn.init.normal_(p, mean=0.0, std=std)
 
     def forward(self, idx: torch.Tensor, start_pos: int = 0) -> torch.Tensor:
         """`idx` holds the tokens at positions [start_pos, start_pos + T) of their sequences.
@@ -141,15 +147,92 @@ class Transformer(nn.Module):
         return self.lm_head(self.norm(x))
 
 
-def build_model(cfg: ModelConfig, vocab_size: int) -> Transformer:
-    """A freshly initialised model (uses torch's global RNG: seed it first for reproducibility)."""
-    return Transformer(cfg, vocab_size)
+RESIDUAL_OUTPUTS = ("attn.proj.weight", "mlp.down.weight")
+
+
+def initial_value(name: str, shape: torch.Size, cfg: ModelConfig, seed: int, device: torch.device) -> torch.Tensor:
+    """The full initial value of the parameter called `name` (its name in `Transformer`), in fp32.
+
+    Matrices (embeddings included) are N(0, 0.02), with GPT-2's scaling for each residual branch's
+    output projection (std / sqrt(2 L), so the residual stream's variance does not grow with
+    depth); RMSNorm gains are ones. The draw depends on (seed, name) only: its own generator.
+    """
+    if len(shape) < 2:
+        return torch.ones(shape, device=device)
+    std = INIT_STD / math.sqrt(2 * cfg.n_layers) if name.endswith(RESIDUAL_OUTPUTS) else INIT_STD
+    generator = torch.Generator(device=device)
+    generator.manual_seed(parameter_seed(seed, name))
+    return torch.empty(shape, device=device).normal_(0.0, std, generator=generator)
+
+
+def parameter_seed(seed: int, name: str) -> int:
+    """A 63-bit generator seed for parameter `name` of a model seeded with `seed`."""
+    digest = hashlib.blake2b(f"{seed}/{name}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+def reset_rope(module: nn.Module, cfg: ModelConfig) -> None:
+    """Recompute the RoPE tables of `module` and its submodules in place (they are garbage after `to_empty`)."""
+    for sub in module.modules():
+        if isinstance(getattr(sub, "rope_cos", None), torch.Tensor):
+            cos, sin = rope_tables(cfg, sub.rope_cos.device)
+            sub.rope_cos.copy_(cos)
+            sub.rope_sin.copy_(sin)
+
+
+def materialize(module: nn.Module, device: torch.device | str) -> None:
+    """Allocate `module`'s meta parameters and buffers on `device` (values are garbage until
+    initialised), keeping a tied output head tied: plain `to_empty` gives the head and the
+    embedding separate tensors (FSDP2's keeps them one)."""
+    module.to_empty(device=device)
+    if isinstance(module, Transformer) and module.cfg.tie_embeddings:
+        module.lm_head.weight = module.tok_emb.weight
+
+
+# (a parameter's name in `Transformer`, the parameter) -> its full initial value
+WeightSource = Callable[[str, torch.Tensor], torch.Tensor]
+
+
+def seeded_weights(cfg: ModelConfig, seed: int) -> WeightSource:
+    """Fresh weights: `initial_value` of each parameter for `seed`, drawn on the parameter's device."""
+    return lambda name, param: initial_value(name, param.shape, cfg, seed, param.device)
+
+
+def saved_weights(model_dir: Path) -> WeightSource:
+    """The weights `save_model` wrote to model_dir, read lazily (memory-mapped: a rank that fills
+    only its shard of each parameter never holds the whole model)."""
+    state = torch.load(model_dir / MODEL_FILE, map_location="cpu", weights_only=True, mmap=True)
+    return lambda name, param: state[name].to(param.device)
+
+
+def fill_weights(module: nn.Module, cfg: ModelConfig, source: WeightSource,
+                 place: Callable[[torch.Tensor, torch.Tensor], object] = torch.Tensor.copy_) -> None:
+    """Give every parameter of `module` (a `Transformer` or a part of one that keeps its parameter
+    names) its value from `source`, and recompute the RoPE tables. `place(param, full_value)`
+    writes it: a plain copy here; a sharded parameter takes only its own slice
+    (`tasks.train.parallel.place_shard`)."""
+    with torch.no_grad():
+        for name, param in module.named_parameters():
+            place(param, source(name, param))
+        reset_rope(module, cfg)
+
+
+def build_model(cfg: ModelConfig, vocab_size: int, seed: int | None = None) -> Transformer:
+    """A freshly initialised model on CPU: `initial_value` of every parameter for `seed` (None: a
+    seed drawn from torch's global RNG, so seed that for reproducibility)."""
+    if seed is None:
+        seed = int(torch.randint(0, 2**62, ()).item())
+    with torch.device("meta"):
+        model = Transformer(cfg, vocab_size)
+    materialize(model, "cpu")
+    fill_weights(model, model.cfg, seeded_weights(model.cfg, seed))
+    return model
 
 
 def count_parameters(cfg: ModelConfig, vocab_size: int) -> int:
     """Trainable parameters of `build_model(cfg, vocab_size)`, computed from the config alone."""
     d = cfg.d_model
-    attn = 4 * d * d + (2 * cfg.head_dim if cfg.qk_norm else 0)
+    attn = 2 * d * d + 2 * d * cfg.kv_dim + (2 * cfg.head_dim if cfg.qk_norm else 0)
     mlp = 3 * d * cfg.ffn_hidden
     per_layer = attn + mlp + 2 * d  # + the two RMSNorm gains
     embeddings = vocab_size * d * (1 if cfg.tie_embeddings else 2)
@@ -178,11 +261,27 @@ def save_model(model: Transformer, cfg: ModelConfig, vocab_size: int, model_dir:
     (model_dir / CONFIG_FILE).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
 
 
+def read_model_config(model_dir: Path) -> tuple[ModelConfig, int]:
+    """The (config, vocab_size) that `save_model` wrote beside the weights."""
+    meta = json.loads((model_dir / CONFIG_FILE).read_text())
+    return ModelConfig.model_validate(meta["model"]), int(meta["vocab_size"])
+
+
 def load_model(model_dir: Path) -> tuple[Transformer, ModelConfig]:
     """The model saved by `save_model`, on CPU and in eval mode, with its config."""
-    meta = json.loads((model_dir / CONFIG_FILE).read_text())
-    cfg = ModelConfig.model_validate(meta["model"])
-    model = Transformer(cfg, int(meta["vocab_size"]))
+    cfg, vocab_size = read_model_config(model_dir)
     state = torch.load(model_dir / MODEL_FILE, map_location="cpu", weights_only=True)
-    model.load_state_dict(state)
-    return model.eval(), cfg
+    return model_from_state(cfg, vocab_size, state).eval(), cfg
+
+
+def model_from_state(cfg: ModelConfig, vocab_size: int, state: dict[str, torch.Tensor]) -> Transformer:
+    """A CPU `Transformer` whose parameters are the tensors of `state` (all of them, by name)."""
+    with torch.device("meta"):
+        model = Transformer(cfg, vocab_size)
+    # assign: the given tensors become the parameters (nothing is allocated twice); strict, so a
+    # missing or unexpected name is an error
+    model.load_state_dict(state, assign=True)
+    if cfg.tie_embeddings:
+        model.lm_head.weight = model.tok_emb.weight  # assign replaced the embedding the head shared
+    model.rope_cos, model.rope_sin = rope_tables(cfg, "cpu")
+    return model

@@ -1,14 +1,26 @@
 """Parallelism for the Kiln transformer, applied from outside the model in one place.
 
-`parallelize(model, dims, mesh)` follows torchtitan's order: tensor parallel (TP) inside each
-block, then activation checkpointing, then data parallel: FSDP2 (`fully_shard`, per block and
-at the root) or DDP (composable `replicate`, which keeps the module and its state-dict keys
-unchanged). The mesh is always 4-D, named ("pp", "dp", "cp", "tp"); a size-1 dimension is a no-op.
-Pipeline parallel (pp > 1) cuts the model into stages of whole blocks (`pipeline_stage`), which
-`distributed.py` runs under a GPipe schedule; `parallelize` then applies activation checkpointing
-and FSDP over each stage's dp group to the stage, as torchtitan does for pp x fsdp. It does not
-compose with tp, cp or DDP here, and it needs untied embeddings (the first and last stage would
-each hold a copy). Stages keep the model's parameter names, so checkpoints move between layouts.
+`parallelize(model, dims, mesh, ...)` follows torchtitan's order on a model built on the meta
+device: tensor parallel (TP) inside each block, context parallel, activation checkpointing, then
+data parallel: FSDP2 (`fully_shard`, per block and at the root, with a `MixedPrecisionPolicy`
+under bf16-mixed) or DDP (composable `replicate`, which keeps the module and its state-dict keys
+unchanged). The caller then allocates the parameters (`materialize`) and initialises each shard
+(`init_weights`: a rank computes only its own slice of each parameter's full value, so every
+layout starts from the same weights and no rank ever holds the whole model). The mesh is always
+4-D, named ("pp", "dp", "cp", "tp"); a size-1 dimension is a no-op.
+
+Pipeline parallel (pp > 1) cuts the model into `dims.num_stages` stages of whole blocks; rank r
+runs stages r, r + pp, ... (`pipeline_parts`: one stage, or `stages_per_rank` of them under the
+interleaved schedule), which `distributed.py` drives with the configured torch schedule.
+`parallelize` applies activation checkpointing and FSDP over each stage's dp group to each
+stage, as torchtitan does for pp x fsdp. It does not compose with tp, cp or DDP here, and it
+needs untied embeddings (the first and last stage would each hold a copy). Stages keep the
+model's parameter names, so checkpoints move between layouts.
+
+Activation checkpointing (`apply_activation_checkpointing`) recomputes in backward either whole
+blocks ("full": a block keeps only its input) or, "selective", everything but the outputs of the
+matmuls, of attention and of TP's all-reduces (torchtitan's op-level policy: the expensive or
+communicating ops are saved, the cheap elementwise ones recomputed).
 
 Context parallel (CP, Llama-3 style) splits every sequence into cp contiguous chunks: cp rank c
 holds positions [c T/cp, (c+1) T/cp) (`context_chunk`), runs the model on them with
@@ -23,7 +35,9 @@ causal mask later chunks attend to more keys, so the last cp rank does the most 
 
 TP is Megatron-style over DTensor, with attention heads split across TP ranks:
 - `attn.wq`, `attn.wk`, `attn.wv`, `mlp.gate` and `mlp.up` are column-wise (Shard(0)), so a rank
-  holds the rows of its own heads and of its slice of the SwiGLU width. The model keeps these
+  holds the rows of its own query heads, of its own K/V heads (under grouped-query attention the
+  K/V heads are split too, so tp must divide n_kv_heads: rank r's query heads read exactly rank
+  r's K/V heads) and of its slice of the SwiGLU width. The model keeps these
   projections separate rather than fused ([q; k; v] in one weight would need a strided split,
   which DCP in torch 2.13 cannot save: it sees overlapping chunks); plain Shard(0) weights save
   and reshard into any other layout.
@@ -32,10 +46,14 @@ TP is Megatron-style over DTensor, with attention heads split across TP ranks:
   own reshapes run on global shapes and DTensor keeps the head dimension sharded through them.
   CPU scaled-dot-product attention has no DTensor sharding rule in torch, so one is registered
   (heads or batch sharded, or all replicated); attention is independent per head.
-- Embeddings, norms and the (possibly tied) output head stay plain, replicated tensors.
+- Embeddings, norms and the (possibly tied) output head stay plain, replicated tensors; so do the
+  activations outside attention and the MLP (no sequence parallelism): the planner prices that.
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterable
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -44,8 +62,8 @@ from torch import nn
 from torch.distributed._composable import checkpoint
 from torch.distributed._composable.replicate import replicate
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.experimental import register_sharding
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
@@ -53,27 +71,34 @@ from torch.distributed.tensor.parallel import (
     RowwiseParallel,
     parallelize_module,
 )
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-from tasks.train.config import ParallelDims
-from tasks.train.model import Transformer
+from tasks.train.config import Checkpointing, ModelConfig, ParallelDims, Precision
+from tasks.train.model import Transformer, WeightSource, fill_weights, materialize
 
 _aten = torch.ops.aten
 
 
-def check_divisible(dims: ParallelDims, model: Transformer) -> None:
-    """ValueError naming the setting when heads or widths do not split evenly (the batch: see
-    `ParallelDims.check_holds_batch`)."""
-    cfg = model.cfg
+def check_divisible(dims: ParallelDims, cfg: ModelConfig) -> None:
+    """ValueError naming the setting when heads, widths or layers do not split evenly (the batch:
+    see `ParallelDims.check_holds_batch`)."""
     if cfg.n_heads % dims.tp:
         raise ValueError(f"model.n_heads={cfg.n_heads} is not divisible by parallel.tp={dims.tp}")
+    if cfg.kv_heads % dims.tp:
+        raise ValueError(
+            f"parallel.tp={dims.tp} does not divide the model's {cfg.kv_heads} K/V heads (model.n_kv_heads): tensor "
+            "parallel gives each rank whole K/V heads, the ones its query heads read, so a K/V head cannot be "
+            f"split across ranks; use a tp that divides {cfg.kv_heads}"
+        )
     if cfg.ffn_hidden % dims.tp:
         raise ValueError(f"SwiGLU width {cfg.ffn_hidden} is not divisible by parallel.tp={dims.tp}")
     if dims.pp > 1 and cfg.tie_embeddings:
         raise ValueError(
             "parallel.pp > 1 needs model.tie_embeddings=false: the embedding and output head sit on different stages"
         )
-    if cfg.n_layers < dims.pp:
-        raise ValueError(f"model.n_layers={cfg.n_layers} is fewer than parallel.pp={dims.pp} stages")
+    if cfg.n_layers < dims.num_stages:
+        raise ValueError(f"model.n_layers={cfg.n_layers} is fewer than the {dims.num_stages} pipeline stages "
+                         f"(parallel.pp={dims.pp} x stages_per_rank={dims.stages_per_rank})")
 
 
 def check_context_split(dims: ParallelDims, seq_len: int) -> None:
@@ -236,31 +261,67 @@ def context_chunk(
     return x[:, start : start + t], y[:, start : start + t], start
 
 
-def apply_activation_checkpointing(model: Transformer | TransformerStage) -> None:
-    """Recompute each block's activations in backward instead of keeping them."""
+# outputs that selective checkpointing keeps: matmuls, fused attention (CPU and CUDA kernels) and
+# TP's all-reduces (recomputing those would communicate again in backward)
+SAVED_OPS = frozenset({
+    _aten.mm.default,
+    _aten._scaled_dot_product_flash_attention_for_cpu.default,
+    _aten._scaled_dot_product_flash_attention.default,
+    _aten._scaled_dot_product_efficient_attention.default,
+    _aten._scaled_dot_product_cudnn_attention.default,
+    torch.ops._c10d_functional.all_reduce.default,
+})
+
+
+def _save_matmuls_and_attention(ctx, func, *args, **kwargs) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if func in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def apply_activation_checkpointing(model: nn.Module, mode: Checkpointing = "full") -> None:
+    """Recompute each block's activations in backward: all of them ("full"), all but `SAVED_OPS`'
+    outputs ("selective"), or none."""
+    if mode == "none":
+        return
+    context = {"selective": {"context_fn": partial(create_selective_checkpoint_contexts,
+                                                   _save_matmuls_and_attention)}, "full": {}}[mode]
     # children(): the blocks of a model (a ModuleList) and of a pipeline stage (a ModuleDict)
     for block in model.blocks.children():
-        checkpoint(block)
+        checkpoint(block, **context)
 
 
-def apply_fsdp(model: Transformer | TransformerStage, dp_mesh: DeviceMesh) -> None:
+def mixed_precision(precision: Precision) -> MixedPrecisionPolicy:
+    """FSDP2's policy: bf16-mixed all-gathers bf16 weights for compute and reduce-scatters fp32
+    gradients onto the fp32 master shards (the optimizer steps in fp32); fp32 is fp32 throughout."""
+    if precision == "bf16-mixed":
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    return MixedPrecisionPolicy()
+
+
+def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, precision: Precision = "fp32") -> None:
     """FSDP2: one all-gather unit per block, the rest (embeddings, final norm, head) at the root."""
+    policy = mixed_precision(precision)
     for block in model.blocks.children():
-        fully_shard(block, mesh=dp_mesh)
-    fully_shard(model, mesh=dp_mesh)
+        fully_shard(block, mesh=dp_mesh, mp_policy=policy)
+    fully_shard(model, mesh=dp_mesh, mp_policy=policy)
 
 
 def apply_ddp(model: Transformer, dp_mesh: DeviceMesh) -> None:
     replicate(model, device_mesh=dp_mesh)
 
 
-def parallelize(
-    model: Transformer | TransformerStage, dims: ParallelDims, mesh: DeviceMesh, activation_checkpointing: bool = False
-) -> Transformer | TransformerStage:
-    """Apply TP -> CP -> activation checkpointing (when asked) -> FSDP or DDP (over dp x cp) to `model`
-    in place; returns it.
+def uses_fsdp(dims: ParallelDims) -> bool:
+    """Whether `parallelize` shards with FSDP2 (else bf16-mixed runs under autocast: `distributed.py`)."""
+    return dims.dp * dims.cp > 1 and dims.dp_mode == "fsdp"
 
-    With pp > 1 `model` is this rank's `pipeline_stage` (`ParallelDims` allows only FSDP with it).
+
+def parallelize(
+    model: nn.Module, dims: ParallelDims, mesh: DeviceMesh, checkpointing: Checkpointing = "none",
+    precision: Precision = "fp32",
+) -> nn.Module:
+    """Apply TP -> CP -> activation checkpointing -> FSDP (with `precision`'s policy) or DDP (over
+    dp x cp) to `model` in place; returns it. `model` may be on the meta device.
+
+    With pp > 1 `model` is one of this rank's pipeline stages (`ParallelDims` allows only FSDP with it).
     """
     shape = (dims.pp, dims.dp, dims.cp, dims.tp)
     if mesh.mesh_dim_names != MESH_DIMS or tuple(mesh.shape) != shape:
@@ -269,26 +330,70 @@ def parallelize(
         apply_tp(model, mesh["tp"])
     if dims.cp > 1:
         apply_context_parallel(model, mesh["cp"])
-    if activation_checkpointing:
-        apply_activation_checkpointing(model)
+    apply_activation_checkpointing(model, checkpointing)
     if dims.dp * dims.cp > 1:
         # cp ranks hold the same weights but different tokens: their gradients are averaged too
         if dims.dp_mode == "fsdp":
-            apply_fsdp(model, dp_cp_mesh(mesh))
+            apply_fsdp(model, dp_cp_mesh(mesh), precision)
         else:
             apply_ddp(model, dp_cp_mesh(mesh))
     return model
 
 
+def place_shard(param: torch.Tensor, full: torch.Tensor) -> None:
+    """Write this rank's part of `full` (a parameter's whole value) into `param`: all of it for a
+    plain tensor, its own slice for a DTensor (the slice is taken locally: no communication)."""
+    if isinstance(param, DTensor):
+        local = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None).to_local()
+        param.to_local().copy_(local)
+    else:
+        param.copy_(full)
+
+
+def init_weights(modules: Iterable[nn.Module], cfg: ModelConfig, source: WeightSource) -> None:
+    """Fill the parallelised, materialised `modules` (a model, or a rank's pipeline stages) from
+    `source`, each rank only its shards: the same full weights whatever the layout."""
+    for module in modules:
+        fill_weights(module, cfg, source, place_shard)
+
+
+def build_parallel(cfg: ModelConfig, vocab_size: int, dims: ParallelDims, mesh: DeviceMesh, device: torch.device,
+                   source: WeightSource | None, checkpointing: Checkpointing = "none",
+                   precision: Precision = "fp32") -> tuple[nn.Module, list[TransformerStage]]:
+    """This rank's part of the model in the `dims` layout, built on the meta device, parallelised,
+    materialised on `device` and initialised from `source` (None: left uninitialised, for a
+    caller that loads a checkpoint or measures memory).
+
+    Returns (the module holding every parameter this rank trains, under the model's names: what
+    the optimizer steps and checkpoints save; the pipeline stages this rank runs, [] without pp).
+    """
+    check_divisible(dims, cfg)
+    with torch.device("meta"):
+        model = Transformer(cfg, vocab_size)
+    if dims.pp > 1:
+        held, stages = pipeline_parts(model, mesh["pp"].get_local_rank(), dims)
+        for stage in stages:
+            parallelize(stage, dims, mesh, checkpointing, precision)
+            materialize(stage, device)
+        if source is not None:
+            init_weights(stages, cfg, source)
+        return held, stages
+    parallelize(model, dims, mesh, checkpointing, precision)
+    materialize(model, device)
+    if source is not None:
+        init_weights([model], cfg, source)
+    return model, []
+
+
 class TransformerStage(nn.Module):
-    """The slice of a Transformer one pipeline rank runs: ids or hidden states in, hidden states or logits out.
+    """The slice of a Transformer one pipeline stage runs: ids or hidden states in, hidden states or logits out.
 
     Its parameters keep the whole model's names: blocks are keyed by their index in the model
     (stage 1 of a 4-block model holds `blocks.2` and `blocks.3`), so the stages' checkpoints hold
     disjoint keys and load into any other layout, and back.
     """
 
-    def __init__(self, model: Transformer, first: bool, last: bool, block_ids: range) -> None:
+    def __init__(self, model: Transformer, first: bool, last: bool, block_ids: Iterable[int]) -> None:
         super().__init__()
         self.tok_emb = model.tok_emb if first else None
         self.blocks = nn.ModuleDict({str(i): model.blocks[i] for i in block_ids})
@@ -310,9 +415,32 @@ class TransformerStage(nn.Module):
         return h
 
 
-def pipeline_stage(model: Transformer, pp_rank: int, pp_size: int) -> TransformerStage:
-    """Stage `pp_rank` of `pp_size`: contiguous blocks, the earlier stages taking any remainder."""
-    per_stage, extra = divmod(len(model.blocks), pp_size)
-    begin = pp_rank * per_stage + min(pp_rank, extra)
-    end = begin + per_stage + (1 if pp_rank < extra else 0)
-    return TransformerStage(model, pp_rank == 0, pp_rank == pp_size - 1, range(begin, end))
+class RankModules(nn.Module):
+    """Every module a pipeline rank holds, under the whole model's names: what its optimizer
+    steps, its checkpoints save and the final model gathers. Under the interleaved schedule a
+    rank runs several non-adjacent stages (`TransformerStage`s over these same modules); this is
+    not a stage itself and has no forward."""
+
+    def __init__(self, stages: list[TransformerStage]) -> None:
+        super().__init__()
+        self.tok_emb = next((s.tok_emb for s in stages if s.tok_emb is not None), None)
+        self.blocks = nn.ModuleDict({i: block for s in stages for i, block in s.blocks.items()})
+        self.norm = next((s.norm for s in stages if s.norm is not None), None)
+        self.lm_head = next((s.lm_head for s in stages if s.lm_head is not None), None)
+
+
+def stage_blocks(n_layers: int, num_stages: int, stage: int) -> range:
+    """The blocks of pipeline stage `stage` of `num_stages`: contiguous, the earlier stages taking any remainder."""
+    per_stage, extra = divmod(n_layers, num_stages)
+    begin = stage * per_stage + min(stage, extra)
+    return range(begin, begin + per_stage + (1 if stage < extra else 0))
+
+
+def pipeline_parts(model: Transformer, pp_rank: int, dims: ParallelDims) -> tuple[nn.Module, list[TransformerStage]]:
+    """(what pp rank `pp_rank` holds, the stages it runs): stages pp_rank, pp_rank + pp, ... of
+    `dims.num_stages` (torch's interleaved schedules place stage s on rank s mod pp)."""
+    total = dims.num_stages
+    ids = range(pp_rank, total, dims.pp)
+    stages = [TransformerStage(model, s == 0, s == total - 1, stage_blocks(len(model.blocks), total, s)) for s in ids]
+    return (stages[0] if len(stages) == 1 else RankModules(stages)), stages
+

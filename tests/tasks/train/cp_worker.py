@@ -44,9 +44,9 @@ def run_case(case: dict, model_cfg: ModelConfig, optim_cfg: OptimConfig, data: d
     mesh = build_mesh(dims, "cpu")
     model = Transformer(model_cfg, data["vocab_size"])
     model.load_state_dict(data["init"])
-    check_divisible(dims, model)
+    check_divisible(dims, model_cfg)
     check_context_split(dims, xs.shape[2])
-    parallelize(model, dims, mesh, case.get("activation_checkpointing", False))
+    parallelize(model, dims, mesh, case.get("activation_checkpointing", "none"))
     dp_rank, cp_rank = mesh["dp"].get_local_rank(), mesh["cp"].get_local_rank()
     rows = xs.shape[1] // dims.dp
     loss_mesh = dp_cp_mesh(mesh)

@@ -7,8 +7,8 @@ process group, each in its own parallel layout (`parallel`: `ParallelDims` field
 - "load": build the model from another seed, split it, and `load_latest_dcp` ROOT/<src> into it.
 Either way rank 0 then writes `full_state` (gathered weights, optimizer state and hyper-parameters
 by parameter name, all pipeline stages merged) to ROOT/<name>.pt for the test to compare.
-It drives the building blocks the training loop uses: init_distributed, build_mesh, parallelize,
-pipeline_stage, make_optimizer, save_dcp and load_latest_dcp, with torch's GPipe schedule.
+It drives the building blocks the training loop uses: init_distributed, build_mesh, build_parallel,
+make_optimizer, save_dcp and load_latest_dcp, with torch's GPipe schedule.
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ from torch.distributed.tensor import DTensor
 from tasks.train.config import ModelConfig, OptimConfig, ParallelDims
 from tasks.train.dcp import load_latest_dcp, save_dcp
 from tasks.train.distributed import init_distributed, make_optimizer
-from tasks.train.model import Transformer
-from tasks.train.parallel import build_mesh, parallelize, pipeline_stage
+from tasks.train.model import seeded_weights
+from tasks.train.parallel import build_mesh, build_parallel
 
 SEED, LOAD_SEED = 0, 99
 STEPS, BATCH, SEQ = 2, 4, 8
@@ -70,11 +70,8 @@ def _loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 def build(model_cfg: ModelConfig, vocab_size: int, dims: ParallelDims, seed: int) -> tuple[nn.Module, DeviceMesh]:
     """The model from `seed`, as this rank holds it in the `dims` layout, and the mesh."""
     mesh = build_mesh(dims, "cpu")
-    torch.manual_seed(seed)
-    model = Transformer(model_cfg, vocab_size)
-    if dims.pp > 1:
-        return parallelize(pipeline_stage(model, mesh["pp"].get_local_rank(), dims.pp), dims, mesh), mesh
-    return parallelize(model, dims, mesh), mesh
+    model, _ = build_parallel(model_cfg, vocab_size, dims, mesh, torch.device("cpu"), seeded_weights(model_cfg, seed))
+    return model, mesh
 
 
 def train(

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 from tasks.train.config import ModelConfig, OptimConfig, ParallelDims
 from tasks.train.distributed import clip_grad_norm, make_optimizer
-from tasks.train.model import Transformer, causal_attention
+from tasks.train.model import Transformer, build_model, causal_attention
 from tasks.train.parallel import check_context_split, context_chunk, offset_causal_attention
 
 REPO = Path(__file__).resolve().parents[3]
@@ -54,8 +54,7 @@ def data(tmp_path_factory) -> Path:
     """Initial weights and STEPS global batches of random tokens, saved for the workers."""
     gen = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, V, (STEPS, B, T + 1), generator=gen)
-    torch.manual_seed(0)
-    init = Transformer(MODEL, V).state_dict()
+    init = build_model(MODEL, V, seed=0).state_dict()
     path = tmp_path_factory.mktemp("cp_data") / "data.pt"
     torch.save({"init": init, "x": tokens[..., :-1], "y": tokens[..., 1:], "vocab_size": V}, path)
     return path
@@ -101,7 +100,7 @@ def _reference_runs(data: Path) -> dict:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         losses.append(loss.item())
-    train = {"loss": losses, "grad_norm": norms,
+    train = {"loss": losses, "grad_norm": norms, "init": saved["init"],
              "weights": {name: p.detach().clone() for name, p in model.named_parameters()}}
     return {"grads": grads, "train": train}
 
@@ -110,7 +109,7 @@ def torchrun(nproc: int, cases: dict[str, tuple[str, ParallelDims]], data: Path,
     spec = {
         "model": MODEL.model_dump(), "optim": OPTIM.model_dump(), "data": str(data),
         "cases": [{"name": name, "kind": kind, "parallel": dims.model_dump(),
-                   "activation_checkpointing": name.endswith("_ac")} for name, (kind, dims) in cases.items()],
+                   "activation_checkpointing": "full" if name.endswith("_ac") else "none"} for name, (kind, dims) in cases.items()],
     }
     (out / "spec.json").write_text(json.dumps(spec))
     # 2 cores shared by up to 4 ranks: one thread each, and no OpenMP spin-waiting
@@ -152,7 +151,9 @@ def assert_training_matches(result: dict, ref: dict) -> None:
     assert result["loss"] == pytest.approx(ref["loss"], rel=RTOL)
     assert result["grad_norm"] == pytest.approx(ref["grad_norm"], rel=RTOL)
     assert all(norm > OPTIM.grad_clip for norm in ref["grad_norm"])  # every step was clipped
-    assert ref["loss"][-1] < ref["loss"][0]  # it trained
+    # it trained: AdamW moved the weights by far more than the tolerance (random tokens leave the
+    # loss itself flat, within the batches' noise)
+    assert max((weight - ref["init"][name]).abs().max() for name, weight in ref["weights"].items()) > 10 * WEIGHT_ATOL
     for name, weight in ref["weights"].items():
         assert (result["weights"][name] - weight).abs().max() < WEIGHT_ATOL, name
 
@@ -215,7 +216,7 @@ def test_start_pos_continues_a_sequence_given_its_prefix_keys() -> None:
     """Positions [s, T) run alone with start_pos=s, their attention fed the keys/values the full
     forward computed for [0, s), give the full forward's logits at [s, T)."""
     torch.manual_seed(0)
-    model = Transformer(MODEL, V)
+    model = build_model(MODEL, V)
     x = torch.randint(0, V, (2, T), generator=torch.Generator().manual_seed(1))
     s = 6
     prefix: list[tuple[torch.Tensor, torch.Tensor]] = []

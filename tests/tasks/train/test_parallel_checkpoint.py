@@ -38,8 +38,8 @@ import torch
 from tasks.train.config import ModelConfig, ParallelDims
 from tasks.train.dcp import load_latest_dcp, save_dcp
 from tasks.train.distributed import make_optimizer
-from tasks.train.model import Transformer
-from tasks.train.parallel import pipeline_stage
+from tasks.train.model import Transformer, build_model
+from tasks.train.parallel import pipeline_parts
 from tests.tasks.train.parallel_ckpt_worker import LOAD_SEED, OPTIM, SEED, STEPS, full_state, train
 
 REPO = Path(__file__).resolve().parents[3]
@@ -73,8 +73,7 @@ def load(src: str, dims: ParallelDims, name: str) -> dict:
 
 
 def plain_model(seed: int) -> tuple[Transformer, torch.optim.Optimizer]:
-    torch.manual_seed(seed)
-    model = Transformer(MODEL, V)
+    model = build_model(MODEL, V, seed)
     return model, make_optimizer(model, OPTIM, torch.device("cpu"))
 
 
@@ -164,7 +163,8 @@ def test_every_layout_trains_like_one_process(root, layout) -> None:
 
 def test_pipeline_stages_keep_the_model_parameter_names() -> None:
     model, _ = plain_model(SEED)
-    names = [[name for name, _ in pipeline_stage(model, rank, 2).named_parameters()] for rank in (0, 1)]
+    names = [[name for name, _ in pipeline_parts(model, rank, ParallelDims(pp=2))[0].named_parameters()]
+             for rank in (0, 1)]
     assert names[0][0] == "tok_emb.weight" and names[1][-1] == "lm_head.weight"
     assert {n.split(".")[1] for n in names[0] + names[1] if n.startswith("blocks.")} == {"0", "1", "2"}
     assert names[1][0] == "blocks.2.attn_norm.weight"  # the last block, under its own index

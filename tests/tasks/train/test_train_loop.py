@@ -199,9 +199,10 @@ def test_mfu_from_peak_tflops(mixture, tmp_path) -> None:
     assert 0 < m["mfu"] < 1
 
 
-def test_activation_checkpointing_gives_the_same_losses(full_run, mixture, tmp_path) -> None:
-    _, full, _ = full_run
-    run = RUN.model_copy(update={"steps": 5, "activation_checkpointing": True})
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_activation_checkpointing_gives_the_same_losses(full_run, mixture, tmp_path, mode) -> None:
+    _, full, _ = full_run  # checkpointing "none"
+    run = RUN.model_copy(update={"steps": 5, "activation_checkpointing": mode})
     result = train_model(MODEL, OPTIM, run, mixture, tmp_path)
     assert [s for s, _ in result.loss_curve] == [1, 2, 3, 4, 5]
     assert [l for _, l in result.loss_curve] == pytest.approx([l for _, l in full.loss_curve[:5]], abs=1e-6)
@@ -230,7 +231,7 @@ def test_z_loss_shapes_gradients_not_the_reported_loss(full_run, mixture, tmp_pa
 
 
 def test_loop_options_are_runtime_settings() -> None:
-    options = {"activation_checkpointing": True, "compile": True, "peak_tflops": 989.0, "keep_every": 1000}
+    options = {"activation_checkpointing": "full", "compile": True, "peak_tflops": 989.0, "keep_every": 1000}
     assert RUN.model_copy(update=options).identity() == RUN.identity()
 
 
