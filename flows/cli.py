@@ -501,15 +501,22 @@ def cmd_plan(ns: argparse.Namespace) -> int:
         search = plan_parallelism(model, cfg.tokenize.vocab_size, run.seq_len, cluster, global_batch_seqs=run.batch_size,
                                   precision=ns.precision)
     else:
-        missing = [flag for flag, value in (("--model", ns.model), ("--cluster", ns.cluster), ("--seq-len", ns.seq_len),
-                                            ("--global-batch-seqs/--global-batch-tokens",
-                                             ns.global_batch_seqs or ns.global_batch_tokens)) if not value]
+        missing = [flag for flag, value in (("--model", ns.model), ("--cluster", ns.cluster)) if not value]
         if missing:
             raise KilnError(f"kiln plan needs {', '.join(missing)} (or a CONFIG to plan its train stage)")
         search = plan_presets(ns.model, ns.cluster, ns.vocab_size, ns.seq_len, ns.global_batch_seqs,
                               ns.global_batch_tokens, ns.precision)
-    print(json.dumps(search.to_dict(), indent=2) if ns.json else render_plan_report(search), end="")
-    return 0 if search.best else 1
+    verification = None
+    if ns.verify and search.best is not None:
+        from tasks.train.verify import render_verification, verify_plan
+
+        verification = verify_plan(search)
+    if ns.json:
+        record = search.to_dict() | ({"verification": verification.to_dict()} if verification else {})
+        print(json.dumps(record, indent=2))
+    else:
+        print(render_plan_report(search) + (render_verification(verification) if verification else ""), end="")
+    return 0 if search.best and (verification is None or verification.agrees) else 1
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -629,13 +636,17 @@ def build_parser() -> argparse.ArgumentParser:
                       "(with CONFIG: replaces train.model)")
     plan.add_argument("--cluster", help="a configs/clusters preset (h100-1node, ...) or a .yaml "
                       "(with CONFIG: replaces its cluster section)")
-    plan.add_argument("--seq-len", type=int)
-    plan.add_argument("--vocab-size", type=int, default=32000)
+    plan.add_argument("--seq-len", type=int, help="default: the model's max_seq_len")
+    plan.add_argument("--vocab-size", type=int, help="default: the model preset's vocab_size (32000 if it names none)")
     batch = plan.add_mutually_exclusive_group()
     batch.add_argument("--global-batch-seqs", type=int, help="sequences per optimizer step")
-    batch.add_argument("--global-batch-tokens", type=int, help="tokens per optimizer step (a multiple of --seq-len)")
+    batch.add_argument("--global-batch-tokens", type=int, help="tokens per optimizer step (a multiple of --seq-len; "
+                       "default 4194304, Llama 3's first batches)")
     plan.add_argument("--precision", choices=["bf16-mixed", "fp32"], default="bf16-mixed")
     plan.add_argument("--json", action="store_true", help="print the search summary as JSON instead of the report")
+    plan.add_argument("--verify", action="store_true", help="build the chosen layout for real on torch's fake process "
+                      "group and compare each rank's parameter, gradient and optimizer bytes and one training step's "
+                      "peak memory with the planner's; exit 1 if they disagree")
     budget = plan.add_mutually_exclusive_group()
     budget.add_argument("--budget", type=float, metavar="FLOPS", help="instead: the compute-optimal run (N, D, "
                         "shape, steps, LR, batch, predicted loss) for this many FLOPs, from CONFIG's completed fit")

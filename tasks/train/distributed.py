@@ -7,8 +7,8 @@ mesh, and `build` constructs this rank's part of the model in place (`tasks.trai
 on the meta device, then TP, context parallel, activation checkpointing, FSDP2 or DDP, or
 pipeline stages driven by the configured torch schedule (GPipe, 1F1B or interleaved 1F1B), then
 materialised and initialised shard by shard. `run.precision` bf16-mixed is FSDP2's
-mixed-precision policy where FSDP shards, and bf16 autocast elsewhere (one process, DDP, TP or a
-pipeline without dp). Each data-parallel rank trains on its own rows of the step's global batch
+mixed-precision policy (FSDP is applied for it even without data parallelism), and bf16 autocast
+where there is no FSDP (one process, DDP). Each data-parallel rank trains on its own rows of the step's global batch
 (`batch`; TP, CP and PP ranks of one dp group share rows, and each CP rank takes its own chunk
 of every sequence), so the global batch per step is `batch_size` rows whatever the world size —
 exactly the rows a single process uses — and a parallel run's loss curve matches the
@@ -116,11 +116,13 @@ def clip_grad_norm(params: list[nn.Parameter], max_norm: float, pp_mesh: DeviceM
     return total
 
 
-def make_optimizer(model: nn.Module, cfg: OptimConfig, device: torch.device) -> torch.optim.AdamW:
+def make_optimizer(model: nn.Module, cfg: OptimConfig, device: torch.device, fused: bool | None = None
+                   ) -> torch.optim.AdamW:
     """AdamW with weight decay on matmul weights only (not norms, embeddings or biases).
 
     Each group is split by tensor kind (plain, or DTensor per mesh): a fused/foreach AdamW kernel
     cannot take plain tensors and DTensors in one call, and TP leaves some parameters plain.
+    `fused` defaults to the fused kernel on CPU and CUDA (`tasks.train.verify` asks for foreach).
     """
     embedding_ids = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
     by_kind: dict[tuple[bool, object], list[torch.Tensor]] = defaultdict(list)
@@ -130,9 +132,9 @@ def make_optimizer(model: nn.Module, cfg: OptimConfig, device: torch.device) -> 
     groups = [{"params": params, "weight_decay": cfg.weight_decay if decay else 0.0}
               for (decay, _), params in sorted(by_kind.items(), key=lambda kv: not kv[0][0])]
     # the fused kernel exists for CPU and CUDA in torch >= 2.4 and is the fastest option on both
-    return torch.optim.AdamW(
-        groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, fused=device.type in ("cpu", "cuda")
-    )
+    if fused is None:
+        fused = device.type in ("cpu", "cuda")
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, fused=fused)
 
 
 def objective(logits: torch.Tensor, targets: torch.Tensor, z_loss: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -193,22 +195,23 @@ class Layout:
         return self.mesh["pp"] if self.mesh is not None else None
 
     def build(self, model_cfg: ModelConfig, vocab_size: int, run_cfg: TrainRunConfig, z_loss: float,
-              source: WeightSource) -> tuple[nn.Module, Any]:
+              source: WeightSource | None) -> tuple[nn.Module, Any]:
         """This rank's part of the model, built on the meta device, split over the layout with
         `run.activation_checkpointing` and `run.precision`, then materialised and initialised from
-        `source`: (the module to train, the pipeline schedule or None). `run.compile` compiles the
+        `source` (None: left on the meta device, see `build_parallel`): (the module to train, the
+        pipeline schedule or None). `run.compile` compiles the
         whole model on one process, and block by block when sharded (torchtitan's choice: FSDP's
         gathers and the pipeline's cuts sit at block boundaries)."""
         check_divisible(self.dims, model_cfg)
         check_context_split(self.dims, run_cfg.seq_len)
         dims, precision = self.dims, run_cfg.resolved_precision
-        self._autocast = precision == "bf16-mixed" and not (self.mesh is not None and uses_fsdp(dims))
+        self._autocast = precision == "bf16-mixed" and not (self.mesh is not None and uses_fsdp(dims, precision))
         if self.mesh is None:
-            with torch.device("meta"):
-                model = Transformer(model_cfg, vocab_size)
+            model = Transformer(model_cfg, vocab_size, "meta")
             apply_activation_checkpointing(model, run_cfg.activation_checkpointing)
-            materialize(model, self.device)
-            fill_weights(model, model_cfg, source)
+            if source is not None:
+                materialize(model, self.device)
+                fill_weights(model, model_cfg, source)
             if run_cfg.compile:
                 model.compile()
             return model, None
@@ -272,25 +275,34 @@ class Layout:
     def accumulate_gradients(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, grad_accum: int,
                              z_loss: float) -> torch.Tensor:
         """Forward and backward of this rank's rows in grad_accum micro-batches (no pipeline); this
-        rank's mean cross-entropy as a tensor (nothing waits on its value: `tasks.train.verify` runs
-        this on fake tensors).
+        rank's mean cross-entropy as a tensor.
 
         FSDP reduce-scatters each micro-batch's gradients as its backward ends (as torchtitan does):
         skipping the sync would keep every layer's unsharded gradient until the last micro-batch."""
-        start_pos = 0
-        if self.dims.cp > 1:
-            x, y, start_pos = context_chunk(x, y, self.mesh["cp"].get_local_rank(), self.dims.cp)
-        local_batch = x.shape[0] // grad_accum
         loss_sum = torch.zeros((), device=x.device)
-        for m in range(grad_accum):
-            rows = slice(m * local_batch, (m + 1) * local_batch)
-            with self._autocast_context():
-                logits = model(x[rows], start_pos=start_pos)
-            loss, total = objective(logits, y[rows], z_loss)
-            del logits  # the loss keeps what backward needs; the logits themselves would double the head's memory
+        for x_mb, y_mb, start_pos in self.microbatches(x, y, grad_accum):
+            loss, total = self.microbatch_loss(model, x_mb, y_mb, start_pos, z_loss)
             (total / grad_accum).backward()
             loss_sum += loss.detach()
         return loss_sum / grad_accum
+
+    def microbatches(self, x: torch.Tensor, y: torch.Tensor, grad_accum: int) -> list[tuple[torch.Tensor, torch.Tensor, int]]:
+        """(inputs, targets, start_pos) of each micro-batch of this rank's rows: under context
+        parallel, this cp rank's chunk of them."""
+        start_pos = 0
+        if self.dims.cp > 1:
+            x, y, start_pos = context_chunk(x, y, self.mesh["cp"].get_local_rank(), self.dims.cp)
+        rows = x.shape[0] // grad_accum
+        return [(x[m * rows:(m + 1) * rows], y[m * rows:(m + 1) * rows], start_pos) for m in range(grad_accum)]
+
+    def microbatch_loss(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, start_pos: int,
+                        z_loss: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """One micro-batch's forward: `objective`'s (cross-entropy, what to differentiate). Nothing
+        waits on a value, so `tasks.train.verify` runs it on fake tensors."""
+        with self._autocast_context():
+            logits = model(x, start_pos=start_pos)
+        # the losses keep what backward needs; the logits themselves would double the head's memory
+        return objective(logits, y, z_loss)
 
     def _autocast_context(self) -> Any:
         return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self._autocast)

@@ -26,12 +26,13 @@ from torch import nn
 
 from tasks.train.config import ModelConfig, revalidated
 
+Device = torch.device | str | None
 INIT_STD = 0.02
 MODEL_FILE = "model.pt"
 CONFIG_FILE = "model_config.json"
 
 
-def rope_tables(cfg: ModelConfig, device: torch.device | str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_tables(cfg: ModelConfig, device: Device = None) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin tables of shape [max_seq_len, head_dim // 2] (on `device`, or torch's default one)."""
     half = cfg.head_dim // 2
     inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(half, dtype=torch.float64, device=device) / half))
@@ -53,19 +54,19 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, device: Device = None) -> None:
         super().__init__()
         self.n_heads = cfg.n_heads
         self.n_kv_heads = cfg.kv_heads
         self.head_dim = cfg.head_dim
         # separate projections, not one fused [q; k; v] matmul: tensor parallel then splits each
         # by heads with a plain column split, which checkpoints reshard (measured no slower on CPU)
-        self.wq = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
-        self.wk = nn.Linear(cfg.d_model, cfg.kv_dim, bias=False)
-        self.wv = nn.Linear(cfg.d_model, cfg.kv_dim, bias=False)
-        self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
-        self.q_norm = nn.RMSNorm(cfg.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
-        self.k_norm = nn.RMSNorm(cfg.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
+        self.wq = nn.Linear(cfg.d_model, cfg.d_model, bias=False, device=device)
+        self.wk = nn.Linear(cfg.d_model, cfg.kv_dim, bias=False, device=device)
+        self.wv = nn.Linear(cfg.d_model, cfg.kv_dim, bias=False, device=device)
+        self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=False, device=device)
+        self.q_norm = nn.RMSNorm(cfg.head_dim, eps=cfg.norm_eps, device=device) if cfg.qk_norm else None
+        self.k_norm = nn.RMSNorm(cfg.head_dim, eps=cfg.norm_eps, device=device) if cfg.qk_norm else None
         # swappable so parallelism can change how attention runs (context parallel gathers
         # keys and values across ranks) without the model knowing
         self.attention = causal_attention
@@ -82,23 +83,23 @@ class Attention(nn.Module):
 
 
 class SwiGLU(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, device: Device = None) -> None:
         super().__init__()
-        self.gate = nn.Linear(cfg.d_model, cfg.ffn_hidden, bias=False)
-        self.up = nn.Linear(cfg.d_model, cfg.ffn_hidden, bias=False)
-        self.down = nn.Linear(cfg.ffn_hidden, cfg.d_model, bias=False)
+        self.gate = nn.Linear(cfg.d_model, cfg.ffn_hidden, bias=False, device=device)
+        self.up = nn.Linear(cfg.d_model, cfg.ffn_hidden, bias=False, device=device)
+        self.down = nn.Linear(cfg.ffn_hidden, cfg.d_model, bias=False, device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down(F.silu(self.gate(x)) * self.up(x))
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, device: Device = None) -> None:
         super().__init__()
-        self.attn_norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
-        self.attn = Attention(cfg)
-        self.mlp_norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
-        self.mlp = SwiGLU(cfg)
+        self.attn_norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps, device=device)
+        self.attn = Attention(cfg, device)
+        self.mlp_norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps, device=device)
+        self.mlp = SwiGLU(cfg, device)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x), cos, sin)
@@ -108,23 +109,24 @@ class Block(nn.Module):
 class Transformer(nn.Module):
     """Token ids [B, T] -> next-token logits [B, T, vocab_size].
 
-    Built uninitialised (on the meta device, or with torch's default layer init): `build_model`
-    gives an initialised one, and parallel training initialises each shard after sharding.
+    Built uninitialised (with `device="meta"`: shapes only, no memory; elsewhere torch's default
+    layer init): `build_model` gives an initialised one, and parallel training initialises each
+    shard after sharding.
     """
 
-    def __init__(self, cfg: ModelConfig, vocab_size: int) -> None:
+    def __init__(self, cfg: ModelConfig, vocab_size: int, device: Device = None) -> None:
         super().__init__()
         if vocab_size <= 0:
             raise ValueError(f"vocab_size must be positive, got {vocab_size}")
         self.cfg = cfg = revalidated(cfg)
         self.vocab_size = vocab_size
-        self.tok_emb = nn.Embedding(vocab_size, cfg.d_model)
-        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
-        self.norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
-        self.lm_head = nn.Linear(cfg.d_model, vocab_size, bias=False)
+        self.tok_emb = nn.Embedding(vocab_size, cfg.d_model, device=device)
+        self.blocks = nn.ModuleList(Block(cfg, device) for _ in range(cfg.n_layers))
+        self.norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps, device=device)
+        self.lm_head = nn.Linear(cfg.d_model, vocab_size, bias=False, device=device)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.tok_emb.weight
-        cos, sin = rope_tables(cfg)
+        cos, sin = rope_tables(cfg, device)
         # not persistent: derived from the config, so they stay out of checkpoints
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
@@ -222,8 +224,7 @@ def build_model(cfg: ModelConfig, vocab_size: int, seed: int | None = None) -> T
     seed drawn from torch's global RNG, so seed that for reproducibility)."""
     if seed is None:
         seed = int(torch.randint(0, 2**62, ()).item())
-    with torch.device("meta"):
-        model = Transformer(cfg, vocab_size)
+    model = Transformer(cfg, vocab_size, "meta")
     materialize(model, "cpu")
     fill_weights(model, model.cfg, seeded_weights(model.cfg, seed))
     return model
@@ -276,8 +277,7 @@ def load_model(model_dir: Path) -> tuple[Transformer, ModelConfig]:
 
 def model_from_state(cfg: ModelConfig, vocab_size: int, state: dict[str, torch.Tensor]) -> Transformer:
     """A CPU `Transformer` whose parameters are the tensors of `state` (all of them, by name)."""
-    with torch.device("meta"):
-        model = Transformer(cfg, vocab_size)
+    model = Transformer(cfg, vocab_size, "meta")
     # assign: the given tensors become the parameters (nothing is allocated twice); strict, so a
     # missing or unexpected name is an error
     model.load_state_dict(state, assign=True)

@@ -3,8 +3,8 @@
 `parallelize(model, dims, mesh, ...)` follows torchtitan's order on a model built on the meta
 device: tensor parallel (TP) inside each block, context parallel, activation checkpointing, then
 data parallel: FSDP2 (`fully_shard`, per block and at the root, with a `MixedPrecisionPolicy`
-under bf16-mixed) or DDP (composable `replicate`, which keeps the module and its state-dict keys
-unchanged). The caller then allocates the parameters (`materialize`) and initialises each shard
+under bf16-mixed, which is why bf16-mixed applies it even with one dp rank) or DDP (composable
+`replicate`, which keeps the module and its state-dict keys unchanged). The caller then allocates the parameters (`materialize`) and initialises each shard
 (`init_weights`: a rank computes only its own slice of each parameter's full value, so every
 layout starts from the same weights and no rank ever holds the whole model). The mesh is always
 4-D, named ("pp", "dp", "cp", "tp"); a size-1 dimension is a no-op.
@@ -214,10 +214,10 @@ def offset_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s
     """Causal attention for queries at positions [start, start + t) over keys at [0, k's length).
 
     The query at position p sees the keys at 0..p; with start = 0 and equal lengths this is
-    `causal_attention`.
+    `causal_attention` (grouped-query heads included).
     """
     mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril(diagonal=start)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=k.shape[1] != q.shape[1])
 
 
 class ContextParallelAttention:
@@ -289,29 +289,36 @@ def apply_activation_checkpointing(model: nn.Module, mode: Checkpointing = "full
         checkpoint(block, **context)
 
 
-def mixed_precision(precision: Precision) -> MixedPrecisionPolicy:
+def mixed_precision(precision: Precision, cast_forward_inputs: bool = True) -> MixedPrecisionPolicy:
     """FSDP2's policy: bf16-mixed all-gathers bf16 weights for compute and reduce-scatters fp32
     gradients onto the fp32 master shards (the optimizer steps in fp32); fp32 is fp32 throughout."""
     if precision == "bf16-mixed":
-        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
+                                    cast_forward_inputs=cast_forward_inputs)
     return MixedPrecisionPolicy()
 
 
 def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, precision: Precision = "fp32") -> None:
-    """FSDP2: one all-gather unit per block, the rest (embeddings, final norm, head) at the root."""
-    policy = mixed_precision(precision)
+    """FSDP2: one all-gather unit per block, the rest (embeddings, final norm, head) at the root.
+
+    Blocks do not cast their inputs: the hidden states arrive in bf16 from the bf16 embedding,
+    and the RoPE tables stay fp32 (each rotation is computed in fp32, then cast). Casting would
+    also break selective recomputation: FSDP's pre-forward hook runs before the checkpoint's in
+    forward but inside its recompute, where the cast's profiler op is missing from SAC's cache."""
     for block in model.blocks.children():
-        fully_shard(block, mesh=dp_mesh, mp_policy=policy)
-    fully_shard(model, mesh=dp_mesh, mp_policy=policy)
+        fully_shard(block, mesh=dp_mesh, mp_policy=mixed_precision(precision, cast_forward_inputs=False))
+    fully_shard(model, mesh=dp_mesh, mp_policy=mixed_precision(precision))
 
 
 def apply_ddp(model: Transformer, dp_mesh: DeviceMesh) -> None:
     replicate(model, device_mesh=dp_mesh)
 
 
-def uses_fsdp(dims: ParallelDims) -> bool:
-    """Whether `parallelize` shards with FSDP2 (else bf16-mixed runs under autocast: `distributed.py`)."""
-    return dims.dp * dims.cp > 1 and dims.dp_mode == "fsdp"
+def uses_fsdp(dims: ParallelDims, precision: Precision) -> bool:
+    """Whether `parallelize` applies FSDP2: to shard over dp x cp, and under bf16-mixed also over a
+    single dp rank, for its mixed-precision policy (bf16 compute copies of the fp32 weights, fp32
+    gradients). Elsewhere bf16-mixed is autocast: one process, or DDP (`distributed.py`)."""
+    return dims.dp_mode == "fsdp" and (dims.dp * dims.cp > 1 or precision == "bf16-mixed")
 
 
 def parallelize(
@@ -331,12 +338,11 @@ def parallelize(
     if dims.cp > 1:
         apply_context_parallel(model, mesh["cp"])
     apply_activation_checkpointing(model, checkpointing)
-    if dims.dp * dims.cp > 1:
-        # cp ranks hold the same weights but different tokens: their gradients are averaged too
-        if dims.dp_mode == "fsdp":
-            apply_fsdp(model, dp_cp_mesh(mesh), precision)
-        else:
-            apply_ddp(model, dp_cp_mesh(mesh))
+    # cp ranks hold the same weights but different tokens: their gradients are averaged too
+    if uses_fsdp(dims, precision):
+        apply_fsdp(model, dp_cp_mesh(mesh), precision)
+    elif dims.dp * dims.cp > 1:
+        apply_ddp(model, dp_cp_mesh(mesh))
     return model
 
 
@@ -361,28 +367,22 @@ def build_parallel(cfg: ModelConfig, vocab_size: int, dims: ParallelDims, mesh: 
                    source: WeightSource | None, checkpointing: Checkpointing = "none",
                    precision: Precision = "fp32") -> tuple[nn.Module, list[TransformerStage]]:
     """This rank's part of the model in the `dims` layout, built on the meta device, parallelised,
-    materialised on `device` and initialised from `source` (None: left uninitialised, for a
-    caller that loads a checkpoint or measures memory).
+    materialised on `device` and initialised from `source`; with `source=None` it stays on the
+    meta device for the caller to materialise (`tasks.train.verify` does, on fake tensors).
 
     Returns (the module holding every parameter this rank trains, under the model's names: what
     the optimizer steps and checkpoints save; the pipeline stages this rank runs, [] without pp).
     """
     check_divisible(dims, cfg)
-    with torch.device("meta"):
-        model = Transformer(cfg, vocab_size)
-    if dims.pp > 1:
-        held, stages = pipeline_parts(model, mesh["pp"].get_local_rank(), dims)
-        for stage in stages:
-            parallelize(stage, dims, mesh, checkpointing, precision)
-            materialize(stage, device)
+    model = Transformer(cfg, vocab_size, "meta")
+    held, stages = pipeline_parts(model, mesh["pp"].get_local_rank(), dims) if dims.pp > 1 else (model, [model])
+    for module in stages:
+        parallelize(module, dims, mesh, checkpointing, precision)
         if source is not None:
-            init_weights(stages, cfg, source)
-        return held, stages
-    parallelize(model, dims, mesh, checkpointing, precision)
-    materialize(model, device)
+            materialize(module, device)
     if source is not None:
-        init_weights([model], cfg, source)
-    return model, []
+        init_weights(stages, cfg, source)
+    return held, stages if dims.pp > 1 else []
 
 
 class TransformerStage(nn.Module):

@@ -1,17 +1,23 @@
-"""The parallelism planner: pick dp x tp x pp x cp, micro-batch and activation checkpointing for a run.
+"""The parallelism planner: pick dp x tp x pp x cp, pipeline schedule, micro-batch and activation
+checkpointing for a run.
 
 Given a model shape, a global batch and a cluster (`ClusterSpec`, owned by `tasks.launch.cluster`),
-every legal `CandidateLayout` is scored by an analytic memory model (per device, worst pipeline
-stage) and a step-time model (compute at an assumed MFU plus the communication each parallelism
-adds); layouts that do not fit are rejected with the reason, the rest are ranked by step time, and
-`render_plan_report` explains the choice.
+every legal `CandidateLayout` is scored by a memory model of Kiln's own trainer
+(`tasks.train.plan_memory`: per device, worst pipeline rank, checked against torch's memory
+tracking by `tasks.train.verify` and `kiln plan --verify`) and a step-time model (compute at an
+assumed MFU plus the communication each parallelism adds); layouts that do not fit are rejected
+with the reason, the rest are ranked by step time, and `render_plan_report` explains the choice.
 
-Conventions the formulas assume (those of torchtitan): FSDP2 / ZeRO-3 shards the fp32 master
-weights, fp32 gradients and both Adam moments (16 bytes per parameter) over the dp x cp ranks and
-all-gathers one layer at a time in the compute dtype; tensor parallelism uses sequence parallelism,
-so every activation is split tp ways; context parallelism splits the sequence cp ways and passes
-K/V around a ring; pipelines run 1F1B, so the first stage holds `min(pp, micro-batches)`
-micro-batches in flight. The rank mesh is [pp, dp, cp, tp] with tp innermost, which decides
+What the step-time model assumes is what the trainer does (`tasks.train.parallel`): FSDP2 shards
+the fp32 master weights, gradients and AdamW moments over dp x cp, all-gathers each block in the
+compute dtype for forward and again for backward and reduce-scatters its fp32 gradients, every
+micro-batch; a pipeline stage instead stays unsharded for the whole step (torch's PipelineStage),
+so it gathers and reduces once. Tensor parallelism splits heads and the SwiGLU width and
+all-reduces the block's two outputs (no sequence parallelism); context parallelism all-gathers
+each chunk's K/V. Pipelines run torch's GPipe, 1F1B or interleaved 1F1B, whose bubble is
+(pp - 1) / (micro-batches x stages per rank) of the compute. Selective recomputation keeps every
+matmul and attention output, so it recomputes no FLOPs (only elementwise ops, which the FLOP
+model does not price). The rank mesh is [pp, dp, cp, tp] with tp innermost, which decides
 whether a group talks over the intra-node or the inter-node link.
 """
 
@@ -27,18 +33,30 @@ from pydantic import ValidationError
 from tasks.configbase import Section, read_yaml
 from tasks.errors import ConfigError
 from tasks.launch.cluster import ClusterSpec
-from tasks.train.config import ModelConfig, ParallelDims, TrainRunConfig
+from tasks.train.config import (
+    Checkpointing,
+    ModelConfig,
+    ParallelDims,
+    PipelineSchedule,
+    Precision,
+    TrainRunConfig,
+    schedule_problem,
+)
 from tasks.train.model import count_parameters, flops_per_token
-
-Checkpointing = Literal["none", "selective", "full"]
-Precision = Literal["bf16-mixed", "fp32"]
+from tasks.train.plan_memory import (
+    CandidateLayout,
+    MemoryEstimate,
+    estimate_memory,
+    rank_tensors,
+    stage_layers,
+)
 
 CHECKPOINTING: tuple[Checkpointing, ...] = ("none", "selective", "full")
+# (schedule, stages per rank) a pipeline is tried with; interleaving gives each rank 2 layer slices
+SCHEDULES: tuple[tuple[PipelineSchedule, int], ...] = (("1f1b", 1), ("interleaved-1f1b", 2), ("gpipe", 1))
 GIB = 2**30
 STATE_BYTES_PER_PARAM = 16  # fp32 weights (the master copy) + fp32 grads + Adam m and v
 ACT_BYTES = {"bf16-mixed": 2, "fp32": 4}
-STAT_BYTES = 4  # RMSNorm's 1/rms and attention's log-sum-exp stay fp32 under autocast
-TOKEN_ID_BYTES = 8  # int64 ids, kept by the embedding and the loss
 MAX_MICRO_BATCH = 64
 RANK_RESOLUTION = 0.01  # step times closer than this are a tie: the model is not that precise
 SHOWN_SHAPES = 10
@@ -49,25 +67,41 @@ PRESETS_DIR = Path(__file__).resolve().parents[2] / "configs"
 PRESET_FOLDERS = {"ModelConfig": "models", "ClusterSpec": "clusters"}
 
 
-def load_preset(name_or_path: str, cls: type[S]) -> S:
-    """A preset by name (`7b` -> configs/models/7b.yaml, `h100-1node` -> configs/clusters/...) or by path."""
+PRESET_VOCAB = "vocab_size"  # a model preset may name its tokenizer's size: not a ModelConfig field
+DEFAULT_VOCAB = 32000  # `kiln plan`'s vocabulary for a model file that names none
+DEFAULT_BATCH_TOKENS = 4 * 2**20  # `kiln plan`'s global batch unless given: Llama 3's first 4M-token batches
+
+
+def preset_path(name_or_path: str, cls: type[Section]) -> Path:
+    """The file of a preset named `name_or_path` (`7b` -> configs/models/7b.yaml, `h100-1node` ->
+    configs/clusters/h100-1node.yaml), or the path itself."""
     path = Path(name_or_path)
-    if path.suffix not in (".yaml", ".yml"):
-        folder = PRESETS_DIR / PRESET_FOLDERS[cls.__name__]
-        path = folder / f"{name_or_path}.yaml"
-        if not path.is_file():
-            known = ", ".join(sorted(p.stem for p in folder.glob("*.yaml")))
-            raise ConfigError(f"no {cls.__name__} preset named {name_or_path!r}: use one of {known}, or a .yaml path")
-    return load_section_file(path, cls)
+    if path.suffix in (".yaml", ".yml"):
+        return path
+    folder = PRESETS_DIR / PRESET_FOLDERS[cls.__name__]
+    path = folder / f"{name_or_path}.yaml"
+    if not path.is_file():
+        known = ", ".join(sorted(p.stem for p in folder.glob("*.yaml")))
+        raise ConfigError(f"no {cls.__name__} preset named {name_or_path!r}: use one of {known}, or a .yaml path")
+    return path
+
+
+def load_preset(name_or_path: str, cls: type[S]) -> S:
+    """A preset by name or by path (see `preset_path`)."""
+    return load_section_file(preset_path(name_or_path, cls), cls)
+
+
+def preset_vocab_size(name_or_path: str) -> int:
+    """The vocabulary a model preset was published with (its `vocab_size`), or DEFAULT_VOCAB."""
+    return int(_read_mapping(preset_path(name_or_path, ModelConfig), ModelConfig).get(PRESET_VOCAB, DEFAULT_VOCAB))
 
 
 def load_section_file(path: Path, cls: type[S]) -> S:
-    """A `cls` read from a YAML mapping (a `configs/models/*.yaml` or `configs/clusters/*.yaml`)."""
-    if not path.is_file():
-        raise ConfigError(f"{path} does not exist (presets live in configs/models/ and configs/clusters/)")
-    data = read_yaml(path) or {}
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path}: expected a mapping of {cls.__name__} fields, got {type(data).__name__}")
+    """A `cls` read from a YAML mapping (a `configs/models/*.yaml` or `configs/clusters/*.yaml`;
+    a model file may also give the `vocab_size` its shape was published with)."""
+    data = _read_mapping(path, cls)
+    if cls is ModelConfig:
+        data.pop(PRESET_VOCAB, None)
     try:
         return cls.model_validate(data)
     except ValidationError as error:
@@ -75,154 +109,13 @@ def load_section_file(path: Path, cls: type[S]) -> S:
         raise ConfigError(f"{path}: invalid {cls.__name__}: {problems}") from None
 
 
-# ----------------------------------------------------------------------------------------------
-# Memory model
-
-
-def layer_parameters(cfg: ModelConfig) -> int:
-    """Parameters of one transformer block (attention, SwiGLU, two RMSNorm gains)."""
-    return (count_parameters(cfg, 1) - cfg.d_model * (1 if cfg.tie_embeddings else 2) - cfg.d_model) // cfg.n_layers
-
-
-def stage_parameters(cfg: ModelConfig, vocab_size: int, tp: int = 1, pp: int = 1) -> int:
-    """Parameters held by one tp rank of the largest pipeline stage.
-
-    With pp > 1 the first stage holds the embedding and the last the output head (each its own copy
-    when tied); both are V x d, so either is the largest.
-    """
-    if pp == 1:
-        held = count_parameters(cfg, vocab_size)
-    else:
-        held = cfg.n_layers // pp * layer_parameters(cfg) + vocab_size * cfg.d_model + cfg.d_model
-    return -(-held // tp)
-
-
-def model_state_bytes(cfg: ModelConfig, vocab_size: int, shard: int = 1, tp: int = 1, pp: int = 1) -> int:
-    """fp32 weights, grads and Adam moments per device, sharded over `shard` (dp x cp) ranks."""
-    return STATE_BYTES_PER_PARAM * -(-stage_parameters(cfg, vocab_size, tp, pp) // shard)
-
-
-def gathered_param_bytes(cfg: ModelConfig, shard: int = 1, tp: int = 1, precision: Precision = "bf16-mixed") -> int:
-    """FSDP's unsharded working set: the layer computing, the one prefetched, and one layer's grads.
-
-    A pure-fp32 run on one rank computes on its master weights directly, so it needs none.
-    """
-    if precision == "fp32" and shard == 1:
-        return 0
-    return 3 * ACT_BYTES[precision] * -(-layer_parameters(cfg) // tp)
-
-
-def activation_bytes_per_layer(
-    cfg: ModelConfig,
-    micro_batch: int,
-    seq_len: int,
-    tp: int = 1,
-    cp: int = 1,
-    checkpointing: Checkpointing = "none",
-    precision: Precision = "bf16-mixed",
-) -> int:
-    """Bytes one block keeps for backward for one micro-batch (Korthikanti et al. 2022 accounting).
-
-    Korthikanti's method (count every tensor autograd saves) applied to Kiln's block rather than
-    GPT-3's, per token, with d = d_model, f = SwiGLU hidden, h = heads, a = activation bytes:
-      none: a(11d + 4f) + 4(2 + h): block input, normed x and its product with the gain, rotated q
-            and k, v, attention output and its re-laid-out copy, the residual, the second norm's two,
-            gate and up outputs (2f), silu(gate) (f), silu*up (f), plus two fp32 1/rms and the fp32
-            log-sum-exp per head (RoPE multiplies by constant tables, so the unrotated q and k are not
-            kept). Fused attention keeps no T x T scores, so Korthikanti's 5as/h term is absent.
-      selective: the attention core (RoPE + attention) is recomputed: it keeps the unrotated q and
-            k instead of the rotated ones and drops the attention output and log-sum-exp: a(10d + 4f) + 8.
-      full: only the block input, a d; the block is recomputed in backward.
-    Sequence parallelism splits all of it tp ways, context parallelism splits tokens cp ways, but
-    Kiln's all-gather context parallel also keeps the other cp - 1 chunks' keys and values (2d per
-    token of theirs) for backward, unless the block is recomputed.
-    """
-    d, f, h, a = cfg.d_model, cfg.ffn_hidden, cfg.n_heads, ACT_BYTES[precision]
-    per_token = {
-        "none": a * (11 * d + 4 * f) + STAT_BYTES * (2 + h),
-        "selective": a * (10 * d + 4 * f) + STAT_BYTES * 2,
-        "full": a * d,
-    }[checkpointing]
-    tokens = micro_batch * seq_len // cp
-    gathered_kv = a * 2 * d * (micro_batch * seq_len - tokens) if checkpointing != "full" else 0
-    return -(-(tokens * per_token + gathered_kv) // tp)
-
-
-def head_activation_bytes(
-    cfg: ModelConfig, vocab_size: int, micro_batch: int, seq_len: int, tp: int = 1, cp: int = 1,
-    precision: Precision = "bf16-mixed",
-) -> int:
-    """Bytes kept outside the blocks: final norm (3 d-vectors and 1/rms), fp32 log-softmax, token ids."""
-    a = ACT_BYTES[precision]
-    tokens = micro_batch * seq_len // cp
-    return tokens * (-(-(a * 3 * cfg.d_model + 4 * vocab_size) // tp) + STAT_BYTES + TOKEN_ID_BYTES)
-
-
-@dataclass(frozen=True)
-class CandidateLayout:
-    """One point of the planner's search space: a parallel shape, a micro-batch and a recompute choice.
-
-    Not `tasks.train.distributed.Layout`, the running process's place in a live mesh: this is a
-    description to score, and `ParallelDims` plus `run.batch_size` / `run.activation_checkpointing`
-    are what a chosen one becomes in the config.
-    """
-
-    dp: int
-    tp: int
-    pp: int
-    cp: int
-    micro_batch: int  # sequences per forward pass per dp rank
-    checkpointing: Checkpointing
-
-    @property
-    def world_size(self) -> int:
-        return self.dp * self.tp * self.pp * self.cp
-
-    @property
-    def shard(self) -> int:
-        """FSDP shards over dp and cp together: cp ranks hold the same weights."""
-        return self.dp * self.cp
-
-    def describe(self) -> str:
-        return (f"dp={self.dp} tp={self.tp} pp={self.pp} cp={self.cp} micro-batch={self.micro_batch} "
-                f"checkpointing={self.checkpointing}")
-
-
-@dataclass(frozen=True)
-class MemoryEstimate:
-    """Bytes per device on the worst pipeline stage."""
-
-    model_states: int
-    gathered_params: int
-    activations: int  # blocks, times the micro-batches in flight, plus the recompute working set
-    head_activations: int
-    reserved: int
-
-    @property
-    def total(self) -> int:
-        return self.model_states + self.gathered_params + self.activations + self.head_activations + self.reserved
-
-
-def estimate_memory(
-    cfg: ModelConfig, vocab_size: int, seq_len: int, layout: CandidateLayout, num_microbatches: int,
-    cluster: ClusterSpec, precision: Precision = "bf16-mixed",
-) -> MemoryEstimate:
-    """Peak bytes per device for `layout` on the worst pipeline stage."""
-    lo = layout
-    layers = cfg.n_layers // lo.pp
-    in_flight = min(lo.pp, num_microbatches)
-    per_layer = activation_bytes_per_layer(cfg, lo.micro_batch, seq_len, lo.tp, lo.cp, lo.checkpointing, precision)
-    blocks = in_flight * layers * per_layer
-    if lo.checkpointing != "none":
-        # backward re-runs one block at a time, holding its full activations while it does
-        blocks += activation_bytes_per_layer(cfg, lo.micro_batch, seq_len, lo.tp, lo.cp, "none", precision)
-    return MemoryEstimate(
-        model_states=model_state_bytes(cfg, vocab_size, lo.shard, lo.tp, lo.pp),
-        gathered_params=gathered_param_bytes(cfg, lo.shard, lo.tp, precision),
-        activations=blocks,
-        head_activations=head_activation_bytes(cfg, vocab_size, lo.micro_batch, seq_len, lo.tp, lo.cp, precision),
-        reserved=int(cluster.reserved_gb * GIB),
-    )
+def _read_mapping(path: Path, cls: type[Section]) -> dict[str, Any]:
+    if not path.is_file():
+        raise ConfigError(f"{path} does not exist (presets live in configs/models/ and configs/clusters/)")
+    data = read_yaml(path) or {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping of {cls.__name__} fields, got {type(data).__name__}")
+    return data
 
 
 # ----------------------------------------------------------------------------------------------
@@ -279,32 +172,36 @@ def estimate_step_time(
 
     tokens = global_batch_seqs * seq_len
     rate = lo.world_size * cluster.peak_tflops * 1e12 * cluster.mfu
-    compute = flops_per_token(cfg, vocab_size, seq_len) * tokens / rate
+    # a pipeline runs at the pace of its largest stage (stages differ by a block when pp does not divide the layers)
+    imbalance = max(sum(stage_layers(cfg, lo, r)) for r in range(lo.pp)) * lo.pp / cfg.n_layers
+    compute = flops_per_token(cfg, vocab_size, seq_len) * tokens / rate * (imbalance if lo.pp > 1 else 1.0)
     attention_forward = 4 * cfg.n_layers * cfg.d_model * seq_len  # per token: QK^T and AV
     matmul_forward = (flops_per_token(cfg, vocab_size, seq_len) - 3 * attention_forward) / 3
-    recompute_per_token = {"none": 0, "selective": attention_forward,
-                           "full": matmul_forward + attention_forward}[lo.checkpointing]
+    recompute_per_token = {"none": 0, "selective": 0, "full": matmul_forward + attention_forward}[lo.checkpointing]
     recompute = recompute_per_token * tokens / rate
-    attention = (3 * attention_forward + (attention_forward if lo.checkpointing != "none" else 0)) * tokens / rate
+    attention = (3 * attention_forward + (attention_forward if lo.checkpointing == "full" else 0)) * tokens / rate
     m = global_batch_seqs // (lo.dp * lo.micro_batch)
-    bubble = (compute + recompute) * (lo.pp - 1) / m
+    bubble = (compute + recompute) * (lo.pp - 1) / (m * lo.stages_per_rank)
 
-    layers = cfg.n_layers // lo.pp
+    layers = max(sum(stage_layers(cfg, lo, r)) for r in range(lo.pp))
     local_tokens = lo.micro_batch * seq_len // lo.cp
-    # sequence-parallel TP: 2 all-gathers + 2 reduce-scatters forward, as many backward (and once
-    # more forward when the block is recomputed); each moves the full [tokens, d] activation
+    # TP without sequence parallelism: the attention and MLP outputs are all-reduced forward, their
+    # inputs' gradients backward (4 all-reduces = 8 ring passes of the [tokens, d] activation),
+    # and again forward when the whole block is recomputed (selective keeps the all-reduces)
     tp_collectives = 8 + (4 if lo.checkpointing == "full" else 0)
     tp_comm = m * layers * tp_collectives * _ring(lo.tp, local_tokens * cfg.d_model * a, intra)
-    # one activation forward and one gradient backward across each stage boundary, per micro-batch
-    pp_bytes = local_tokens * cfg.d_model // lo.tp * a
-    pp_comm = 2 * m * pp_bytes / link(lo.world_size) if lo.pp > 1 else 0.0
-    # FSDP: all-gather weights for forward and backward, reduce-scatter fp32 grads, per micro-batch
-    stage_params = stage_parameters(cfg, vocab_size, lo.tp, lo.pp)
+    # one activation forward and one gradient backward across each stage boundary, per micro-batch and virtual stage
+    pp_bytes = local_tokens * cfg.d_model * a
+    pp_comm = 2 * m * lo.stages_per_rank * pp_bytes / link(lo.world_size) if lo.pp > 1 else 0.0
+    # FSDP: all-gather weights for forward and backward and reduce-scatter fp32 grads, per
+    # micro-batch; a pipeline stage gathers and reduces once per step (it stays unsharded)
+    held = max(sum(rows * cols for rows, cols in rank_tensors(cfg, vocab_size, lo, r)) for r in {0, lo.pp - 1})
     fsdp_link = link(lo.tp * lo.cp * lo.dp)
-    fsdp_comm = m * (2 * _ring(lo.shard, stage_params * a, fsdp_link) + _ring(lo.shard, stage_params * 4, fsdp_link))
+    rounds = m if lo.pp == 1 else 1
+    fsdp_comm = rounds * (2 * _ring(lo.shard, held * a, fsdp_link) + _ring(lo.shard, held * 4, fsdp_link))
     # all-gather context parallel: each rank receives the other cp-1 chunks' K and V in forward
-    # and sends their gradients back (reduce-scatter) in backward; the gathered K, V are kept
-    kv_bytes = 2 * local_tokens * cfg.d_model // lo.tp * a
+    # and sends their gradients back (reduce-scatter) in backward
+    kv_bytes = 2 * local_tokens * cfg.kv_dim // lo.tp * a
     cp_comm = m * layers * 2 * (lo.cp - 1) * kv_bytes / link(lo.tp * lo.cp) if lo.cp > 1 else 0.0
     return StepTime(compute, attention, recompute, bubble, tp_comm, pp_comm, fsdp_comm, cp_comm)
 
@@ -330,6 +227,12 @@ class Plan:
     @property
     def tokens_per_s(self) -> float:
         return self.tokens_per_step / self.time.total
+
+    def layout_dims(self) -> ParallelDims:
+        """The plan's layout as the trainer's config takes it (`train.parallel`)."""
+        lo = self.layout
+        return ParallelDims(pp=lo.pp, dp=lo.dp, cp=lo.cp, tp=lo.tp, pp_schedule=lo.schedule,
+                            stages_per_rank=lo.stages_per_rank)
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
@@ -399,33 +302,40 @@ def global_batch_in_sequences(seq_len: int, global_batch_seqs: int | None, globa
 def legal_layouts(cfg: ModelConfig, seq_len: int, global_batch_seqs: int, cluster: ClusterSpec) -> list[CandidateLayout]:
     """Every layout meeting the structural constraints that Kiln's trainer can run (memory is judged later).
 
-    tp divides the heads and stays inside a node; pp divides the layers; cp splits the sequence
-    into cp equal chunks; dp x tp x pp x cp is the world size; the global batch splits evenly into
-    dp x micro-batch; and `ParallelDims` accepts the combination (pipeline parallel composes with
-    FSDP but not with tp or cp).
+    tp divides the query and the K/V heads and stays inside a node; the pipeline's stages (pp, or
+    2 pp interleaved) are no more than the layers; cp splits the sequence into cp equal chunks;
+    dp x tp x pp x cp is the world size; the global batch splits evenly into dp x micro-batch; the
+    schedule can run that many micro-batches (1F1B needs at least pp); and `ParallelDims` accepts
+    the combination (pipeline parallel composes with FSDP but not with tp or cp).
     """
     world = cluster.world_size
     layouts = []
     for tp in _divisors(world):
-        if cfg.n_heads % tp or tp > cluster.gpus_per_node:
+        if cfg.n_heads % tp or cfg.kv_heads % tp or cfg.ffn_hidden % tp or tp > cluster.gpus_per_node:
             continue
         for pp in _divisors(world // tp):
-            if cfg.n_layers % pp:
+            if pp > cfg.n_layers:
                 continue
             for cp in _divisors(world // (tp * pp)):
                 dp = world // (tp * pp * cp)
-                if seq_len % cp or global_batch_seqs % dp or not _runnable(pp, dp, cp, tp):
+                if seq_len % cp or global_batch_seqs % dp:
                     continue
-                for mb in _divisors(global_batch_seqs // dp):
-                    if mb > MAX_MICRO_BATCH:
-                        break
-                    layouts.extend(CandidateLayout(dp, tp, pp, cp, mb, ac) for ac in CHECKPOINTING)
+                for schedule, per_rank in SCHEDULES if pp > 1 else (("1f1b", 1),):
+                    if pp * per_rank > cfg.n_layers or not _runnable(pp, dp, cp, tp, schedule, per_rank):
+                        continue
+                    for mb in _divisors(global_batch_seqs // dp):
+                        if mb > MAX_MICRO_BATCH:
+                            break
+                        if schedule_problem(pp, schedule, global_batch_seqs // (dp * mb)):
+                            continue
+                        layouts.extend(CandidateLayout(dp, tp, pp, cp, mb, ac, schedule, per_rank)
+                                       for ac in CHECKPOINTING)
     return layouts
 
 
-def _runnable(pp: int, dp: int, cp: int, tp: int) -> bool:
+def _runnable(pp: int, dp: int, cp: int, tp: int, schedule: PipelineSchedule, stages_per_rank: int) -> bool:
     try:
-        ParallelDims(pp=pp, dp=dp, cp=cp, tp=tp)
+        ParallelDims(pp=pp, dp=dp, cp=cp, tp=tp, pp_schedule=schedule, stages_per_rank=stages_per_rank)
     except ValidationError:
         return False
     return True
@@ -456,10 +366,11 @@ def plan_parallelism(
             f"(n_heads={cfg.n_heads}, n_layers={cfg.n_layers}): make the batch a multiple of the device count"
         )
     usable = int(cluster.memory_gb * GIB)  # the reserve is one of the estimate's parts
+    reserved = int(cluster.reserved_gb * GIB)
     fitting, rejected = [], []
     for lo in layouts:
         m = seqs // (lo.dp * lo.micro_batch)
-        mem = estimate_memory(cfg, vocab_size, seq_len, lo, m, cluster, precision)
+        mem = estimate_memory(cfg, vocab_size, seq_len, lo, m, reserved, precision)
         time = estimate_step_time(cfg, vocab_size, seq_len, seqs, lo, cluster, precision)
         reason = None
         if mem.total > usable:
@@ -472,31 +383,41 @@ def plan_parallelism(
     return PlanSearch(cfg, vocab_size, seq_len, seqs, cluster, precision, fitting, rejected)
 
 
-def plan_presets(model: str, cluster: str, vocab_size: int, seq_len: int, global_batch_seqs: int | None = None,
-                 global_batch_tokens: int | None = None, precision: Precision = "bf16-mixed") -> PlanSearch:
-    """`plan_parallelism` for a model and a cluster given as preset names or YAML paths (`kiln plan`)."""
-    return plan_parallelism(load_preset(model, ModelConfig), vocab_size, seq_len, load_preset(cluster, ClusterSpec),
-                            global_batch_seqs, global_batch_tokens, precision)
+def plan_presets(model: str, cluster: str, vocab_size: int | None = None, seq_len: int | None = None,
+                 global_batch_seqs: int | None = None, global_batch_tokens: int | None = None,
+                 precision: Precision = "bf16-mixed") -> PlanSearch:
+    """`plan_parallelism` for a model and a cluster given as preset names or YAML paths (`kiln plan`).
+
+    Unless given: the vocabulary the model preset was published with, sequences of the model's
+    whole context, and a global batch of DEFAULT_BATCH_TOKENS tokens."""
+    cfg = load_preset(model, ModelConfig)
+    if global_batch_seqs is None and global_batch_tokens is None:
+        global_batch_tokens = DEFAULT_BATCH_TOKENS
+    return plan_parallelism(cfg, vocab_size or preset_vocab_size(model), seq_len or cfg.max_seq_len,
+                            load_preset(cluster, ClusterSpec), global_batch_seqs, global_batch_tokens, precision)
 
 
 def _rank_key(plans: list[Plan]) -> Any:
     """Fastest first, but within 1% (the model's resolution) prefer the simpler plan.
 
-    Simpler: fewer model-parallel ranks (tp x pp x cp), then less recompute, then less memory.
+    Simpler: fewer model-parallel ranks (tp x pp x cp), then less recompute, then the simpler
+    schedule (1F1B, interleaved, GPipe), then less memory.
     """
     fastest = min((p.time.total for p in plans), default=1.0)
+    schedules = [name for name, _ in SCHEDULES]
 
-    def key(p: Plan) -> tuple[int, int, int, int, float]:
+    def key(p: Plan) -> tuple[int, int, int, int, int, float]:
         bucket = math.floor(math.log(p.time.total / fastest) / math.log(1 + RANK_RESOLUTION))
         lo = p.layout
-        return bucket, lo.tp * lo.pp * lo.cp, CHECKPOINTING.index(lo.checkpointing), p.memory.total, p.time.total
+        return (bucket, lo.tp * lo.pp * lo.cp, CHECKPOINTING.index(lo.checkpointing), schedules.index(lo.schedule),
+                p.memory.total, p.time.total)
 
     return key
 
 
 def _largest_part(mem: MemoryEstimate) -> str:
-    parts = {"model states": mem.model_states, "activations": mem.activations + mem.head_activations,
-             "gathered params": mem.gathered_params}
+    parts = {"model states": mem.model_states, "activations": mem.activations + mem.head,
+             "working copies": mem.working}
     name, size = max(parts.items(), key=lambda kv: kv[1])
     return f"{name} alone take {size / GIB:.1f} GiB"
 
@@ -550,9 +471,9 @@ def render_plan_report(search: PlanSearch, alternatives: int = 5) -> str:
         c.world_size * c.peak_tflops * 1e12)
     lines += [
         f"Chosen: {best.layout.describe()}, {best.num_microbatches} micro-batch(es) per step",
-        f"  memory per device: {_gib(mem.total)} of {c.memory_gb:g} GiB (model states {_gib(mem.model_states)}, "
-        f"gathered params {_gib(mem.gathered_params)}, activations {_gib(mem.activations)}, "
-        f"head {_gib(mem.head_activations)}, reserved {_gib(mem.reserved)})",
+        f"  memory per device at the step's peak: {_gib(mem.total)} of {c.memory_gb:g} GiB (model states "
+        f"{_gib(mem.model_states)}, working copies {_gib(mem.working)}, activations {_gib(mem.activations)}, "
+        f"head {_gib(mem.head)}, reserved {_gib(mem.reserved)}; pipeline rank {mem.rank})",
         f"  step time: {t.total:.2f} s (compute {t.compute:.2f}, recompute {t.recompute:.2f}, "
         f"pipeline bubble {t.bubble:.2f}, TP comm {t.tp_comm:.2f}, PP comm {t.pp_comm:.2f}, "
         f"FSDP+CP comm {t.fsdp_comm + t.cp_comm:.2f} of which {t.exposed_overlap_comm:.2f} not hidden by compute)",
@@ -589,7 +510,8 @@ def _why(search: PlanSearch) -> str:
     notes = [f"{_gib(best.usable_bytes - best.memory.total)} GiB headroom"]
     if lo.checkpointing != "none":
         plain = next((p for p in search.rejected + search.ranked
-                      if p.layout == CandidateLayout(lo.dp, lo.tp, lo.pp, lo.cp, lo.micro_batch, "none")), None)
+                      if p.layout == CandidateLayout(lo.dp, lo.tp, lo.pp, lo.cp, lo.micro_batch, "none", lo.schedule,
+                                                     lo.stages_per_rank)), None)
         if plain is not None and not plain.fits:
             notes.append(f"without checkpointing it {plain.rejected}")
         else:
@@ -609,19 +531,19 @@ def resolve_parallel(parallel: ParallelDims | Literal["auto"], model: ModelConfi
     """The layout a training stage runs with, and its run settings with the layout's runtime fields.
 
     A given `ParallelDims` is used as is. `auto` on accelerators takes the planner's best layout for
-    the run's global batch (`run.batch_size` sequences) on `cluster`, with its micro-batch (as
-    `grad_accum`) and activation checkpointing; on CPUs (`run.device: cpu` or no GPUs) it is plain
-    data parallelism, one process per node. Neither choice enters the key: the batch does.
+    the run's global batch (`run.batch_size` sequences) and precision on `cluster`, with its
+    pipeline schedule, micro-batch (as `grad_accum`) and activation checkpointing; on CPUs
+    (`run.device: cpu` or no GPUs) it is plain data parallelism, one process per node. Neither
+    choice enters the key: the batch does.
     """
     if parallel != "auto":
         return parallel, run
     if run.device == "cpu" or cluster.gpus_per_node == 0:
         return ParallelDims(dp=cluster.nodes), run
-    best = plan_parallelism(model, vocab_size, run.seq_len, cluster, global_batch_seqs=run.batch_size).require_best()
-    lo = best.layout
-    dims = ParallelDims(pp=lo.pp, dp=lo.dp, cp=lo.cp, tp=lo.tp)
-    return dims, run.model_copy(update={"grad_accum": best.num_microbatches,
-                                        "activation_checkpointing": lo.checkpointing != "none"})
+    best = plan_parallelism(model, vocab_size, run.seq_len, cluster, global_batch_seqs=run.batch_size,
+                            precision=run.resolved_precision).require_best()
+    return best.layout_dims(), run.model_copy(update={"grad_accum": best.num_microbatches,
+                                                      "activation_checkpointing": best.layout.checkpointing})
 
 
 def checked_layout(parallel: ParallelDims | Literal["auto"], model: ModelConfig, run: TrainRunConfig,
@@ -675,8 +597,8 @@ def forecast_training(model: ModelConfig, vocab_size: int, run: TrainRunConfig,
                           "(a configs/clusters/*.yaml preset) to get one")
     dims, run = checked_layout(parallel, model, run.model_copy(update={"device": "cuda"}), vocab_size, cluster)
     layout = CandidateLayout(dims.dp, dims.tp, dims.pp, dims.cp, run.batch_size // (dims.dp * run.grad_accum),
-                             "full" if run.activation_checkpointing else "none")  # the trainer recomputes whole blocks
-    step = estimate_step_time(model, vocab_size, run.seq_len, run.batch_size, layout, cluster)
+                             run.activation_checkpointing, dims.pp_schedule, dims.stages_per_rank)
+    step = estimate_step_time(model, vocab_size, run.seq_len, run.batch_size, layout, cluster, run.resolved_precision)
     return TrainingForecast(cluster.accelerator, layout, step.total, run.steps)
 
 

@@ -18,6 +18,7 @@ V = 97
         ModelConfig(d_model=64, n_layers=2, n_heads=4),
         ModelConfig(d_model=96, n_layers=3, n_heads=3, tie_embeddings=False, qk_norm=True),
         ModelConfig(d_model=48, n_layers=1, n_heads=2, ffn_multiplier=4.0),
+        ModelConfig(d_model=96, n_layers=2, n_heads=6, n_kv_heads=2, tie_embeddings=False),
     ],
 )
 def test_count_parameters_matches_module(cfg: ModelConfig) -> None:
@@ -84,6 +85,44 @@ def test_config_validation_messages() -> None:
         ModelConfig(vocab_size=10)
     with pytest.raises(ValueError, match="seq_len=512 exceeds model.max_seq_len=256"):
         TrainRunConfig(seq_len=512).check_fits(ModelConfig())
+
+
+def test_grouped_query_attention_is_multi_head_attention_with_shared_kv_heads() -> None:
+    """A model with 8 query heads and 2 K/V heads computes what the 8-head model computes when
+    each of its K/V heads is the GQA model's head of that query head's group (4 query heads each)."""
+    gqa_cfg = ModelConfig(d_model=64, n_layers=2, n_heads=8, n_kv_heads=2, max_seq_len=32)
+    mha_cfg = gqa_cfg.model_copy(update={"n_kv_heads": None})
+    gqa = build_model(gqa_cfg, V, seed=0).eval()
+    state = dict(gqa.state_dict())
+    for name, weight in gqa.state_dict().items():
+        if name.endswith(("attn.wk.weight", "attn.wv.weight")):  # [2 heads x 8 dims, d] -> [8 heads x 8 dims, d]
+            state[name] = weight.unflatten(0, (2, 8)).repeat_interleave(4, dim=0).flatten(0, 1)
+    mha = build_model(mha_cfg, V, seed=1).eval()
+    mha.load_state_dict(state)
+    idx = torch.randint(0, V, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(gqa(idx), mha(idx), rtol=0, atol=1e-6)
+    assert count_parameters(mha_cfg, V) - count_parameters(gqa_cfg, V) == 2 * 2 * 64 * (64 - 16)
+    with pytest.raises(pydantic.ValidationError, match="model.n_kv_heads=3 does not divide model.n_heads=8"):
+        ModelConfig(d_model=64, n_heads=8, n_kv_heads=3)
+
+
+def test_n_kv_heads_equal_to_n_heads_is_the_model_without_it() -> None:
+    """Keys (and checkpoints' identity) of models written before grouped-query attention existed stay valid."""
+    plain = ModelConfig(d_model=64, n_heads=4)
+    assert "n_kv_heads" not in plain.identity()
+    assert plain.model_copy(update={"n_kv_heads": 4}).identity() == plain.identity()
+    assert ModelConfig(d_model=64, n_heads=4, n_kv_heads=2).identity()["n_kv_heads"] == 2
+
+
+def test_initialisation_is_a_function_of_seed_and_parameter_name() -> None:
+    """What lets every rank fill just its shard: the same seed gives the same weights, whatever
+    else is built, and each parameter has its own stream."""
+    cfg = ModelConfig(d_model=64, n_layers=2, n_heads=4, tie_embeddings=False)
+    a, b = build_model(cfg, V, seed=3), build_model(cfg.model_copy(update={"n_layers": 3}), V, seed=3)
+    assert torch.equal(a.blocks[1].attn.wq.weight, b.blocks[1].attn.wq.weight)  # a deeper model, same blocks
+    assert not torch.equal(a.blocks[0].attn.wq.weight, a.blocks[1].attn.wq.weight)
+    assert not torch.equal(a.blocks[0].attn.wq.weight, build_model(cfg, V, seed=4).blocks[0].attn.wq.weight)
 
 
 def test_runtime_fields_are_not_identity() -> None:
