@@ -1,8 +1,9 @@
 """Hand-off: a Kiln model and its tokenizer as a Hugging Face folder that `transformers`
 (`AutoModelForCausalLM`, `AutoTokenizer`) and `lm_eval --model hf` load offline.
 
-Kiln's blocks are Llama's (pre-RMSNorm, rotary embeddings, bias-free attention and SwiGLU,
-optionally tied embeddings), so the folder is a `LlamaForCausalLM`: `config.json`,
+Kiln's blocks are Llama's (pre-RMSNorm, rotary embeddings, bias-free grouped-query attention and
+SwiGLU, optionally tied embeddings), so the folder is a `LlamaForCausalLM` (`num_key_value_heads`
+is `model.n_kv_heads`, and `k_proj`/`v_proj` are Kiln's K/V projections as they are): `config.json`,
 `model.safetensors`, the BPE `tokenizer.json` Kiln trained with a `tokenizer_config.json`,
 `generation_config.json` and a model card `README.md`. A model trained with QK-norm is written as
 a `Qwen3ForCausalLM`: Llama plus an RMSNorm over each head's queries and keys before RoPE, which
@@ -90,7 +91,7 @@ def hf_config(cfg: ModelConfig, vocab_size: int, eos_id: int, dtype: str = "floa
         "intermediate_size": cfg.ffn_hidden,
         "num_hidden_layers": cfg.n_layers,
         "num_attention_heads": cfg.n_heads,
-        "num_key_value_heads": cfg.n_heads,  # Kiln has no grouped-query attention
+        "num_key_value_heads": cfg.kv_heads,  # grouped-query attention: K/V heads shared by n_heads // kv_heads queries
         "head_dim": cfg.head_dim,
         "hidden_act": "silu",
         "max_position_embeddings": cfg.max_seq_len,

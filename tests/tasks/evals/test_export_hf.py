@@ -31,6 +31,8 @@ SAMPLE = REPO / "data" / "sample" / "prose" / "coreutils-man"
 # configs/tiny.yaml's train model; the second flavour covers untied embeddings and QK-norm
 TINY = ModelConfig(d_model=64, n_layers=2, n_heads=4, max_seq_len=64)
 UNTIED_QK_NORM = TINY.model_copy(update={"tie_embeddings": False, "qk_norm": True, "rope_theta": 500.0})
+# grouped-query attention as Llama 3 has it: 8 query heads sharing 2 K/V heads, untied, RoPE theta 500,000
+GQA = TINY.model_copy(update={"n_heads": 8, "n_kv_heads": 2, "tie_embeddings": False, "rope_theta": 500_000.0})
 MAX_LOGIT_DIFF = 1e-4
 
 
@@ -80,11 +82,12 @@ def export(model: Transformer, tokenizer_path: Path, out: Path) -> Path:
     return out
 
 
-@pytest.mark.parametrize("cfg", [TINY, UNTIED_QK_NORM], ids=["llama-tied", "qwen3-untied-qk-norm"])
+@pytest.mark.parametrize("cfg", [TINY, UNTIED_QK_NORM, GQA], ids=["llama-tied", "qwen3-untied-qk-norm", "llama-gqa"])
 def test_transformers_computes_kilns_logits_and_greedy_tokens(cfg, tokenizer_path, tmp_path):
     model = sharp_model(cfg, 512)
     out = export(model, tokenizer_path, tmp_path / "hf")
     hf = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    assert hf.config.num_key_value_heads == cfg.kv_heads and hf.config.num_attention_heads == cfg.n_heads
     assert type(hf).__name__ == ("Qwen3ForCausalLM" if cfg.qk_norm else "LlamaForCausalLM")
     assert hf.dtype == torch.float32
     tokenizer = transformers.AutoTokenizer.from_pretrained(out)
