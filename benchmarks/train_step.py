@@ -8,7 +8,7 @@ AdamW (decay on 2-D parameters, fused kernel where the device has one). The one 
 nanoGPT asks for the fused kernel only on CUDA; torch >= 2.4 has it on CPU too, and it is the
 faster CPU AdamW, so the reference gets it here (a stronger anchor, not a weaker one).
 
-Kiln runs its production step on a one-process layout: `Layout.prepare` (which compiles the
+Kiln runs its production step on a one-process layout: `Layout.build` (which compiles the
 model when `--compile`, as `train.run.compile` does), `Layout.forward_backward` (fp32
 cross-entropy), `clip_grad_norm` and `make_optimizer`'s fused AdamW — the body of
 `tasks.train.loop.train_step`. The reference step is nanoGPT's: forward with targets,
@@ -50,7 +50,7 @@ from torch import nn  # noqa: E402
 
 from tasks.train.config import ModelConfig, OptimConfig, ParallelDims, TrainRunConfig  # noqa: E402
 from tasks.train.distributed import Layout, clip_grad_norm, make_optimizer  # noqa: E402
-from tasks.train.model import build_model, count_parameters  # noqa: E402
+from tasks.train.model import count_parameters, seeded_weights  # noqa: E402
 
 GRAD_CLIP = 1.0  # nanoGPT's train.py default, and Kiln's optim.grad_clip default
 
@@ -201,13 +201,11 @@ Step = Callable[[torch.Tensor, torch.Tensor], torch.Tensor | float]  # returns t
 
 
 def kiln_step(cfg: ModelConfig, vocab: int, optim: OptimConfig, run: TrainRunConfig) -> tuple[Step, int]:
-    torch.manual_seed(0)
-    model = build_model(cfg, vocab)
+    layout = Layout.create(ParallelDims(), torch.device("cpu"))
+    model, schedule = layout.build(cfg, vocab, run, optim.z_loss, seeded_weights(cfg, 0))
     n_params = sum(p.numel() for p in model.parameters())
     assert n_params == count_parameters(cfg, vocab)
-    layout = Layout.create(ParallelDims(), torch.device("cpu"))
     optimizer = make_optimizer(model, optim, layout.device)
-    model, schedule = layout.prepare(model, run, optim.z_loss)
 
     def step(x: torch.Tensor, y: torch.Tensor) -> float:  # tasks.train.loop.train_step
         loss = layout.forward_backward(model, schedule, x, y, run.grad_accum, optim.z_loss)

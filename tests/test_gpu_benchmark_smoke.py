@@ -1,7 +1,8 @@
 """Smoke test of `benchmarks/train_step_gpu.py`: its CPU code path runs and ends with a parseable RESULT line.
 
-The GPU measurement itself needs an H100/H200; here the tiny preset runs 3 eager fp32 steps on CPU
-in a subprocess (as the script is meant to be run), and the refusals are checked in-process.
+The GPU measurement itself needs an H100/H200; here the tiny preset (with grouped-query attention,
+as the benchmark runs it) takes 3 eager bf16-mixed steps under FSDP2 on a one-rank gloo mesh in a
+subprocess (as the script is meant to be run), and the refusals are checked in-process.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ def test_tiny_cpu_run_reports_mfu() -> None:
     mfu = float(lines[-1].split()[-1])
     assert 0 < mfu < 1
     assert "median" in done.stdout and "over 3 steps after 1 warm-up" in done.stdout
+    assert "KV heads=1" in done.stdout and "bf16-mixed (FSDP2 on a one-rank mesh)" in done.stdout
     # MFU is the achieved TFLOP/s over the given peak (both printed rounded)
     achieved_tflops = float(next(line for line in lines if line.startswith("achieved")).split()[1])
     assert mfu == pytest.approx(achieved_tflops / 0.5, rel=1e-2, abs=1e-4)
@@ -54,7 +56,7 @@ def test_without_cuda_it_refuses_with_the_cpu_hint(bench, capsys) -> None:
     ("argv", "message"),
     [
         (["--device", "cpu", "--preset", "1b"], "--device cpu runs only --preset tiny"),
-        (["--device", "cpu", "--preset", "tiny", "--activation-checkpointing"], "add --no-compile"),
+        (["--device", "cpu", "--preset", "tiny", "--activation-checkpointing", "selective"], "add --no-compile"),
         (["--device", "cpu", "--preset", "tiny", "--batch", "0"], "--batch must be positive"),
     ],
 )
