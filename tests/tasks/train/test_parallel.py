@@ -72,6 +72,13 @@ TWO_PROC_MODES = {
     "pp2_1f1b": (ParallelDims(pp=2), DEEP, {}),
     "pp2_interleaved": (ParallelDims(pp=2, **INTERLEAVED), DEEP, {}),
 }
+# a layout change: the interleaved pipeline stops after its step-10 checkpoint and FSDP resumes it
+# (a rank's two stages save under the whole model's names; the checkpoint reshards into FSDP)
+TWO_PROC_RESUME = {
+    "interleaved_stopped": (ParallelDims(pp=2, **INTERLEAVED), DEEP, {"checkpoint_every": 10}),
+    "fsdp_resumed": (ParallelDims(dp=2), DEEP, {"checkpoint_every": 10}),
+}
+RESUME_OPTIONS = {"interleaved_stopped": {"stop_after": 10, "out_dir": "resume"}, "fsdp_resumed": {"out_dir": "resume"}}
 FOUR_PROC_MODES = {
     "fsdp_tp": (ParallelDims(dp=2, tp=2), MODEL, {}),
     "fsdp_cp": (ParallelDims(dp=2, cp=2), MODEL, {}),
@@ -115,11 +122,12 @@ def torchrun(nproc: int, runs: dict[str, tuple[ParallelDims, ModelConfig, dict]]
     (out / "init.json").write_text(json.dumps(init_spec))
     args = [str(out / "init.json"), str(out / "init.pt")]
     for name, (dims, model, run) in runs.items():
+        options = RESUME_OPTIONS.get(name, {})
         config = {
             "model": model.model_dump(), "optim": OPTIM.model_dump(),
             "train": RUN.model_copy(update=run).model_dump(),
             "parallel": dims.model_dump(), "manifest": str(data / "manifest.json"), "data_root": str(data),
-            "out_dir": str(out / name),
+            **options, "out_dir": str(out / options.get("out_dir", name)),
         }
         (out / f"{name}.config.json").write_text(json.dumps(config))
         args += ["--config", str(out / f"{name}.config.json"), "--out", str(out / f"{name}.json")]
@@ -158,7 +166,8 @@ def references(data, tmp_path_factory) -> dict[ModelConfig, dict]:
 
 @pytest.fixture(scope="module")
 def two_proc(data, tmp_path_factory) -> dict[str, dict]:
-    return torchrun(2, TWO_PROC_MODES, TWO_PROC_INITS, data, tmp_path_factory.mktemp("two_proc"), timeout=240)
+    return torchrun(2, TWO_PROC_MODES | TWO_PROC_RESUME, TWO_PROC_INITS, data, tmp_path_factory.mktemp("two_proc"),
+                    timeout=300)
 
 
 @pytest.fixture(scope="module")
@@ -203,6 +212,15 @@ def test_two_process_modes_match_single_process(two_proc, references, mode) -> N
 def test_four_process_modes_match_single_process(four_proc, references, mode) -> None:
     _, model, _ = FOUR_PROC_MODES[mode]
     assert_matches(four_proc[mode], references[model])
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_an_interleaved_pipeline_run_resumes_as_fsdp(two_proc, references) -> None:
+    assert two_proc["interleaved_stopped"]["model_dir"] is None  # stopped at step 10
+    resumed = two_proc["fsdp_resumed"]
+    assert resumed["resumed_from_step"] == 10
+    assert_matches(resumed, references[DEEP])
 
 
 @pytest.mark.distributed

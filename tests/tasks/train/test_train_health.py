@@ -33,7 +33,9 @@ from tests.tasks.train.test_train_loop import MODEL, OPTIM, RUN, write_mixture
 CFG = HealthConfig(spike_zscore=6.0, spike_window=5, min_steps_before_check=3)
 # checks from step 11 against the last 8 losses (a short window: this run's loss still falls fast);
 # the clean run never trips it
-WATCHED = RUN.model_copy(update={"health": HealthConfig(spike_window=8, min_steps_before_check=10)})
+# a short window, to judge steps early in a 30-step run; with it, clean steps score up to z = 6.4
+# (step 23 after the rollback, measured) and the poisoned one 64: the threshold sits between
+WATCHED = RUN.model_copy(update={"health": HealthConfig(spike_window=8, min_steps_before_check=10, spike_zscore=10.0)})
 BAD_STEP = 22  # poisoned: its batch (index 21) becomes one token id the data never holds
 
 
@@ -233,7 +235,8 @@ def test_poisoned_batch_is_detected_rolled_back_and_skipped(healed, clean, mixtu
     (event,) = result.health_events
     assert seen == [event] == read_events(out / EVENTS_FILE)
     assert event["action"] == "rollback" and event["kind"] == "spike" and event["step"] == BAD_STEP
-    assert event["loss"] > 4.0 and event["zscore"] > 6.0  # the model has never seen token 63
+    # the model has never seen token 63: measured 3.68 against 0.81 for the step's clean batch
+    assert event["loss"] > 4 * clean.loss_curve[BAD_STEP - 1][1] and event["zscore"] > 10.0
     assert event["rolled_back_to"] == 20 and event["deleted_checkpoints"] == []
     # steps 21-22 re-ran on batches 51-52 (offset 30 = the run's length: indices it never uses)
     assert event["window"] == {"first_step": 21, "last_step": 22, "data_offset": 30, "lr_factor": 1.0,
