@@ -199,9 +199,9 @@ class Layout:
         """This rank's part of the model, built on the meta device, split over the layout with
         `run.activation_checkpointing` and `run.precision`, then materialised and initialised from
         `source` (None: left on the meta device, see `build_parallel`): (the module to train, the
-        pipeline schedule or None). `run.compile` compiles the
-        whole model on one process, and block by block when sharded (torchtitan's choice: FSDP's
-        gathers and the pipeline's cuts sit at block boundaries)."""
+        pipeline schedule or None). `run.compile` compiles the whole model on one process, and
+        block by block when sharded (torchtitan's choice: FSDP's gathers and the pipeline's cuts
+        sit at block boundaries)."""
         check_divisible(self.dims, model_cfg)
         check_context_split(self.dims, run_cfg.seq_len)
         dims, precision = self.dims, run_cfg.resolved_precision
@@ -217,8 +217,8 @@ class Layout:
             return model, None
         held, self._stages = build_parallel(model_cfg, vocab_size, dims, self.mesh, self.device, source,
                                             run_cfg.activation_checkpointing, precision)
-        for module in self._stages or [held]:
-            if run_cfg.compile:
+        if run_cfg.compile:
+            for module in self._stages or [held]:
                 _compile_blocks(module)
         if dims.pp == 1:
             return held, None

@@ -1,13 +1,14 @@
 """Parallelism for the Kiln transformer, applied from outside the model in one place.
 
-`parallelize(model, dims, mesh, ...)` follows torchtitan's order on a model built on the meta
-device: tensor parallel (TP) inside each block, context parallel, activation checkpointing, then
-data parallel: FSDP2 (`fully_shard`, per block and at the root, with a `MixedPrecisionPolicy`
-under bf16-mixed, which is why bf16-mixed applies it even with one dp rank) or DDP (composable
-`replicate`, which keeps the module and its state-dict keys unchanged). The caller then allocates the parameters (`materialize`) and initialises each shard
-(`init_weights`: a rank computes only its own slice of each parameter's full value, so every
-layout starts from the same weights and no rank ever holds the whole model). The mesh is always
-4-D, named ("pp", "dp", "cp", "tp"); a size-1 dimension is a no-op.
+`build_parallel` follows torchtitan's order: the model is built on the meta device, cut into
+this rank's pipeline stages, and `parallelize` applies tensor parallel (TP) inside each block,
+context parallel, activation checkpointing, then data parallel: FSDP2 (`fully_shard`, per block
+and at the root, with a `MixedPrecisionPolicy` under bf16-mixed, which is why bf16-mixed applies
+it even with one dp rank) or DDP (composable `replicate`, which keeps the module and its
+state-dict keys unchanged). Only then are the parameters allocated (`materialize`) and each shard
+initialised (`init_weights`: a rank computes only its own slice of each parameter's full value,
+so every layout starts from the same weights and no rank ever holds the whole model). The mesh is
+always 4-D, named ("pp", "dp", "cp", "tp"); a size-1 dimension is a no-op.
 
 Pipeline parallel (pp > 1) cuts the model into `dims.num_stages` stages of whole blocks; rank r
 runs stages r, r + pp, ... (`pipeline_parts`: one stage, or `stages_per_rank` of them under the

@@ -13,7 +13,7 @@ in one process), on fake tensors, one training step tracked by torch's MemTracke
   46,598,361,944 bytes.
 - Small models in every layout family (one device fp32 and autocast, FSDP, FSDP x TP with
   selective recompute, FSDP x CP x TP, and pipelines under each schedule, first and last rank):
-  the planner's peak within a few percent (measured, see SMALL_PEAK_TOLERANCE).
+  the planner's peak within 6% (measured at most 4.3%, in pipelines; 1.3% elsewhere).
 - The planner's micro-batches in flight equal what torch's own schedule objects order, and
   bf16-mixed is FSDP2's MixedPrecisionPolicy(param bf16, reduce fp32).
 """
@@ -38,7 +38,7 @@ from tasks.train.verify import PEAK_TOLERANCE, measure_rank, scaled_step, schedu
 
 V = 4096
 SMALL = ModelConfig(d_model=256, n_layers=4, n_heads=8, n_kv_heads=2, max_seq_len=512, tie_embeddings=False)
-SMALL_PEAK_TOLERANCE = 0.06  # measured worst: 2.1% (FSDP x CP x TP, fp32)
+SMALL_PEAK_TOLERANCE = 0.06  # measured worst: 4.3% (pipelines); FSDP, TP, CP and one device within 1.3%
 
 
 def test_8b_on_one_h100_node_agrees_with_torch(capsys) -> None:
