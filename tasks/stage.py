@@ -6,12 +6,17 @@ attempt is resumed, its body, and its headline and reports for humans. The graph
 (`tasks.graph`), the config tree (`tasks.config`), the runner (`tasks.runner`), the Prefect flows,
 the CLI's stage list and the deployments in `infra/prefect.yaml` all derive from these
 declarations; adding a stage is one module plus one line in `tasks/stages/__init__.py`.
+
+A stage that fans out declares each run it fans out to as a `SubRun` (a proxy trial, a transfer
+run, an ablation branch, the quality model) and runs it through `ctx.subruns()`: the runner's
+contract one level down (its own key, manifest, MLflow child run, resume). Stage modules import
+this module, never the runner.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -23,7 +28,7 @@ from tasks.store import Store
 
 if TYPE_CHECKING:
     from tasks.config import KilnConfig
-    from tasks.runner import StageRecorder
+    from tasks.runner import StageRecorder, SubRuns
 
 Stats = dict[str, Any]
 
@@ -62,6 +67,21 @@ class Stage:
         return own + self.reads
 
 
+@dataclass(frozen=True)
+class SubRun:
+    """One run a stage fans out to, declared: where it lives (`{kind}/{name}` under its stage's folder),
+    what its key hashes (`identity`, `inputs` — by default its stage's key —, `version`) and what its
+    MLflow child run shows (`params`). Named for a person (a trial by its hyper-parameters); keyed by
+    its content, so a sub-run whose declaration changed is not reused under its old name."""
+
+    kind: str  # "trials", "transfer", "branches", "quality_model": its folder
+    name: str  # a plain file name, unique within its kind
+    identity: Mapping[str, Any]
+    params: Mapping[str, Any] = field(default_factory=dict)
+    inputs: Mapping[str, str] | None = None  # the keys it depends on; None: its stage's key
+    version: int = 1
+
+
 @dataclass
 class StageContext:
     """Where a stage body writes, what it reads, and where it reports progress."""
@@ -74,6 +94,10 @@ class StageContext:
 
     def read_json(self, stage: str, filename: str) -> Any:
         return json.loads((self.inputs[stage] / filename).read_text())
+
+    def subruns(self, root: Path | None = None) -> SubRuns:
+        """The stage's sub-runs, in its folder (or in `root`: the store, for one that several keys share)."""
+        return self.recorder.subruns(root or self.out_dir)
 
 
 @dataclass

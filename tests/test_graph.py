@@ -31,7 +31,7 @@ def test_minhash_threshold_moves_dedup_and_everything_downstream(base_keys):
 
 
 @pytest.mark.parametrize("override", [
-    "clean.num_workers=7", "dedup.num_workers=3", "sweep.num_workers=1", "tracking.uri=sqlite:///elsewhere.db",
+    "clean.num_workers=7", "dedup.num_workers=3", "sweep.max_parallel=1", "tracking.uri=sqlite:///elsewhere.db",
     "log_level=DEBUG", "work_dir=/tmp/other", "train.run.checkpoint_every=7", "train.run.log_every=1",
     "evaluate.batch_size=2", "cluster.launcher=torchrun", "store.root=/tmp/store", "orchestration.retries=4",
     # the layout and the micro-batch are runtime: the global batch is the science

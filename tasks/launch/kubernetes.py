@@ -16,7 +16,11 @@ followed to its end, so that a failed run can be relaunched off the nodes that f
    `LaunchError`, so relaunch loops resubmit) carries them.
 
 Ctrl-C or SIGTERM from the apply to the end of the wait deletes the Job, then lets the signal do
-what it did before. Without kubectl the manifest is written and the message says how to apply it.
+what it did before (`stop`, from another thread, deletes it too). Without kubectl the manifest is
+written and the message says how to apply it.
+
+`KubernetesIndexedLauncher` runs the same way an indexed Job of independent one-process pods (the
+sweep's trial jobs: `infra/k8s/trials-job.yaml.j2`), each index retried on its own by Kubernetes.
 """
 
 from __future__ import annotations
@@ -155,6 +159,14 @@ class KubernetesLauncher(Launcher):
             log=log, hosts=hosts, job_id=self.job_name,
         )
 
+    def stop(self) -> None:
+        """Delete the Job (from another thread): the wait then sees it fail or vanish and raises."""
+        super().stop()
+        kubectl = self._client("kubectl")
+        if kubectl is not None:
+            self._kubectl(kubectl, "delete", "job", self.job_name, *self._ns, "--ignore-not-found", "--wait=false",
+                          check=False)
+
     @property
     def _ns(self) -> tuple[str, str]:
         return ("--namespace", self.cluster.namespace)
@@ -259,3 +271,34 @@ def _pod_end(pod: dict) -> str:
             terminated = container["state"]["terminated"]
             return f"{status.get('phase')}, exit code {terminated.get('exitCode')} ({terminated.get('reason', '')})"
     return f"{status.get('phase')}{', ' + status['reason'] if status.get('reason') else ''}"
+
+
+class KubernetesIndexedLauncher(KubernetesLauncher):
+    """An indexed Job of `completions` independent one-process pods, `parallelism` at a time, each index
+    retried on its own up to `backoff_limit_per_index` times (`infra/k8s/trials-job.yaml.j2`). The
+    command finds its index in `JOB_COMPLETION_INDEX`. Launched, waited on, logged and relaunched off
+    failed nodes as `KubernetesLauncher` does."""
+
+    template = "k8s/trials-job.yaml.j2"
+    filename = "trials-job.yaml"
+
+    def __init__(self, *args, completions: int, parallelism: int, backoff_limit_per_index: int, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        if not 0 < parallelism <= completions:
+            raise ValueError(f"parallelism {parallelism} must be between 1 and completions {completions}")
+        self.completions, self.parallelism, self.backoff_limit_per_index = completions, parallelism, backoff_limit_per_index
+
+    def render(self, command: list[str]) -> str:
+        c = self.cluster
+        if not c.image:
+            raise ConfigError("cluster.image is not set: the kubernetes launcher needs the training container image")
+        if not _DNS_LABEL.match(self.job_name) or len(self.job_name) > 63:
+            raise ConfigError(f"job name {self.job_name!r} cannot name a Kubernetes Job: use lowercase letters, digits "
+                              "and '-', starting with a letter, at most 63 characters")
+        return render_template(self.template_dir, self.template,
+            job_name=self.job_name, namespace=c.namespace, gpus_per_node=c.gpus_per_node, image=c.image,
+            exclude=self._exclusions(), workdir=str(self.workdir), env=self.env, attempt=str(self.attempt + 1),
+            shell_command="exec " + shlex.join(["python", *command]), completions=self.completions,
+            parallelism=self.parallelism, backoff_limit_per_index=self.backoff_limit_per_index,
+            volume_claim=self.volume_claim, volume_path=str(self.volume_path) if self.volume_path else None,
+        )

@@ -13,7 +13,8 @@ excluded, together with `cluster.exclude_hosts`, from every later render.
 
 A launcher that waits on a cluster job cancels it when the wait is interrupted: Ctrl-C
 (KeyboardInterrupt) or SIGTERM (Prefect's cancellation, `kill`), which `sigterm_raises` turns into
-an exception in the main thread for the length of the wait.
+an exception in the main thread for the length of the wait. A launch waiting in another thread
+(the sweep waits on several jobs at once) is ended from the main thread with `stop`.
 """
 
 from __future__ import annotations
@@ -131,6 +132,17 @@ class Launcher(ABC):
         # them would have left too few nodes (set by launchers that decide it at submission: Slurm)
         self.excluded: list[str] = []
         self.exclusion_dropped: list[str] = []
+        self.job_id: str | None = None  # the scheduler's id of the job launched last (cluster launchers)
+        self._proc: subprocess.Popen | None = None  # the process a local launch waits on
+        self._stopped = threading.Event()
+
+    def stop(self) -> None:
+        """End what this launcher runs now, from another thread: its `launch` then raises. A launch
+        that starts after this call is ended as soon as it has something to end."""
+        self._stopped.set()
+        proc = self._proc
+        if proc is not None and proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)  # the waiting thread reaps it and raises
 
     def exclude_hosts(self) -> list[str]:
         recorded = read_failed_hosts(self.failed_hosts_file) if self.failed_hosts_file else []
@@ -154,6 +166,9 @@ class Launcher(ABC):
         with log.open("w", encoding="utf-8") as sink:
             proc = subprocess.Popen(argv, cwd=self.workdir, env={**os.environ, **self.env}, stdout=sink,
                                     stderr=subprocess.STDOUT, start_new_session=True)
+            self._proc = proc
+            if self._stopped.is_set():
+                os.killpg(proc.pid, signal.SIGTERM)
             try:
                 returncode = proc.wait(timeout=self.timeout_s)
             except subprocess.TimeoutExpired:
@@ -162,6 +177,8 @@ class Launcher(ABC):
                     f"{self.name} job {self.job_name!r} ran past its {self.timeout_s:g} s timeout and was "
                     f"killed; log: {log}\n{_tail(log)}", log=log, hosts=[socket.gethostname()]
                 ) from None
+            finally:
+                self._proc = None
         if returncode != 0:
             raise LaunchError(
                 f"{self.name} job {self.job_name!r} failed with exit code {returncode}; log: {log}\n{_tail(log)}",

@@ -106,18 +106,22 @@ class SlurmLauncher(Launcher):
     """An sbatch script from `infra/slurm/train.sbatch.j2`: one srun task per node, each a torchrun
     (`python -m torch.distributed.run` of `python`, by default this interpreter, so that a node
     runs the same environment without `torchrun` on its PATH) whose c10d rendezvous runs on the
-    allocation's first node. On a CPU-only cluster each task gets `nproc_per_node` CPUs."""
+    allocation's first node. On a CPU-only cluster each task gets `nproc_per_node` CPUs.
+    `torchrun=False` runs `python` itself instead, for a one-process job (a sweep's trials)."""
 
     name = "slurm"
     template = "slurm/train.sbatch.j2"
     filename = "train.sbatch"
 
     def __init__(self, *args, template_dir: Path = INFRA_DIR, poll_s: float = POLL_S, python: str = sys.executable,
-                 **kwargs) -> None:
+                 torchrun: bool = True, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.template_dir = template_dir
         self.poll_s = poll_s
         self.python = python
+        self.torchrun = torchrun
+        if not torchrun and (self.cluster.nodes > 1 or self.nproc_per_node > 1):
+            raise ValueError("SlurmLauncher(torchrun=False) runs one process: give it one node and nproc_per_node=1")
 
     def render(self, command: list[str], exclude: Collection[str] | None = None) -> str:
         """The script; `exclude` defaults to every wanted exclusion (`launch` passes `plan_exclusion`'s)."""
@@ -127,6 +131,7 @@ class SlurmLauncher(Launcher):
             partition=c.partition, time_limit=c.time_limit,
             exclude=sorted(self.exclude_hosts() if exclude is None else exclude), log_dir=str(self.out_dir),
             workdir=str(self.workdir), env=self.env, rdzv_port=c.rdzv_port, python=self.python, command=command,
+            torchrun=self.torchrun,
         )
 
     def log_path(self, job_id: str) -> Path:
@@ -143,11 +148,15 @@ class SlurmLauncher(Launcher):
                                 message=f"sbatch is not on PATH: wrote {path}; submit it with `sbatch {path}`")
         done = self._run(sbatch, "--parsable", str(path))
         if done.returncode != 0:
-            raise LaunchError(f"sbatch rejected {path} (exit {done.returncode}): {done.stderr.strip()}")
-        job_id = done.stdout.strip().split(";")[0]
+            refused = LaunchError(f"sbatch rejected {path} (exit {done.returncode}): {done.stderr.strip()}")
+            refused.retryable = False  # the same script is refused the same way: fix the cluster section
+            raise refused
+        job_id = self.job_id = done.stdout.strip().split(";")[0]
         logger.info("submitted Slurm job %s (%s) from %s%s", job_id, self.job_name, path,
                     f", excluding {','.join(exclusion.hosts)}" if exclusion.hosts else "")
         log = self.log_path(job_id)
+        if self._stopped.is_set():  # stopped while it was being submitted
+            self.cancel(job_id)
         with sigterm_raises(f"Slurm job {job_id}"):
             try:
                 job = self._wait(job_id, log)
@@ -179,6 +188,12 @@ class SlurmLauncher(Launcher):
                            ", ".join(exclusion.dropped), self.cluster.nodes)
         self.excluded, self.exclusion_dropped = list(exclusion.hosts), list(exclusion.dropped)
         return exclusion
+
+    def stop(self) -> None:
+        """scancel the job this launcher waits on (from another thread): its wait then raises SlurmJobFailed."""
+        super().stop()
+        if self.job_id is not None:
+            self.cancel(self.job_id)
 
     def cancel(self, job_id: str) -> None:
         """scancel the job and wait (up to CANCEL_WAIT_S) until it has left the queue."""

@@ -16,13 +16,20 @@ A trial's learning rate is `lr · (model.d_model / width) ^ lr_width_exponent`: 
 rule, so that every width trains near its own best LR and an IsoFLOP profile measures size rather
 than LR mismatch (one LR for all widths favours the widths it happens to suit).
 
+Each trial is a sub-run of the stage (`trials/<name>/`: its own key, manifest and MLflow child
+run; `tasks.runner.SubRuns`), so an interrupted sweep reuses every committed trial and resumes the
+others from their folders; the second phase is designed again from the first phase's results, so
+it comes out the same. Where trials train is `tasks.scaling.trial_runs`: `sweep.max_parallel`
+processes of the stage, or as many jobs at a time through `cluster.launcher`.
+
 A trial's failure is data, not the sweep's end: a trial that diverges (`TrainingDivergedError`)
-or raises is recorded with its status, reason and the steps it reached, and the fit leaves it
-out. Each trial's result is written to `trials/<name>.json` the moment it finishes, so an
-interrupted sweep (the stage is resumable) reruns only the trials without one; the second phase
-is designed again from the first phase's kept results, so it comes out the same. Diverged
-results are kept on a rerun: same seed, same data, same divergence. Failed ones are retried:
-an exception or a killed worker (out of memory, a preempted host) may not happen twice.
+is committed with its status, reason and the steps it reached, and the fit leaves it out; it is
+not run again (same seed, same data, same divergence). One that failed (an exception, a killed
+process, a cancelled or preempted job) is retried on its own, resuming from its folder; if it
+keeps failing it is recorded and left uncommitted, and the fit leaves it out too.
+
+The mixture design grows with the number of domains: it samples at least as many mixtures as the
+mixture regression needs (`mixture_regression.minimum_trials`, for `fit.mixture_folds` folds).
 """
 
 from __future__ import annotations
@@ -31,10 +38,7 @@ import json
 import os
 from collections import Counter
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ProcessPoolExecutor, as_completed
-from concurrent.futures.process import BrokenProcessPool
 from dataclasses import asdict, dataclass, field
-from multiprocessing import get_context
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
@@ -44,13 +48,19 @@ from pydantic import Field, SerializerFunctionWrapHandler, model_serializer, mod
 from tasks.configbase import Reference, Section, runtime_field
 from tasks.errors import ConfigError, KilnError
 from tasks.progress import Progress
+from tasks.stage import SubRun
 from tasks.train.config import ModelConfig, OptimConfig, TrainRunConfig
 
 if TYPE_CHECKING:  # torch-backed: imported where trials run, so that the config tree stays light
+    from tasks.runner import StageRecorder, SubRuns
+    from tasks.scaling.trial_runs import TrialLauncher
     from tasks.train.data_loader import Mixture
 
 TRIALS_FILE = "trials.json"  # every trial in design order: the fit's input
-TRIALS_DIR = "trials"  # trials/<name>/: a trial's training run; trials/<name>.json: its result, once finished
+TRIALS_DIR = "trials"  # trials/<name>/: a trial's sub-run (its training run and RESULT_FILE)
+RESULT_FILE = "result.json"  # a trial's TrialResult, in its folder
+REASON_TAG_CHARS = 1000  # MLflow caps tag values; the whole reason is in the result file
+DEFAULT_FOLDS = 5  # fit.mixture_folds' default: the folds the mixture design sizes itself for
 TrialStatus = Literal["ok", "diverged", "failed"]
 TrialKind = Literal["isoflop", "hyper", "mixture"]
 FINAL_STATUSES = ("ok", "diverged")  # kept by a rerun; "failed" trials are run again
@@ -116,7 +126,9 @@ class SweepConfig(Section):
         default_factory=_default_proxy_run,
         description="batch_size and seq_len of every trial; steps is the mixture trials' length (the IsoFLOP and "
                     "LR x batch trials' lengths follow from their budgets)")
-    num_workers: int = runtime_field(2)
+    max_parallel: int = runtime_field(
+        2, gt=0, description="trials training at once: processes of the stage with cluster.launcher=local, "
+        "else jobs through cluster.launcher (each trains its share of the trials, one after another)")
 
     @model_validator(mode="after")
     def _check(self) -> SweepConfig:
@@ -264,22 +276,39 @@ def steps_for(tokens: float, batch_size: int, seq_len: int) -> int:
     return max(1, round(tokens / (batch_size * seq_len)))
 
 
-def sampled_mixtures(cfg: SweepConfig) -> dict[str, dict[str, float]]:
-    """The Dirichlet samples around the reference mixture (its zero-weight domains stay at zero)."""
+def sampled_mixtures(cfg: SweepConfig, num_samples: int | None = None) -> dict[str, dict[str, float]]:
+    """The Dirichlet samples around the reference mixture (its zero-weight domains stay at zero):
+    `num_samples` of them (default: `mixture_design.num_samples`). The seed fixes the sequence, so a
+    larger design keeps the smaller one's samples."""
     design = cfg.mixture_design
+    num_samples = design.num_samples if num_samples is None else num_samples
     reference = normalised(cfg.mixtures[cfg.reference])
     domains = [d for d, w in reference.items() if w > 0]
-    if design.num_samples and len(domains) < 2:
+    if num_samples and len(domains) < 2:
         raise ConfigError(f"sweep.mixture_design samples mixtures of the reference '{cfg.reference}', which has "
                           f"{len(domains)} domain with weight; give it at least 2 (or num_samples: 0)")
     rng = np.random.default_rng(design.seed)
     alpha = np.array([reference[d] for d in domains]) * design.concentration
     return {f"{SAMPLED_PREFIX}{i:02d}": dict(zip(domains, map(float, rng.dirichlet(alpha)), strict=True))
-            for i in range(design.num_samples)}
+            for i in range(num_samples)}
 
 
-def design_trials(cfg: SweepConfig, vocab_size: int) -> list[Trial]:
-    """The first phase: the IsoFLOP grid, then the named and sampled mixtures."""
+def num_samples_needed(cfg: SweepConfig, num_named: int, mixture_folds: int) -> int:
+    """`mixture_design.num_samples`, raised so that the named and sampled mixture trials reach the mixture
+    regression's minimum for the reference's domains and `mixture_folds` folds (0 stays 0: no regression
+    is wanted then)."""
+    from tasks.scaling.mixture_regression import minimum_trials
+
+    asked = cfg.mixture_design.num_samples
+    if asked == 0:
+        return 0
+    domains = sum(w > 0 for w in cfg.mixtures[cfg.reference].values())
+    return max(asked, minimum_trials(domains, mixture_folds) - num_named)
+
+
+def design_trials(cfg: SweepConfig, vocab_size: int, mixture_folds: int = DEFAULT_FOLDS) -> list[Trial]:
+    """The first phase: the IsoFLOP grid, then the named and sampled mixtures (at least as many mixture
+    trials as the mixture regression needs, see `num_samples_needed`)."""
     batch, seq = cfg.run.batch_size, cfg.run.seq_len
     reference = cfg.reference
     ref_weights = normalised(cfg.mixtures[reference])
@@ -291,12 +320,15 @@ def design_trials(cfg: SweepConfig, vocab_size: int) -> list[Trial]:
             trials.append(Trial(_name(width, lr, batch, steps, reference), "isoflop", width, lr, batch, steps,
                                 reference, ref_weights, budget.flops))
     width, lr, steps = cfg.mixture_width, cfg.lr_at(cfg.mixture_width), cfg.run.steps
-    mixtures = {**{n: normalised(w) for n, w in cfg.mixtures.items()}, **sampled_mixtures(cfg)}
-    for name, weights in mixtures.items():
-        trial = Trial(_name(width, lr, batch, steps, name), "mixture", width, lr, batch, steps, name, weights)
-        if trial.name not in {t.name for t in trials}:  # the reference may already be an IsoFLOP trial
-            trials.append(trial)
-    return trials
+
+    def mixture_trial(name: str, weights: dict[str, float]) -> Trial:
+        return Trial(_name(width, lr, batch, steps, name), "mixture", width, lr, batch, steps, name, weights)
+
+    # the reference may already be an IsoFLOP trial (same width, LR and steps): then it is not a mixture trial
+    named = [trial for name, w in cfg.mixtures.items()
+             if (trial := mixture_trial(name, normalised(w))).name not in {t.name for t in trials}]
+    sampled = sampled_mixtures(cfg, num_samples_needed(cfg, len(named), mixture_folds))
+    return trials + named + [mixture_trial(name, weights) for name, weights in sampled.items()]
 
 
 def best_isoflop_trials(cfg: SweepConfig, results: Sequence[TrialResult]) -> dict[float, TrialResult]:
@@ -364,150 +396,136 @@ def run_trial(cfg: SweepConfig, trial: Trial, mixture: Mixture, out_dir: Path) -
 TrialFn = Callable[[SweepConfig, Trial, "Mixture", Path], TrialResult]
 
 
-def _run_and_save(trial_fn: TrialFn, cfg: SweepConfig, trial: Trial, mixture: Mixture, trials_dir: Path) -> TrialResult:
-    """Run one trial and persist its result before returning it: a result on disk is a finished trial."""
-    result = trial_fn(cfg, trial, mixture, trials_dir / trial.name)
-    save_trial(result, trials_dir)
+def train_trial(trial_fn: TrialFn, cfg: SweepConfig, trial: Trial, mixture: Mixture, folder: Path) -> TrialResult:
+    """Run one trial in its sub-run folder and save its result there before returning it. A result a
+    previous attempt saved with a final status (ok, diverged) is returned as it is: the trial's work is
+    done, only its commit was lost."""
+    kept = load_result(folder)
+    if kept is not None and kept.status in FINAL_STATUSES:
+        return kept
+    result = trial_fn(cfg, trial, mixture, folder)
+    save_result(result, folder)
     return result
 
 
-def save_trial(result: TrialResult, trials_dir: Path) -> None:
-    path = trials_dir / f"{result.name}.json"
+def save_result(result: TrialResult, folder: Path) -> None:
+    path = folder / RESULT_FILE
     tmp = path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(asdict(result), indent=2))
     os.replace(tmp, path)  # atomic: a crash leaves no half-written result
 
 
-def load_finished(trials_dir: Path, trial: Trial) -> TrialResult | None:
-    """The trial's persisted result if a rerun keeps it (status ok or diverged), else None."""
-    path = trials_dir / f"{trial.name}.json"
-    if not path.is_file():
-        return None
-    result = _result_from_json(json.loads(path.read_text()))
-    return result if result.status in FINAL_STATUSES else None
+def load_result(folder: Path) -> TrialResult | None:
+    """The result saved in a trial's folder, if any."""
+    path = folder / RESULT_FILE
+    return _result_from_json(json.loads(path.read_text())) if path.is_file() else None
 
 
-def _worker_died(cfg: SweepConfig, trial: Trial, vocab_size: int, trials_dir: Path) -> TrialResult:
+def worker_died(cfg: SweepConfig, trial: Trial, vocab_size: int, reason: str) -> TrialResult:
+    """The result of a trial whose process never returned one (killed, its job failed)."""
     from tasks.train.model import count_parameters
 
     model = model_at_width(cfg.model, trial.width)
-    result = TrialResult(trial.name, trial.width, trial.lr, trial.mixture, trial.batch_size,
-                         count_parameters(model, vocab_size), count_parameters(model, 0), None, None, {}, 0, 0.0,
-                         status="failed", reason="its worker process died (killed, e.g. out of memory, or crashed)",
-                         kind=trial.kind, budget=trial.budget, weights=trial.weights,
-                         tokens=trial.steps * trial.batch_size * cfg.run.seq_len)
-    save_trial(result, trials_dir)
-    return result
+    return TrialResult(trial.name, trial.width, trial.lr, trial.mixture, trial.batch_size,
+                       count_parameters(model, vocab_size), count_parameters(model, 0), None, None, {}, 0, 0.0,
+                       status="failed", reason=reason, kind=trial.kind, budget=trial.budget, weights=trial.weights,
+                       tokens=trial.steps * trial.batch_size * cfg.run.seq_len)
 
 
-def _cost(cfg: SweepConfig, trial: Trial) -> float:
-    """A trial's rough CPU cost, to start the longest first (the pool then ends evenly)."""
+def trial_cost(trial: Trial) -> float:
+    """A trial's rough CPU cost, to start the longest first (the workers then end evenly)."""
     return trial.steps * trial.batch_size * (trial.width + 64)
 
 
-def run_sweep(cfg: SweepConfig, shards: dict, shards_root: Path, out_dir: Path,
+def trial_subrun(trial: Trial) -> SubRun:
+    """A trial as its stage's sub-run `trials/<name>`: its key hashes its design (the sweep's settings
+    and the tokenized data are in its stage's key)."""
+    params = {"lr": trial.lr, "width": trial.width, "mixture": trial.mixture, "batch_size": trial.batch_size,
+              "steps": trial.steps, "kind": trial.kind, **({"budget": trial.budget} if trial.budget else {}),
+              **{f"weight.{d}": w for d, w in trial.weights.items()}}
+    return SubRun(TRIALS_DIR, trial.name, asdict(trial), params=params)
+
+
+def run_sweep(cfg: SweepConfig, shards: dict, shards_root: Path, subruns: SubRuns, *,
+              where: TrialLauncher | None = None, mixture_folds: int = DEFAULT_FOLDS,
               on_trial: Callable[[TrialResult, bool], None] | None = None,
-              trial_fn: TrialFn = run_trial) -> list[TrialResult]:
-    """Run both phases, each trial without a kept result in `out_dir/trials/` (in `num_workers`
-    processes); write `trials.json`; return results in design order.
+              log_every: int | None = None) -> list[TrialResult]:
+    """Run both phases, each trial a sub-run of the stage (`subruns`, in `trials/<name>/`): complete
+    ones are reused, the others run `where` says (default: `cfg.max_parallel` processes here) and are
+    committed as they finish; write `trials.json` beside them; return results in design order.
 
-    `on_trial(result, resumed)` is called once per trial: for results a previous attempt left
-    (resumed=True) and for each trial as it finishes. Raises `SweepFailedError` when no trial
-    succeeded."""
-    from tasks.train.data_loader import mixture_with_weights
+    A trial that ends ok or diverged is committed (a divergence is data: same seed, same data, same
+    divergence, so it is not run again). One that failed (an exception, a killed process or job) is
+    retried on its own by `where`; if it still fails it is recorded and left uncommitted, so the next
+    attempt of the stage runs it again. `on_trial(result, resumed)` is called once per trial, as it
+    is reused (resumed=True) or finishes. Raises `SweepFailedError` when no trial succeeded."""
+    from tasks.scaling.trial_runs import PoolTrials
 
-    trials_dir = out_dir / TRIALS_DIR
-    trials_dir.mkdir(parents=True, exist_ok=True)
-    for torn in trials_dir.glob("*.json.tmp"):  # a result being written when the last attempt died
-        torn.unlink()
+    where = where or PoolTrials(cfg.max_parallel)
+    out_dir = subruns.store.root
     results: dict[str, TrialResult] = {}
-    mixtures: dict[str, Mixture] = {}
 
-    def mixture_of(trial: Trial) -> Mixture:
-        if trial.mixture not in mixtures:
-            mixtures[trial.mixture] = mixture_with_weights(shards, shards_root, trial.weights,
-                                                           f"sweep.mixtures.{trial.mixture}")
-        return mixtures[trial.mixture]
-
-    def run_phase(trials: list[Trial], what: str) -> None:
+    def run_phase(trials: list[Trial], label: str, what: str) -> None:
         if not trials:
             return
+        pending = []
         for trial in trials:
-            if trial.name not in results and (kept := load_finished(trials_dir, trial)) is not None:
-                results[trial.name] = kept
-                if on_trial:
-                    on_trial(kept, True)
-        pending = sorted((t for t in trials if t.name not in results), key=lambda t: -_cost(cfg, t))
-        progress = Progress(what, len(trials), "trials", done=len(trials) - len(pending))
-
-        def finished(result: TrialResult) -> None:
-            results[result.name] = result
-            bad = sum(r.status != "ok" for r in results.values())
-            progress.advance(note=f"{bad} failed or diverged" if bad else "")
+            if trial.name in results:
+                continue
+            reused = subruns.reuse(trial_subrun(trial))
+            if reused is None:
+                pending.append(trial)
+                continue
+            results[trial.name] = load_result(reused.path)
             if on_trial:
-                on_trial(result, False)
-
+                on_trial(results[trial.name], True)
+        progress = Progress(what, len(trials), "trials", done=len(trials) - len(pending))
+        started = {t.name: subruns.begin(trial_subrun(t)) for t in pending}
+        pending.sort(key=lambda t: -trial_cost(t))
         with progress:
-            if cfg.num_workers <= 1:
-                for trial in pending:
-                    finished(_run_and_save(trial_fn, cfg, trial, mixture_of(trial), trials_dir))
-            else:
-                broken = _run_in_pool(pending, cfg.num_workers, trial_fn, cfg, mixture_of, trials_dir, finished)
-                _run_isolated(broken, trial_fn, cfg, mixture_of, trials_dir, finished)
+            for trial, result, launch in where.run(cfg, shards, shards_root,
+                                                   [(t, started[t.name][0]) for t in pending], label):
+                folder, recorder = started[trial.name]
+                record_trial(recorder, result, log_every or cfg.run.log_every)
+                if result.status in FINAL_STATUSES:
+                    subruns.commit(trial_subrun(trial), recorder, trial_stats(result), wall_s=result.wall_s,
+                                   failed=not result.ok, launch=launch)
+                else:
+                    save_result(result, folder)  # the reason, for whoever opens the folder
+                    subruns.fail(recorder, result.reason or "failed")
+                results[trial.name] = result
+                bad = sum(r.status != "ok" for r in results.values())
+                progress.advance(note=f"{bad} failed or diverged" if bad else "")
+                if on_trial:
+                    on_trial(result, False)
 
-    first = design_trials(cfg, shards["vocab_size"])
-    run_phase(first, "sweep (IsoFLOP and mixture trials)")
+    first = design_trials(cfg, shards["vocab_size"], mixture_folds)
+    run_phase(first, "phase1", "sweep (IsoFLOP and mixture trials)")
     second = design_hyper_trials(cfg, [results[t.name] for t in first])
-    run_phase(second, "sweep (LR x batch trials)")
+    run_phase(second, "phase2", "sweep (LR x batch trials)")
     ordered = [results[t.name] for t in first + second]
     (out_dir / TRIALS_FILE).write_text(json.dumps([asdict(r) for r in ordered], indent=2))
     if not succeeded(ordered):
-        raise SweepFailedError(_all_failed_message(ordered, trials_dir))
+        raise SweepFailedError(_all_failed_message(ordered, out_dir / TRIALS_DIR))
     return ordered
 
 
-def _run_in_pool(trials: list[Trial], num_workers: int, trial_fn: TrialFn, cfg: SweepConfig,
-                 mixture_of: Callable[[Trial], Mixture], trials_dir: Path,
-                 finished: Callable[[TrialResult], None]) -> list[Trial]:
-    """Run `trials` in a pool of spawned processes; return those left unfinished by a dead worker."""
-    if not trials:
-        return []
-    pool = ProcessPoolExecutor(min(num_workers, len(trials)), mp_context=get_context("spawn"))
-    futures: dict[Future, Trial] = {
-        pool.submit(_run_and_save, trial_fn, cfg, t, mixture_of(t), trials_dir): t for t in trials}
-    broken: list[Trial] = []
-    try:
-        for future in as_completed(futures):
-            try:
-                result = future.result()
-            except BrokenProcessPool:
-                broken.append(futures[future])
-                continue
-            finished(result)
-    finally:
-        # on an interrupt, trials not yet started are dropped; running ones finish and save their results
-        pool.shutdown(wait=True, cancel_futures=True)
-    return sorted(broken, key=trials.index)
+def trial_stats(result: TrialResult) -> dict:
+    """A trial's result as its sub-run's stats (the curve stays in its result file)."""
+    return {k: v for k, v in asdict(result).items() if k != "loss_curve"}
 
 
-def _run_isolated(trials: list[Trial], trial_fn: TrialFn, cfg: SweepConfig, mixture_of: Callable[[Trial], Mixture],
-                  trials_dir: Path, finished: Callable[[TrialResult], None]) -> None:
-    """Run trials one at a time in a one-process pool. A dead worker took a pool down with every trial
-    in it, unfinished; alone, a trial that kills its worker again is the one named and recorded."""
-    pool: ProcessPoolExecutor | None = None
-    try:
-        for trial in trials:
-            pool = pool or ProcessPoolExecutor(1, mp_context=get_context("spawn"))
-            try:
-                result = pool.submit(_run_and_save, trial_fn, cfg, trial, mixture_of(trial), trials_dir).result()
-            except BrokenProcessPool:
-                pool.shutdown(wait=True)
-                pool = None
-                result = _worker_died(cfg, trial, mixture_of(trial).vocab_size, trials_dir)
-            finished(result)
-    finally:
-        if pool is not None:
-            pool.shutdown(wait=True, cancel_futures=True)
+def record_trial(recorder: StageRecorder, trial: TrialResult, log_every: int) -> None:
+    """The trial's status, reason and loss curve (at the training loop's logging cadence and its last
+    step: a few calls per trial) on its child run; its final numbers come with its commit."""
+    tags = {"kiln.trial.status": trial.status, "kiln.trial.kind": trial.kind}
+    if trial.reason:
+        tags["kiln.trial.reason"] = trial.reason[:REASON_TAG_CHARS]  # MLflow caps tags; the result file has it all
+    recorder.tracker.set_tags(recorder.run_id, tags)
+    curve = trial.loss_curve
+    for step, loss in curve:
+        if step % log_every == 0 or step == curve[-1][0]:
+            recorder.metrics(step, {"train.loss": loss})
 
 
 def _all_failed_message(results: list[TrialResult], trials_dir: Path) -> str:
@@ -516,7 +534,7 @@ def _all_failed_message(results: list[TrialResult], trials_dir: Path) -> str:
     listed = "; ".join(f"{n}x {reason}" for reason, n in reasons.most_common(3))
     return (f"every sweep trial failed ({', '.join(f'{n} {s}' for s, n in sorted(counts.items()))}), "
             f"so there is nothing to fit. Most common reasons: {listed}. Each trial's run is in "
-            f"{trials_dir}/<trial name>/; a diverging sweep wants a smaller sweep.lr (or sweep.optim.warmup_steps).")
+            f"{trials_dir}/<trial name>/ (a failed one's in {trials_dir}/.<trial name>.partial/); a diverging sweep wants a smaller sweep.lr (or sweep.optim.warmup_steps).")
 
 
 def _result_from_json(row: dict) -> TrialResult:

@@ -1,51 +1,33 @@
-"""Stage `sweep`: the proxy runs (IsoFLOP grid, LR x batch grid, mixture design); each trial is a child MLflow run.
+"""Stage `sweep`: the proxy runs (IsoFLOP grid, LR x batch grid, mixture design), each trial a sub-run.
 
-Resumable: each trial's result is kept in the partial folder as it finishes (`trials/<name>.json`),
-so a crashed or interrupted attempt's retry runs only the trials without one. A diverged or failed
-trial is a result too (its child run is marked failed, with the reason); the stage fails only when
-no trial finished.
+Each trial is a sub-run (`trials/<name>/`, its own manifest and MLflow child run), trained where
+`cluster.launcher` says: `sweep.max_parallel` processes of this stage (`local`), or as many jobs at
+a time through torchrun, Slurm or Kubernetes (`tasks.scaling.trial_runs`). Resumable: a retried
+attempt reuses every committed trial and resumes the others from their folders. A diverged trial
+is committed as such (its child run marked failed, with the reason); a failed one is retried on its
+own and, if it keeps failing, recorded uncommitted; the stage fails only when no trial finished.
 """
 
 from __future__ import annotations
 
 from tasks.data.tokenize import SHARDS_FILE
-from tasks.scaling.sweep import TrialResult, SweepConfig, run_sweep, succeeded
+from tasks.scaling.sweep import SweepConfig, run_sweep, succeeded
 from tasks.stage import Stage, StageContext
-
-REASON_TAG_CHARS = 1000  # MLflow caps tag values; the whole reason is in trials.json
 
 
 def run(ctx: StageContext) -> dict:
-    cfg = ctx.cfg.sweep
-    tracker, parent = ctx.recorder.tracker, ctx.recorder.run_id
+    from tasks.scaling.trial_runs import JOBS_DIR, JobTrials, PoolTrials
 
-    def record_trial(trial: TrialResult, resumed: bool) -> None:
-        tags = {"kiln.stage": "sweep-trial", "kiln.trial.status": trial.status}
-        if trial.reason:
-            tags["kiln.trial.reason"] = trial.reason[:REASON_TAG_CHARS]
-        if resumed:
-            tags["kiln.trial.resumed"] = "true"  # finished by an earlier attempt of this stage
-        run_id = tracker.start_run(trial.name, parent_id=parent, tags={**tags, "kiln.trial.kind": trial.kind}, params={
-            "lr": trial.lr, "width": trial.width, "mixture": trial.mixture, "batch_size": trial.batch_size,
-            "num_params": trial.num_params, "tokens": trial.tokens, **({"budget": trial.budget} if trial.budget else {}),
-            **{f"weight.{d}": w for d, w in trial.weights.items()}})
-        # the curve at the training loop's logging cadence (and its last step): a few calls per trial
-        curve = trial.loss_curve
-        for step, loss in curve:
-            if step % cfg.run.log_every == 0 or step == curve[-1][0]:
-                tracker.log_metrics(run_id, {"train.loss": loss}, step)
-        final = {"steps": trial.steps, "tokens_seen": trial.tokens_seen, "wall_s": trial.wall_s}
-        if trial.ok:
-            final |= {"val_loss": trial.val_loss, "final_train_loss": trial.final_train_loss,
-                      **{f"val_loss.{d}": v for d, v in trial.val_loss_by_domain.items()}}
-        tracker.log_metrics(run_id, final)
-        tracker.end_run(run_id, failed=not trial.ok)
-
-    tokenized = ctx.inputs["tokenize"]
-    results = run_sweep(cfg, ctx.read_json("tokenize", SHARDS_FILE), tokenized, ctx.out_dir, record_trial)
+    cfg, cluster = ctx.cfg.sweep, ctx.cfg.cluster
+    if cluster.launcher == "local":
+        where = PoolTrials(cfg.max_parallel, cluster.max_restarts)
+    else:
+        where = JobTrials(cluster.launcher, cluster, cfg.max_parallel, ctx.out_dir / JOBS_DIR)
+    results = run_sweep(cfg, ctx.read_json("tokenize", SHARDS_FILE), ctx.inputs["tokenize"], ctx.subruns(),
+                        where=where, mixture_folds=ctx.cfg.fit.mixture_folds)
     finished = succeeded(results)
     best = min(finished, key=lambda r: r.val_loss)
-    return {"num_trials": len(results), "num_ok": len(finished),
+    return {"num_trials": len(results), "num_ok": len(finished), "launcher": cluster.launcher,
             "num_by_kind": {k: sum(r.kind == k for r in results) for k in ("isoflop", "hyper", "mixture")},
             "num_diverged": sum(r.status == "diverged" for r in results),
             "num_failed": sum(r.status == "failed" for r in results),
@@ -64,9 +46,10 @@ def headline(stats: dict) -> dict:
 
 STAGE = Stage(
     name="sweep", description="proxy runs: IsoFLOP grid, LR x batch grid, mixture design", body=run,
-    inputs=("tokenize",),
+    inputs=("tokenize",), reads=("fit.mixture_folds",),
     # 2: the key no longer hashes the unused sweep.optim.lr; 3: failed trials are results (status,
     # reason, steps, curve), trials are named with their batch size, one result file per trial;
-    # 4: IsoFLOP, LR x batch and Dirichlet mixture designs
-    config=SweepConfig, version=4, resumable=True, headline=headline,
+    # 4: IsoFLOP, LR x batch and Dirichlet mixture designs; 5: each trial a sub-run (trials/<name>/ with
+    # its manifest and result.json); the mixture design grows to the regression's minimum
+    config=SweepConfig, version=5, resumable=True, headline=headline,
 )

@@ -1,4 +1,5 @@
-"""The sweep: failed trials are results the fit leaves out, interrupted sweeps resume, dead workers are named."""
+"""The sweep: each trial a sub-run; failed trials are results the fit leaves out, interrupted sweeps resume,
+dead workers are named and their trials retried on their own, the design grows to the regression's minimum."""
 
 from __future__ import annotations
 
@@ -10,9 +11,11 @@ import numpy as np
 import pytest
 
 from tasks.data.tokenize import SHARDS_FILE
-from tasks.runner import StageRecorder
+from tasks.runner import StageRecorder, SubRuns
 from tasks.scaling.fit import excluded, law_points
+from tasks.scaling.mixture_regression import minimum_trials
 from tasks.scaling.sweep import (
+    RESULT_FILE,
     TRIALS_DIR,
     TRIALS_FILE,
     IsoFlopBudget,
@@ -21,10 +24,13 @@ from tasks.scaling.sweep import (
     SweepFailedError,
     TrialResult,
     design_trials,
+    load_result,
     load_trials,
     run_sweep,
-    save_trial,
+    sampled_mixtures,
+    save_result,
 )
+from tasks.scaling.trial_runs import PoolTrials
 from tasks.stage import StageContext
 from tasks.stages import sweep as sweep_stage
 from tasks.store import Store
@@ -47,7 +53,11 @@ def shards(tmp_path_factory) -> tuple[dict, Path]:
     return shards, root
 
 
-def tiny(lr: float = 1e-3, multipliers: tuple[float, ...] = (1.0,), num_workers: int = 1, **updates) -> SweepConfig:
+def subruns(out: Path, tracker=None) -> SubRuns:
+    return SubRuns(StageRecorder(tracker or NullTracker(), "stage-run", "sweep", "k"), out)
+
+
+def tiny(lr: float = 1e-3, multipliers: tuple[float, ...] = (1.0,), max_parallel: int = 1, **updates) -> SweepConfig:
     """One budget with one width, an LR grid of `multipliers` at it, and one named mixture (no samples).
 
     The IsoFLOP trial is the mixture trial too (same width, LR, batch and steps: one trial)."""
@@ -55,7 +65,7 @@ def tiny(lr: float = 1e-3, multipliers: tuple[float, ...] = (1.0,), num_workers:
         "model": ModelConfig(d_model=16, n_layers=1, n_heads=2, max_seq_len=16), "lr": lr, "lr_width_exponent": 0.0,
         "isoflop": [IsoFlopBudget(flops=6 * PARAMS_W16 * 12 * 4 * 16, widths=[16])],
         "lr_multipliers": list(multipliers), "mixtures": {"u": {"web": 1, "code": 1}},
-        "mixture_design": MixtureDesign(num_samples=0), "num_workers": num_workers,
+        "mixture_design": MixtureDesign(num_samples=0), "max_parallel": max_parallel,
         "run": TrainRunConfig(steps=12, batch_size=4, seq_len=16, eval_batches=1, checkpoint_every=1000), **updates})
 
 
@@ -65,8 +75,8 @@ PARAMS_W16 = 1 * (4 * 16 * 16 + 3 * 16 * 64 + 2 * 16) + 16 + 64 * 16  # one laye
 def test_a_diverging_trial_is_recorded_and_the_fit_uses_the_rest(shards, tmp_path):
     # two worker processes: the divergence (the x1e7 LR of the second phase) happens in one and comes back as data
     seen: list[str] = []
-    results = run_sweep(tiny(1e-3, (1.0, 1e7), num_workers=2), *shards, tmp_path,
-                        lambda r, resumed: seen.append(r.name))
+    results = run_sweep(tiny(1e-3, (1.0, 1e7), max_parallel=2), *shards, subruns(tmp_path),
+                        on_trial=lambda r, resumed: seen.append(r.name))
     ok, bad = results
     assert (ok.kind, bad.kind) == ("isoflop", "hyper") and ok.steps == 12 and ok.num_params == PARAMS_W16
     assert (ok.status, ok.reason) == ("ok", None) and len(ok.loss_curve) == 12
@@ -74,7 +84,11 @@ def test_a_diverging_trial_is_recorded_and_the_fit_uses_the_rest(shards, tmp_pat
     assert bad.steps < 12  # where the loss went non-finite (the steps it reached before giving up)
     assert sorted(seen) == sorted(r.name for r in results)
     assert load_trials(tmp_path / TRIALS_FILE) == results  # every trial, failures included, in design order
-    assert sorted(p.name for p in (tmp_path / TRIALS_DIR).glob("*.json")) == sorted(f"{r.name}.json" for r in results)
+    # both are committed sub-runs, each with its result and manifest: a divergence is final, not retried
+    for result in results:
+        manifest = Store(tmp_path).manifest(TRIALS_DIR, result.name)
+        assert (manifest["subrun"], manifest["stats"]["status"]) == (f"trials/{result.name}", result.status)
+        assert load_result(tmp_path / TRIALS_DIR / result.name) == result
     assert excluded(results) == {bad.name: {"status": "diverged", "reason": bad.reason, "steps": bad.steps}}
     assert [p["trial"] for p in law_points(results, "u")] == [ok.name]
 
@@ -89,35 +103,58 @@ def test_an_interrupted_sweep_reruns_only_unfinished_and_failed_trials(shards, t
         raise KeyboardInterrupt  # as Ctrl-C right after the first trial finished
 
     with pytest.raises(KeyboardInterrupt):
-        run_sweep(cfg, *shards, tmp_path, interrupt)
-    assert [p.stem for p in (tmp_path / TRIALS_DIR).glob("*.json")] == [names[0]]
-    # the third trial failed in a previous attempt (say, killed): it is run again, not kept
-    save_trial(TrialResult(names[2], 16, 3e-3, "u", 4, 1, 1, None, None, {}, 0, 0.0, status="failed",
-                           reason="its worker process died", kind="hyper"), tmp_path / TRIALS_DIR)
-
-    (tmp_path / TRIALS_DIR / f"{names[1]}.json.tmp").write_text("{")  # torn by the interrupt
+        run_sweep(cfg, *shards, subruns(tmp_path), on_trial=interrupt)
+    store = Store(tmp_path)
+    assert store.is_complete(TRIALS_DIR, names[0]) and not store.is_complete(TRIALS_DIR, names[1])
+    # the third trial failed in a previous attempt (say, killed): its partial folder says so; it is run again
+    failed = store.begin(TRIALS_DIR, names[2], resumable=True)
+    save_result(TrialResult(names[2], 16, 3e-3, "u", 4, 1, 1, None, None, {}, 0, 0.0, status="failed",
+                            reason="its worker process died", kind="hyper"), failed)
+    (failed / f"{RESULT_FILE}.tmp").write_text("{")  # torn by the interrupt
     calls: list[tuple[str, bool]] = []
     capsys.readouterr()
-    results = run_sweep(cfg, *shards, tmp_path, lambda r, resumed: calls.append((r.name, resumed)))
+    results = run_sweep(cfg, *shards, subruns(tmp_path), on_trial=lambda r, resumed: calls.append((r.name, resumed)))
     assert calls == [(names[0], True), (names[1], False), (names[2], False)]
     # a progress line per phase (kept trials counted as done); the trials' training reports nothing of its own
     assert [line.split(", ")[0] for line in capsys.readouterr().err.splitlines()] == [
         "sweep (IsoFLOP and mixture trials): 1/1 trials (100%)", "sweep (LR x batch trials): 2/2 trials (100%)"]
     assert [r.status for r in results] == ["ok"] * 3
-    assert not list((tmp_path / TRIALS_DIR).glob("*.tmp"))
+    assert all(store.is_complete(TRIALS_DIR, name) for name in names)
 
 
 def test_every_trial_failing_fails_the_sweep_clearly(shards, tmp_path):
     with pytest.raises(SweepFailedError, match=r"every sweep trial failed \(1 diverged\).*smaller sweep.lr"):
-        run_sweep(tiny(1e4), *shards, tmp_path)
+        run_sweep(tiny(1e4), *shards, subruns(tmp_path))
 
 
-def test_a_trial_that_kills_its_worker_is_named_and_the_rest_finish(shards, tmp_path):
-    results = run_sweep(tiny(1.0, (1.0, POISON_LR, 10.0), num_workers=2), *shards, tmp_path,
-                        trial_fn=fake_trial)
+def test_a_trial_that_kills_its_worker_is_retried_alone_then_named_and_the_rest_finish(shards, tmp_path):
+    cfg = tiny(1.0, (1.0, POISON_LR, 10.0), max_parallel=2)
+    results = run_sweep(cfg, *shards, subruns(tmp_path), where=PoolTrials(2, max_restarts=1, trial_fn=fake_trial))
     assert [r.status for r in results] == ["ok", "failed", "ok"]
     assert "worker process died" in results[1].reason
-    assert json.loads((tmp_path / TRIALS_DIR / f"{results[1].name}.json").read_text())["status"] == "failed"
+    store = Store(tmp_path)
+    # the failed trial is recorded in its partial folder, uncommitted: the stage's next attempt runs it again
+    assert not store.is_complete(TRIALS_DIR, results[1].name)
+    assert load_result(store.partial_path(TRIALS_DIR, results[1].name)).status == "failed"
+    # the trials its dead pool took down with it were retried alone, and committed
+    assert [store.manifest(TRIALS_DIR, results[i].name)["launch"]["attempts"] for i in (0, 2)] in ([1, 1], [1, 2])
+
+
+def test_the_mixture_design_grows_to_the_regressions_minimum():
+    """Five domains need 25 mixture trials (5 a domain); the named `uniform` is the IsoFLOP trial already, so
+    `heavy` and 24 samples (18 asked) make them."""
+    domains = ("web", "code", "prose", "multilingual", "reference")
+    cfg = tiny(mixtures={"uniform": dict.fromkeys(domains, 1), "heavy": {**dict.fromkeys(domains, 1), "prose": 3}},
+               mixture_design=MixtureDesign(num_samples=18))
+    mixture = [t for t in design_trials(cfg, 64, mixture_folds=5) if t.kind == "mixture"]
+    assert len(mixture) == minimum_trials(5, 5) == 25
+    assert [t.mixture for t in mixture[:2]] == ["heavy", "dirichlet00"] and mixture[-1].mixture == "dirichlet23"
+    # a larger design keeps the smaller one's samples (one seeded sequence)
+    assert list(sampled_mixtures(cfg, 24).values())[:18] == list(sampled_mixtures(cfg, 18).values())
+    # more folds need more trials (4 a fold); num_samples: 0 wants no regression and gets none
+    assert sum(t.kind == "mixture" for t in design_trials(cfg, 64, mixture_folds=8)) == 32 == minimum_trials(5, 8)
+    none = cfg.model_copy(update={"mixture_design": MixtureDesign(num_samples=0)})
+    assert [t.mixture for t in design_trials(none, 64) if t.kind == "mixture"] == ["heavy"]
 
 
 class RecordingTracker(NullTracker):
@@ -142,20 +179,20 @@ def test_the_stage_records_each_trial_as_a_child_run_and_a_diverged_one_as_faile
     shards_json, root = shards
     (root / SHARDS_FILE).write_text(json.dumps(shards_json))
     tracker = RecordingTracker()
-    ctx = StageContext(SimpleNamespace(sweep=tiny(1e-3, (1.0, 1e7), run=TrainRunConfig(
-        steps=12, batch_size=4, seq_len=16, eval_batches=1, checkpoint_every=1000, log_every=5))),
-        tmp_path, {"tokenize": root}, Store(tmp_path / "store"), StageRecorder(tracker, "stage-run", "sweep", "k"))
+    cfg = SimpleNamespace(sweep=tiny(1e-3, (1.0, 1e7), run=TrainRunConfig(
+        steps=12, batch_size=4, seq_len=16, eval_batches=1, checkpoint_every=1000, log_every=5)),
+        cluster=SimpleNamespace(launcher="local", max_restarts=2), fit=SimpleNamespace(mixture_folds=5))
+    ctx = StageContext(cfg, tmp_path, {"tokenize": root}, Store(tmp_path / "store"),
+                       StageRecorder(tracker, "stage-run", "sweep", "k"))
     stats = sweep_stage.run(ctx)
     assert sweep_stage.STAGE.resumable
     assert (stats["num_trials"], stats["num_ok"], stats["num_diverged"]) == (2, 1, 1)
     assert sweep_stage.headline(stats)["not_finished"] == 1
     ok, bad = (tracker.runs[n] for n in ("w16-lr0.001-bs4-s12-u", "w16-lr1e+04-bs4-s12-u"))
     assert ok["parent"] == bad["parent"] == "stage-run"
-    assert (ok["failed"], ok["tags"]["kiln.trial.status"]) == (False, "ok")
+    assert (ok["failed"], ok["tags"]["kiln.trial.status"], ok["tags"]["kiln.subrun"]) == (False, "ok", "trials")
     assert [step for step, m in ok["metrics"] if "train.loss" in m] == [5, 10, 12]  # the curve, at log_every
     assert bad["failed"] is True and bad["tags"]["kiln.trial.status"] == "diverged"
     assert (ok["tags"]["kiln.trial.kind"], bad["tags"]["kiln.trial.kind"]) == ("isoflop", "hyper")
     assert "TrainingDivergedError" in bad["tags"]["kiln.trial.reason"]
     assert "val_loss" not in bad["metrics"][-1][1] and "steps" in bad["metrics"][-1][1]
-
-

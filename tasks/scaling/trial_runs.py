@@ -1,0 +1,358 @@
+"""Where proxy trials train: processes of the sweep stage, or jobs through `cluster.launcher`.
+
+Both take a phase's pending trials, each with its sub-run folder (`trials/.<name>.partial/`, where
+it trains and saves its `result.json`), and yield each trial's result as it finishes, with what
+launched it; the sweep commits each as it comes. A trial that ends ok or diverged is final. One
+that failed (an exception, a killed process, a failed, cancelled or preempted job) is retried on its
+own, resuming from its folder, up to `cluster.max_restarts` times; after that its failed result is
+yielded (the sweep records it uncommitted). A `KilnError` inside a trial (the user's to fix, the same
+for every trial) stops the sweep.
+
+- `PoolTrials` (`cluster.launcher: local`): `sweep.max_parallel` spawned processes of the stage;
+  retries run alone in a fresh process (a trial that kills its process then takes no other with it).
+- `JobTrials` (torchrun, slurm, kubernetes): the pending trials, longest first, are dealt into
+  `sweep.max_parallel` shares, and each share is one job that trains its trials one after another in
+  one process (`python -m tasks.scaling.trial_runs`). Python and torch start once per job, not once
+  per trial: on this project's CPU machine a proxy trial trains in seconds, less than a job's start.
+  torchrun and Slurm run one job per share (at most `max_parallel` at once: a share's next job is
+  submitted only after its last one ended); a failed job is resubmitted for the share's unfinished
+  trials (a committed trial is never run again; the one it was training resumes from its folder).
+  Kubernetes runs one indexed Job of all shares, `max_parallel` pods at once, each index retried on
+  its own by Kubernetes (`backoffLimitPerIndex`), and the Job relaunched for what is left.
+
+Jobs, their scripts and logs live in the sweep's folder (`jobs/<phase>/`), beside the trials.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ProcessPoolExecutor, as_completed
+from concurrent.futures.process import BrokenProcessPool
+from dataclasses import asdict
+from multiprocessing import get_context
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+from tasks.errors import ConfigError, KilnError
+from tasks.scaling.sweep import (
+    FINAL_STATUSES,
+    SweepConfig,
+    Trial,
+    TrialFn,
+    TrialResult,
+    load_result,
+    run_trial,
+    train_trial,
+    worker_died,
+)
+
+if TYPE_CHECKING:
+    from tasks.launch.cluster import ClusterSpec
+    from tasks.launch.launchers import Launcher
+    from tasks.train.data_loader import Mixture
+
+logger = logging.getLogger("kiln.sweep")
+
+JOBS_DIR = "jobs"
+JOB_FILE = "job.json"  # a launched job's trials: what `python -m tasks.scaling.trial_runs` reads
+ERROR_FILE = "error.json"  # in a trial's folder: the KilnError that stopped it (not a retryable failure)
+FAILED_HOSTS_FILE = "failed_hosts.json"  # hosts whose jobs failed: later jobs keep off them
+POLL_S = 0.5  # how often finished trials are looked for while jobs run
+USER_ERROR_EXIT = 3  # a worker's exit code when a trial raised a KilnError
+
+Pending = list[tuple[Trial, Path]]  # each trial with its sub-run folder
+Finished = tuple[Trial, TrialResult, dict[str, Any]]  # ...its result and how it was launched
+
+
+class TrialLauncher(Protocol):
+    def run(self, cfg: SweepConfig, shards: dict, shards_root: Path, pending: Pending,
+            label: str) -> Iterator[Finished]:
+        """Train `pending`; yield each trial's final (or, after its retries, failed) result as it comes."""
+
+
+def _mixture(shards: dict, shards_root: Path, trial: Trial) -> Mixture:
+    from tasks.train.data_loader import mixture_with_weights
+
+    return mixture_with_weights(shards, shards_root, trial.weights, f"sweep.mixtures.{trial.mixture}")
+
+
+class PoolTrials:
+    """Trials in `max_parallel` spawned processes of this one (`cluster.launcher: local`)."""
+
+    def __init__(self, max_parallel: int, max_restarts: int = 2, trial_fn: TrialFn = run_trial) -> None:
+        self.max_parallel, self.max_restarts, self.trial_fn = max_parallel, max_restarts, trial_fn
+
+    def run(self, cfg: SweepConfig, shards: dict, shards_root: Path, pending: Pending,
+            label: str = "") -> Iterator[Finished]:
+        mixtures: dict[str, Mixture] = {}
+
+        def mixture_of(trial: Trial) -> Mixture:
+            if trial.mixture not in mixtures:
+                mixtures[trial.mixture] = _mixture(shards, shards_root, trial)
+            return mixtures[trial.mixture]
+
+        attempts = {trial.name: 1 for trial, _ in pending}
+        retry: list[tuple[Trial, Path, TrialResult]] = []
+        for trial, folder, result in self._pool(cfg, pending, mixture_of):
+            if result.status in FINAL_STATUSES:
+                yield trial, result, {"launcher": "local", "attempts": 1}
+            else:
+                retry.append((trial, folder, result))
+        for trial, folder, result in retry:  # alone: a trial that kills its process takes no other with it
+            while result.status not in FINAL_STATUSES and attempts[trial.name] <= self.max_restarts:
+                attempts[trial.name] += 1
+                logger.warning("trial %s failed (%s); retrying it, attempt %d", trial.name, result.reason,
+                               attempts[trial.name])
+                result = self._alone(cfg, trial, folder, mixture_of(trial), shards["vocab_size"])
+            yield trial, result, {"launcher": "local", "attempts": attempts[trial.name]}
+
+    def _pool(self, cfg: SweepConfig, pending: Pending,
+              mixture_of: Callable[[Trial], Mixture]) -> Iterator[tuple[Trial, Path, TrialResult]]:
+        if not pending:
+            return
+        pool = ProcessPoolExecutor(min(self.max_parallel, len(pending)), mp_context=get_context("spawn"))
+        futures: dict[Future, tuple[Trial, Path]] = {
+            pool.submit(train_trial, self.trial_fn, cfg, t, mixture_of(t), folder): (t, folder) for t, folder in pending}
+        try:
+            for future in as_completed(futures):
+                trial, folder = futures[future]
+                try:
+                    result = future.result()
+                except BrokenProcessPool:  # some trial killed its process: every unfinished one is retried
+                    result = worker_died(cfg, trial, mixture_of(trial).vocab_size, _DIED)
+                yield trial, folder, result
+        finally:
+            # on an interrupt, trials not yet started are dropped; running ones finish and save their results
+            pool.shutdown(wait=True, cancel_futures=True)
+
+    def _alone(self, cfg: SweepConfig, trial: Trial, folder: Path, mixture: Mixture, vocab_size: int) -> TrialResult:
+        with ProcessPoolExecutor(1, mp_context=get_context("spawn")) as pool:
+            try:
+                return pool.submit(train_trial, self.trial_fn, cfg, trial, mixture, folder).result()
+            except BrokenProcessPool:
+                return worker_died(cfg, trial, vocab_size, _DIED)
+
+
+_DIED = "its worker process died (killed, e.g. out of memory, or crashed)"
+
+
+def deal(pending: Pending, shares: int) -> list[Pending]:
+    """The trials (longest first) dealt round-robin into `shares` non-empty shares: each share's job
+    then takes about as long as the others."""
+    dealt: list[Pending] = [[] for _ in range(min(shares, len(pending)))]
+    for i, item in enumerate(pending):
+        dealt[i % len(dealt)].append(item)
+    return dealt
+
+
+class JobTrials:
+    """Trials as jobs through `launcher` (torchrun, slurm, kubernetes), `max_parallel` at a time.
+
+    `cluster` is the cluster section; each job gets one process on one node (and one GPU when the
+    nodes have any). `jobs_dir` holds each phase's job files, scripts and logs."""
+
+    def __init__(self, launcher: str, cluster: ClusterSpec, max_parallel: int, jobs_dir: Path, *,
+                 poll_s: float = POLL_S, launcher_options: dict[str, Any] | None = None) -> None:
+        self.launcher, self.max_parallel, self.jobs_dir, self.poll_s = launcher, max_parallel, jobs_dir, poll_s
+        self.cluster = cluster.model_copy(update={"nodes": 1, "gpus_per_node": min(cluster.gpus_per_node, 1)})
+        self.max_restarts = cluster.max_restarts
+        self.launcher_options = launcher_options or {}
+
+    def run(self, cfg: SweepConfig, shards: dict, shards_root: Path, pending: Pending,
+            label: str = "trials") -> Iterator[Finished]:
+        from tasks.launch.launchers import sigterm_raises
+
+        if not pending:
+            return
+        shares = deal(pending, self.max_parallel)
+        # Kubernetes: one indexed Job holds every share and runs max_parallel of them at once
+        units = [shares] if self.launcher == "kubernetes" else [[share] for share in shares]
+        state = _JobState({trial.name: {"launcher": self.launcher, "jobs": []} for trial, _ in pending})
+        threads = [threading.Thread(target=self._unit, args=(cfg, shards, shards_root, unit, f"{label}-{i}", state),
+                                    name=f"kiln-sweep-{label}-{i}", daemon=True) for i, unit in enumerate(units)]
+        for thread in threads:
+            thread.start()
+        with sigterm_raises("the sweep's trial jobs"):
+            try:
+                while True:
+                    running = any(thread.is_alive() for thread in threads)
+                    for trial, result in state.newly_final(pending):
+                        yield trial, result, state.launch[trial.name]
+                    if not running:
+                        break
+                    time.sleep(self.poll_s)
+            except BaseException:  # an interrupt, or the caller stopped reading: no job may outlive the sweep
+                state.stop_all()
+                for thread in threads:
+                    thread.join()
+                raise
+        if state.error is not None:
+            raise state.error
+        for trial, folder in pending:
+            if trial.name not in state.done:
+                result = load_result(folder) or worker_died(
+                    cfg, trial, shards["vocab_size"], f"its job failed {self.max_restarts + 1} times; last: "
+                    f"{state.failures.get(trial.name, 'no result')}")
+                yield trial, result, state.launch[trial.name]
+
+    def _unit(self, cfg: SweepConfig, shards: dict, shards_root: Path, unit: list[Pending], name: str,
+              state: _JobState) -> None:
+        """One job (a share; for Kubernetes every share, one index each), resubmitted while trials remain."""
+        from tasks.launch.launchers import LaunchError
+
+        folder = self.jobs_dir / name
+        folder.mkdir(parents=True, exist_ok=True)
+        job = self._launcher(folder, name, len(unit))
+        for _ in range(self.max_restarts + 1):
+            todo = [[(t, f) for t, f in share if state.unfinished(t.name, f)] for share in unit]
+            todo = [share for share in todo if share]
+            if not todo or state.stopping.is_set():
+                return
+            (folder / JOB_FILE).write_text(json.dumps({
+                "sweep": cfg.model_dump(mode="json"), "shards": shards, "shards_root": str(shards_root.resolve()),
+                "shares": [[{"trial": asdict(t), "folder": str(f.resolve())} for t, f in share] for share in todo],
+            }, indent=1))
+            state.started(job)
+            try:
+                launched = job.launch(self._command(folder, len(todo)))
+            except LaunchError as error:
+                state.ended(job, [t for share in todo for t, _ in share], error.job_id or job.job_id)
+                if state.stopping.is_set():
+                    return
+                user_error = _user_error([f for share in todo for _, f in share])
+                if user_error is not None or not error.retryable:
+                    state.fail(user_error or error)
+                    return
+                logger.warning("sweep job %s failed; resubmitting it for its unfinished trials: %s", name,
+                               str(error).splitlines()[0])
+                state.failed([t.name for share in todo for t, _ in share], str(error).splitlines()[0])
+                continue
+            state.ended(job, [t for share in todo for t, _ in share], launched.job_id)
+            if not launched.submitted:
+                state.fail(ConfigError(f"cluster.launcher={self.launcher}: {launched.message}. The sweep waits for "
+                                       "its jobs, so the client must be on PATH where Kiln runs"))
+                return
+
+    def _launcher(self, folder: Path, name: str, shares: int) -> Launcher:
+        from tasks.launch.launchers import make_launcher
+
+        options = {"job_name": f"kiln-sweep-{name}".lower(), "nproc_per_node": 1, "env": {"OMP_NUM_THREADS": "1"},
+                   "failed_hosts_file": self.jobs_dir / FAILED_HOSTS_FILE, **self.launcher_options}
+        if self.launcher == "kubernetes":
+            from tasks.launch.kubernetes import KubernetesIndexedLauncher
+
+            return KubernetesIndexedLauncher(self.cluster, folder, completions=shares,
+                                             parallelism=min(self.max_parallel, shares),
+                                             backoff_limit_per_index=self.max_restarts, **options)
+        if self.launcher == "slurm":
+            options["torchrun"] = False  # one process: no rendezvous to pay for
+        return make_launcher(self.launcher, self.cluster, folder, **options)
+
+    def _command(self, folder: Path, shares: int) -> list[str]:
+        command = ["-m", "tasks.scaling.trial_runs", str((folder / JOB_FILE).resolve())]
+        if self.launcher == "kubernetes":  # each index of the Job takes its share
+            return [*command, "--share-env", "JOB_COMPLETION_INDEX"]
+        return [*command, "--share", "0"]
+
+
+class _JobState:
+    """What the job threads and the waiting thread share."""
+
+    def __init__(self, launch: dict[str, dict[str, Any]]) -> None:
+        self.launch = launch  # per trial: the launcher and the jobs that trained it
+        self.done: set[str] = set()  # yielded as final (and committed by the sweep: their folders move)
+        self.failures: dict[str, str] = {}
+        self.error: KilnError | None = None
+        self.stopping = threading.Event()
+        self._lock = threading.Lock()
+        self._active: set[Launcher] = set()
+
+    def unfinished(self, name: str, folder: Path) -> bool:
+        with self._lock:
+            if name in self.done:
+                return False
+        result = load_result(folder) if folder.is_dir() else None
+        return result is None or result.status not in FINAL_STATUSES
+
+    def newly_final(self, pending: Pending) -> list[tuple[Trial, TrialResult]]:
+        found = []
+        for trial, folder in pending:
+            with self._lock:
+                if trial.name in self.done:
+                    continue
+            result = load_result(folder) if folder.is_dir() else None
+            if result is not None and result.status in FINAL_STATUSES:
+                with self._lock:
+                    self.done.add(trial.name)
+                found.append((trial, result))
+        return found
+
+    def started(self, job: Launcher) -> None:
+        with self._lock:
+            self._active.add(job)
+            if self.stopping.is_set():  # stopped while this job was being submitted
+                job.stop()
+
+    def ended(self, job: Launcher, trials: list[Trial], job_id: str | None) -> None:
+        with self._lock:
+            self._active.discard(job)
+            for trial in trials:
+                self.launch[trial.name]["jobs"].append(job_id or job.job_name)
+
+    def failed(self, names: list[str], why: str) -> None:
+        with self._lock:
+            self.failures |= dict.fromkeys(names, why)
+
+    def fail(self, error: KilnError) -> None:
+        """A failure no retry can cure: stop every job, and the sweep raises it."""
+        with self._lock:
+            self.error = self.error or error
+        self.stop_all()
+
+    def stop_all(self) -> None:
+        self.stopping.set()
+        with self._lock:
+            active = list(self._active)
+        for job in active:
+            job.stop()
+
+
+def _user_error(folders: list[Path]) -> KilnError | None:
+    """The KilnError a worker recorded in one of these trials' folders, raised again here."""
+    for folder in folders:
+        if (folder / ERROR_FILE).is_file():
+            recorded = json.loads((folder / ERROR_FILE).read_text())
+            return KilnError(f"sweep trial {folder.name.strip('.').removesuffix('.partial')}: {recorded['message']}")
+    return None
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Train a share of a sweep job's trials, one after another, in this process."""
+    import os
+
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("job", type=Path)
+    parser.add_argument("--share", type=int)
+    parser.add_argument("--share-env", help="the environment variable holding the share's index (an indexed Job's)")
+    args = parser.parse_args(argv)
+    job = json.loads(args.job.read_text())
+    index = args.share if args.share is not None else int(os.environ[args.share_env])
+    cfg = SweepConfig.model_validate(job["sweep"])
+    for entry in job["shares"][index]:
+        trial, folder = Trial(**entry["trial"]), Path(entry["folder"])
+        if not folder.is_dir():  # committed while this job was being submitted: the trial is done
+            continue
+        try:
+            train_trial(run_trial, cfg, trial, _mixture(job["shards"], Path(job["shards_root"]), trial), folder)
+        except KilnError as error:  # the user's to fix: no retry can help, so say so and stop
+            (folder / ERROR_FILE).write_text(json.dumps({"type": type(error).__name__, "message": str(error)}))
+            raise SystemExit(USER_ERROR_EXIT) from error
+
+
+if __name__ == "__main__":
+    main()
