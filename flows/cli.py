@@ -474,7 +474,9 @@ def cmd_plan(ns: argparse.Namespace) -> int:
     from tasks.train.planner import load_preset, plan_parallelism, plan_presets, render_plan_report, resolve_parallel
 
     if ns.budget is not None or ns.hours is not None:  # the compute-optimal run from the config's fit
+        from tasks.graph import stage_keys
         from tasks.scaling.plan import budget_from_accelerators, budget_report
+        from tasks.store import Store
 
         cfg = load_config(ns.config or DEFAULT_CONFIG, ns.overrides)
         cluster = load_preset(ns.cluster, ClusterSpec) if ns.cluster else cfg.cluster
@@ -483,7 +485,13 @@ def cmd_plan(ns: argparse.Namespace) -> int:
                 cluster.world_size, ns.hours, cluster.peak_tflops, cluster.mfu)
         except ValueError as error:
             raise KilnError(f"--hours: {error} (describe GPUs: cluster.gpus_per_node, or --cluster PRESET)") from None
-        text, planned = budget_report(cfg, compute)
+        store, keys = Store(cfg.store_root), stage_keys(cfg)
+        for stage in ("sweep", "fit"):
+            if not store.is_complete(stage, keys[stage]):
+                raise KilnError(f"no completed {stage} stage for this config in {cfg.store_root} (key {keys[stage]}): "
+                                "run `kiln run CONFIG --until fit` first")
+        text, planned = budget_report(cfg.sweep, compute, store.path("fit", keys["fit"]),
+                                      store.path("sweep", keys["sweep"]))
         print(json.dumps(planned, indent=2) if ns.json else text, end="")
         return 0
     if ns.config is not None:  # what `train.parallel: auto` picks for this config's train stage

@@ -113,14 +113,15 @@ def plot_law(points: Sequence[dict[str, Any]], law: LossLawFit | None, runs: dic
         ax.plot(cs, frontier, color="tab:red", label=label)
         if band is not None:
             ax.fill_between(cs, band[0], band[1], color="tab:red", alpha=0.15, label=f"{law.level:.0%} band (bootstrap)")
-    markers = {"validate": "s", "production": "D"}
+    markers = {"validate": "s", "production": "D", "compute_optimal": "o"}
+    colours = {"validate": "tab:orange", "production": "tab:purple"}
     for name, run in runs.items():
         if run.get("predicted_loss") is None:
             continue
         lo, hi = run["interval"]
         loss = run["predicted_loss"]
         ax.errorbar([run["compute"]], [loss], yerr=[[loss - lo], [hi - loss]], fmt=markers.get(name, "o"),
-                    color="tab:orange" if name == "validate" else "tab:purple", capsize=5,
+                    color=colours.get(name, "tab:gray"), capsize=5,
                     label=f"{name}: predicted {loss:.3f} [{lo:.3f}, {hi:.3f}]")
         if observed and name in observed:
             ax.scatter([run["compute"]], [observed[name]], marker="x", s=120, color="black", zorder=5,

@@ -36,6 +36,8 @@ from __future__ import annotations
 
 import json
 import os
+import socket
+import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -59,6 +61,7 @@ if TYPE_CHECKING:  # torch-backed: imported where trials run, so that the config
 TRIALS_FILE = "trials.json"  # every trial in design order: the fit's input
 TRIALS_DIR = "trials"  # trials/<name>/: a trial's sub-run (its training run and RESULT_FILE)
 RESULT_FILE = "result.json"  # a trial's TrialResult, in its folder
+ATTEMPTS_FILE = "attempts.jsonl"  # in its folder: one line per time a process started training it
 REASON_TAG_CHARS = 1000  # MLflow caps tag values; the whole reason is in the result file
 DEFAULT_FOLDS = 5  # fit.mixture_folds' default: the folds the mixture design sizes itself for
 TrialStatus = Literal["ok", "diverged", "failed"]
@@ -403,9 +406,20 @@ def train_trial(trial_fn: TrialFn, cfg: SweepConfig, trial: Trial, mixture: Mixt
     kept = load_result(folder)
     if kept is not None and kept.status in FINAL_STATUSES:
         return kept
+    with (folder / ATTEMPTS_FILE).open("a") as attempts:  # which job, host and process trained it, and when
+        attempts.write(json.dumps({"job_id": os.environ.get("SLURM_JOB_ID") or os.environ.get("KILN_JOB_ID"),
+                                   "host": socket.gethostname(), "pid": os.getpid(), "started_unix": time.time()})
+                       + "\n")
     result = trial_fn(cfg, trial, mixture, folder)
     save_result(result, folder)
     return result
+
+
+def launch_record(launcher: str, folder: Path) -> dict:
+    """How a trial was launched, for its sub-run's manifest: the launcher and each attempt that trained it."""
+    path = folder / ATTEMPTS_FILE
+    attempts = [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+    return {"launcher": launcher, "attempts": attempts}
 
 
 def save_result(result: TrialResult, folder: Path) -> None:

@@ -45,6 +45,7 @@ from tasks.scaling.sweep import (
     Trial,
     TrialFn,
     TrialResult,
+    launch_record,
     load_result,
     run_trial,
     train_trial,
@@ -96,20 +97,20 @@ class PoolTrials:
                 mixtures[trial.mixture] = _mixture(shards, shards_root, trial)
             return mixtures[trial.mixture]
 
-        attempts = {trial.name: 1 for trial, _ in pending}
         retry: list[tuple[Trial, Path, TrialResult]] = []
         for trial, folder, result in self._pool(cfg, pending, mixture_of):
             if result.status in FINAL_STATUSES:
-                yield trial, result, {"launcher": "local", "attempts": 1}
+                yield trial, result, launch_record("local", folder)
             else:
                 retry.append((trial, folder, result))
         for trial, folder, result in retry:  # alone: a trial that kills its process takes no other with it
-            while result.status not in FINAL_STATUSES and attempts[trial.name] <= self.max_restarts:
-                attempts[trial.name] += 1
-                logger.warning("trial %s failed (%s); retrying it, attempt %d", trial.name, result.reason,
-                               attempts[trial.name])
+            for attempt in range(self.max_restarts):
+                if result.status in FINAL_STATUSES:
+                    break
+                logger.warning("trial %s failed (%s); retrying it alone (%d of %d)", trial.name, result.reason,
+                               attempt + 1, self.max_restarts)
                 result = self._alone(cfg, trial, folder, mixture_of(trial), shards["vocab_size"])
-            yield trial, result, {"launcher": "local", "attempts": attempts[trial.name]}
+            yield trial, result, launch_record("local", folder)
 
     def _pool(self, cfg: SweepConfig, pending: Pending,
               mixture_of: Callable[[Trial], Mixture]) -> Iterator[tuple[Trial, Path, TrialResult]]:
@@ -172,7 +173,7 @@ class JobTrials:
         shares = deal(pending, self.max_parallel)
         # Kubernetes: one indexed Job holds every share and runs max_parallel of them at once
         units = [shares] if self.launcher == "kubernetes" else [[share] for share in shares]
-        state = _JobState({trial.name: {"launcher": self.launcher, "jobs": []} for trial, _ in pending})
+        state = _JobState()
         threads = [threading.Thread(target=self._unit, args=(cfg, shards, shards_root, unit, f"{label}-{i}", state),
                                     name=f"kiln-sweep-{label}-{i}", daemon=True) for i, unit in enumerate(units)]
         for thread in threads:
@@ -181,8 +182,8 @@ class JobTrials:
             try:
                 while True:
                     running = any(thread.is_alive() for thread in threads)
-                    for trial, result in state.newly_final(pending):
-                        yield trial, result, state.launch[trial.name]
+                    for trial, folder, result in state.newly_final(pending):
+                        yield trial, result, launch_record(self.launcher, folder)
                     if not running:
                         break
                     time.sleep(self.poll_s)
@@ -198,7 +199,7 @@ class JobTrials:
                 result = load_result(folder) or worker_died(
                     cfg, trial, shards["vocab_size"], f"its job failed {self.max_restarts + 1} times; last: "
                     f"{state.failures.get(trial.name, 'no result')}")
-                yield trial, result, state.launch[trial.name]
+                yield trial, result, launch_record(self.launcher, folder)
 
     def _unit(self, cfg: SweepConfig, shards: dict, shards_root: Path, unit: list[Pending], name: str,
               state: _JobState) -> None:
@@ -214,14 +215,14 @@ class JobTrials:
             if not todo or state.stopping.is_set():
                 return
             (folder / JOB_FILE).write_text(json.dumps({
-                "sweep": cfg.model_dump(mode="json"), "shards": shards, "shards_root": str(shards_root.resolve()),
+                "sweep": cfg.model_dump(mode="json", exclude={"optim": {"lr"}}), "shards": shards, "shards_root": str(shards_root.resolve()),
                 "shares": [[{"trial": asdict(t), "folder": str(f.resolve())} for t, f in share] for share in todo],
             }, indent=1))
             state.started(job)
             try:
                 launched = job.launch(self._command(folder, len(todo)))
             except LaunchError as error:
-                state.ended(job, [t for share in todo for t, _ in share], error.job_id or job.job_id)
+                state.ended(job)
                 if state.stopping.is_set():
                     return
                 user_error = _user_error([f for share in todo for _, f in share])
@@ -232,7 +233,7 @@ class JobTrials:
                                str(error).splitlines()[0])
                 state.failed([t.name for share in todo for t, _ in share], str(error).splitlines()[0])
                 continue
-            state.ended(job, [t for share in todo for t, _ in share], launched.job_id)
+            state.ended(job)
             if not launched.submitted:
                 state.fail(ConfigError(f"cluster.launcher={self.launcher}: {launched.message}. The sweep waits for "
                                        "its jobs, so the client must be on PATH where Kiln runs"))
@@ -263,8 +264,7 @@ class JobTrials:
 class _JobState:
     """What the job threads and the waiting thread share."""
 
-    def __init__(self, launch: dict[str, dict[str, Any]]) -> None:
-        self.launch = launch  # per trial: the launcher and the jobs that trained it
+    def __init__(self) -> None:
         self.done: set[str] = set()  # yielded as final (and committed by the sweep: their folders move)
         self.failures: dict[str, str] = {}
         self.error: KilnError | None = None
@@ -279,7 +279,7 @@ class _JobState:
         result = load_result(folder) if folder.is_dir() else None
         return result is None or result.status not in FINAL_STATUSES
 
-    def newly_final(self, pending: Pending) -> list[tuple[Trial, TrialResult]]:
+    def newly_final(self, pending: Pending) -> list[tuple[Trial, Path, TrialResult]]:
         found = []
         for trial, folder in pending:
             with self._lock:
@@ -289,7 +289,7 @@ class _JobState:
             if result is not None and result.status in FINAL_STATUSES:
                 with self._lock:
                     self.done.add(trial.name)
-                found.append((trial, result))
+                found.append((trial, folder, result))
         return found
 
     def started(self, job: Launcher) -> None:
@@ -298,11 +298,9 @@ class _JobState:
             if self.stopping.is_set():  # stopped while this job was being submitted
                 job.stop()
 
-    def ended(self, job: Launcher, trials: list[Trial], job_id: str | None) -> None:
+    def ended(self, job: Launcher) -> None:
         with self._lock:
             self._active.discard(job)
-            for trial in trials:
-                self.launch[trial.name]["jobs"].append(job_id or job.job_name)
 
     def failed(self, names: list[str], why: str) -> None:
         with self._lock:

@@ -2,8 +2,12 @@
 regression) → the plan (`plan.json`): the mixture, and the validate and production runs with their
 predicted losses and intervals; plots and a report for MLflow and Prefect.
 
-The production run is planned for `fit.budget_flops` (none when it is null); the train stage
-predicts its own loss from the same law, whatever shape it trains.
+The plan knows the data: each domain's unique tokens (tokenize's counts), the chosen mixture and
+`mix.max_epochs`. Every prediction counts repeated tokens at their effective value (Muennighoff et
+al. 2023, `tasks.scaling.plan`). For `fit.budget_flops` it plans the compute-optimal run and the
+data-feasible one (never more epochs of any domain than `mix.max_epochs`) side by side; the latter
+is `runs.production`, what `train.model: plan` trains. The train stage predicts its own loss from the
+same law, whatever shape it trains.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from tasks.scaling.fit import (
     hyper_grid,
     loss_law_to_dict,
 )
-from tasks.scaling.plan import describe, plan_for_compute, plan_for_model
+from tasks.scaling.plan import DataBudget, describe, plan_data_feasible, plan_for_compute, plan_for_model, unique_tokens
 from tasks.scaling.sweep import TRIALS_FILE, load_trials, normalised
 from tasks.stage import Stage, StageContext
 
@@ -38,33 +42,35 @@ def run(ctx: StageContext) -> dict:
     mixture = fit_mixture(cfg.fit, sweep, trials)
     chosen = chosen_mixture(mixture)
 
+    data = DataBudget(unique_tokens(ctx.read_json("tokenize", SHARDS_FILE)), normalised(chosen["weights"]),
+                      cfg.mix.max_epochs)
     compute = cfg.fit.budget_flops
     refused = dict(laws["refused"])
-    production = None
+    validate_run = cfg.validate_.run
+    runs: dict[str, Any] = {"validate": plan_for_model(
+        cfg.validate_.model, validate_run.steps * validate_run.batch_size * validate_run.seq_len,
+        validate_run.batch_size, validate_run.seq_len, sweep, vocab_size, law, hyper, trials, data)}
     if compute is None:
         refused["production"] = "fit.budget_flops is null: no production budget to plan for"
     else:
         try:
-            production = plan_for_compute(compute, sweep, vocab_size, law, isoflop, hyper, trials)
+            runs["compute_optimal"] = plan_for_compute(compute, sweep, vocab_size, law, isoflop, hyper, trials, data)
+            runs["production"] = plan_data_feasible(compute, sweep, vocab_size, law, hyper, trials, data,
+                                                    runs["compute_optimal"])
         except ValueError as error:
             refused["production"] = str(error)
-    validate_run = cfg.validate_.run
-    runs: dict[str, Any] = {"validate": plan_for_model(
-        cfg.validate_.model, validate_run.steps * validate_run.batch_size * validate_run.seq_len,
-        validate_run.batch_size, validate_run.seq_len, sweep, vocab_size, law, hyper, trials)}
-    if production is not None:
-        runs["production"] = production
     lr_run = runs.get("production") or runs["validate"]
     warnings = [*(law.warnings if law else ()), *(isoflop.warnings if isoflop else ()),
                 *(hyper.warnings if hyper else ())]
     if mixture["recommendation"]:
         warnings += mixture["recommendation"]["warnings"]
     plan = {
-        "format": 2,
+        "format": 3,
         "lr": lr_run["lr"],  # the production LR: what `train.lr: plan` takes
         "mixture": chosen,
         "reference_mixture": {"name": sweep.reference, "weights": normalised(sweep.mixtures[sweep.reference])},
         "production_compute": compute,
+        "data": data.as_dict(),
         "runs": runs,
         "loss_law": loss_law_to_dict(law) if law else None,
         "isoflop": isoflop.as_dict() if isoflop else None,
@@ -101,6 +107,9 @@ def law_stats(plan: dict[str, Any]) -> dict[str, Any]:
         if run.get("predicted_loss") is not None:
             out[f"{name}.predicted_loss"] = run["predicted_loss"]
             out[f"{name}.interval_low"], out[f"{name}.interval_high"] = run["interval"]
+        if "data" in run:
+            out[f"{name}.max_epochs"] = run["data"]["max_epochs"]
+            out[f"{name}.effective_tokens"] = run["data"]["effective_tokens"]
     return out
 
 
@@ -116,7 +125,7 @@ def summary(plan: dict[str, Any]) -> str:
     for name, reason in plan["refused"].items():
         lines.append(f"refused {name}: {reason}")
     for name, run in plan["runs"].items():
-        lines.append(describe(run, name))
+        lines.append(describe(run, {"production": "production (data-feasible)"}.get(name, name)))
     mix = plan["mixture"]
     regression = plan["mixture_regression"]
     rho = regression.get("heldout_spearman")
@@ -170,6 +179,9 @@ def headline(stats: dict) -> dict:
         out["beta"] = round(stats["law.beta"], 3)
     if "validate.predicted_loss" in stats:
         out["validate_pred"] = round(stats["validate.predicted_loss"], 4)
+    if "production.predicted_loss" in stats:
+        out["production_pred"] = round(stats["production.predicted_loss"], 4)
+        out["production_epochs"] = round(stats["production.max_epochs"], 2)
     if "mixture.heldout_spearman" in stats:
         out["mix_spearman"] = round(stats["mixture.heldout_spearman"], 2)
     if stats["refused"]:
@@ -180,8 +192,10 @@ def headline(stats: dict) -> dict:
 STAGE = Stage(
     name="fit", description="scaling laws, LR/batch laws, mixture regression, the plan", body=run,
     inputs=("sweep", "tokenize"), config=FitConfig,
-    reads=("validate.model", "validate.run"), headline=headline,
+    reads=("validate.model", "validate.run", "mix.max_epochs"), headline=headline,
     # 3: the mixture regression's predictions for its optimum and each mixture trial (validate's transfer check)
     # 4: prediction intervals scale the residuals up to the held-out (extrapolation) RMSE when that is larger
-    reports=(REPORT_FILE,), version=4,
+    # 5: predictions on effective data D' (repeated tokens, Muennighoff et al. 2023); the production run is the
+    #    data-feasible one (mix.max_epochs), the compute-optimal one beside it
+    reports=(REPORT_FILE,), version=5,
 )

@@ -1,0 +1,151 @@
+"""A sweep on the real single-node Slurm cluster: its 16 trials run as Slurm jobs, at most `max_parallel`
+at once; `scancel` of a running job reruns only the trial it was training (resumed from its folder);
+and the fit's inputs are the in-process sweep's, number for number."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import threading
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tasks.launch.cluster import ClusterSpec
+from tasks.launch.local_slurm import free_port
+from tasks.runner import StageRecorder, SubRuns
+from tasks.scaling.sweep import (
+    RESULT_FILE,
+    TRIALS_DIR,
+    TRIALS_FILE,
+    IsoFlopBudget,
+    MixtureDesign,
+    SweepConfig,
+    load_trials,
+    run_sweep,
+)
+from tasks.scaling.trial_runs import JOBS_DIR, JobTrials, PoolTrials
+from tasks.store import Store
+from tasks.tracker import NullTracker
+from tasks.train.config import ModelConfig, TrainRunConfig
+
+MAX_PARALLEL = 2
+# how long the watcher waits for a trial to be training inside a job before it gives up (a slow machine)
+WATCH_S = 240.0
+
+pytestmark = pytest.mark.cluster
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory) -> tuple[dict, Path]:
+    root = tmp_path_factory.mktemp("tokenize")
+    shards: dict = {"dtype": "uint16", "vocab_size": 64, "eos_id": 0, "domains": {}}
+    for i, domain in enumerate(("web", "code")):
+        rng = np.random.default_rng(i)
+        (root / domain).mkdir()
+        rng.integers(1, 64, 6000).astype("<u2").tofile(root / domain / "train.bin")
+        rng.integers(1, 64, 300).astype("<u2").tofile(root / domain / "val.bin")
+        shards["domains"][domain] = {"train": {"path": f"{domain}/train.bin", "num_tokens": 6000},
+                                     "val": {"path": f"{domain}/val.bin"}}
+    return shards, root
+
+
+def sweep_config() -> SweepConfig:
+    """16 trials: 3 budgets x 4 widths, a mixture trial, then LR x 2 at each budget's best width. A
+    checkpoint every 10 steps, so a cancelled trial resumes mid-way."""
+    return SweepConfig(
+        model=ModelConfig(d_model=8, n_layers=1, n_heads=2, max_seq_len=16), lr=3e-3,
+        isoflop=[IsoFlopBudget(flops=f, widths=[4, 8, 12, 16]) for f in (1e7, 2e7, 4e7)],
+        lr_multipliers=[1.0, 2.0], mixtures={"u": {"web": 1, "code": 1}},
+        mixture_design=MixtureDesign(num_samples=0, width=20), max_parallel=MAX_PARALLEL,
+        run=TrainRunConfig(steps=20, batch_size=4, seq_len=16, eval_batches=1, checkpoint_every=10))
+
+
+def fit_inputs(path: Path) -> list[dict]:
+    """trials.json as the fit reads it, without the wall times (the only field that may differ)."""
+    return [{k: v for k, v in asdict(trial).items() if k != "wall_s"} for trial in load_trials(path)]
+
+
+def subruns(out: Path) -> SubRuns:
+    return SubRuns(StageRecorder(NullTracker(), "run", "sweep", "k"), out)
+
+
+def cancel_a_running_trial(out: Path, cancelled: list[tuple[str, str]], stop: threading.Event) -> None:
+    """Once a trial of a first-phase job has trained some steps (a complete checkpoint in its folder, no
+    result yet), scancel that job; record (job id, trial)."""
+    trials = out / TRIALS_DIR
+    deadline = time.monotonic() + WATCH_S
+    while not stop.is_set() and time.monotonic() < deadline:
+        for folder in trials.glob(".*.partial"):
+            if any(folder.glob("checkpoints/step_*/COMPLETE")) and not (folder / RESULT_FILE).exists():
+                trial = folder.name[1:-len(".partial")]
+                queued = subprocess.run(["squeue", "--noheader", "--states=RUNNING", "--format=%i %j"],
+                                        capture_output=True, text=True).stdout.splitlines()
+                share = _share_of(out, trial)
+                job = next((line.split()[0] for line in queued if line.endswith(f"kiln-sweep-phase1-{share}")), None)
+                if job is None:
+                    continue
+                subprocess.run(["scancel", job], check=True)
+                cancelled.append((job, trial))
+                return
+        time.sleep(0.05)
+
+
+def _share_of(out: Path, trial: str) -> int | None:
+    for share in range(MAX_PARALLEL):
+        job = out / JOBS_DIR / f"phase1-{share}" / "job.json"
+        if job.is_file() and any(e["trial"]["name"] == trial for e in json.loads(job.read_text())["shares"][0]):
+            return share
+    return None
+
+
+def concurrent_jobs(jobcomp: Path) -> int:
+    """The most jobs running at once, from Slurm's completion log (whole-second start and end times)."""
+    spans = []
+    for line in jobcomp.read_text().splitlines():
+        fields = dict(field.split("=", 1) for field in line.split() if "=" in field)
+        if fields.get("Name", "").startswith("kiln-sweep-"):
+            spans.append((fields["StartTime"], fields["EndTime"]))
+    events = sorted([(start, 1) for start, _ in spans] + [(end, -1) for _, end in spans])  # an end before a start
+    running = most = 0
+    for _, change in events:
+        running += change
+        most = max(most, running)
+    return most
+
+
+def test_a_slurm_sweep_runs_max_parallel_jobs_reruns_only_a_cancelled_trial_and_fits_the_same(
+        shards, slurm_cluster, tmp_path):
+    local = tmp_path / "local"
+    results = run_sweep(sweep_config(), *shards, subruns(local), where=PoolTrials(MAX_PARALLEL))
+    assert len(results) == 16 and all(r.ok for r in results)
+
+    out = tmp_path / "slurm"
+    cancelled: list[tuple[str, str]] = []
+    stop = threading.Event()
+    watcher = threading.Thread(target=cancel_a_running_trial, args=(out, cancelled, stop), daemon=True)
+    watcher.start()
+    where = JobTrials("slurm", ClusterSpec(rdzv_port=free_port(), max_restarts=1), MAX_PARALLEL, out / JOBS_DIR)
+    try:
+        run_sweep(sweep_config(), *shards, subruns(out), where=where)
+    finally:
+        stop.set()
+        watcher.join()
+    assert cancelled, "no trial was seen training inside a Slurm job"
+    job, trial = cancelled[0]
+
+    # the fit reads the same numbers, the cancelled trial's (resumed from a checkpoint) included
+    assert fit_inputs(out / TRIALS_FILE) == fit_inputs(local / TRIALS_FILE)
+    assert json.loads((out / TRIALS_DIR / trial / "metrics.json").read_text())["resumed_from_step"] >= 10
+    store = Store(out)
+    launches = {r.name: store.manifest(TRIALS_DIR, r.name)["launch"] for r in results}
+    assert {launch["launcher"] for launch in launches.values()} == {"slurm"}
+    jobs = {name: [a["job_id"] for a in launch["attempts"]] for name, launch in launches.items()}
+    # only the cancelled trial was trained twice: in the cancelled job, then in its share's resubmission
+    assert {name: ids for name, ids in jobs.items() if len(ids) > 1} == {trial: [job, jobs[trial][1]]}
+    # every trial trained in a Slurm job, at most MAX_PARALLEL at once: 2 shares a phase, plus the resubmission
+    assert len({i for ids in jobs.values() for i in ids}) == 5
+    assert concurrent_jobs(slurm_cluster.folder / "log" / "jobcomp.txt") <= MAX_PARALLEL
