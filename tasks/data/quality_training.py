@@ -19,10 +19,11 @@ trains with one thread in a child process where glibc fills every new allocation
 (`mallopt(M_PERTURB, 0xff)`; fresh pages are zero anyway): the rest starts at zero, whatever the
 heap held before, so training is deterministic.
 Without glibc it falls back to 10 threads (not reproducible; `dim` must then be a multiple of 10),
-and the report says so. A model is kept in the store under a key (`quality_model/<key>`: the
-training config, the references' content, the collect output it read) and reused by every clean
-run with that key, versioned as a store output with a manifest; the clean stage that applies it
-records which one it was.
+and the report says so. The model is a sub-run of the clean stage that trains it, kept in the store
+itself (`quality_model/<key>`: its key hashes the training config, the references' content and the
+collect output it read), so every clean run whose settings differ elsewhere reuses it: a manifest
+with provenance, an MLflow child run of the clean run that trained it (a cached child run for each
+one that reuses it), committed and resumed as every stage and sub-run is (`tasks.runner.SubRuns`).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import Field, field_validator
 
@@ -45,7 +46,10 @@ from tasks.data.collect import Source, _candidates
 from tasks.data.compliance import SourceReport
 from tasks.data.documents import read_documents
 from tasks.data.quality import HQ_LABEL, fasttext_text
-from tasks.store import Store, stage_key
+from tasks.stage import SubRun
+
+if TYPE_CHECKING:
+    from tasks.runner import SubRuns
 
 STORE_STAGE = "quality_model"  # the store folder of trained models
 MODEL_FILE = "quality_classifier.bin"
@@ -212,28 +216,24 @@ def score_texts(model: Any, texts: list[str]) -> list[float]:
     return [float(dict(zip(ls, ps)).get(HQ_LABEL, 0.0)) for ls, ps in zip(labels, probs)]
 
 
-def model_key(cfg: QualityTraining, collect_key: str) -> str:
+def model_subrun(cfg: QualityTraining, collect_key: str) -> SubRun:
+    """The model as a sub-run stored at `quality_model/<key>`: its name is its key, which hashes the
+    training settings, the references' content and the collect output (not the clean stage's key)."""
     from tasks.fingerprint import fingerprint_paths
+    from tasks.store import stage_key
 
     identity = {"training": cfg.identity(), "references_sha256": fingerprint_paths(reference_paths(cfg))}
-    return stage_key(STORE_STAGE, identity, {"collect": collect_key}, FORMAT_VERSION)
+    inputs = {"collect": collect_key}
+    return SubRun(STORE_STAGE, stage_key(STORE_STAGE, identity, inputs, FORMAT_VERSION), identity,
+                  params=cfg.model_dump(mode="json", exclude={"references"}), inputs=inputs, version=FORMAT_VERSION)
 
 
-def trained_model(cfg: QualityTraining, collect_dir: Path, store: Store) -> tuple[Path, dict[str, Any]]:
-    """The model for `cfg` and the collect output at `collect_dir` (its folder name is its key):
-    from the store if one was trained for this key, else trained now and committed there."""
-    key = model_key(cfg, collect_dir.name)
-    with store.lock(STORE_STAGE, key):
-        if not store.is_complete(STORE_STAGE, key):
-            out = store.begin(STORE_STAGE, key)
-            report = train_quality_model(cfg, collect_dir / "documents.jsonl", out)
-            store.commit(STORE_STAGE, key, {"stage": STORE_STAGE, "key": key, "format_version": FORMAT_VERSION,
-                                            "inputs": {"collect": collect_dir.name}, "identity": cfg.identity(),
-                                            "stats": report,
-                                            "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
-        folder = store.path(STORE_STAGE, key)
-    report = json.loads((folder / REPORT_FILE).read_text())
-    return folder / MODEL_FILE, {"key": key, "model": str(folder / MODEL_FILE), **report}
+def trained_model(cfg: QualityTraining, collect_dir: Path, subruns: SubRuns) -> tuple[Path, dict[str, Any]]:
+    """The model for `cfg` and the collect output at `collect_dir` (its folder name is its key): the
+    sub-run's, trained now unless one is stored for its key."""
+    outcome = subruns.run(model_subrun(cfg, collect_dir.name),
+                          lambda folder, _: train_quality_model(cfg, collect_dir / "documents.jsonl", folder))
+    return outcome.path / MODEL_FILE, {"key": outcome.key, "model": str(outcome.path / MODEL_FILE), **outcome.stats}
 
 
 def top_fraction_threshold(model_path: Path, documents: Path, domains: list[str], fraction: float) -> float:
@@ -249,15 +249,16 @@ def top_fraction_threshold(model_path: Path, documents: Path, domains: list[str]
     return scores[max(0, min(len(scores), round(fraction * len(scores))) - 1)]
 
 
-def resolve_quality_model(cfg: Any, input_file: Path, out_dir: Path, store: Store | None = None) -> Any:
-    """The clean config to run: with the model trained from `cfg.quality_training` (from the store's
-    cache when a store is given, else trained into `out_dir`) and the score threshold that keeps
-    `cfg.quality_top_fraction` of the input; the classifier's report goes to `out_dir/quality_classifier.json`."""
+def resolve_quality_model(cfg: Any, input_file: Path, out_dir: Path, subruns: SubRuns | None = None) -> Any:
+    """The clean config to run: with the model trained from `cfg.quality_training` (the clean stage's
+    sub-run in the store when `subruns` is given, else trained into `out_dir`) and the score threshold
+    that keeps `cfg.quality_top_fraction` of the input; the classifier's report goes to
+    `out_dir/quality_classifier.json`."""
     update: dict[str, Any] = {}
     report: dict[str, Any] = {}
     if cfg.quality_training is not None:
-        if store is not None:  # input_file is collect's documents.jsonl, in a folder named by its key
-            model, report = trained_model(cfg.quality_training, input_file.parent, store)
+        if subruns is not None:  # input_file is collect's documents.jsonl, in a folder named by its key
+            model, report = trained_model(cfg.quality_training, input_file.parent, subruns)
         else:
             folder = out_dir / STORE_STAGE
             folder.mkdir(exist_ok=True)

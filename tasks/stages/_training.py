@@ -4,7 +4,6 @@ how a `TrainResult` becomes stage stats."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -34,26 +33,23 @@ def plan_mixture(ctx: StageContext) -> Mixture:
 
 
 def run_training(ctx: StageContext, model_cfg: ModelConfig, optim: OptimConfig, run_cfg: TrainRunConfig,
-                 mixture: Mixture, *, init_model_dir: Path | None = None, name: str | None = None) -> TrainResult:
-    """Train into the stage's folder (or its subfolder `name`, for a stage's further runs, whose metrics
-    go under `name/`): in this process when the layout is one process and `cluster.launcher` is
-    `local`, else through the launcher. Layout and launcher are runtime: a run stopped under one
-    resumes under another, from its DCP checkpoints, with the same global batches. The planner's
-    forecast of the run on `cluster` goes to the recorder (as `name`): the stage's forecast, set
-    beside its cost, is the sum over the training runs it records; so do the settings it trains with
-    (`used.*` params: the plan's LR and shape where the config says `plan`, the resolved layout)."""
+                 mixture: Mixture, *, init_model_dir: Path | None = None) -> TrainResult:
+    """Train into `ctx.out_dir` (the stage's folder, or a sub-run's, whose recorder is then the sub-run's):
+    in this process when the layout is one process and `cluster.launcher` is `local`, else through
+    the launcher. Layout and launcher are runtime: a run stopped under one resumes under another,
+    from its DCP checkpoints, with the same global batches. The planner's forecast of the run on
+    `cluster` goes to the recorder (a sub-run's joins its stage's, under the sub-run's name): the
+    stage's forecast, set beside its cost, is the sum over the training runs it records. So do the
+    settings it trains with (`used.*` params of the recorder's run: the plan's LR and shape where the
+    config says `plan`, the resolved layout)."""
     from tasks.train.planner import checked_layout, forecast_record
 
     ctx.recorder.record_forecast(forecast_record(model_cfg, mixture.vocab_size, run_cfg, ctx.cfg.train.parallel,
-                                                 ctx.cfg.cluster), name)
+                                                 ctx.cfg.cluster))
     dims, run_cfg = checked_layout(ctx.cfg.train.parallel, model_cfg, run_cfg, mixture.vocab_size, ctx.cfg.cluster)
     ctx.recorder.used({"model": model_cfg.model_dump(mode="json"), "optim": optim.model_dump(mode="json"),
-                       "run": run_cfg.model_dump(mode="json"), "parallel": dims.model_dump(mode="json")}, name)
+                       "run": run_cfg.model_dump(mode="json"), "parallel": dims.model_dump(mode="json")})
     out_dir, on_metrics = ctx.out_dir, ctx.recorder.metrics
-    if name is not None:
-        out_dir = ctx.out_dir / name
-        out_dir.mkdir(parents=True, exist_ok=True)
-        on_metrics = _prefixed(ctx.recorder.metrics, f"{name}/")
     launcher = ctx.cfg.cluster.launcher
     if dims.world_size == 1 and launcher == "local":
         from tasks.train.loop import train_model
@@ -67,10 +63,6 @@ def run_training(ctx: StageContext, model_cfg: ModelConfig, optim: OptimConfig, 
     return train_with_launcher(model_cfg, optim, run_cfg, dims, ctx.cfg.cluster, manifest, ctx.store.root,
                                out_dir, launcher="torchrun" if launcher == "local" else launcher,
                                init_model_dir=init_model_dir, on_metrics=on_metrics, on_event=ctx.recorder.event)
-
-
-def _prefixed(log: Callable[[int, dict[str, float]], None], prefix: str) -> Callable[[int, dict[str, float]], None]:
-    return lambda step, metrics: log(step, {prefix + key: value for key, value in metrics.items()})
 
 
 def train_stats(result: TrainResult, *, device: str, world_size: int = 1, **extra: Any) -> dict[str, Any]:

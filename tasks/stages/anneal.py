@@ -13,7 +13,7 @@ from tasks.data.tokenize import SHARDS_FILE
 from tasks.errors import ConfigError
 from tasks.stage import Stage, StageContext
 from tasks.stages._training import planned_lr, run_training, train_headline, train_stats
-from tasks.stages.train import trained_model_config  # the plan may have chosen it (train.model: plan)
+from tasks.stages.train import planned_run, trained_model_config  # the plan may have chosen them (train.model: plan)
 from tasks.train.anneal import AnnealConfig, anneal_settings
 from tasks.train.checkpoint import MARKER, checkpoint_dir, steps_on_disk
 
@@ -61,7 +61,8 @@ def anneal_into(ctx: StageContext, cfg: AnnealConfig, start: StartModel, where: 
     """Anneal `start` with `cfg` into `ctx.out_dir` (its `model/`, checkpoints and metrics); its stats."""
     from tasks.train.anneal_data import anneal_mixture
 
-    optim, run_cfg = anneal_settings(cfg, ctx.cfg.train.optim, ctx.cfg.train.run, planned_lr(ctx))
+    _, train_run, _ = planned_run(ctx)  # what train trained: the plan's context, batch and seed
+    optim, run_cfg = anneal_settings(cfg, ctx.cfg.train.optim, train_run, planned_lr(ctx))
     mixture, selections = anneal_mixture(ctx.read_json("tokenize", SHARDS_FILE), ctx.inputs["tokenize"], cfg.mixture,
                                          f"{where}.mixture", ctx.out_dir)
     result = run_training(ctx, trained_model_config(ctx), optim, run_cfg, mixture, init_model_dir=start.model_dir)

@@ -1,12 +1,13 @@
 """Stage `anneal-ablation`: short anneals from one train checkpoint, one per candidate high-quality
 mixture, each scored by the evaluate suite, and a report of which candidate helps most.
 
-Each candidate is the anneal stage's own run (`anneal_into`) in `branches/<name>/`, its metrics
-logged under `<name>/` in the stage's MLflow run; the start model is scored too, so every change is
-against the weights all candidates began from. Candidates are ranked by the mean change of their
-bits per byte over the suite's perplexity tasks: on the few steps an ablation affords, perplexity
-moves measurably where accuracies over a few items are noise. A crashed attempt resumes: a finished
-branch (its `branch.json` written) is not run again, one that was training resumes from its checkpoints.
+Each candidate is a sub-run, `branches/<name>/`: the anneal stage's own run (`anneal_into`) and its
+evaluation, with its manifest and MLflow child run; the start model's evaluation is one too
+(`baseline/start/`), so every change is against the weights all candidates began from. Candidates are
+ranked by the mean change of their bits per byte over the suite's perplexity tasks: on the few steps
+an ablation affords, perplexity moves measurably where accuracies over a few items are noise. A
+crashed attempt resumes as any stage does: committed sub-runs are reused, a branch that was training
+resumes from its checkpoints.
 """
 
 from __future__ import annotations
@@ -19,50 +20,42 @@ from typing import Any
 from tasks.data.tokenize import TOKENIZER_FILE
 from tasks.evals.evaluate import RESULTS_FILE
 from tasks.evals.report import report_markdown, report_rows
-from tasks.runner import StageRecorder
-from tasks.stage import Stage, StageContext
+from tasks.stage import Stage, StageContext, SubRun
 from tasks.stages._common import configured_eval_files, eval_file_paths
 from tasks.stages.anneal import anneal_into, start_model
 from tasks.train.anneal import AnnealAblationConfig
 
 BRANCHES_DIR = "branches"
+BASELINE_DIR = "baseline"  # baseline/start/: the start model's evaluation
 START = "start"  # the report's baseline: the model every candidate starts from
 REPORT_FILE = "ablation.md"
 SUMMARY_FILE = "ablation.json"
 METRICS_FILE = "metrics.json"  # beside each evaluation's results.json: the flat scores
-BRANCH_FILE = "branch.json"  # a finished branch: its mixture, losses and quality selections
 RANK_METRIC = "bits_per_byte"
 
 
-class BranchRecorder(StageRecorder):
-    """The stage's recorder, with one candidate's training metrics and settings under `<name>/` and its
-    anneal's forecast in the stage's, as `branches/<name>` (the stage's forecast is the sum over its anneals)."""
-
-    def __init__(self, parent: StageRecorder, name: str) -> None:
-        super().__init__(parent.tracker, parent.run_id, parent.stage, parent.key, parent._on_event)
-        self.parent, self.name, self.prefix = parent, name, f"{name}/"
-
-    def metrics(self, step: int, metrics: dict[str, float]) -> None:
-        super().metrics(step, {self.prefix + key: value for key, value in metrics.items()})
-
-    def record_forecast(self, forecast: dict[str, Any], run: str | None = None) -> None:
-        self.parent.record_forecast(forecast, run or f"{BRANCHES_DIR}/{self.name}")
-
-    def used(self, settings: dict[str, Any], run: str | None = None) -> None:
-        super().used(settings, run or self.name)
-
-
-def _evaluate(ctx: StageContext, model_dir: Path, out: Path, contamination: Any) -> dict[str, Any]:
-    """The suite's results for the model in `model_dir`, written in `out` with its flat metrics (read
-    back when a previous attempt wrote them: the metrics file is written last)."""
+def _evaluate(ctx: StageContext, model_dir: Path, out: Path, contamination: Any) -> dict[str, float]:
+    """The suite on the model in `model_dir`, its results and flat metrics written in `out`; the metrics."""
     from tasks.evals.evaluate import evaluate_model  # lm-eval takes seconds to import
 
-    if not (out / METRICS_FILE).is_file():
-        out.mkdir(parents=True, exist_ok=True)
-        metrics = evaluate_model(ctx.cfg.evaluate, model_dir, ctx.inputs["tokenize"] / TOKENIZER_FILE, out,
-                                 contamination=contamination)
-        (out / METRICS_FILE).write_text(json.dumps(metrics, indent=1) + "\n", encoding="utf-8")
-    return json.loads((out / RESULTS_FILE).read_text(encoding="utf-8"))
+    out.mkdir(parents=True, exist_ok=True)
+    metrics = evaluate_model(ctx.cfg.evaluate, model_dir, ctx.inputs["tokenize"] / TOKENIZER_FILE, out,
+                             contamination=contamination)
+    (out / METRICS_FILE).write_text(json.dumps(metrics, indent=1) + "\n", encoding="utf-8")
+    return metrics
+
+
+def _results(folder: Path) -> dict[str, Any]:
+    return json.loads((folder / RESULTS_FILE).read_text(encoding="utf-8"))
+
+
+def _branch(ctx: StageContext, cfg: AnnealAblationConfig, name: str, start: Any, contamination: Any) -> dict[str, Any]:
+    """One candidate's anneal and evaluation, in its sub-run folder (ctx.out_dir); its summary."""
+    stats = anneal_into(ctx, cfg.anneal_config(cfg.candidates[name]), start, f"anneal_ablation.candidates.{name}")
+    _evaluate(ctx, ctx.out_dir / "model", ctx.out_dir / "eval", contamination)
+    return {"mixture": cfg.model_dump(mode="json")["candidates"][name], "val_loss": stats["val_loss"],
+            "final_train_loss": stats["final_train_loss"], "quality_selections": stats["quality_selections"],
+            "num_accelerators": stats["num_accelerators"]}
 
 
 def ablation_results(ablation_dir: Path) -> dict[str, dict[str, Any]]:
@@ -120,20 +113,19 @@ def run(ctx: StageContext) -> dict:
         contamination = read_contamination(ctx.inputs["decontaminate"])
         start = start_model(ctx, cfg.from_step, "anneal_ablation.from_step")
         summary["from_step"] = start.step
-        results = {START: _evaluate(ctx, start.model_dir, ctx.out_dir / START, contamination)}
-        for name, mixture in cfg.candidates.items():
-            branch = ctx.out_dir / BRANCHES_DIR / name
-            if not (branch / BRANCH_FILE).is_file():  # written last: an earlier attempt finished this branch
-                branch.mkdir(parents=True, exist_ok=True)
-                branch_ctx = replace(ctx, out_dir=branch, recorder=BranchRecorder(ctx.recorder, name))
-                stats = anneal_into(branch_ctx, cfg.anneal_config(mixture), start, f"anneal_ablation.candidates.{name}")
-                num_accelerators = max(num_accelerators, stats["num_accelerators"])
-                _evaluate(ctx, branch / "model", branch / "eval", contamination)
-                info = {"mixture": cfg.model_dump(mode="json")["candidates"][name], "val_loss": stats["val_loss"],
-                        "final_train_loss": stats["final_train_loss"], "quality_selections": stats["quality_selections"]}
-                (branch / BRANCH_FILE).write_text(json.dumps(info, indent=1) + "\n", encoding="utf-8")
-            summary["candidates"][name] = json.loads((branch / BRANCH_FILE).read_text(encoding="utf-8"))
-            results[name] = json.loads((branch / "eval" / RESULTS_FILE).read_text(encoding="utf-8"))
+        subruns = ctx.subruns()
+        baseline = subruns.run(SubRun(BASELINE_DIR, START, {"from_step": start.step}),
+                               lambda folder, _: _evaluate(ctx, start.model_dir, folder, contamination))
+        results = {START: _results(baseline.path)}
+        for name in cfg.candidates:
+            identity = {"from_step": start.step, "anneal": cfg.anneal_config(cfg.candidates[name]).model_dump(mode="json")}
+            branch = subruns.run(SubRun(BRANCHES_DIR, name, identity, params={"from_step": start.step}),
+                                 lambda folder, recorder: _branch(replace(ctx, out_dir=folder, recorder=recorder), cfg,
+                                                                  name, start, contamination))
+            if branch.status == "ran":
+                num_accelerators = max(num_accelerators, branch.stats["num_accelerators"])
+            summary["candidates"][name] = {k: v for k, v in branch.stats.items() if k != "num_accelerators"}
+            results[name] = _results(branch.path / "eval")
         rows = report_rows(results, START)
         summary["ranking"] = rank_candidates(rows, list(cfg.candidates))
         summary["best"] = next((n for n, change in summary["ranking"].items() if change is not None), None)
@@ -158,5 +150,6 @@ STAGE = Stage(
     name="anneal-ablation", description="short anneals of candidate mixtures from one checkpoint, evaluated",
     body=run, inputs=("train", "tokenize", "fit", "decontaminate"), config=AnnealAblationConfig,
     reads=("evaluate",), external_files=configured_eval_files, resumable=True, headline=headline,
-    reports=(REPORT_FILE,),
+    # 2: each branch, and the start model's evaluation (baseline/start/), a sub-run with its manifest
+    reports=(REPORT_FILE,), version=2,
 )

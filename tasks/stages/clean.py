@@ -19,8 +19,9 @@ if TYPE_CHECKING:
 
 
 def run(ctx: StageContext) -> dict:
-    # A classifier trained from references is kept in the store under its own key and reused.
-    cfg = resolve_quality_model(ctx.cfg.clean, ctx.inputs["collect"] / DOCUMENTS_FILE, ctx.out_dir, ctx.store)
+    # A classifier trained from references is a sub-run kept in the store under its own key, and reused.
+    cfg = resolve_quality_model(ctx.cfg.clean, ctx.inputs["collect"] / DOCUMENTS_FILE, ctx.out_dir,
+                                ctx.subruns(ctx.store.root))
     ctx.recorder.metrics(0, classifier_metrics(ctx.out_dir / REPORT_FILE))  # held-out precision, recall, ROC-AUC
     stats = clean_documents(cfg, ctx.inputs["collect"] / DOCUMENTS_FILE, ctx.out_dir,
                            ExecutorSettings.from_cluster(ctx.cfg.cluster))

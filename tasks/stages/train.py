@@ -2,9 +2,12 @@
 checkpoints, resume, loss-spike rollback, relaunch of a failed job).
 
 It starts only behind a passed validation gate, unless `train.gate_override` says why not (the
-reason is recorded in the manifest and as an MLflow tag). With `train.model: plan` its shape comes
-from the fit's compute-optimal plan; every setting that differs from the plan is recorded as a
-departure.
+reason is recorded in the manifest and as an MLflow tag). With `train.model: plan` (the default) it
+trains the fit's production run: the data-feasible shape, steps, batch and context; every setting
+that differs from the plan is recorded as a departure. It records the law's prediction for what it
+trains (on the effective tokens it sees, with its interval) and says in its headline whether it
+landed inside; and it sets its validation loss beside validate's, saying why in words when the
+production model is not the better one.
 """
 
 from __future__ import annotations
@@ -31,15 +34,16 @@ class TrainConfig(Section):
 
     `lr: plan` (the default) takes the fit stage's learning rate; a number overrides it. `optim.lr`
     is therefore not a setting here (the key hashes `lr`, never an unused `optim.lr`). `model: plan`
-    takes the plan's compute-optimal shape (for `fit.budget_flops`), and with it the plan's steps
-    and batch unless `run` sets them: what it sets stays, recorded as a departure from the plan. `parallel` is
+    (the default) takes the plan's production shape (the data-feasible run for `fit.budget_flops`),
+    and with it the plan's steps, batch and context unless `run` sets them: what it sets stays,
+    recorded as a departure from the plan. `parallel` is
     the layout (dp x tp x pp x cp), or `auto` for the planner's choice on `cluster`; like
     `run.grad_accum` it is runtime: the global batch (`run.batch_size`) is what the key holds, so a
     run stopped under one layout resumes under another. Above one process (or with a `torchrun`,
     `slurm` or `kubernetes` launcher) the stage runs through `cluster.launcher`.
     """
 
-    model: ModelConfig | Literal["plan"] = ModelConfig()
+    model: ModelConfig | Literal["plan"] = "plan"
     optim: OptimConfig = OptimConfig()
     run: TrainRunConfig = TrainRunConfig()
     parallel: ParallelDims | Literal["auto"] = runtime_field(ParallelDims())
@@ -96,6 +100,8 @@ def planned_run(ctx: StageContext) -> tuple[ModelConfig, TrainRunConfig, dict[st
     if production is None:
         raise ConfigError("train.model: plan, but the fit could not plan a production run: "
                           f"{plan['refused'].get('production', 'no production run in the plan')}")
+    if "seq_len" not in run.model_fields_set:  # the context the law was fitted at
+        run = run.model_copy(update={"seq_len": production["seq_len"]})
     model = ModelConfig(**production["model"])
     model = model.model_copy(update={"max_seq_len": max(model.max_seq_len, run.seq_len)})
     # the plan's batch is in sequences of its own context: keep its tokens per step and in total
@@ -129,32 +135,100 @@ def run(ctx: StageContext) -> dict:
     gate = check_gate_passed(ctx)
     lr = planned_lr(ctx)
     model, run_cfg, departures = planned_run(ctx)
+    plan = ctx.read_json("fit", PLAN_FILE)
     if cfg.train.lr != "plan":
-        departures["lr"] = {"plan": ctx.read_json("fit", PLAN_FILE)["lr"], "config": lr}
+        departures["lr"] = {"plan": plan["lr"], "config": lr}
     (ctx.out_dir / "plan_departures.json").write_text(json.dumps(departures, indent=2))
     optim = cfg.train.optim.model_copy(update={"lr": lr})
     result = run_training(ctx, model, optim, run_cfg, plan_mixture(ctx))
     restarts = sum(e["kind"] == "process_failure" for e in result.health_events)
-    return train_stats(result, device=run_cfg.device, lr=lr, world_size=result.world_size,
-                       num_restarts=restarts, plan_departures=departures, **gate,
-                       **law_prediction(ctx.read_json("fit", PLAN_FILE), model, run_cfg))
+    prediction = law_prediction(plan, model, run_cfg)
+    stats = train_stats(result, device=run_cfg.device, lr=lr, world_size=result.world_size,
+                        num_restarts=restarts, plan_departures=departures, **gate, **prediction)
+    stats |= landed(stats)
+    return stats | against_validate(stats, ctx.read_json("validate", "stats.json"), plan)
 
 
 def law_prediction(plan: dict[str, Any], model: ModelConfig, run: TrainRunConfig) -> dict[str, Any]:
-    """What the fitted law predicts for this run's N and D (nothing when the fit refused the law).
+    """What the fitted law predicts for this run's N and D, its tokens counted at their effective value
+    D' on the plan's data (nothing when the fit refused the law).
 
     The law was fitted at the proxies' context length; a run with another `seq_len` sees another
-    loss per token, so the number is a guide there, not a gate."""
+    loss per token, so the number is a guide there, not a check (`prediction_comparable` says which)."""
     if not plan["loss_law"]:
         return {}
     from tasks.scaling.fit import loss_law_from_dict
+    from tasks.scaling.plan import DataBudget, predicted
     from tasks.train.model import count_parameters
 
     law = loss_law_from_dict(plan["loss_law"])
+    data = DataBudget(**{k: v for k, v in plan["data"].items() if k != "r_star"}) if plan.get("data") else None
     n, d = count_parameters(model, plan["family"]["vocab_size"]), run.steps * run.batch_size * run.seq_len
-    low, high = law.prediction_interval(n, d)
-    return {"predicted_val_loss": float(law.predict(n, d)), "predicted_interval": [low, high],
-            "prediction_seq_len": plan["family"]["seq_len"]}
+    prediction = predicted(law, n, d, data)
+    out = {"predicted_val_loss": prediction["predicted_loss"], "predicted_interval": prediction["interval"],
+           "prediction_level": prediction["level"], "prediction_seq_len": plan["family"]["seq_len"],
+           "prediction_comparable": run.seq_len == plan["family"]["seq_len"]}
+    if data is not None:
+        out |= {"effective_tokens": prediction["effective_tokens"], "max_epochs": prediction["data"]["max_epochs"]}
+    return out
+
+
+def landed(stats: dict[str, Any]) -> dict[str, Any]:
+    """Where the validation loss landed against the predicted interval: inside, above or below."""
+    if "predicted_interval" not in stats:
+        return {}
+    low, high = stats["predicted_interval"]
+    loss = stats["val_loss"]
+    return {"landed": "inside" if low <= loss <= high else "above" if loss > high else "below"}
+
+
+def against_validate(stats: dict[str, Any], validate: dict[str, Any], plan: dict[str, Any]) -> dict[str, Any]:
+    """The production model's validation loss beside the validate run's (the plan's mixture, a smaller
+    model): production should be at most as high. When it is not, `why_not_below_validate` says why in
+    words, from what differs between the two runs and what the law predicted for each."""
+    out = {"validate_val_loss": validate["val_loss"], "at_most_validate": stats["val_loss"] <= validate["val_loss"]}
+    if out["at_most_validate"]:
+        return out
+    reasons = []
+    planned = plan["runs"].get("validate", {})
+    train_compute = 6.0 * stats["num_params"] * stats["tokens_seen"]
+    if planned.get("compute") and train_compute < planned["compute"]:
+        reasons.append(f"it was trained on less compute ({train_compute:.3g} FLOPs) than the validate run "
+                       f"({planned['compute']:.3g})")
+    if stats["tokens_seen"] < validate["tokens_seen"]:
+        reasons.append(f"it saw fewer tokens ({stats['tokens_seen']:,}) than the validate run ({validate['tokens_seen']:,})")
+    if stats.get("max_epochs", 0) > 1:
+        reasons.append(f"it repeated its data up to {stats['max_epochs']:.1f} times, so its {stats['tokens_seen']:,} "
+                       f"tokens count as {stats['effective_tokens']:,.0f} effective ones")
+    if stats["plan_departures"]:
+        reasons.append("it departs from the plan in " + ", ".join(sorted(stats["plan_departures"])))
+    if not stats.get("prediction_comparable", True):
+        reasons.append(f"its context ({stats.get('prediction_seq_len')} tokens in the plan) differs from what it "
+                       "trained at, so the two losses are per token of different contexts")
+    predicted_train, predicted_validate = stats.get("predicted_val_loss"), planned.get("predicted_loss")
+    if predicted_train is not None and predicted_validate is not None:
+        if predicted_train > predicted_validate:
+            reasons.append(f"the law itself predicted it worse ({predicted_train:.4f} against {predicted_validate:.4f})")
+        else:
+            reasons.append(f"the law predicted it better ({predicted_train:.4f} against {predicted_validate:.4f}) and it "
+                           f"landed {stats.get('landed', 'away from its prediction')}: the law's extrapolation to "
+                           "this size did not hold")
+    if stats["num_rollbacks"]:
+        reasons.append(f"it rolled back {stats['num_rollbacks']} times after loss spikes")
+    out["why_not_below_validate"] = (f"the production model's validation loss {stats['val_loss']:.4f} is above the "
+                                     f"validate run's {validate['val_loss']:.4f}: " + "; ".join(
+                                         reasons or ["no difference between the runs explains it"]))
+    return out
+
+
+def headline(stats: dict[str, Any]) -> dict[str, Any]:
+    out = train_headline(stats)
+    if "predicted_interval" in stats:
+        low, high = stats["predicted_interval"]
+        out["predicted"] = f"{stats['predicted_val_loss']:.4f} [{low:.4f}, {high:.4f}]"
+        out["landed"] = stats["landed"]
+    out["vs_validate"] = (f"{'<=' if stats['at_most_validate'] else '>'} {stats['validate_val_loss']:.4f}")
+    return out
 
 
 def trained_model_config(ctx: StageContext) -> ModelConfig:
@@ -167,7 +241,9 @@ def trained_model_config(ctx: StageContext) -> ModelConfig:
 # version 4: train.parallel no longer holds activation_checkpointing (train.run does)
 # version 5: train.run.batch_size is the global batch; the layout and grad_accum left the key
 # version 6: train.model may be `plan`; a failed validation gate stops it unless overridden
+# version 7: `plan` (the default) takes the plan's context too; stats hold the prediction on effective tokens,
+# where the loss landed against it, and the comparison with validate
 STAGE = Stage(
     name="train", description="production training", body=run, inputs=("mix", "fit", "validate"),
-    config=TrainConfig, version=6, resumable=True, headline=train_headline,
+    config=TrainConfig, version=7, resumable=True, headline=headline,
 )

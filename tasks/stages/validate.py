@@ -4,17 +4,19 @@ the mixture regression's ranking transfers. The run on the reference mixture (th
 proxies') is the one held to the fit's bootstrap prediction interval and, with the sweep's best
 proxy per budget, scored on the eval suite (capabilities against compute). It records the
 gate report (`gate.json`, `gate.md`, the law plot with the observed point, `capabilities.png`);
-the train stage is the one that refuses to start on a failed gate."""
+the train stage is the one that refuses to start on a failed gate. Each transfer run is a sub-run
+(`transfer/<mixture>/`: its manifest and MLflow child run), trained where the validate run trains."""
 
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from tasks.data.tokenize import SHARDS_FILE, TOKENIZER_FILE
 from tasks.scaling.fit import PLAN_FILE, loss_law_from_dict
 from tasks.scaling.validate import REPORT_FILE, ValidateConfig, check_gate
-from tasks.stage import Stage, StageContext
+from tasks.stage import Stage, StageContext, SubRun
 from tasks.stages._common import configured_eval_files
 from tasks.stages._training import (
     plan_mixture,
@@ -27,7 +29,7 @@ if TYPE_CHECKING:
     from tasks.config import KilnConfig
     from tasks.evals.evaluate import EvaluateConfig
     from tasks.scaling.capabilities import CapabilityRow
-    from tasks.train.config import OptimConfig
+    from tasks.train.config import OptimConfig, TrainRunConfig
 
 CAPABILITIES_DIR = "capabilities"  # capabilities/<model>/results.json: each scored model's eval results
 TRANSFER_DIR = "transfer"  # transfer/<mixture>/: each transfer run
@@ -109,7 +111,7 @@ def score_capabilities(ctx: StageContext, midscale_compute: float, reference_run
 
     def score(name: str, model_dir: Any, compute: float) -> ScoredModel:
         out = ctx.out_dir / CAPABILITIES_DIR / name.replace("/", "-")
-        out.mkdir(parents=True)
+        out.mkdir(parents=True, exist_ok=True)  # a resumed attempt scores again into it
         return ScoredModel(name, compute, evaluate_model(eval_cfg, model_dir, tokenizer, out, tasks=caps.tasks or None))
 
     sweep_dir = ctx.inputs["sweep"]
@@ -128,8 +130,6 @@ def mixture_transfer(ctx: StageContext, plan: dict[str, Any], optim: OptimConfig
     model's size; their predicted and observed losses and the rank correlation between them. At the
     validate run's length the validate run itself is the plan mixture's run (not trained twice)."""
     from tasks.scaling.transfer import choose_transfer_mixtures, transfer_spearman
-    from tasks.train.data_loader import mixture_with_weights
-    from tasks.train.health import TrainingDivergedError
 
     cfg = ctx.cfg.validate_
     regression = plan["mixture_regression"]
@@ -144,18 +144,21 @@ def mixture_transfer(ctx: StageContext, plan: dict[str, Any], optim: OptimConfig
     run_cfg = cfg.run.model_copy(update={"steps": steps})
     target = regression["target"]
     observed, diverged, reused = {}, [], None
+    subruns = ctx.subruns()
     for name in names:
         if name == plan["mixture"]["name"] and steps == cfg.run.steps and target == "average":
             observed[name], reused = validate_loss, name
             continue
-        mixture = mixture_with_weights(shards, ctx.inputs["tokenize"], predictions[name]["weights"],
-                                       f"the fit's mixture {name}")
-        try:  # where the validate run trains: this process, or through cluster.launcher
-            result = run_training(ctx, cfg.model, optim, run_cfg, mixture, name=f"{TRANSFER_DIR}/{name}")
-        except TrainingDivergedError:
+        weights = predictions[name]["weights"]
+        sub = SubRun(TRANSFER_DIR, name, {"weights": weights, "steps": steps, "lr": optim.lr},
+                     params={"steps": steps, **{f"weight.{d}": w for d, w in weights.items()}})
+        stats = subruns.run(sub, lambda folder, recorder: transfer_run(
+            replace(ctx, out_dir=folder, recorder=recorder), shards, weights, f"the fit's mixture {name}", optim,
+            run_cfg)).stats
+        if stats["status"] == "diverged":
             diverged.append(name)
             continue
-        observed[name] = result.val_loss if target == "average" else result.val_loss_by_domain[target]
+        observed[name] = stats["val_loss"] if target == "average" else stats["val_loss_by_domain"][target]
     predicted = {n: predictions[n]["predicted_loss"] for n in names}
     rho = transfer_spearman(predicted, observed)
     out: dict[str, Any] = {"predicted": predicted, "observed": observed, "spearman": rho, "target": target,
@@ -164,6 +167,22 @@ def mixture_transfer(ctx: StageContext, plan: dict[str, Any], optim: OptimConfig
         out["note"] = (f"no rank correlation: {len(observed)} of {len(names)} mixtures finished"
                        + (f" ({', '.join(diverged)} diverged)" if diverged else "") + " or their losses tie")
     return out
+
+
+def transfer_run(ctx: StageContext, shards: dict, weights: dict[str, float], where: str, optim: OptimConfig,
+                 run_cfg: TrainRunConfig) -> dict[str, Any]:
+    """One transfer run (into ctx.out_dir, its sub-run folder), where the validate run trains: this process,
+    or through cluster.launcher. A divergence is its result, recorded and not run again."""
+    from tasks.train.data_loader import mixture_with_weights
+    from tasks.train.health import TrainingDivergedError
+
+    mixture = mixture_with_weights(shards, ctx.inputs["tokenize"], weights, where)
+    try:
+        result = run_training(ctx, ctx.cfg.validate_.model, optim, run_cfg, mixture)
+    except TrainingDivergedError as error:
+        return {"status": "diverged", "reason": str(error)}
+    return {"status": "ok", "val_loss": result.val_loss, "val_loss_by_domain": result.val_loss_by_domain,
+            "steps": result.steps, "tokens_seen": result.tokens_seen, "final_train_loss": result.final_train_loss}
 
 
 def law_run(ctx: StageContext, plan: dict[str, Any], transfer: dict[str, Any] | None) -> tuple[str, float] | None:
@@ -189,10 +208,11 @@ def headline(stats: dict) -> dict:
 
 # version 2: the gate's interval is the fit's bootstrap prediction interval (no floor); validate.run;
 # a failed gate is recorded here and enforced by the train stage. 3: the eval suite against the
-# proxies' trend (capabilities), the mixture regression's ranking checked at this size (transfer)
+# proxies' trend (capabilities), the mixture regression's ranking checked at this size (transfer).
+# 4: each transfer run a sub-run (transfer/<mixture>/ with its manifest)
 STAGE = Stage(
     name="validate", description="mid-scale run vs the prediction (gate)", body=run,
     inputs=("mix", "fit", "sweep", "tokenize"), config=ValidateConfig,
     reads=("evaluate.eval_files", "evaluate.choice", "evaluate.lines"), external_files=configured_eval_files,
-    headline=headline, version=3, reports=("gate.md",),
+    headline=headline, version=4, reports=("gate.md",), resumable=True,
 )

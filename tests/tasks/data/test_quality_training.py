@@ -1,4 +1,5 @@
-"""The reference-trained quality classifier: trained reliably, held out, cached by key, applied to every document."""
+"""The reference-trained quality classifier: trained reliably, held out, a sub-run of clean cached in the store by
+its key (a manifest, an MLflow child run), applied to every document."""
 
 from __future__ import annotations
 
@@ -19,15 +20,35 @@ from tasks.data.quality_training import (
     STORE_STAGE,
     QualityTraining,
     classifier_metrics,
-    model_key,
+    model_subrun,
     score_texts,
     trained_model,
 )
+from tasks.runner import StageRecorder, SubRuns
 from tasks.store import Store
+from tasks.tracker import NullTracker
 
 REPO = Path(__file__).resolve().parents[3]
 SAMPLE = REPO / "data/sample"
 REFERENCES = [{"name": "python-reference", "path": str(SAMPLE / "references"), "format": "jsonl", "domain": "reference"}]
+
+
+def subruns(root: Path, tracker=None) -> SubRuns:
+    """The clean stage's sub-runs in the store at `root`."""
+    return SubRuns(StageRecorder(tracker or NullTracker(), "clean-run", "clean", "clean-key"), root)
+
+
+def model_key(cfg: QualityTraining, collect_key: str) -> str:
+    return model_subrun(cfg, collect_key).name
+
+
+class RecordingTracker(NullTracker):
+    def __init__(self) -> None:
+        self.runs: list[dict] = []
+
+    def start_run(self, name, *, parent_id=None, tags=None, params=None) -> str:
+        self.runs.append({"name": name, "parent": parent_id, "tags": dict(tags or {})})
+        return f"run-{len(self.runs)}"
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +69,7 @@ def collected(tmp_path_factory) -> Path:
 
 def test_trains_reliably_and_reports_held_out_precision_recall_and_roc_auc(collected, tmp_path):
     cfg = QualityTraining(references=REFERENCES, positive_sources=["maint-guide"])
-    model, report = trained_model(cfg, collected, Store(tmp_path / "store"))
+    model, report = trained_model(cfg, collected, subruns(tmp_path / "store"))
     held_out = report["held_out"]
     assert report["num_train_hq_docs"] > 0 and report["num_held_out_lq_docs"] > 0
     assert held_out["roc_auc"] > 0.8 and 0.0 < held_out["recall"] <= 1.0 and 0.0 < held_out["precision"] <= 1.0
@@ -61,20 +82,26 @@ def test_training_twice_gives_the_same_model_bit_for_bit(collected, tmp_path):
     """Hogwild training (fastText's 10 threads) differed on every fresh run, and so did the scores of
     every run and all that depends on them; two stores must now hold the same bytes."""
     cfg = QualityTraining(references=REFERENCES, epoch=5)
-    first, report = trained_model(cfg, collected, Store(tmp_path / "a"))
-    second, _ = trained_model(cfg, collected, Store(tmp_path / "b"))
+    first, report = trained_model(cfg, collected, subruns(tmp_path / "a"))
+    second, _ = trained_model(cfg, collected, subruns(tmp_path / "b"))
     assert report["threads"] == 1 and report["reproducible"] is True
     assert first.read_bytes() == second.read_bytes()
 
 
-def test_a_model_is_trained_once_per_key(collected, tmp_path):
-    store = Store(tmp_path / "store")
-    cfg = QualityTraining(references=REFERENCES)
-    first, _ = trained_model(cfg, collected, store)
-    stamp = store.manifest(STORE_STAGE, model_key(cfg, collected.name))["created_at"]
-    again, _ = trained_model(cfg, collected, store)
-    assert again == first and store.manifest(STORE_STAGE, model_key(cfg, collected.name))["created_at"] == stamp
-    assert model_key(cfg.model_copy(update={"epoch": 5}), collected.name) != model_key(cfg, collected.name)
+def test_a_model_is_a_sub_run_trained_once_per_key(collected, tmp_path):
+    store, tracker = Store(tmp_path / "store"), RecordingTracker()
+    cfg = QualityTraining(references=REFERENCES, epoch=5)
+    first, _ = trained_model(cfg, collected, subruns(store.root, tracker))
+    manifest = store.manifest(STORE_STAGE, model_key(cfg, collected.name))
+    assert (manifest["subrun"], manifest["inputs"], manifest["mlflow_run_id"]) == (
+        f"quality_model/{model_key(cfg, collected.name)}", {"collect": collected.name}, "run-1")
+    assert manifest["provenance"]["code"]["git_sha"] and manifest["stats"]["reproducible"] is True
+    again, _ = trained_model(cfg, collected, subruns(store.root, tracker))
+    assert again == first and store.manifest(STORE_STAGE, model_key(cfg, collected.name))["created_at"] == manifest["created_at"]
+    # each clean run that needs it has a child run: the one that trained it, then one that reused it
+    assert [(r["parent"], r["tags"]["kiln.status"]) for r in tracker.runs] == [("clean-run", "ran"), ("clean-run", "cached")]
+    assert tracker.runs[1]["tags"]["kiln.source_run_id"] == "run-1"
+    assert model_key(cfg.model_copy(update={"epoch": 6}), collected.name) != model_key(cfg, collected.name)
     assert model_key(cfg, "other-collect-key") != model_key(cfg, collected.name)
 
 

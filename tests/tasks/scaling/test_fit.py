@@ -16,7 +16,17 @@ from tasks.errors import ConfigError
 from tasks.scaling.fit import FitConfig, chosen_mixture, fit_laws, fit_mixture, hyper_at, laws_from_plan, loss_law_to_dict
 from tasks.scaling.laws import compute_optimal_allocation
 from tasks.scaling.mix import MixConfig, build_mixture_manifest
-from tasks.scaling.plan import budget_from_accelerators, plan_for_compute, plan_for_model
+from tasks.scaling.plan import (
+    R_STAR_D,
+    DataBudget,
+    budget_from_accelerators,
+    data_use,
+    effective_tokens,
+    parameters,
+    plan_data_feasible,
+    plan_for_compute,
+    plan_for_model,
+)
 from tasks.scaling.sweep import IsoFlopBudget, MixtureDesign, SweepConfig, TrialResult
 from tasks.scaling.transfer import transfer_spearman
 from tasks.scaling.validate import ValidateConfig, check_gate
@@ -116,6 +126,59 @@ def test_a_fixed_model_gets_its_prediction_and_the_compute_optimal_size_beside_i
     assert run["steps"] == round(2_000_000 / (8 * 64)) and run["planned_batch_size"] >= 1
     assert run["compute"] == pytest.approx(6 * run["num_params"] * 2_000_000)
     assert "n_opt" in run and run["interval"][0] < run["predicted_loss"] < run["interval"][1]
+
+
+def test_repeated_tokens_count_as_muennighoffs_effective_data():
+    """D' = U + U R* (1 - exp(-R/R*)), R* = 15.4: fresh tokens count fully, 4 epochs about 3.7 fresh ones,
+    40 epochs about 15, and no number of repeats more than U (1 + R*)."""
+    assert R_STAR_D == 15.4
+    assert effective_tokens(50, 100) == 50 and effective_tokens(100, 100) == 100
+    assert effective_tokens(400, 100) == pytest.approx(372.6, abs=0.1)
+    assert effective_tokens(4000, 100) == pytest.approx(1517.6, abs=0.1)
+    assert effective_tokens(1e4, 100) < effective_tokens(1e12, 100) == pytest.approx(100 * (1 + R_STAR_D))
+    data = DataBudget({"web": 100, "code": 1000, "empty": 0}, {"web": 0.5, "code": 0.5, "empty": 0.0}, max_epochs=4)
+    use = data_use(800, data)
+    assert use["domains"]["web"] == {"tokens": 400, "epochs": 4.0, "effective_tokens": effective_tokens(400, 100)}
+    assert use["domains"]["code"]["epochs"] == 0.4 and use["domains"]["empty"]["epochs"] == 0.0
+    assert (use["most_repeated"], use["max_epochs"], use["within_max_epochs"]) == ("web", 4.0, True)
+    assert use["effective_tokens"] == pytest.approx(372.6 + 400, abs=0.1)
+    assert not data_use(801, data)["within_max_epochs"]
+    # a domain with weight and no tokens is repeated infinitely often: never within any limit
+    starved = DataBudget({"web": 100, "code": 0}, {"web": 0.5, "code": 0.5}, max_epochs=4)
+    assert data_use(10, starved)["max_epochs"] == math.inf and not data_use(10, starved)["within_max_epochs"]
+
+
+def test_the_data_feasible_plan_never_repeats_more_than_allowed_and_says_why(fitted):
+    sweep, trials, laws = fitted
+    law_fit, hyper = laws["loss_law"], laws["hyper"]
+    fresh = plan_for_compute(1e15, sweep, 64, law_fit, laws["isoflop"], hyper, trials)
+    plentiful = DataBudget({"web": fresh["tokens"], "code": fresh["tokens"]}, REFERENCE, max_epochs=4)
+    optimal = plan_for_compute(1e15, sweep, 64, law_fit, laws["isoflop"], hyper, trials, plentiful)
+    # data enough for every token to be fresh: the compute-optimal run is the plan, and D' = D
+    assert optimal["effective_tokens"] == optimal["tokens"] and optimal["predicted_loss"] == fresh["predicted_loss"]
+    planned = plan_data_feasible(1e15, sweep, 64, law_fit, hyper, trials, plentiful, optimal)
+    assert {k: v for k, v in planned.items() if k != "chosen_because"} == optimal
+    # a twentieth of that: the compute-optimal run would see each domain 10 times
+    scarce = DataBudget({"web": fresh["tokens"] // 20, "code": fresh["tokens"] // 20}, REFERENCE, max_epochs=4)
+    optimal = plan_for_compute(1e15, sweep, 64, law_fit, laws["isoflop"], hyper, trials, scarce)
+    assert optimal["data"]["max_epochs"] == pytest.approx(10, rel=0.01) and not optimal["data"]["within_max_epochs"]
+    assert optimal["predicted_loss"] > fresh["predicted_loss"]  # repeated tokens are worth less
+    planned = plan_data_feasible(1e15, sweep, 64, law_fit, hyper, trials, scarce, optimal)
+    assert planned["data"]["within_max_epochs"] and planned["data"]["max_epochs"] <= 4
+    assert planned["num_params"] > optimal["num_params"] and planned["compute"] == 1e15
+    assert "repeats web 10.0 times, over mix.max_epochs=4" in planned["chosen_because"]  # equal shares: the first
+    # the best feasible width: its neighbours in the family predict no lower loss (or repeat too much)
+    head = sweep.model.head_dim
+    for width in (planned["width"] - head, planned["width"] + head):
+        model = ModelConfig(**{**planned["model"], "d_model": width, "n_heads": width // head})
+        other = plan_for_model(model, round(1e15 / (6 * parameters(model, 64))), planned["batch_size"], 64, sweep, 64,
+                               law_fit, hyper, trials, scarce)
+        assert not other["data"]["within_max_epochs"] or other["predicted_loss"] >= planned["predicted_loss"] - 1e-3
+    # no data at all: refused, saying why and what to do
+    with pytest.raises(ValueError, match="no model of the family trains 1e\\+15 FLOPs within mix.max_epochs=4"):
+        starved = DataBudget({"web": 1, "code": 1}, REFERENCE, max_epochs=4)
+        plan_data_feasible(1e15, sweep, 64, law_fit, hyper, trials, starved,
+                           plan_for_compute(1e15, sweep, 64, law_fit, laws["isoflop"], hyper, trials, starved))
 
 
 def test_too_few_points_refuse_the_law_and_say_what_is_missing():
