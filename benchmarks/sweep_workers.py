@@ -1,4 +1,4 @@
-"""How long the default sweep takes with 1 and with 2 worker processes (`sweep.num_workers`).
+"""How long the default sweep takes with 1 and with 2 worker processes (`sweep.max_parallel`).
 
 Runs the config's whole sweep (both phases: IsoFLOP and mixture trials, then LR x batch) with
 `run_sweep`, as the sweep stage does, on the tokenize stage's output of an earlier
@@ -23,8 +23,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from tasks.config import load_config  # noqa: E402
 from tasks.data.tokenize import SHARDS_FILE  # noqa: E402
 from tasks.graph import stage_keys  # noqa: E402
+from tasks.runner import StageRecorder, SubRuns  # noqa: E402
 from tasks.scaling.sweep import run_sweep  # noqa: E402
+from tasks.scaling.trial_runs import PoolTrials  # noqa: E402
 from tasks.store import Store  # noqa: E402
+from tasks.tracker import NullTracker  # noqa: E402
 
 
 def main() -> None:
@@ -43,10 +46,12 @@ def main() -> None:
     times: dict[int, list[float]] = {1: [], 2: []}
     for repeat in range(args.repeats):
         for workers in (1, 2):
-            sweep = cfg.sweep.model_copy(update={"num_workers": workers})
+            sweep = cfg.sweep.model_copy(update={"max_parallel": workers})
             with tempfile.TemporaryDirectory(prefix="kiln-sweep-bench-") as out:
+                subruns = SubRuns(StageRecorder(NullTracker(), "bench", "sweep", "bench"), Path(out))
                 start = time.perf_counter()
-                results = run_sweep(sweep, shards, tokenized, Path(out))
+                results = run_sweep(sweep, shards, tokenized, subruns, where=PoolTrials(workers),
+                                    mixture_folds=cfg.fit.mixture_folds)
                 wall = time.perf_counter() - start
             times[workers].append(wall)
             print(f"repeat {repeat}: {workers} worker(s): {wall:.1f} s wall, {len(results)} trials, "

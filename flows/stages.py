@@ -5,10 +5,12 @@ the manifest, commits and records the MLflow run, named and tagged with the flow
 Its cache key is the stage and its key, with results persisted, so a stage the store already has
 shows as `Cached` (a key committed without Prefect's record of it gets one first) and a UI Retry
 re-executes only what failed. Retries (`orchestration.retries`) apply to infrastructure failures
-and unexpected errors (`tasks.errors.is_retryable`), never to user errors. The stage flows
-(`kiln-collect`, ...) are generated from the registry, one per stage, so each has its own
-deployment; each loads its config once, marks what a crash left running (`flows.crashes`) and runs
-its stage.
+and unexpected errors (`tasks.errors.is_retryable`), never to user errors; a retry resumes the
+stage from its partial folder, where its committed sub-runs (sweep trials, transfer runs,
+branches) are reused, and a sub-run's own failures (a killed trial job) are retried inside the
+stage first. The stage flows (`kiln-collect`, ...) are generated from the registry, one per stage,
+so each has its own deployment; each loads its config once, marks what a crash left running
+(`flows.crashes`) and runs its stage.
 """
 
 from __future__ import annotations

@@ -34,7 +34,7 @@ from tasks.crashes import OWNER_TAG, process_owner
 from tasks.errors import KilnError, is_retryable
 from tasks.graph import config_value, stage_identity, stage_keys
 from tasks.provenance import code_version, provenance
-from tasks.stage import Registry, Stage, StageContext, SubRun
+from tasks.stage import STATS_FILE, Registry, Stage, StageContext, SubRun
 from tasks.store import MANIFEST_FILE, Store, stage_key
 from tasks.tracker import NullTracker, Tracker
 
@@ -380,7 +380,7 @@ def _execute(stage: Stage, cfg: KilnConfig, store: Store, tracker: Tracker, regi
         "stats": stats, "wall_s": wall_s, "cost": cost, "mlflow_run_id": run_id, "prefect_flow_run_id": flow_run_id,
         "provenance": provenance(), "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
-    (out_dir / "stats.json").write_text(json.dumps(stats, indent=2, default=str))
+    (out_dir / STATS_FILE).write_text(json.dumps(stats, indent=2, default=str))
     tracker.log_metrics(run_id, {**_numeric({k: v for k, v in stats.items() if k != "headline"}),
                                  **{f"cost.{k}": v for k, v in cost.items()}})
     for path in sorted(out_dir.iterdir()):

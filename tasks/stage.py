@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from tasks.runner import StageRecorder, SubRuns
 
 Stats = dict[str, Any]
+STATS_FILE = "stats.json"  # a committed stage's stats (headline included), beside its outputs
 
 
 @dataclass(frozen=True)

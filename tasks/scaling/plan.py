@@ -171,28 +171,35 @@ def plan_data_feasible(compute: float, sweep: SweepConfig, vocab_size: int, law:
     compute-optimal run itself when it is within the limit and nothing beats it. Raises ValueError
     (saying why) when no width of the family keeps the data within the limit."""
     head = sweep.model.head_dim
-    best = compute_optimal if compute_optimal["data"]["within_max_epochs"] else None
-    for width in range(head, head * MAX_WIDTH_HEADS + 1, head):
-        run = _run_at_width(compute, width, sweep, vocab_size, law, hyper, trials, data)
-        if run["data"]["within_max_epochs"] and (best is None or run["predicted_loss"] < best["predicted_loss"]):
-            best = run
+    best: tuple[float, int] | None = None  # (predicted loss, width) of the best width within the limit
+    if compute_optimal["data"]["within_max_epochs"]:
+        best = (compute_optimal["predicted_loss"], compute_optimal["width"])
+    for width in range(head, head * MAX_WIDTH_HEADS + 1, head):  # point predictions; the interval for the winner
+        n = parameters(model_at_width(sweep.model, width), vocab_size)
+        batch = hyper_at(hyper, trials, sweep, compute, width)["batch_size"]
+        tokens = max(1, round(compute / (6 * n) / (batch * sweep.run.seq_len))) * batch * sweep.run.seq_len
+        use = data_use(tokens, data)
+        loss = float(law.predict(n, use["effective_tokens"]))
+        if use["within_max_epochs"] and (best is None or loss < best[0]):
+            best = (loss, width)
     if best is None:
         widest = _run_at_width(compute, head * MAX_WIDTH_HEADS, sweep, vocab_size, law, hyper, trials, data)["data"]
         raise ValueError(
             f"no model of the family trains {compute:.3g} FLOPs within mix.max_epochs={data.max_epochs:g}: even the "
             f"widest ({head * MAX_WIDTH_HEADS}) repeats {widest['most_repeated']} {widest['max_epochs']:.1f} times. "
             "Add data, lower fit.budget_flops, or raise mix.max_epochs")
-    if best is compute_optimal:
+    if best[1] == compute_optimal["width"]:
         return {**compute_optimal, "chosen_because": "the compute-optimal run repeats no domain more than "
                 f"mix.max_epochs={data.max_epochs:g} times"}
+    chosen = _run_at_width(compute, best[1], sweep, vocab_size, law, hyper, trials, data)
     co = compute_optimal
     why = (f"the compute-optimal run ({co['num_params']:,} parameters on {co['tokens']:,} tokens) "
            + (f"repeats {co['data']['most_repeated']} {co['data']['max_epochs']:.1f} times, over mix.max_epochs="
               f"{data.max_epochs:g}" if not co["data"]["within_max_epochs"]
               else f"is predicted {co['predicted_loss']:.4f} with repeated data")
-           + f"; this width is the family's best within the limit, predicted {best['predicted_loss']:.4f} on "
-             f"D' = {best['effective_tokens']:,.0f} effective tokens")
-    return {**best, "chosen_because": why}
+           + f"; this width is the family's best within the limit, predicted {chosen['predicted_loss']:.4f} on "
+             f"D' = {chosen['effective_tokens']:,.0f} effective tokens")
+    return {**chosen, "chosen_because": why}
 
 
 def plan_for_model(model: ModelConfig, tokens: int, batch_size: int, seq_len: int, sweep: SweepConfig,

@@ -497,21 +497,26 @@ def run_sweep(cfg: SweepConfig, shards: dict, shards_root: Path, subruns: SubRun
         started = {t.name: subruns.begin(trial_subrun(t)) for t in pending}
         pending.sort(key=lambda t: -trial_cost(t))
         with progress:
-            for trial, result, launch in where.run(cfg, shards, shards_root,
-                                                   [(t, started[t.name][0]) for t in pending], label):
-                folder, recorder = started[trial.name]
-                record_trial(recorder, result, log_every or cfg.run.log_every)
-                if result.status in FINAL_STATUSES:
-                    subruns.commit(trial_subrun(trial), recorder, trial_stats(result), wall_s=result.wall_s,
-                                   failed=not result.ok, launch=launch)
-                else:
-                    save_result(result, folder)  # the reason, for whoever opens the folder
-                    subruns.fail(recorder, result.reason or "failed")
-                results[trial.name] = result
-                bad = sum(r.status != "ok" for r in results.values())
-                progress.advance(note=f"{bad} failed or diverged" if bad else "")
-                if on_trial:
-                    on_trial(result, False)
+            try:
+                for trial, result, launch in where.run(cfg, shards, shards_root,
+                                                       [(t, started[t.name][0]) for t in pending], label):
+                    folder, recorder = started.pop(trial.name)
+                    record_trial(recorder, result, log_every or cfg.run.log_every)
+                    if result.status in FINAL_STATUSES:
+                        subruns.commit(trial_subrun(trial), recorder, trial_stats(result), wall_s=result.wall_s,
+                                       failed=not result.ok, launch=launch)
+                    else:
+                        save_result(result, folder)  # the reason, for whoever opens the folder
+                        subruns.fail(recorder, result.reason or "failed")
+                    results[trial.name] = result
+                    bad = sum(r.status != "ok" for r in results.values())
+                    progress.advance(note=f"{bad} failed or diverged" if bad else "")
+                    if on_trial:
+                        on_trial(result, False)
+            except BaseException as error:  # the trials still running stop with the sweep: their child runs say so
+                for _, recorder in started.values():
+                    subruns.fail(recorder, f"the sweep stopped before it finished: {type(error).__name__}: {error}")
+                raise
 
     first = design_trials(cfg, shards["vocab_size"], mixture_folds)
     run_phase(first, "phase1", "sweep (IsoFLOP and mixture trials)")

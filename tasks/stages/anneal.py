@@ -61,7 +61,8 @@ def anneal_into(ctx: StageContext, cfg: AnnealConfig, start: StartModel, where: 
     """Anneal `start` with `cfg` into `ctx.out_dir` (its `model/`, checkpoints and metrics); its stats."""
     from tasks.train.anneal_data import anneal_mixture
 
-    _, train_run, _ = planned_run(ctx)  # what train trained: the plan's context, batch and seed
+    # what train trained: under train.model: plan, the plan's context and batch
+    train_run = planned_run(ctx)[1] if ctx.cfg.train.model == "plan" else ctx.cfg.train.run
     optim, run_cfg = anneal_settings(cfg, ctx.cfg.train.optim, train_run, planned_lr(ctx))
     mixture, selections = anneal_mixture(ctx.read_json("tokenize", SHARDS_FILE), ctx.inputs["tokenize"], cfg.mixture,
                                          f"{where}.mixture", ctx.out_dir)

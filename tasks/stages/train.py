@@ -22,7 +22,7 @@ from tasks.errors import ConfigError
 from tasks.scaling.fit import PLAN_FILE
 from tasks.scaling.validate import REPORT_FILE as GATE_FILE
 from tasks.scaling.validate import ValidationGateError
-from tasks.stage import Stage, StageContext
+from tasks.stage import STATS_FILE, Stage, StageContext
 from tasks.stages._training import plan_mixture, planned_lr, run_training, train_headline, train_stats
 from tasks.train.config import ModelConfig, OptimConfig, ParallelDims, TrainRunConfig
 
@@ -146,7 +146,7 @@ def run(ctx: StageContext) -> dict:
     stats = train_stats(result, device=run_cfg.device, lr=lr, world_size=result.world_size,
                         num_restarts=restarts, plan_departures=departures, **gate, **prediction)
     stats |= landed(stats)
-    return stats | against_validate(stats, ctx.read_json("validate", "stats.json"), plan)
+    return stats | against_validate(stats, ctx.read_json("validate", STATS_FILE), plan)
 
 
 def law_prediction(plan: dict[str, Any], model: ModelConfig, run: TrainRunConfig) -> dict[str, Any]:

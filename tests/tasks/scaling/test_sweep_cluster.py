@@ -1,6 +1,6 @@
 """A sweep on the real single-node Slurm cluster: its 16 trials run as Slurm jobs, at most `max_parallel`
 at once; `scancel` of a running job reruns only the trial it was training (resumed from its folder);
-and the fit's inputs are the in-process sweep's, number for number."""
+and the fit's inputs are the in-process sweep's, number for number. A job Slurm refuses is not retried."""
 
 from __future__ import annotations
 
@@ -14,7 +14,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tasks.errors import is_retryable
 from tasks.launch.cluster import ClusterSpec
+from tasks.launch.launchers import LaunchError
 from tasks.launch.local_slurm import free_port
 from tasks.runner import StageRecorder, SubRuns
 from tasks.scaling.sweep import (
@@ -149,3 +151,14 @@ def test_a_slurm_sweep_runs_max_parallel_jobs_reruns_only_a_cancelled_trial_and_
     # every trial trained in a Slurm job, at most MAX_PARALLEL at once: 2 shares a phase, plus the resubmission
     assert len({i for ids in jobs.values() for i in ids}) == 5
     assert concurrent_jobs(slurm_cluster.folder / "log" / "jobcomp.txt") <= MAX_PARALLEL
+
+
+def test_a_sweep_job_slurm_refuses_is_not_retried_and_says_why(shards, slurm_cluster, tmp_path):
+    """sbatch refuses a partition the cluster lacks: no retry can cure that, so nothing is resubmitted."""
+    where = JobTrials("slurm", ClusterSpec(partition="no-such-partition", max_restarts=2), MAX_PARALLEL,
+                      tmp_path / JOBS_DIR)
+    with pytest.raises(LaunchError, match=r"sbatch rejected .*(?i:invalid partition)") as refused:
+        run_sweep(sweep_config(), *shards, subruns(tmp_path), where=where)
+    assert not is_retryable(refused.value)
+    assert not list(tmp_path.glob(f"{JOBS_DIR}/*/*.out"))  # no job ever ran
+    assert not Store(tmp_path).is_complete(TRIALS_DIR, "w4-lr0.003-bs4-s73-u")

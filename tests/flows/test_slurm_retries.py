@@ -1,0 +1,49 @@
+"""Task-level retries on the real Slurm cluster: the clean stage on `cluster.executor: slurm`, one of its
+Slurm ranks killed mid-stage. The rank's death is an infrastructure failure (`ExecutorError`, retryable),
+so the stage's Prefect task is retried (`orchestration.retries`) and the retry resumes from the failed
+attempt's partial folder: only the killed rank runs again, and the stage commits. (A killed sweep trial
+is retried on its own, inside its stage: tests/tasks/scaling/test_sweep_cluster.py.)"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+from flows.stages import flow_for
+from tasks.config import load_config
+from tasks.graph import stage_keys
+from tasks.runner import run_stage
+from tasks.store import Store
+from tests.tasks.data.test_executors import _kill_first, _logged
+
+pytestmark = pytest.mark.cluster
+
+TINY = "configs/tiny.yaml"
+
+
+def test_a_clean_stage_whose_slurm_rank_is_killed_is_retried_by_its_task_and_resumes(
+        prefect_api, slurm_cluster, in_repo, tmp_path):
+    overrides = [f"work_dir={tmp_path}", "cluster.executor=slurm", "orchestration.retries=1",
+                 "orchestration.retry_delay_seconds=0", "clean.num_workers=2", "clean.quality_training=null",
+                 "clean.quality_top_fraction=null", "collect.max_docs_per_source=4"]
+    cfg = load_config(TINY, overrides)
+    store, keys = Store(cfg.store_root), stage_keys(cfg)
+    run_stage("collect", cfg, store=store, keys=keys)
+    partial = str(store.partial_path("clean", keys["clean"]).resolve())
+
+    def a_rank(pid: int, argv: tuple[str, ...]) -> bool:  # a rank's Python under srun, working in clean's folder
+        return bool(argv) and "python" in Path(argv[0]).name and any(partial in arg for arg in argv[1:])
+
+    with _kill_first(a_rank) as killed, _logged() as messages:
+        outcome = flow_for("clean")(config_path=TINY, overrides=overrides)
+    assert killed, "no Slurm rank of the clean stage was seen running"
+    assert outcome["status"] == "ran" and store.is_complete("clean", keys["clean"])
+    assert any("Launching Slurm job kiln_clean (1 tasks)" in m for m in messages), messages  # only the killed rank
+    runs = MlflowClient(cfg.tracking_uri).search_runs(
+        [MlflowClient(cfg.tracking_uri).get_experiment_by_name("kiln").experiment_id],
+        filter_string="tags.`kiln.stage` = 'clean'", order_by=["attributes.start_time ASC"])
+    assert [(r.data.tags["kiln.status"], r.info.status) for r in runs] == [("failed", "FAILED"), ("ran", "FINISHED")]
+    assert "1 of 2 ranks did not finish" in runs[0].data.tags["kiln.error"]
+    assert store.manifest("clean", keys["clean"])["stats"]["num_kept"] > 0
