@@ -10,7 +10,8 @@ which goes first so that a change in machine load falls on both. The cluster's s
 and printed apart. Both sweeps must give the fit the same numbers (every trial's results but its wall
 time), which is checked. MLflow logging is left out (a few calls per trial, the same for both).
 
-Prints each run's wall time, the medians and their ratio; last line
+Prints each run's wall time, the medians and their ratio, and each one's wall per second of summed
+trial training (the trials' own time, which the machine's load moves as it moves the walls); last line
 `RESULT sweep_slurm_overhead <median Slurm wall / median in-process wall>`.
 """
 
@@ -64,6 +65,7 @@ def main() -> None:
             print(f"Slurm cluster started in {time.perf_counter() - started:.1f} s (paid once, not per sweep)",
                   flush=True)
             times: dict[str, list[float]] = {"in-process": [], "slurm": []}
+            training: dict[str, list[float]] = {"in-process": [], "slurm": []}  # summed trial training seconds
             reference: list[dict] | None = None
             for repeat in range(args.repeats):
                 order = ("in-process", "slurm") if repeat % 2 == 0 else ("slurm", "in-process")
@@ -78,6 +80,7 @@ def main() -> None:
                                         mixture_folds=cfg.fit.mixture_folds)
                     wall = time.perf_counter() - start
                     times[where].append(wall)
+                    training[where].append(sum(r.wall_s for r in results))
                     if reference is None:
                         reference = fit_inputs(results)
                     elif fit_inputs(results) != reference:
@@ -87,6 +90,12 @@ def main() -> None:
     local, slurm = statistics.median(times["in-process"]), statistics.median(times["slurm"])
     print(f"median: in-process {local:.1f} s, Slurm {slurm:.1f} s (max_parallel={cfg.sweep.max_parallel}); "
           f"Slurm / in-process = {slurm / local:.2f}; the fit's inputs were identical in every run")
+    # the machine's load moves both walls; wall per second of trial training moves much less
+    per_second = {where: statistics.median(w / t for w, t in zip(times[where], training[where], strict=True))
+                  for where in times}
+    print(f"wall per second of summed trial training (less sensitive to load): in-process "
+          f"{per_second['in-process']:.3f}, Slurm {per_second['slurm']:.3f}, ratio "
+          f"{per_second['slurm'] / per_second['in-process']:.2f}")
     print(f"RESULT sweep_slurm_overhead {slurm / local:.3f}")
 
 

@@ -187,7 +187,7 @@ def plan_data_feasible(compute: float, sweep: SweepConfig, vocab_size: int, law:
         raise ValueError(
             f"no model of the family trains {compute:.3g} FLOPs within mix.max_epochs={data.max_epochs:g}: even the "
             f"widest ({head * MAX_WIDTH_HEADS}) repeats {widest['most_repeated']} {widest['max_epochs']:.1f} times. "
-            "Add data, lower fit.budget_flops, or raise mix.max_epochs")
+            "Add data, lower the budget (fit.budget_flops), or raise mix.max_epochs")
     if best[1] == compute_optimal["width"]:
         return {**compute_optimal, "chosen_because": "the compute-optimal run repeats no domain more than "
                 f"mix.max_epochs={data.max_epochs:g} times"}

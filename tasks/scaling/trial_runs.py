@@ -215,12 +215,15 @@ class JobTrials:
             if not todo or state.stopping.is_set():
                 return
             (folder / JOB_FILE).write_text(json.dumps({
-                "sweep": cfg.model_dump(mode="json", exclude={"optim": {"lr"}}), "shards": shards, "shards_root": str(shards_root.resolve()),
+                "sweep": cfg.model_dump(mode="json", exclude={"optim": {"lr"}}),  # sweep.optim.lr is not a setting
+                "shards": shards, "shards_root": str(shards_root.resolve()),
                 "shares": [[{"trial": asdict(t), "folder": str(f.resolve())} for t, f in share] for share in todo],
             }, indent=1))
+            if self.launcher == "kubernetes":  # one index per share still unfinished
+                job.completions, job.parallelism = len(todo), min(self.max_parallel, len(todo))
             state.started(job)
             try:
-                launched = job.launch(self._command(folder, len(todo)))
+                launched = job.launch(self._command(folder))
             except LaunchError as error:
                 state.ended(job)
                 if state.stopping.is_set():
@@ -254,7 +257,7 @@ class JobTrials:
             options["torchrun"] = False  # one process: no rendezvous to pay for
         return make_launcher(self.launcher, self.cluster, folder, **options)
 
-    def _command(self, folder: Path, shares: int) -> list[str]:
+    def _command(self, folder: Path) -> list[str]:
         command = ["-m", "tasks.scaling.trial_runs", str((folder / JOB_FILE).resolve())]
         if self.launcher == "kubernetes":  # each index of the Job takes its share
             return [*command, "--share-env", "JOB_COMPLETION_INDEX"]
