@@ -29,6 +29,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # run as a script from anywhere
+# as `kiln` sets it (flows/cli.py) before torch loads: spinning OpenMP threads slow a shared machine's
+# trial processes several times, which would be measured as the in-process sweep's cost
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from tasks.config import load_config  # noqa: E402
 from tasks.data.tokenize import SHARDS_FILE  # noqa: E402

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -19,6 +20,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as `kiln` sets it (flows/cli.py) before torch loads
 
 from tasks.config import load_config  # noqa: E402
 from tasks.data.tokenize import SHARDS_FILE  # noqa: E402
