@@ -208,8 +208,10 @@ class SubRuns:
 
     def _tags(self, sub: SubRun, status: str) -> dict[str, str]:
         code = code_version()
+        # the owner: a crash that leaves the child run RUNNING is marked like its stage's (tasks.crashes)
         return {"kiln.stage": self.recorder.stage, "kiln.key": self.recorder.key, "kiln.subrun": sub.kind,
-                "kiln.subrun_key": self.key(sub), "kiln.status": status, "kiln.git_sha": code["git_sha"]}
+                "kiln.subrun_key": self.key(sub), "kiln.status": status, "kiln.git_sha": code["git_sha"],
+                OWNER_TAG: process_owner()}
 
 
 def _numeric(stats: dict[str, Any], prefix: str = "") -> dict[str, float]:

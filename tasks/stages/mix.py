@@ -29,6 +29,6 @@ def run(ctx: StageContext) -> dict:
 
 STAGE = Stage(
     name="mix", description="write the mixture manifest", body=run, inputs=("tokenize", "fit"), config=MixConfig,
-    reads=("train.run", "train.model"),
+    reads=("train.run_identity", "train.model"),  # the train budget: the plan's, or what train.run sets
     headline=lambda s: {"mixture": s["mixture"], "train_tokens": s["train_tokens"], "max_epochs": max(s["epochs"].values())},
 )

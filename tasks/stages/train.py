@@ -27,6 +27,7 @@ from tasks.stages._training import plan_mixture, planned_lr, run_training, train
 from tasks.train.config import ModelConfig, OptimConfig, ParallelDims, TrainRunConfig
 
 TRAINED_MODEL_CONFIG = "model/model_config.json"  # the shape train trained, for the stages after it
+PLANNED_RUN_FIELDS = {"steps", "batch_size", "seq_len"}  # under `model: plan`, the plan's unless train.run sets them
 
 
 class TrainConfig(Section):
@@ -66,9 +67,20 @@ class TrainConfig(Section):
         dumped["optim"].pop("lr", None)
         return dumped
 
+    @property
+    def run_identity(self) -> dict:
+        """`run`'s identity, each field the plan decides (`model: plan`, the field unset) as "plan", not as
+        the field's default: setting a field to its default value departs from the plan, and moves keys."""
+        identity = self.run.identity()
+        if self.model == "plan":
+            for name in PLANNED_RUN_FIELDS - self.run.model_fields_set:
+                identity[name] = "plan"
+        return identity
+
     def identity(self) -> dict:
         identity = super().identity()
         del identity["optim"]["lr"]
+        identity["run"] = self.run_identity
         return identity
 
 

@@ -6,8 +6,6 @@ is retried on its own, inside its stage: tests/tasks/scaling/test_sweep_cluster.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 from mlflow.tracking import MlflowClient
 
@@ -16,7 +14,8 @@ from tasks.config import load_config
 from tasks.graph import stage_keys
 from tasks.runner import run_stage
 from tasks.store import Store
-from tests.tasks.data.test_executors import _kill_first, _logged
+from tests.processes import killing_first, slurm_job_steps
+from tests.tasks.data.test_executors import _logged
 
 pytestmark = pytest.mark.cluster
 
@@ -31,12 +30,11 @@ def test_a_clean_stage_whose_slurm_rank_is_killed_is_retried_by_its_task_and_res
     cfg = load_config(TINY, overrides)
     store, keys = Store(cfg.store_root), stage_keys(cfg)
     run_stage("collect", cfg, store=store, keys=keys)
-    partial = str(store.partial_path("clean", keys["clean"]).resolve())
+    # a rank of this cluster's clean job: its Python runs the executor's pickle in clean's partial folder
+    pickle = store.partial_path("clean", keys["clean"]).resolve() / "_datatrove" / "logs" / "executor.pik"
+    ranks = slurm_job_steps(slurm_cluster.env, argument=str(pickle))
 
-    def a_rank(pid: int, argv: tuple[str, ...]) -> bool:  # a rank's Python under srun, working in clean's folder
-        return bool(argv) and "python" in Path(argv[0]).name and any(partial in arg for arg in argv[1:])
-
-    with _kill_first(a_rank) as killed, _logged() as messages:
+    with killing_first(ranks) as killed, _logged() as messages:
         outcome = flow_for("clean")(config_path=TINY, overrides=overrides)
     assert killed, "no Slurm rank of the clean stage was seen running"
     assert outcome["status"] == "ran" and store.is_complete("clean", keys["clean"])

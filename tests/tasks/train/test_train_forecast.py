@@ -15,11 +15,11 @@ from tasks.launch.launched_training import WORKER_CONFIG
 from tasks.runner import run_stage
 from tasks.scaling.fit import PLAN_FILE
 from tasks.scaling.validate import REPORT_FILE
-from tasks.stage import STATS_FILE
 from tasks.store import Store
 from tasks.train.config import TrainRunConfig
 from tasks.train.planner import forecast_training
 from tests.fixtures.validate_inputs import (
+    VALIDATE_STATS,
     KEYS,
     VOCAB_SIZE,
     commit,
@@ -42,8 +42,8 @@ def inputs(tmp_path) -> Store:
     commit_mix(store)
     commit(store, "fit", lambda out: (out / PLAN_FILE).write_text(json.dumps(
         {"lr": 0.01, "runs": {}, "refused": {"production": "not planned in this test"}, "loss_law": None})))
-    commit(store, "validate", lambda out: ((out / REPORT_FILE).write_text(json.dumps({"passed": True, "reasons": []})),
-                                           (out / STATS_FILE).write_text(json.dumps({"val_loss": 9.0, "tokens_seen": 1}))))
+    commit(store, "validate", lambda out: (out / REPORT_FILE).write_text(json.dumps({"passed": True, "reasons": []})),
+           VALIDATE_STATS)
     return store
 
 

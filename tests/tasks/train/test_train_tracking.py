@@ -15,7 +15,7 @@ from tasks.scaling.fit import PLAN_FILE
 from tasks.scaling.validate import REPORT_FILE
 from tasks.store import Store
 from tasks.tracking import MlflowTracker
-from tests.fixtures.validate_inputs import KEYS, commit, commit_mix
+from tests.fixtures.validate_inputs import KEYS, VALIDATE_STATS, commit, commit_mix
 
 REPO = Path(__file__).resolve().parents[3]
 PLANNED_LR = 0.02
@@ -26,7 +26,8 @@ def test_the_train_run_logs_the_plans_lr_it_used_and_no_unused_optim_lr(tmp_path
     commit_mix(store)
     commit(store, "fit", lambda out: (out / PLAN_FILE).write_text(json.dumps(
         {"lr": PLANNED_LR, "runs": {}, "refused": {"production": "not planned in this test"}, "loss_law": None})))
-    commit(store, "validate", lambda out: (out / REPORT_FILE).write_text(json.dumps({"passed": True, "reasons": []})))
+    commit(store, "validate", lambda out: (out / REPORT_FILE).write_text(json.dumps({"passed": True, "reasons": []})),
+           VALIDATE_STATS)
     cfg = load_config(REPO / "configs" / "tiny.yaml", [
         f"work_dir={tmp_path / 'work'}", "train.run.steps=2", "train.run.eval_batches=1", "train.run.num_threads=1"])
     assert cfg.train.lr == "plan" and cfg.train.optim.lr != PLANNED_LR  # the default optim.lr is not the plan's
