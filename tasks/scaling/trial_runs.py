@@ -215,7 +215,7 @@ class JobTrials:
             if not todo or state.stopping.is_set():
                 return
             (folder / JOB_FILE).write_text(json.dumps({
-                "sweep": cfg.model_dump(mode="json", exclude={"optim": {"lr"}}),  # sweep.optim.lr is not a setting
+                "sweep": cfg.model_dump(mode="json"),  # loads back as it is (no optim.lr: see SweepConfig)
                 "shards": shards, "shards_root": str(shards_root.resolve()),
                 "shares": [[{"trial": asdict(t), "folder": str(f.resolve())} for t, f in share] for share in todo],
             }, indent=1))

@@ -17,7 +17,7 @@ from tasks.store import Store
 from tests.processes import killing_first, slurm_job_steps
 from tests.tasks.data.test_executors import _logged
 
-pytestmark = pytest.mark.cluster
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(600)]  # Slurm jobs on a busy machine
 
 TINY = "configs/tiny.yaml"
 

@@ -25,7 +25,7 @@ from tasks.scaling.transfer import (
     transfer_spearman,
 )
 from tasks.scaling.validate import ValidateConfig, check_gate
-from tasks.store import Store
+from tasks.store import FAILURE_FILE, Store
 from tests.fixtures.validate_inputs import KEYS, commit_validate_inputs
 
 REPO = Path(__file__).resolve().parents[3]
@@ -190,6 +190,7 @@ def test_unknown_capability_tasks_stop_the_validate_stage_before_it_trains(tmp_p
     assert str(raised.value) == (
         f"eval tasks ['kiln_heldout_nope'] are not in the configured suite {suite}: name tasks of "
         "evaluate.eval_files / evaluate.standard_suite (e.g. validate.capabilities.tasks)")
-    # nothing trained: the stage's partial folder is empty (no model, checkpoints or metrics) and not committed
-    assert list(store.partial_path("validate", KEYS["validate"]).iterdir()) == []
+    # nothing trained: the stage's partial folder holds only the failure's record (no model, checkpoints or
+    # metrics) and is not committed
+    assert [p.name for p in store.partial_path("validate", KEYS["validate"]).iterdir()] == [FAILURE_FILE]
     assert not store.is_complete("validate", KEYS["validate"])

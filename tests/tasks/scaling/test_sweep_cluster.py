@@ -38,7 +38,7 @@ MAX_PARALLEL = 2
 # how long the watcher waits for a trial to be training inside a job before it gives up (a slow machine)
 WATCH_S = 240.0
 
-pytestmark = pytest.mark.cluster
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(600)]  # Slurm jobs on a busy machine
 
 
 @pytest.fixture(scope="module")
