@@ -286,6 +286,9 @@ def cmd_status(ns: argparse.Namespace) -> int:
         print(f"cost of this pipeline's complete stages: {totals.get('wall_s', 0):.0f} s wall, "
               f"{totals.get('cpu_s', 0):.0f} s CPU, {totals.get('accelerator_s', 0) / 3600:.2f} accelerator-hours"
               f"{forecast}, peak memory {totals.get('peak_rss_mb', 0):.0f} MiB")
+    from tasks.evals.continuous_state import status_lines
+
+    print("\n".join(status_lines(cfg, keys)))
     abandoned = store.abandoned_partials(keys)
     if abandoned:
         print(f"{len(abandoned)} abandoned partial folder(s) of keys this config no longer uses "
@@ -393,10 +396,15 @@ def cmd_continuous_eval(ns: argparse.Namespace) -> int:
         summaries = continuous_eval(config_path, overrides)
     for stage, summary in summaries.items():
         skipped = "".join(f"\n  step {step} skipped: {reason}" for step, reason in summary["skipped"].items())
-        regressed = "".join(f"\n  regression: {r['task']} {r['metric']} at step {r['step']}: {r['current']:.4f}, "
-                            f"best {r['best']:.4f} at step {r['best_step']}" for r in summary["regressions"])
+        elsewhere = (f"\n  steps {summary['scored_elsewhere']} were scored meanwhile by another run"
+                     if summary["scored_elsewhere"] else "")
+        events = "".join(f"\n  regression {'started' if r['kind'] == 'started' else 'cleared'}: {r['task']} "
+                         f"{r['metric']} at step {r['step']}: {r['current']:.4f}, best {r['best']:.4f} at step "
+                         f"{r['best_step']} (noise {r['noise']:.4f})" for r in summary["regressions"])
+        still = "".join(f"\n  open regression: {r['task']} {r['metric']} since step {r['since']}"
+                        for r in summary["open_regressions"] if r not in summary["regressions"])
         print(f"{stage} {summary['key']}: evaluated steps {summary['evaluated'] or 'none new'}; "
-              f"{len(summary['recorded'])} steps recorded in {summary['state_file']}{skipped}{regressed}")
+              f"{len(summary['recorded'])} steps recorded in {summary['state_file']}{skipped}{elsewhere}{events}{still}")
     ecg = next((s["ecg"] for s in summaries.values() if s["ecg"]), None)
     if ecg:
         print(f"ECG (each task's score against the step): {ecg}")
@@ -442,14 +450,12 @@ def cmd_down(ns: argparse.Namespace) -> int:
 def cmd_deploy(ns: argparse.Namespace) -> int:
     from flows.deploy import deploy, work_pool
 
-    print(deploy(ns.continuous_eval, ns.overrides, ns.alert_webhook, ns.work_pool, ns.image))
-    watching = f"continuous eval scores {ns.continuous_eval} every 10 minutes" if ns.continuous_eval else \
-        "continuous eval is deployed with its schedule off (kiln deploy --continuous-eval CONFIG turns it on)"
+    print(deploy(ns.continuous_eval, ns.overrides, ns.alert_webhook, ns.work_pool, ns.image, ns.every))
     pool = work_pool(ns.work_pool)["name"]
     worker = "kiln worker   (where PREFECT_API_URL and MLFLOW_TRACKING_URI are these)" if ns.work_pool == "process" else \
         f"in the cluster, prefect worker start --pool {pool} --type kubernetes (needs prefect-kubernetes)"
     ui = os.environ["PREFECT_API_URL"].removesuffix("/").removesuffix("/api")
-    print(f"{watching}\nstart a worker: {worker}\nrun the pipeline: prefect deployment run kiln-pipeline/pipeline "
+    print(f"start a worker: {worker}\nrun the pipeline: prefect deployment run kiln-pipeline/pipeline "
           f"--param config_path=CONFIG.yaml   (or Run in the UI: {ui}/deployments)")
     return 0
 
@@ -464,7 +470,7 @@ def cmd_worker(ns: argparse.Namespace) -> int:
 def cmd_serve(ns: argparse.Namespace) -> int:
     from flows.deploy import serve
 
-    serve(ns.continuous_eval, ns.overrides)
+    serve(ns.continuous_eval, ns.overrides, ns.every)
     return 0
 
 
@@ -556,7 +562,8 @@ def build_parser() -> argparse.ArgumentParser:
     config = add("config", "Print the resolved config (file + overrides + defaults).", cmd_config)
     config.add_argument("--keys", action="store_true", help="also print every stage's key")
     status = add("status", "Show each stage's key and its state in the store: complete (with its key numbers), running, "
-                 "failed (with the error), partial (a crashed attempt) or missing; and the pipeline's cost.", cmd_status)
+                 "failed (with the error), partial (a crashed attempt) or missing; the pipeline's cost; and continuous eval "
+                 "per series: checkpoints scored, pending and missed, open regressions, the ECG's path.", cmd_status)
     status.add_argument("--json", action="store_true", help="also print the keys as JSON")
     lineage = add("lineage", "Print the chain of store entries behind an output, from raw sources to the model: "
                   "keys, config, output digests, MLflow and Prefect runs, code version, licences.", cmd_lineage,
@@ -616,7 +623,12 @@ def build_parser() -> argparse.ArgumentParser:
     ):
         p = sub.add_parser(name, help=help_text, description=help_text)
         p.add_argument("--continuous-eval", metavar="CONFIG.yaml",
-                       help="schedule continuous eval (every 10 minutes) on this config; off when not given")
+                       help="schedule continuous eval on this config (the training's), every continuous_eval.interval "
+                            "of it (default 10m); it pauses itself once train and anneal are complete and scored. "
+                            "No schedule when not given")
+        p.add_argument("--every", metavar="DURATION",
+                       help="with --continuous-eval: the schedule's interval (60s, 10m, 1h), i.e. the override "
+                            "continuous_eval.interval=DURATION")
         p.add_argument("overrides", nargs="*", metavar="key=value", help="overrides for the continuous-eval config")
         p.set_defaults(func=func)
         if name == "deploy":

@@ -1,21 +1,27 @@
 """The continuous-eval flow (DESIGN's "watch" row): scores each new train and anneal checkpoint while
-those stages run, draws the electrocardiogram and raises an event when a score regresses.
+those stages run, draws the electrocardiogram, raises an event where a regression starts or clears,
+and pauses its own schedule once there is nothing left to watch.
 
-The `continuous-eval` deployment in infra/prefect.yaml runs it on a schedule. For each training
-stage (train, anneal), each run evaluates, one Prefect task per checkpoint, the committed
-checkpoints at multiples of `continuous_eval.every` on the configured tasks the state file beside
-the data does not list at their current version (`tasks.evals.continuous`), then mirrors the state
-file into one MLflow run per stage key, eval settings and task versions, each checkpoint's scores
-at its step. When anything new was scored it:
+The `continuous-eval` deployment runs it on a schedule (`kiln deploy --continuous-eval CONFIG
+[--every 60s]`; the interval is `continuous_eval.interval`); the pipeline's end-of-run pass and
+`kiln continuous-eval` run it once. For each training stage (train, anneal), each run evaluates,
+one Prefect task per checkpoint, the committed checkpoints at multiples of `continuous_eval.every`
+on the configured tasks the state file beside the data does not list at their current version
+(`tasks.evals.continuous`, which locks each step against the other scorers), then mirrors the state
+file into one MLflow run per stage key, eval settings and task versions (`continuous-eval/train/<key>`,
+`continuous-eval/anneal/<key>`), each checkpoint's scores at its step. When anything new was scored it:
 
-- emits the Prefect event `kiln.eval.regression` (resource `kiln.eval.<config name>`; payload task,
-  step, best, current, tolerance, ...) for each new score worse than its best so far by more than
-  `continuous_eval.regression_tolerance` (`tasks.evals.ecg`);
-- draws the ECG, each task's main score against the step (train, then anneal), to
-  `{work_dir}/continuous_eval/{train key}/ecg.png`, logged to both MLflow runs and published with
-  the table of scores as Prefect artifacts.
+- emits, for each regression that starts or clears at a new score (judged against the score's noise,
+  `tasks.evals.ecg`), the Prefect event `kiln.eval.regression` or `kiln.eval.regression.cleared`
+  (resource `kiln.eval.<config name>`; payload task, metric, step, best, current, noise, since, and
+  the alert's sentence in `text`);
+- draws the ECG, each task's main score against the step (train, then anneal), every regression
+  event marked, to `{work_dir}/continuous_eval/{train key}/ecg.png`, logged to both MLflow runs and
+  published with the table of scores as Prefect artifacts.
 
-A run with nothing new changes nothing.
+A scheduled run that finds both stages complete and everything they kept scored pauses its
+deployment (which deletes the runs Prefect had scheduled ahead) and says so in its log and an
+artifact; `kiln deploy --continuous-eval` switches it on again. A run with nothing new changes nothing.
 """
 
 from __future__ import annotations
@@ -29,64 +35,34 @@ from typing import Any
 from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.cache_policies import NO_CACHE
+from prefect.context import FlowRunContext
 from prefect.events import emit_event
 from prefect.runtime import flow_run
 
+from flows.alerts import TEXT, regression_text
 from flows.environment import apply_run_settings
 from tasks.config import KilnConfig, load_config
-from tasks.data.tokenize import TOKENIZER_FILE
 from tasks.evals.continuous import (
     EvalTarget,
     current_rows,
-    eval_target,
     evaluate_checkpoint,
     plan_evaluations,
     read_recorded,
     recorded_steps,
     scores_table,
+    series_lock,
     suite_versions,
 )
-from tasks.evals.ecg import ECG_FILE, REGRESSION_EVENT, Regression, curves, find_regressions, plot_ecg
+from tasks.evals.continuous_state import WATCHED, anneal_offset, ecg_path, eval_targets, watched_complete
+from tasks.evals.ecg import RegressionEvent, all_events, curves, open_regressions, plot_ecg
 from tasks.graph import stage_keys
-from tasks.store import Store
 from tasks.tracking import MlflowTracker
-from tasks.train.anneal import anneal_checkpointing
 
 RUN_STAGE = "continuous-eval"
 
 # The state file decides what is done: Prefect neither caches these results nor persists them.
 evaluate_step = task(evaluate_checkpoint, name="evaluate-checkpoint", task_run_name="step-{step}",
                      cache_policy=NO_CACHE)
-
-
-def eval_targets(cfg: KilnConfig, keys: dict[str, str]) -> list[EvalTarget]:
-    """One target per training stage of `cfg`, located in the store by its key."""
-    store = Store(cfg.store_root)
-    tokenizer = store.path("tokenize", keys["tokenize"]) / TOKENIZER_FILE
-    anneal_every = anneal_checkpointing(cfg.anneal, cfg.train.run)["checkpoint_every"]
-    return [eval_target(cfg.continuous_eval, cfg.evaluate, stage="train", key=keys["train"],
-                        checkpoint_every=cfg.train.run.checkpoint_every, store=store, tokenizer=tokenizer,
-                        work_dir=Path(cfg.work_dir)),
-            # every anneal checkpoint: `continuous_eval.every` thins the train stage's only
-            eval_target(cfg.continuous_eval.model_copy(update={"every": None}), cfg.evaluate, stage="anneal",
-                        key=keys["anneal"], checkpoint_every=anneal_every, store=store, tokenizer=tokenizer,
-                        work_dir=Path(cfg.work_dir))]
-
-
-def ecg_path(cfg: KilnConfig, keys: dict[str, str]) -> Path:
-    """Where the ECG of `cfg`'s training run is drawn."""
-    return Path(cfg.work_dir) / "continuous_eval" / keys["train"] / ECG_FILE
-
-
-def up_to_date(cfg: KilnConfig, keys: dict[str, str]) -> bool:
-    """A pass would change nothing: every due checkpoint of both training stages is scored at the current
-    task versions, none was missed, and the ECG is drawn. Read from the state files, without a flow run."""
-    if not ecg_path(cfg, keys).is_file():
-        return False
-    targets = eval_targets(cfg, keys)
-    versions = suite_versions(targets[0].evaluate)
-    plans = [plan_evaluations(target, versions) for target in targets]
-    return not any(plan.due or plan.missed for plan in plans)
 
 
 def config_name(config_path: str | None) -> str:
@@ -103,32 +79,34 @@ def _mirror_to_mlflow(cfg: KilnConfig, target: EvalTarget, rows: dict[tuple[int,
     """Log each step of the current rows that the MLflow run lacks, at its step; returns the run id and those steps.
 
     The run is found by stage key, eval key and the digest of the task versions: a changed suite gets
-    a new run whose curves hold only the current versions' scores."""
+    a new run whose curves hold only the current versions' scores. Another scorer mirroring the same
+    series waits (`series_lock`), so neither the run nor a step is logged twice."""
     if not rows:
         return None, []
     tracker = MlflowTracker.for_config(cfg)
     tags = {"kiln.stage": RUN_STAGE, "kiln.evaluated_stage": target.stage, "kiln.key": target.stage_key,
             "kiln.eval_key": target.eval_key, "kiln.suite_digest": _suite_digest(versions)}
-    run_id = tracker.find_run(tags)
-    if run_id is None:
-        run_id = tracker.start_run(f"{RUN_STAGE}/{target.stage}/{target.stage_key}", tags=tags,
-                                   params={"evaluate": target.evaluate.model_dump(mode="json"),
-                                           "state_file": str(target.state_file)})
-        tracker.set_tags(run_id, {f"kiln.task_version.{t}": v for t, v in versions.items()})
-        tracker.log_input(run_id, target.stage, target.stage_key, target.store.path(target.stage, target.stage_key))
-    # each task's document count is in every row: its history says which steps the run has
-    logged = {name: tracker.metric_steps(run_id, f"{name}/num_docs") for name in {t for _, t in rows}}
-    new: list[int] = []
-    for (step, task_name), row in sorted(rows.items()):
-        if step in logged[task_name]:
-            continue
-        tracker.log_metrics(run_id, {**row["metrics"], f"{task_name}/eval_wall_s": row["wall_s"]}, step)
-        new.append(step)
-    new = sorted(set(new))
-    if new:
-        tracker.set_tags(run_id, {"kiln.prefect_flow_run_id": str(flow_run.get_id() or "none"),
-                                  "kiln.last_step": max(new)})
-        tracker.end_run(run_id)
+    with series_lock(target):
+        run_id = tracker.find_run(tags)
+        if run_id is None:
+            run_id = tracker.start_run(f"{RUN_STAGE}/{target.stage}/{target.stage_key}", tags=tags,
+                                       params={"evaluate": target.evaluate.model_dump(mode="json"),
+                                               "state_file": str(target.state_file)})
+            tracker.set_tags(run_id, {f"kiln.task_version.{t}": v for t, v in versions.items()})
+            tracker.log_input(run_id, target.stage, target.stage_key, target.store.path(target.stage, target.stage_key))
+        # each task's document count is in every row: its history says which steps the run has
+        logged = {name: tracker.metric_steps(run_id, f"{name}/num_docs") for name in {t for _, t in rows}}
+        new: list[int] = []
+        for (step, task_name), row in sorted(rows.items()):
+            if step in logged[task_name]:
+                continue
+            tracker.log_metrics(run_id, {**row["metrics"], f"{task_name}/eval_wall_s": row["wall_s"]}, step)
+            new.append(step)
+        new = sorted(set(new))
+        if new:
+            tracker.set_tags(run_id, {"kiln.prefect_flow_run_id": str(flow_run.get_id() or "none"),
+                                      "kiln.last_step": max(new)})
+            tracker.end_run(run_id)
     return run_id, new
 
 
@@ -138,21 +116,29 @@ def _publish_table(target: EvalTarget, rows: list[dict[str, Any]]) -> None:
                           description=f"Kiln continuous eval of {target.stage} {target.stage_key} (eval {target.eval_key})")
 
 
-def _publish_ecg(path: Path, regressions: list[tuple[str, Regression]]) -> None:
-    """The plot inline (a data URI, so the Prefect UI shows it without a file server) and where it lies."""
+def _publish_ecg(path: Path, events: list[tuple[str, RegressionEvent]]) -> None:
+    """The plot inline (a data URI, so the Prefect UI shows it without a file server), where it lies, and
+    every regression event of the series."""
     image = base64.b64encode(path.read_bytes()).decode("ascii")
     lines = ["# Kiln ECG", "", f"Each task's main score against the training step: `{path.resolve()}`", "",
              f"![ECG](data:image/png;base64,{image})", ""]
-    if regressions:
-        lines += ["| stage | task | metric | step | best (step) | current | tolerance |", "|---|---|---|---:|---:|---:|---:|"]
-        lines += [f"| {stage} | {r.task} | {r.metric} | {r.step} | {r.best:.4f} ({r.best_step}) | {r.current:.4f} | {r.tolerance} |"
-                  for stage, r in regressions]
+    if events:
+        lines += ["| stage | task | metric | step | regression | current | best (step) | noise |",
+                  "|---|---|---|---:|---|---:|---:|---:|"]
+        lines += [f"| {stage} | {e.task} | {e.metric} | {e.step} | {e.kind} | {e.current:.4f} | {e.best:.4f} "
+                  f"({e.best_step}) | {e.noise:.4f} |" for stage, e in events]
     create_markdown_artifact("\n".join(lines) + "\n", key="kiln-ecg", description="Kiln continuous eval: the ECG")
+
+
+def _emit(config_path: str | None, stage: str, key: str, event: RegressionEvent) -> None:
+    emit_event(event=event.event, resource={"prefect.resource.id": f"kiln.eval.{config_name(config_path)}"},
+               payload={**event.payload(), "stage": stage, "stage_key": key, TEXT: regression_text(event, stage)})
 
 
 @flow(name="kiln-continuous-eval", validate_parameters=True,
       description="Kiln continuous eval: lm-eval scores of each new train and anneal checkpoint, logged to MLflow at "
-                  "its step, the ECG plot, and an event when a score regresses.")
+                  "its step, the ECG plot, an event where a regression starts or clears, and the schedule paused "
+                  "once both stages are complete and scored.")
 def continuous_eval(config_path: str | None = "configs/default.yaml",
                     overrides: list[str] | None = None) -> dict[str, dict[str, Any]]:
     cfg = load_config(config_path, list(overrides or []))
@@ -160,53 +146,81 @@ def continuous_eval(config_path: str | None = "configs/default.yaml",
     keys = stage_keys(cfg)
     targets = eval_targets(cfg, keys)
     versions = suite_versions(targets[0].evaluate)  # the same settings for both stages
+    finished = watched_complete(cfg, keys)  # looked at first: a stage complete now writes nothing after the pass
     summaries = {target.stage: _evaluate_target(cfg, target, versions) for target in targets}
+    ce = cfg.continuous_eval
     series = {t.stage: curves(current_rows(read_recorded(t.state_file), versions)) for t in targets}
-    regressions = [(stage, r) for stage in summaries for r in summaries[stage]["regressions_found"]]
-    for stage, regression in regressions:
-        emit_event(event=REGRESSION_EVENT, resource={"prefect.resource.id": f"kiln.eval.{config_name(config_path)}"},
-                   payload={**regression.payload(), "stage": stage, "stage_key": keys[stage]})
+    events = [(stage, e) for stage in series for e in all_events(series[stage], ce.regression_sigmas, ce.min_change)]
+    logger = get_run_logger()
+    for stage, event in events:
+        if (event.step, event.task) in summaries[stage]["scored_now"]:  # an event is emitted once, with its score
+            _emit(config_path, stage, keys[stage], event)
+            logger.warning("%s", regression_text(event, stage))
     path = ecg_path(cfg, keys)
     drawn = None
     if any(series.values()) and (any(s["evaluated"] for s in summaries.values()) or not path.is_file()):
-        # the anneal continues from a train checkpoint (anneal.from_step, else the last): its curve starts there
-        anneal_start = cfg.train.run.steps if cfg.anneal.from_step is None else cfg.anneal.from_step
-        drawn = plot_ecg(series, {"anneal": anneal_start}, path,
-                         {(stage, r.task, r.step) for stage, r in regressions})
+        drawn = plot_ecg(series, {"anneal": anneal_offset(cfg)}, path, events)
         tracker = MlflowTracker.for_config(cfg)
         for summary in summaries.values():
             if summary["mlflow_run_id"]:
                 tracker.log_artifact(summary["mlflow_run_id"], drawn)
-        _publish_ecg(drawn, regressions)
-    for summary in summaries.values():
-        summary["regressions"] = [r.payload() for r in summary.pop("regressions_found")]
+        _publish_ecg(drawn, events)
+    for stage, summary in summaries.items():
+        scored_now = summary.pop("scored_now")
+        summary["regressions"] = [e.payload() for where, e in events
+                                  if where == stage and (e.step, e.task) in scored_now]
+        summary["open_regressions"] = [e.payload() for e in open_regressions(e for w, e in events if w == stage)]
         summary["ecg"] = str(path) if path.is_file() else None
         summary["ecg_drawn"] = drawn is not None
+    paused = _pause_when_done(finished, summaries)
+    for summary in summaries.values():
+        summary["schedule_paused"] = paused
     return summaries
+
+
+def _pause_when_done(finished: bool, summaries: dict[str, dict[str, Any]]) -> bool:
+    """Pause this run's own deployment (a scheduled run's; not a pipeline's pass, nor the CLI's) once the
+    watched stages were complete before this pass: it saw their last checkpoints, and none will come.
+    Prefect then deletes the runs it had scheduled ahead. Says so in the log and an artifact."""
+    context = FlowRunContext.get()
+    deployment_id = context.flow_run.deployment_id if context is not None else None  # this run's, not a parent's
+    if deployment_id is None or not finished:
+        return False
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as client:
+        client.pause_deployment(deployment_id)
+    scored = "; ".join(f"{stage} steps {s['recorded']}" for stage, s in summaries.items())
+    unscorable = {stage: s["skipped"] for stage, s in summaries.items() if s["skipped"]}
+    message = (f"continuous eval is done: {' and '.join(WATCHED)} are complete and every checkpoint they kept is "
+               f"scored ({scored})" + (f", except {unscorable}" if unscorable else "")
+               + "; this deployment's schedule is now paused. `kiln deploy --continuous-eval CONFIG` switches it "
+               "on again.")
+    get_run_logger().warning(message)
+    create_markdown_artifact(f"# Kiln continuous eval: schedule paused\n\n{message}\n",
+                             key="kiln-continuous-eval-schedule", description="Kiln continuous eval: schedule paused")
+    return True
 
 
 def _evaluate_target(cfg: KilnConfig, target: EvalTarget, versions: dict[str, str]) -> dict[str, Any]:
     logger = get_run_logger()
     plan = plan_evaluations(target, versions)
-    outcomes = [evaluate_step(target, step, tasks) for step, tasks in plan.due.items()]
+    outcomes = [evaluate_step(target, step, tasks, versions) for step, tasks in plan.due.items()]
     for outcome in outcomes:
         if outcome.evaluated:
             logger.info("%s step %d evaluated on %s in %.1fs", target.stage, outcome.step, list(outcome.tasks),
                         outcome.wall_s)
+        elif outcome.elsewhere:
+            logger.info("%s step %d was scored meanwhile by another run", target.stage, outcome.step)
         else:
             logger.warning("%s step %d skipped: %s", target.stage, outcome.step, outcome.reason)
     if plan.missed:
-        logger.warning("%s steps %s were pruned before any run evaluated them: set train.run.keep_every=%d "
-                       "so that training keeps them", target.stage, plan.missed, target.every)
+        keeper = "train.run.keep_every" if target.stage == "train" else f"{target.stage}.keep_every"
+        logger.warning("%s steps %s were pruned before any run evaluated them: set %s=%d so that training keeps "
+                       "them", target.stage, plan.missed, keeper, target.every)
     recorded = read_recorded(target.state_file)
     rows = current_rows(recorded, versions)
     run_id, logged = _mirror_to_mlflow(cfg, target, rows, versions)
-    new = {(o.step, t) for o in outcomes if o.evaluated for t in o.tasks}
-    tolerance = cfg.continuous_eval.regression_tolerance
-    regressions = find_regressions(curves(rows), new, tolerance) if tolerance is not None else []
-    for r in regressions:
-        logger.warning("%s %s regressed at step %d: %s %.4f, best %.4f at step %d (tolerance %s)", target.stage,
-                       r.task, r.step, r.metric, r.current, r.best, r.best_step, r.tolerance)
     if outcomes or plan.missed:
         _publish_table(target, scores_table(recorded, versions, outcomes, plan.missed))
     else:
@@ -215,7 +229,8 @@ def _evaluate_target(cfg: KilnConfig, target: EvalTarget, versions: dict[str, st
     return {
         "key": target.stage_key, "eval_key": target.eval_key, "state_file": str(target.state_file),
         "evaluated": [o.step for o in outcomes if o.evaluated],
-        "skipped": {str(o.step): o.reason for o in outcomes if not o.evaluated},
+        "skipped": {str(o.step): o.reason for o in outcomes if not o.evaluated and not o.elsewhere},
+        "scored_elsewhere": [o.step for o in outcomes if o.elsewhere],
         "missed": plan.missed, "recorded": recorded_steps(rows), "mlflow_run_id": run_id, "mlflow_steps_logged": logged,
-        "regressions_found": regressions,
+        "scored_now": {(o.step, t) for o in outcomes if o.evaluated for t in o.tasks},
     }

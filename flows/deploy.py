@@ -10,8 +10,12 @@ in that folder, wherever Kiln itself is installed. Every deployment's job env ge
 frequency of the deploying process, the one the unresponsive-run alert assumes, so a run whose
 worker dies is marked Crashed on time. `worker` starts a worker for the process pool with the
 process settings CLI runs get (a Kubernetes pool's worker runs in the cluster); `serve` serves the
-same flows from one process, for a laptop. The continuous-eval schedule stays off until it is told
-which config to watch: a schedule silently scoring `configs/default.yaml` every ten minutes helps no one.
+same flows from one process, for a laptop. The continuous-eval deployment has no schedule until it is
+told which config to watch (a schedule silently scoring `configs/default.yaml` helps no one):
+`--continuous-eval CONFIG` gives it one, every `continuous_eval.interval` of that config (`--every
+60s` sets it), and switches it on; the flow pauses it once its stages are complete and scored.
+Every deploy also creates the detector that marks a dead worker's flow run Crashed (`flows.alerts`),
+alerts or not: without it such a run would stay Running.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from pathlib import Path
 import yaml
 
 from flows.environment import PROCESS_SETTINGS
+from tasks.config import load_config
 from tasks.errors import KilnError
 
 KILN_ROOT = Path(__file__).resolve().parents[1]  # Kiln's own files (infra/), not the user's project
@@ -116,16 +121,42 @@ def prefect_file_for(kind: str) -> dict:
     return spec
 
 
+def continuous_eval_parameters(config_path: str, overrides: list[str], every: str | None) -> tuple[dict, int]:
+    """The continuous-eval deployment's parameters for `config_path` and `overrides` (with `every`, as the
+    override `continuous_eval.interval`: the config is the one place the interval lives) and the
+    schedule's interval in seconds; the config is loaded, so a mistake in it stops `kiln deploy` at once."""
+    if every is not None:
+        overrides = [*overrides, f"continuous_eval.interval={every}"]
+    cfg = load_config(config_path, overrides)
+    return {"config_path": config_path, "overrides": overrides}, cfg.continuous_eval.interval
+
+
+def duration(seconds: float) -> str:
+    """`90 s`, `10 min`, `2 h`: an interval as a person reads it."""
+    for unit, size in (("h", 3600), ("min", 60)):
+        if seconds >= size and seconds % size == 0:
+            return f"{seconds // size:.0f} {unit}"
+    return f"{seconds:g} s"
+
+
 def deploy(continuous_eval_config: str | None = None, overrides: list[str] | None = None,
-           alert_webhook: str | None = None, pool: str = "process", image: str | None = None) -> str:
+           alert_webhook: str | None = None, pool: str = "process", image: str | None = None,
+           every: str | None = None) -> str:
     """Register every deployment on the work pool `pool` (process or kubernetes; a Kubernetes pool
-    runs flows in `image`, which holds Kiln at /opt/kiln); with `continuous_eval_config`, point the
-    continuous-eval schedule at that config and switch it on; with `alert_webhook`, create the alert
-    automations (`flows.alerts`). Returns a short summary (`prefect deploy`'s own output only when it fails)."""
+    runs flows in `image`, which holds Kiln at /opt/kiln) and the crashed-run detector; with
+    `continuous_eval_config`, give the continuous-eval deployment that config and a schedule every
+    `continuous_eval.interval` (`every` overrides it), switched on; with `alert_webhook`, create the
+    alert automations (`flows.alerts`). Returns a short summary (`prefect deploy`'s own output only when
+    it fails)."""
     _require_server()
     if pool == "kubernetes" and not image:
         raise KilnError("the kubernetes work pool runs flows in a container: give its image with --image "
                         "(or KILN_IMAGE), one with Kiln at /opt/kiln and kubectl")
+    if every is not None and continuous_eval_config is None:
+        raise KilnError("--every sets the continuous-eval schedule's interval: give the config it watches too, "
+                        "--continuous-eval CONFIG.yaml")
+    watched = None if continuous_eval_config is None else \
+        continuous_eval_parameters(continuous_eval_config, list(overrides or []), every)
     name = ensure_work_pool(pool)
     spec = prefect_file_for(pool)
     # `prefect deploy` resolves the pull step's {{ $KILN_PROJECT_DIR }} now: this folder, or the image's
@@ -143,11 +174,21 @@ def deploy(continuous_eval_config: str | None = None, overrides: list[str] | Non
     summary = [f"{len(wanted)} deployments on work pool {name}: kiln-pipeline/pipeline, kiln-<stage>/<stage> for "
                f"each of {stages} stages, {CONTINUOUS_EVAL}" + (f" (image {image})" if image else ""),
                f"flows run in {project}: config paths, data paths and work_dir resolve there"]
-    if continuous_eval_config is not None:
-        asyncio.run(_watch(continuous_eval_config, list(overrides or [])))
-    if alert_webhook:
-        from flows.alerts import create_alerts
+    if watched is not None:
+        parameters, interval = watched
+        asyncio.run(_watch(parameters, interval))
+        summary.append(f"continuous eval scores {continuous_eval_config} every {duration(interval)} "
+                       "(it pauses itself once train and anneal are complete and scored)")
+    else:
+        summary.append("continuous eval has no schedule (kiln deploy --continuous-eval CONFIG [--every 60s] "
+                       "gives it one)")
+    from flows.alerts import UNRESPONSIVE, create_alerts, create_crash_detector
 
+    window = create_crash_detector()
+    summary.append(f"crashed runs: {UNRESPONSIVE} marks a deployment run Crashed after {duration(window.total_seconds())} "
+                   "without a heartbeat" if window is not None else
+                   f"crashed runs: not detected ({HEARTBEAT_SETTING} is off here): a dead worker's run stays Running")
+    if alert_webhook:
         summary.append(f"alerts to {alert_webhook}: {', '.join(create_alerts(alert_webhook))}")
     return "\n".join(summary)
 
@@ -162,16 +203,23 @@ async def _deployment_names(pool: str) -> set[str]:
     return {d.name for d in deployments}
 
 
-async def _watch(config_path: str, overrides: list[str]) -> None:
+async def _watch(parameters: dict, interval: int) -> None:
+    """Point the continuous-eval deployment at `parameters`, replace its schedules with one every
+    `interval` seconds, and switch it on (it may have paused itself after an earlier training run)."""
+    from datetime import timedelta
+
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.actions import DeploymentUpdate
+    from prefect.client.schemas.schedules import IntervalSchedule
 
     async with get_client() as client:
         deployment = await client.read_deployment_by_name(CONTINUOUS_EVAL)
-        await client.update_deployment(deployment.id, DeploymentUpdate(
-            parameters={"config_path": config_path, "overrides": overrides}))
+        await client.update_deployment(deployment.id, DeploymentUpdate(parameters=parameters))
         for schedule in deployment.schedules:
-            await client.update_deployment_schedule(deployment.id, schedule.id, active=True)
+            await client.delete_deployment_schedule(deployment.id, schedule.id)
+        await client.create_deployment_schedules(
+            deployment.id, [(IntervalSchedule(interval=timedelta(seconds=interval)), True)])
+        await client.resume_deployment(deployment.id)
 
 
 def run_worker() -> None:
@@ -190,8 +238,12 @@ def run_worker() -> None:
     os.execvpe(command[0], command, worker_environment())
 
 
-def serve(continuous_eval_config: str | None = None, overrides: list[str] | None = None) -> None:
-    """Serve the pipeline, every stage and (when given a config) continuous eval from this process."""
+def serve(continuous_eval_config: str | None = None, overrides: list[str] | None = None,
+          every: str | None = None) -> None:
+    """Serve the pipeline, every stage and (when given a config) continuous eval, every
+    `continuous_eval.interval` (`every` overrides it), from this process."""
+    if every is not None and continuous_eval_config is None:
+        raise KilnError("--every sets the continuous-eval schedule's interval: give --continuous-eval CONFIG.yaml too")
     from prefect import serve as prefect_serve
 
     from flows.continuous_eval import continuous_eval
@@ -201,7 +253,6 @@ def serve(continuous_eval_config: str | None = None, overrides: list[str] | None
     deployments = [pipeline.to_deployment("pipeline")]
     deployments += [stage_flow.to_deployment(name) for name, stage_flow in STAGE_FLOWS.items()]
     if continuous_eval_config is not None:
-        deployments.append(continuous_eval.to_deployment(
-            "continuous-eval", interval=600,
-            parameters={"config_path": continuous_eval_config, "overrides": list(overrides or [])}))
+        parameters, interval = continuous_eval_parameters(continuous_eval_config, list(overrides or []), every)
+        deployments.append(continuous_eval.to_deployment("continuous-eval", interval=interval, parameters=parameters))
     prefect_serve(*deployments)

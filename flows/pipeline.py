@@ -81,8 +81,11 @@ def _parent_run(tracker: MlflowTracker, cfg: KilnConfig, config_path: str | None
 def _score_checkpoints(cfg: KilnConfig, keys: dict[str, str], config_path: str | None, overrides: list[str]) -> None:
     """The continuous-eval pass a watched run gets on its schedule, once at the end: each kept train and
     anneal checkpoint scored, the ECG drawn (a subflow, so it shows under this run in Prefect). When the
-    state files say the pass would change nothing (a cached rerun), no subflow is started."""
-    from flows.continuous_eval import continuous_eval, ecg_path, up_to_date
+    state files say the pass would change nothing (a cached rerun), no subflow is started. It runs
+    outside the continuous-eval deployment's one-run-at-a-time limit, beside a scheduled run perhaps:
+    each checkpoint's scoring locks (`tasks.evals.continuous`) keep both from scoring one step twice."""
+    from flows.continuous_eval import continuous_eval
+    from tasks.evals.continuous_state import ecg_path, up_to_date
 
     if up_to_date(cfg, keys):
         print(f"[ ecg ] every kept checkpoint is scored; ECG {ecg_path(cfg, keys)}", file=sys.stderr, flush=True)
@@ -92,7 +95,10 @@ def _score_checkpoints(cfg: KilnConfig, keys: dict[str, str], config_path: str |
     summaries = continuous_eval(config_path, overrides)
     scored = {stage: s["recorded"] for stage, s in summaries.items()}
     ecg = next((s["ecg"] for s in summaries.values() if s["ecg"]), None)
-    print(f"[ ecg ] steps scored {scored} in {time.perf_counter() - started:.1f}s; ECG {ecg}", file=sys.stderr, flush=True)
+    regressions = [f"{stage} {r['task']} {r['metric']} since step {r['since']}"
+                   for stage, s in summaries.items() for r in s["open_regressions"]]
+    print(f"[ ecg ] steps scored {scored} in {time.perf_counter() - started:.1f}s; ECG {ecg}"
+          + (f"; open regressions: {', '.join(regressions)}" if regressions else ""), file=sys.stderr, flush=True)
 
 
 @flow(name="kiln-pipeline", description="Kiln: raw text to an evaluated, annealed model.")

@@ -24,6 +24,7 @@ from prefect.cache_policies import CacheKeyFnPolicy
 from prefect.events import emit_event
 from prefect.runtime import flow_run
 
+from flows.alerts import TEXT, stage_event_text
 from flows.crashes import reap_crashed
 from flows.environment import apply_run_settings
 from tasks.config import KilnConfig, load_config
@@ -61,9 +62,11 @@ def _attempt() -> int:
 
 
 def _emit(name: str, key: str):
+    """The runner's event hook: each event goes to Prefect with its alert sentence (`flows.alerts`)."""
     def on_event(event_name: str, payload: dict[str, Any]) -> None:
         emit_event(event=event_name, resource={"prefect.resource.id": f"kiln.{name}.{key}"},
-                   payload={k: str(v) for k, v in payload.items()})
+                   payload={**{k: str(v) for k, v in payload.items()},
+                            TEXT: stage_event_text(event_name, payload, name, key)})
     return on_event
 
 

@@ -156,6 +156,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     except ValidationError as error:
         raise ConfigError(_explain(error, origins)) from None
     check_references(cfg, origins)
+    check_kept_steps(cfg, origins)
     return cfg
 
 
@@ -181,6 +182,53 @@ def check_references(cfg: KilnConfig, origins: dict[str, str] | None = None) -> 
                  "that extends another replaces an inherited mapping with `!replace` (sweep: {mixtures: !replace "
                  "{mine: {news: 1}}}); a list always replaces the inherited one.")
     raise ConfigError("\n".join(lines))
+
+
+def check_kept_steps(cfg: KilnConfig, origins: dict[str, str] | None = None) -> None:
+    """ConfigError, naming the file and key of each, for a setting that needs a train checkpoint the keep
+    policy (`train.run`'s checkpoint_every, keep_checkpoints, keep_every) will not leave on disk:
+    `anneal.from_step`, `anneal_ablation.from_step`, `continuous_eval.every`. Found when the stage
+    starts, such a mistake costs the whole training before it."""
+    from tasks.train.checkpoint import kept_steps
+
+    train = getattr(cfg, "train", None)
+    if train is None:
+        return
+    run = train.run
+    every = run.checkpoint_every
+    # with `model: plan` and no steps of its own, the run's length comes from the fit
+    planned = train.model == "plan" and "steps" not in run.model_fields_set
+    kept = None if planned else kept_steps(run.steps, every, run.keep_checkpoints, run.keep_every)
+    problems = []
+    for key in ("anneal.from_step", "anneal_ablation.from_step"):
+        section, name = key.split(".")
+        step = getattr(getattr(cfg, section, None), name, None)
+        if step is None:
+            continue
+        where = f"{_origin_of(key, origins or {})}: {key}={step}"
+        if step % every or step == 0:
+            problems.append(f"{where}: the train run writes no checkpoint of step {step} (one every "
+                            f"train.run.checkpoint_every={every} steps); choose a multiple, or null for the final model")
+        elif kept is None and (run.keep_every is None or step % run.keep_every):
+            problems.append(f"{where}: train.run.steps comes from the fit's plan (train.model: plan), so only "
+                            f"train.run.keep_every can promise that step {step} is kept: set train.run.keep_every={step}")
+        elif kept is not None and step not in kept:
+            problems.append(f"{where}: the train run ({run.steps} steps, keep_checkpoints={run.keep_checkpoints}, "
+                            f"keep_every={run.keep_every}) will keep the checkpoints of steps {kept} only; set "
+                            f"train.run.keep_every={step} to keep it, choose a kept step, or null for the final model")
+    ce = getattr(cfg, "continuous_eval", None)
+    if ce is not None and ce.every is not None:
+        where = f"{_origin_of('continuous_eval.every', origins or {})}: continuous_eval.every={ce.every}"
+        if ce.every % every:
+            problems.append(f"{where} is not a multiple of train.run.checkpoint_every={every}: training writes "
+                            f"checkpoints only at multiples of {every}, so some due steps would never exist; choose a "
+                            "multiple (or leave continuous_eval.every unset to evaluate every checkpoint)")
+        elif kept is not None and ce.every > run.steps:
+            problems.append(f"{where}: no checkpoint is due, the train run stops at train.run.steps={run.steps}; "
+                            "choose a smaller one (or leave it unset to evaluate every checkpoint)")
+    if problems:
+        raise ConfigError("the config asks for train checkpoints the run will not keep:\n"
+                          + "\n".join(f"  {problem}" for problem in problems))
 
 
 def _load_file(path: Path, origins: dict[str, str], seen: tuple[Path, ...]) -> dict[str, Any]:

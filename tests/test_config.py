@@ -74,3 +74,45 @@ def test_cluster_launchers_and_executors_are_choices():
     assert (cfg.cluster.launcher, cfg.cluster.executor, cfg.cluster.partition) == ("slurm", "ray", "gpu")
     with pytest.raises(ConfigError, match="cluster.launcher"):
         load_config("configs/tiny.yaml", ["cluster.launcher=mpirun"])
+
+
+def test_a_step_the_keep_policy_will_not_leave_is_refused_when_the_config_loads(tmp_path):
+    # the trial: anneal_ablation.from_step=20 failed after 5.5 minutes of training
+    path = write(tmp_path / "mine.yaml", "extends: " + str(Path("configs/default.yaml").resolve()) + "\n"
+                 "train: {run: {keep_every: null}}\nanneal_ablation: {from_step: 100}\n")
+    with pytest.raises(ConfigError) as error:  # 300 steps, one every 100, the newest 2 kept: 200 and 300
+        load_config(path, ["anneal.from_step=50"])
+    message = str(error.value)
+    assert f"{path}: anneal_ablation.from_step=100: the train run (300 steps, keep_checkpoints=2, keep_every=None) " \
+           "will keep the checkpoints of steps [200, 300] only; set train.run.keep_every=100" in message
+    assert "command line (anneal.from_step=50): anneal.from_step=50: the train run writes no checkpoint of step 50" \
+           in message  # every mistake at once, each with where it was set
+    assert load_config(path, ["anneal_ablation.from_step=200"]).anneal_ablation.from_step == 200
+    assert load_config("configs/default.yaml", ["anneal.from_step=100"]).anneal.from_step == 100  # keep_every: 100
+    # with `model: plan` and no steps of its own, the run's length comes from the fit: only keep_every can promise a step
+    with pytest.raises(ConfigError, match=r"anneal.from_step=100: train.run.steps comes from the fit's plan"):
+        load_config(None, ["train.model=plan", "anneal.from_step=100"])
+    assert load_config(None, ["train.model=plan", "train.run.keep_every=100", "anneal.from_step=100"])
+
+
+def test_continuous_eval_every_must_name_checkpoints_the_run_writes():
+    with pytest.raises(ConfigError, match=r"continuous_eval.every=150 is not a multiple of "
+                                          r"train.run.checkpoint_every=100"):
+        load_config("configs/default.yaml", ["continuous_eval.every=150"])
+    with pytest.raises(ConfigError, match=r"continuous_eval.every=400: no checkpoint is due, the train run stops at "
+                                          r"train.run.steps=300"):
+        load_config("configs/default.yaml", ["continuous_eval.every=400"])
+    assert load_config("configs/default.yaml", ["continuous_eval.every=200"]).continuous_eval.every == 200
+
+
+@pytest.mark.parametrize("written,seconds", [(60, 60), ("60s", 60), ("10m", 600), ("1.5h", 5400), (" 90 s ", 90)])
+def test_the_continuous_eval_interval_takes_seconds_or_a_unit(written, seconds):
+    override = f"continuous_eval.interval={written!r}" if isinstance(written, str) else f"continuous_eval.interval={written}"
+    assert load_config(None, [override]).continuous_eval.interval == seconds
+
+
+def test_a_bad_interval_says_how_to_write_one():
+    with pytest.raises(ConfigError, match=r"continuous_eval.interval: .*give seconds \(60\), or a number and s, m or h"):
+        load_config(None, ["continuous_eval.interval=soon"])
+    with pytest.raises(ConfigError, match=r"continuous_eval.interval: Input should be greater than 0"):
+        load_config(None, ["continuous_eval.interval=0s"])

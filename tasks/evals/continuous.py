@@ -16,54 +16,92 @@ Evaluations are deduplicated by (checkpoint, task, task version): adding a task 
 task on the checkpoints already evaluated, and a task whose version changes (its eval file, its
 settings, or lm-eval's own version of it) is scored again. The eval key hashes only the item limit,
 which changes every score, so changing it starts a new series instead of mixing two in one curve.
+
+Several scorers may look at one series at once: the scheduled flow, the pipeline's end-of-run pass
+and `kiln continuous-eval` all score through `evaluate_checkpoint`, which holds one lock per
+(series, step, task, task version) while it scores (`tasks.keylock`: across processes and hosts,
+a dead holder's lock broken) and looks at the state file again once it holds them, so a score
+another scorer recorded meanwhile is not computed twice. The state file is rewritten under a lock
+of its own, and the flow mirrors a series into MLflow under a third (`series_lock`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import os
+import re
 import tempfile
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import Field
+from pydantic import BeforeValidator, Field
 
 from tasks.configbase import Section, runtime_field
-from tasks.errors import ConfigError, InputError
+from tasks.errors import InputError
 from tasks.evals.evaluate import RESULTS_FILE, EvaluateConfig, eval_paths_of, evaluate_model
 from tasks.evals.suite import build_local_suite, online_task_versions
+from tasks.keylock import KeyLock
 from tasks.library_output import LIBRARY_LOG
 from tasks.store import Store, stage_key
 from tasks.train.checkpoint import MARKER, checkpoint_dir, sha256_file, steps_on_disk
 from tasks.train.config import ModelConfig
 
+log = logging.getLogger(__name__)
+
 STATE_FILE = "evaluated.jsonl"
 CHECKPOINTS_DIR = "checkpoints"  # where the training loop writes them, inside the stage's output folder
 FORMAT_VERSION = 2  # 2: one row per step, task and task version
+LOCK_SUFFIX = ".lock"
+_UNITS = {"s": 1, "m": 60, "h": 3600}
+
+
+def seconds(value: Any) -> Any:
+    """A duration in seconds: a number, or a number with a unit as `--every` takes it ("90s", "10m", "1h")."""
+    if isinstance(value, str):
+        match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smh]?)\s*", value)
+        if match is None:
+            raise ValueError(f"{value!r} is not a duration: give seconds (60), or a number and s, m or h (90s, 10m, 1h)")
+        return round(float(match.group(1)) * _UNITS[match.group(2) or "s"])
+    return value
+
+
+Seconds = Annotated[int, BeforeValidator(seconds)]
 
 
 class ContinuousEvalConfig(Section):
-    """Which training checkpoints (train and anneal) the scheduled continuous-eval flow scores, and how cheaply.
+    """Which training checkpoints (train and anneal) continuous eval scores, how cheaply, how often the
+    schedule looks, and what counts as a regression.
 
     No stage reads this section, so it is in no stage key; `limit` (which changes the scores) goes
-    into the eval key of the state folder, `every` (which only picks the steps) does not.
+    into the eval key of the state folder; the other fields change no score and are runtime.
     """
 
-    # Evaluate the train checkpoints at multiples of this step; a multiple of train.run.checkpoint_every.
-    # None: every checkpoint the train stage writes. The anneal stage's checkpoints
-    # (anneal.checkpoint_every) are all evaluated.
+    # Evaluate the train checkpoints at multiples of this step; a multiple of train.run.checkpoint_every
+    # (checked when the config loads). None: every checkpoint the train stage writes. The anneal stage's
+    # checkpoints (anneal.checkpoint_every) are all evaluated.
     every: int | None = runtime_field(None, gt=0)
+    # How often the continuous-eval deployment's schedule runs (`kiln deploy --continuous-eval CONFIG`;
+    # `--every 60s` sets it too): seconds, or "90s", "10m", "1h". A run that finds nothing new does nothing;
+    # once train and anneal are complete and every checkpoint they kept is scored, the schedule pauses itself.
+    interval: Seconds = runtime_field(600, gt=0)
     # `kiln run` ends with a continuous-eval pass over the checkpoints still on disk, so even a run
     # nobody watched leaves its ECG (set train.run.keep_every / anneal.keep_every to keep them all).
     after_run: bool = runtime_field(True)
     # Documents per eval task, to keep scoring cheap beside training; None: evaluate.limit.
     limit: int | None = Field(None, gt=0)
-    # A task's main score (bits per byte, normalised accuracy, exact match) more than this much worse
-    # than its best so far in the series emits the Prefect event `kiln.eval.regression`. None: never.
-    regression_tolerance: float | None = Field(0.05, ge=0)
+    # A task's main score (normalised accuracy, exact match, bits per byte) regresses when it is worse than
+    # its best so far by more than this many standard errors of the difference (lm-eval's, at the number of
+    # items scored; never less than one item); the Prefect event `kiln.eval.regression` marks where it
+    # starts and `kiln.eval.regression.cleared` where it clears. None: no regressions are judged.
+    regression_sigmas: float | None = runtime_field(2.0, gt=0)
+    # The smallest change judged real for a score lm-eval gives no standard error for (bits per byte), as a
+    # fraction of its best value: 0.05 flags 3.06 -> 3.22 bits per byte, not 3.06 -> 3.10.
+    min_change: float = runtime_field(0.05, ge=0)
 
 
 @dataclass(frozen=True)
@@ -103,7 +141,8 @@ class EvalPlan:
 
 @dataclass(frozen=True)
 class CheckpointOutcome:
-    """What happened to one due checkpoint: scored (`metrics`) or skipped (`reason`)."""
+    """What happened to one due checkpoint: scored (`metrics`), skipped (`reason`), or scored meanwhile by
+    another scorer (`elsewhere`: nothing left to do)."""
 
     step: int
     evaluated: bool
@@ -111,18 +150,14 @@ class CheckpointOutcome:
     reason: str | None = None
     wall_s: float = 0.0
     tasks: tuple[str, ...] = ()  # the tasks scored (or meant to be)
+    elsewhere: bool = False
 
 
 def eval_target(ce: ContinuousEvalConfig, evaluate: EvaluateConfig, *, stage: str, key: str,
                 checkpoint_every: int, store: Store, tokenizer: Path, work_dir: Path) -> EvalTarget:
-    """The target for the checkpoints of `stage` at `key`, scored with the settings of `evaluate`."""
+    """The target for the checkpoints of `stage` at `key`, scored with the settings of `evaluate`
+    (`continuous_eval.every` is a multiple of `checkpoint_every`: the config checks it when it loads)."""
     every = ce.every or checkpoint_every
-    if every % checkpoint_every:
-        raise ConfigError(
-            f"continuous_eval.every={every} is not a multiple of train.run.checkpoint_every={checkpoint_every}: "
-            f"training writes checkpoints only at multiples of {checkpoint_every}, so some due steps would never "
-            "exist; choose a multiple (or leave continuous_eval.every unset to evaluate every checkpoint)"
-        )
     evaluate = evaluate.model_copy(update={"limit": ce.limit or evaluate.limit})
     # The task set and each task's content are in the task versions the rows carry, not in the key.
     eval_key = stage_key("continuous_eval", {"limit": evaluate.limit}, {stage: key}, FORMAT_VERSION)
@@ -152,18 +187,44 @@ def recorded_steps(recorded: Mapping[tuple[int, str], Any]) -> list[int]:
     return sorted({step for step, _ in recorded})
 
 
-def _record(state_file: Path, new_rows: Sequence[dict[str, Any]]) -> None:
-    """Add `new_rows` (replacing a row of the same step and task), the file rewritten whole and renamed
-    into place: a crash leaves the old file."""
-    rows = read_recorded(state_file)
-    rows.update({(row["step"], row["task"]): row for row in new_rows})
-    tmp = state_file.with_name(state_file.name + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as handle:
-        for key in sorted(rows):
-            handle.write(json.dumps(rows[key], sort_keys=True) + "\n")
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, state_file)
+def _record(target: EvalTarget, step: int, results: dict[str, Any], new_rows: Sequence[dict[str, Any]]) -> None:
+    """Merge lm-eval's `results` of `step` into the step's results file and add `new_rows` to the state
+    file (replacing a row of the same step and task), under the state file's lock, so that two scorers'
+    rows both land. The state file is rewritten whole and renamed into place: a crash leaves the old one."""
+    state_file = target.state_file
+    with KeyLock(state_file.with_name(state_file.name + LOCK_SUFFIX)):
+        _merge_results(target.state_dir / f"step_{step:07d}.{RESULTS_FILE}", results)
+        rows = read_recorded(state_file)
+        rows.update({(row["step"], row["task"]): row for row in new_rows})
+        tmp = state_file.with_name(state_file.name + ".tmp")
+        with open(tmp, "w", encoding="utf-8") as handle:
+            for key in sorted(rows):
+                handle.write(json.dumps(rows[key], sort_keys=True) + "\n")
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, state_file)
+
+
+def series_lock(target: EvalTarget) -> KeyLock:
+    """The lock under which a scorer mirrors the series into MLflow (finds or starts its run, logs new steps)."""
+    return KeyLock(target.state_dir / f"mlflow{LOCK_SUFFIX}")
+
+
+@contextlib.contextmanager
+def _scoring_locks(target: EvalTarget, step: int, versions: Mapping[str, str]) -> Iterator[None]:
+    """Hold the lock of (series, step, task, version) for each task of `versions`, taken in name order so
+    that two scorers of overlapping task sets cannot each hold what the other waits for."""
+    def waiting(owner: dict[str, Any]) -> None:
+        log.info("%s step %d is being scored by pid %s on %s: waiting for it", target.stage, step, owner.get("pid"),
+                 owner.get("host"))
+
+    names = sorted(re.sub(r"[^A-Za-z0-9_.+-]", "_", f"step_{step:07d}.{task}.{version}") + LOCK_SUFFIX
+                   for task, version in versions.items())
+    target.state_dir.mkdir(parents=True, exist_ok=True)
+    with contextlib.ExitStack() as held:
+        for name in names:
+            held.enter_context(KeyLock(target.state_dir / name, on_wait=waiting))
+        yield
 
 
 def suite_versions(evaluate: EvaluateConfig) -> dict[str, str]:
@@ -224,10 +285,25 @@ def _still_complete(path: Path) -> bool:
     return all((path / name).is_file() for name in names)
 
 
-def evaluate_checkpoint(target: EvalTarget, step: int, tasks: Sequence[str] | None = None) -> CheckpointOutcome:
-    """Score the checkpoint of `step` on `tasks` (default: the whole configured suite) and record one row
-    per task in the state file, or skip it with the reason when it is gone, incomplete or corrupt
-    (training prunes checkpoints as it goes)."""
+def evaluate_checkpoint(target: EvalTarget, step: int, tasks: Sequence[str] | None = None,
+                        versions: Mapping[str, str] | None = None) -> CheckpointOutcome:
+    """Score the checkpoint of `step` on `tasks` (default: the whole configured suite; `versions`: their
+    current versions, default the configured suite's) and record one row per task in the state file; or
+    skip it with the reason when it is gone, incomplete or corrupt (training prunes checkpoints as it
+    goes). Holds the step's scoring locks meanwhile, and scores only what no other scorer recorded
+    while this one waited for them."""
+    versions = dict(suite_versions(target.evaluate) if versions is None else versions)
+    wanted = list(versions) if tasks is None else list(tasks)
+    with _scoring_locks(target, step, {task: versions.get(task, "unknown") for task in wanted}):
+        recorded = read_recorded(target.state_file)
+        todo = [task for task in wanted if recorded.get((step, task), {}).get("version") != versions.get(task)]
+        if not todo:
+            return CheckpointOutcome(step, False, reason="scored meanwhile by another run", tasks=tuple(wanted),
+                                     elsewhere=True)
+        return _score(target, step, todo)
+
+
+def _score(target: EvalTarget, step: int, tasks: Sequence[str]) -> CheckpointOutcome:
     # Imported here: torch.distributed.checkpoint takes a second to import and the config loads this module.
     from torch.distributed.checkpoint.api import CheckpointException
 
@@ -237,7 +313,7 @@ def evaluate_checkpoint(target: EvalTarget, step: int, tasks: Sequence[str] | No
     started = time.perf_counter()
 
     def skipped(reason: str) -> CheckpointOutcome:
-        return CheckpointOutcome(step, False, reason=reason, wall_s=time.perf_counter() - started, tasks=tuple(tasks or ()))
+        return CheckpointOutcome(step, False, reason=reason, wall_s=time.perf_counter() - started, tasks=tuple(tasks))
 
     path = _locate(target, step)
     if path is None:
@@ -255,7 +331,6 @@ def evaluate_checkpoint(target: EvalTarget, step: int, tasks: Sequence[str] | No
             raise  # the files are all there: a real loading error, not a pruned checkpoint
         return skipped("pruned by training while its weights were being read")
 
-    target.state_dir.mkdir(parents=True, exist_ok=True)
     # evaluate_model scores a saved model folder; the copy lives only as long as the evaluation
     with tempfile.TemporaryDirectory(prefix=f".step_{step:07d}.", dir=target.state_dir) as tmp:
         model_dir, out_dir = Path(tmp) / "model", Path(tmp) / "eval"
@@ -264,11 +339,10 @@ def evaluate_checkpoint(target: EvalTarget, step: int, tasks: Sequence[str] | No
         metrics = evaluate_model(target.evaluate, model_dir, target.tokenizer, out_dir, tasks=tasks,
                                  log_file=target.state_dir / LIBRARY_LOG)  # the series' log, every step's
         results = json.loads((out_dir / RESULTS_FILE).read_text(encoding="utf-8"))
-    _merge_results(target.state_dir / f"step_{step:07d}.{RESULTS_FILE}", results)
     wall_s = time.perf_counter() - started
     evaluated_at = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-    scored = [t for t in results["versions"] if tasks is None or t in tasks]
-    _record(target.state_file, [
+    scored = [t for t in results["versions"] if t in tasks]
+    _record(target, step, results, [
         {"step": step, "task": task, "version": str(results["versions"][task]), "wall_s": wall_s,
          "metrics": {k: v for k, v in metrics.items() if k.startswith(f"{task}/")},
          "marker_sha256": marker_sha256, "evaluated_at": evaluated_at}
@@ -309,6 +383,6 @@ def scores_table(recorded: Mapping[tuple[int, str], dict[str, Any]], versions: M
         if metric is not None:
             entry[f"{task}/{metric}"] = round(row["metrics"][f"{task}/{metric}"], 4)
     rows = list(by_step.values())
-    rows += [{"step": o.step, "status": f"skipped: {o.reason}"} for o in outcomes if not o.evaluated]
+    rows += [{"step": o.step, "status": f"skipped: {o.reason}"} for o in outcomes if not o.evaluated and not o.elsewhere]
     rows += [{"step": s, "status": "missed: pruned before it was evaluated (set train.run.keep_every)"} for s in missed]
     return sorted(rows, key=lambda r: r["step"])

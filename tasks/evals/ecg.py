@@ -1,24 +1,45 @@
 """The electrocardiogram: each eval task's main score against the training step, and its regressions.
 
 Continuous eval records a row per checkpoint step and task (`tasks.evals.continuous`). Each task
-is followed by one score (`suite.primary_metric`: normalised accuracy, exact match, bits per byte);
-a step whose score is worse than the best of the earlier steps by more than the tolerance is a
-regression, which the continuous-eval flow emits as the Prefect event `kiln.eval.regression`. The
-plot draws one panel per task, the train stage's curve and the anneal stage's after it.
+is followed by one score (`suite.primary_metric`: normalised accuracy, exact match, bits per byte),
+with what it needs to judge a change against the score's noise: lm-eval's standard error and the
+number of items scored.
+
+A score *regresses* when it is worse than the best of the earlier steps by more than that noise:
+`sigmas` standard errors of the difference (each score's standard error at its sample size, a
+proportion's as lm-eval computes it, never 0), and at least one item of the task; a metric lm-eval
+gives no standard error for (bits per byte) must move by `min_change` of its best value. A
+regression *starts* at the first step that regresses and *clears* at the first later step that no
+longer does (back within the noise of the best, or a new best): two events, however many steps it
+lasts. The continuous-eval flow emits each as a Prefect event (`kiln.eval.regression`,
+`kiln.eval.regression.cleared`) and the plot marks every one.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+import math
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from tasks.evals.suite import PRIMARY_METRICS, primary_metric
 
 ECG_FILE = "ecg.png"
 REGRESSION_EVENT = "kiln.eval.regression"
+CLEARED_EVENT = "kiln.eval.regression.cleared"
 STAGE_COLOURS = {"train": "#4477aa", "anneal": "#ee6677"}
+PROPORTIONS = frozenset({"acc_norm", "acc", "exact_match"})  # a share of items: binomial noise
+
+
+@dataclass(frozen=True)
+class Score:
+    """A task's main score at one step, with its standard error (None: lm-eval reports none) and item count."""
+
+    step: int
+    value: float
+    stderr: float | None = None
+    num_docs: int | None = None
 
 
 @dataclass(frozen=True)
@@ -26,20 +47,30 @@ class Curve:
     task: str
     metric: str
     higher_is_better: bool
-    points: list[tuple[int, float]]  # (step, score), oldest first
+    scores: list[Score]  # oldest first
+
+    @property
+    def points(self) -> list[tuple[int, float]]:
+        return [(score.step, score.value) for score in self.scores]
 
 
 @dataclass(frozen=True)
-class Regression:
-    """A step whose score fell more than `tolerance` below the best of the steps before it."""
+class RegressionEvent:
+    """A regression that started, or cleared, at `step` (`since`: the step it started at)."""
 
+    kind: Literal["started", "cleared"]
     task: str
     metric: str
     step: int
+    current: float
     best: float
     best_step: int
-    current: float
-    tolerance: float
+    noise: float  # how much worse than `best` a score had to be to count as a regression
+    since: int
+
+    @property
+    def event(self) -> str:
+        return REGRESSION_EVENT if self.kind == "started" else CLEARED_EVENT
 
     def payload(self) -> dict[str, Any]:
         return asdict(self)
@@ -47,36 +78,89 @@ class Regression:
 
 def curves(rows: Mapping[tuple[int, str], Mapping[str, Any]]) -> dict[str, Curve]:
     """Each task's main score by step, from continuous-eval rows keyed by (step, task)."""
-    points: dict[str, list[tuple[int, float]]] = {}
+    scores: dict[str, list[Score]] = {}
     metrics: dict[str, str] = {}
     for (step, task), row in sorted(rows.items()):
-        metric = metrics.get(task) or primary_metric([key.split("/", 1)[1] for key in row["metrics"]])
-        value = row["metrics"].get(f"{task}/{metric}") if metric else None
+        values = row["metrics"]
+        metric = metrics.get(task) or primary_metric([key.split("/", 1)[1] for key in values])
+        value = values.get(f"{task}/{metric}") if metric else None
         if value is None:
             continue
         metrics[task] = metric
-        points.setdefault(task, []).append((step, float(value)))
-    return {task: Curve(task, metrics[task], PRIMARY_METRICS[metrics[task]], pts) for task, pts in points.items()}
+        stderr = values.get(f"{task}/{metric}_stderr")
+        num_docs = values.get(f"{task}/num_docs")
+        scores.setdefault(task, []).append(Score(step, float(value), None if stderr is None else float(stderr),
+                                                 None if num_docs is None else int(num_docs)))
+    return {task: Curve(task, metrics[task], PRIMARY_METRICS[metrics[task]], s) for task, s in scores.items()}
 
 
-def find_regressions(series: Mapping[str, Curve], new: Collection[tuple[int, str]], tolerance: float) -> list[Regression]:
-    """The regressions among the `new` (step, task) scores: worse than the best earlier step by more than `tolerance`."""
-    found = []
-    for task, curve in series.items():
-        sign = 1.0 if curve.higher_is_better else -1.0
-        for i, (step, value) in enumerate(curve.points):
-            if (step, task) not in new or i == 0:
-                continue
-            best_step, best = max(curve.points[:i], key=lambda point: sign * point[1])
-            if sign * (best - value) > tolerance:
-                found.append(Regression(task, curve.metric, step, best, best_step, value, tolerance))
-    return sorted(found, key=lambda r: (r.step, r.task))
+def standard_error(metric: str, score: Score) -> float | None:
+    """The score's standard error: a proportion's at its sample size (as lm-eval's `acc_stderr`, with the
+    share kept half an item away from 0 and 1, where the formula claims certainty), else lm-eval's own."""
+    if metric in PROPORTIONS and score.num_docs and score.num_docs > 1:
+        n = score.num_docs
+        p = min(max(score.value, 0.5 / n), 1 - 0.5 / n)
+        return math.sqrt(p * (1 - p) / (n - 1))
+    return score.stderr
+
+
+def noise(metric: str, best: Score, current: Score, sigmas: float, min_change: float) -> float:
+    """How much worse than `best` `current` must be to be a regression rather than noise."""
+    errors = [standard_error(metric, best), standard_error(metric, current)]
+    if None in errors:  # no standard error (bits per byte): the minimum detectable change
+        return min_change * abs(best.value)
+    bound = sigmas * math.sqrt(sum(e * e for e in errors))
+    items = [s.num_docs for s in (best, current) if s.num_docs]
+    if metric in PROPORTIONS and items:
+        bound = max(bound, 1 / min(items))  # less than one item is no change at all
+    return bound
+
+
+def regression_events(curve: Curve, sigmas: float, min_change: float) -> list[RegressionEvent]:
+    """Where a regression of `curve` starts and where it clears, oldest first."""
+    sign = 1.0 if curve.higher_is_better else -1.0
+    events: list[RegressionEvent] = []
+    best: Score | None = None
+    since: int | None = None
+    for score in curve.scores:
+        if best is None:
+            best = score
+            continue
+        bound = noise(curve.metric, best, score, sigmas, min_change)
+        regressed = sign * (best.value - score.value) > bound
+        if regressed and since is None:
+            since = score.step
+            events.append(RegressionEvent("started", curve.task, curve.metric, score.step, score.value, best.value,
+                                          best.step, bound, since))
+        elif not regressed and since is not None:
+            events.append(RegressionEvent("cleared", curve.task, curve.metric, score.step, score.value, best.value,
+                                          best.step, bound, since))
+            since = None
+        if sign * score.value > sign * best.value:
+            best = score
+    return events
+
+
+def all_events(series: Mapping[str, Curve], sigmas: float | None, min_change: float) -> list[RegressionEvent]:
+    """Every task's regression events (none when `sigmas` is None: regressions are off), oldest first."""
+    if sigmas is None:
+        return []
+    found = [event for curve in series.values() for event in regression_events(curve, sigmas, min_change)]
+    return sorted(found, key=lambda e: (e.step, e.task))
+
+
+def open_regressions(events: Iterable[RegressionEvent]) -> list[RegressionEvent]:
+    """The regressions that started and have not cleared: each task's last event, where it is a start."""
+    last: dict[str, RegressionEvent] = {}
+    for event in sorted(events, key=lambda e: e.step):
+        last[event.task] = event
+    return [event for event in last.values() if event.kind == "started"]
 
 
 def plot_ecg(stages: Mapping[str, Mapping[str, Curve]], offsets: Mapping[str, int], path: Path,
-             regressions: Collection[tuple[str, str, int]] = ()) -> Path:
+             events: Collection[tuple[str, RegressionEvent]] = ()) -> Path:
     """One panel per task: each stage's curve, shifted right by its offset (the anneal stage starts
-    where training ended), each regression `(stage, task, step)` circled."""
+    where training ended); each regression's start circled, its clearing marked with a triangle."""
     # matplotlib is imported here: the continuous-eval flow pays for it only when it draws
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
@@ -87,6 +171,8 @@ def plot_ecg(stages: Mapping[str, Mapping[str, Curve]], offsets: Mapping[str, in
     rows = (len(tasks) + columns - 1) // columns
     figure = Figure(figsize=(4.2 * columns, 2.9 * rows), layout="constrained")
     FigureCanvasAgg(figure)
+    markers = {"started": dict(marker="o", facecolors="none", edgecolors="#aa3377", label="regression"),
+               "cleared": dict(marker="^", facecolors="none", edgecolors="#228833", label="cleared")}
     for n, task in enumerate(tasks):
         axes = figure.add_subplot(rows, columns, n + 1)
         metric = ""
@@ -95,14 +181,14 @@ def plot_ecg(stages: Mapping[str, Mapping[str, Curve]], offsets: Mapping[str, in
             if curve is None:
                 continue
             metric = f"{curve.metric} {'↑' if curve.higher_is_better else '↓'}"
-            steps = [offsets.get(stage, 0) + step for step, _ in curve.points]
-            values = [value for _, value in curve.points]
-            axes.plot(steps, values, marker="o", markersize=3, linewidth=1.2, label=stage,
-                      color=STAGE_COLOURS.get(stage))
-            marked = [(x, v) for x, (step, v) in zip(steps, curve.points, strict=True) if (stage, task, step) in regressions]
-            if marked:
-                axes.scatter(*zip(*marked), s=60, facecolors="none", edgecolors="#aa3377", zorder=3,
-                             label="regression")
+            offset = offsets.get(stage, 0)
+            axes.plot([offset + s.step for s in curve.scores], [s.value for s in curve.scores], marker="o",
+                      markersize=3, linewidth=1.2, label=stage, color=STAGE_COLOURS.get(stage))
+            for kind, style in markers.items():
+                marked = [(offset + e.step, e.current) for where, e in events
+                          if where == stage and e.task == task and e.kind == kind]
+                if marked:
+                    axes.scatter(*zip(*marked), s=60, zorder=3, **style)
         axes.set_title(task, fontsize=9)
         axes.set_xlabel("step", fontsize=8)
         axes.set_ylabel(metric, fontsize=8)

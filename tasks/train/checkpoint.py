@@ -60,6 +60,14 @@ def commit_checkpoint(root: Path, tmp: Path, step: int, digests: dict[str, str],
     return final
 
 
+def kept_steps(steps: int, checkpoint_every: int, keep: int, keep_every: int | None) -> list[int]:
+    """The checkpoints a finished run of `steps` steps leaves on disk, oldest first: those
+    `commit_checkpoint`'s pruning spares (the newest `keep`, and every multiple of `keep_every`)."""
+    written = list(range(checkpoint_every, steps + 1, checkpoint_every))
+    newest = set(written[-keep:])
+    return [s for s in written if s in newest or (keep_every is not None and s % keep_every == 0)]
+
+
 def delete_checkpoints_after(root: Path, step: int) -> list[int]:
     """Delete every checkpoint later than `step` (a rolled-back trajectory's); returns their steps."""
     later = [s for s in steps_on_disk(root) if s > step]

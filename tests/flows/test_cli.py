@@ -53,7 +53,8 @@ def test_status_rows_are_aligned_cut_to_the_terminal_and_say_why_a_stage_failed(
         run_stage("decontaminate", cfg, keys=keys)
     store.begin("sweep", keys["sweep"])  # an attempt that died without a word
     assert main(args) == 0
-    rows = {line.split()[0]: line for line in capsys.readouterr().out.splitlines() if line.startswith("  ")}
+    stages = capsys.readouterr().out.split("\ncontinuous eval")[0]  # the stage rows, then continuous eval's
+    rows = {line.split()[0]: line for line in stages.splitlines() if line.startswith("  ")}
     assert {len(row) - len(row.split(maxsplit=1)[1]) for row in rows.values()} == {2 + len("anneal-ablation") + 1}
     assert all(len(row) <= 120 for row in rows.values())
     assert rows["evaluate"].endswith("more") and "model_0/kiln_heldout/bits_per_byte=3.5" in rows["evaluate"]
@@ -167,3 +168,51 @@ def test_down_for_a_work_dir_without_servers_names_those_that_have_them(tmp_path
     assert f"no kiln servers were running for {tmp_path / 'elsewhere'}" in out
     assert f"kiln servers still run for: {ops} (kiln down --work-dir {ops})" in out
     assert json.loads((tmp_path / "state" / "kiln" / "servers.json").read_text()) == [str(ops)]  # the dead dropped
+
+
+def test_status_shows_continuous_eval_per_series(in_repo, tmp_path, capsys):
+    """Scored, pending and missed checkpoints, open regressions and the ECG's path, from the store and the
+    state files (no scoring here: tests/flows/test_continuous_eval.py scores real checkpoints)."""
+    import json
+
+    from tasks.config import load_config
+    from tasks.evals.continuous import suite_versions
+    from tasks.evals.continuous_state import ecg_path, eval_targets
+    from tasks.graph import stage_keys
+    from tasks.store import Store
+    from tasks.train.checkpoint import checkpoint_dir
+
+    args = ["status", "configs/tiny.yaml", f"work_dir={tmp_path}"]
+    cfg = load_config("configs/tiny.yaml", args[2:])
+    store, keys = Store(cfg.store_root), stage_keys(cfg)
+    assert main(args) == 0
+    out = capsys.readouterr().out.split("\ncontinuous eval", 1)[1]
+    assert f"(ECG {ecg_path(cfg, keys).resolve()}: not drawn yet)" in out
+    assert f"  train   {keys['train']}  the stage has not started: nothing to score" in out
+
+    # train is running: checkpoints 40 and 60 on disk (20 pruned unscored), 40 scored, 60 not yet
+    (store.begin("tokenize", keys["tokenize"]) / "tokenizer.json").write_text("{}")
+    store.commit("tokenize", keys["tokenize"], {"stats": {}, "wall_s": 1.0, "cost": {}})
+    for step in (40, 60):
+        checkpoint_dir(store.begin("train", keys["train"], resumable=True) / "checkpoints", step).mkdir(parents=True)
+    train = eval_targets(cfg, keys)[0]
+    train.state_dir.mkdir(parents=True)
+    versions = suite_versions(train.evaluate)
+    code = "kiln_heldout_code"  # bits per byte: 3.06 at step 20, 3.61 at step 40 (more than 5 % worse)
+    rows = [{"step": step, "task": task, "version": version, "wall_s": 1.0,
+             "metrics": {f"{task}/bits_per_byte": value, f"{task}/num_docs": 10}}
+            for step, value in ((20, 3.06), (40, 3.61)) for task, version in versions.items() if task == code]
+    rows += [{"step": step, "task": task, "version": version, "wall_s": 1.0, "metrics": {}}
+             for step in (20, 40) for task, version in versions.items() if task != code]
+    train.state_file.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    ecg_path(cfg, keys).write_bytes(b"png")
+    assert main(args) == 0
+    out = capsys.readouterr().out.split("\ncontinuous eval", 1)[1]
+    assert f"(ECG {ecg_path(cfg, keys).resolve()}):" in out
+    assert (f"  train   {keys['train']}  scored 2 (20, 40), pending 1 (60), missed 0; open regressions: {code} "
+            "bits_per_byte since step 40 (3.61 against its best 3.06 at step 20)") in out
+    assert f"  anneal  {keys['anneal']}  the stage has not started" in out
+    train.state_file.write_text("".join(json.dumps(row) + "\n" for row in rows if row["step"] == 40))
+    assert main(args) == 0
+    assert (f"scored 1 (40), pending 1 (60), missed 1 (20) (pruned before scoring: train.run.keep_every keeps "
+            "them); open regressions: none") in capsys.readouterr().out

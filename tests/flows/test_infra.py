@@ -30,9 +30,9 @@ def test_every_registered_stage_the_pipeline_and_continuous_eval_are_deployable(
         assert isinstance(target, Flow), f"{name}: {deployment['entrypoint']} is not a Prefect flow"
         assert deployment["work_pool"]["name"] == "kiln-process"
         assert set(deployment["parameters"]) <= set(target.parameters.properties)
-    # Only continuous eval runs on its own, every 10 minutes, one run at a time.
-    assert [name for name, d in deployments.items() if d.get("schedules")] == ["continuous-eval"]
-    assert deployments["continuous-eval"]["schedules"] == [{"interval": 600, "active": False}]  # kiln deploy --continuous-eval
+    # No schedule in the file: `kiln deploy --continuous-eval CONFIG` gives continuous eval one, every
+    # continuous_eval.interval of that config (the one place the default lives); one run at a time.
+    assert not any(d.get("schedules") for d in deployments.values())
     assert deployments["continuous-eval"]["concurrency_limit"] == {"limit": 1, "collision_strategy": "CANCEL_NEW"}
 
 
@@ -195,26 +195,44 @@ def test_kiln_deploy_on_the_kubernetes_pool_gives_a_valid_job_manifest(api_url):
 def test_kiln_deploy_gives_process_pool_runs_the_alerts_heartbeat(api_url, tmp_path, monkeypatch):
     """The flow-run process a process worker would start for a deployment run gets the heartbeat setting
     (job env wins over the worker's own environment), and starts in the folder `kiln deploy` ran in (the
-    user's project), not in Kiln's checkout."""
+    user's project), not in Kiln's checkout. Without a webhook the crashed-run detector is made all the
+    same, and `--continuous-eval CONFIG --every 90s` gives continuous eval its schedule, switched on."""
+    from datetime import timedelta
+
     from prefect.client.orchestration import get_client
     from prefect.settings import get_current_settings
     from prefect.workers.process import ProcessJobConfiguration
 
-    from flows.deploy import deploy
+    from flows.alerts import UNRESPONSIVE
+    from flows.deploy import CONTINUOUS_EVAL, deploy
 
     monkeypatch.chdir(tmp_path)
-    summary = deploy()
+    (tmp_path / "mine.yaml").write_text("continuous_eval: {interval: 10m}\n")  # a project's config, relative to it
+    with pytest.raises(KilnError, match="--every sets the continuous-eval schedule's interval"):
+        deploy(every="90s")
+    with pytest.raises(KilnError, match="continuous_eval.interval: .*give seconds"):  # before anything is deployed
+        deploy("mine.yaml", every="soon")
+    summary = deploy("mine.yaml", every="90s")
     assert f"flows run in {tmp_path}" in summary and "prefect worker start" not in summary
+    assert "continuous eval scores mine.yaml every 90 s" in summary
+    assert f"crashed runs: {UNRESPONSIVE} marks a deployment run Crashed after 9 min without a heartbeat" in summary
 
     async def resolve():
         async with get_client() as client:
             pool = await client.read_work_pool("kiln-process")
             deployment = await client.read_deployment_by_name("kiln-pipeline/pipeline")
             flow_run = await client.create_flow_run_from_deployment(deployment.id)
+            watching = await client.read_deployment_by_name(CONTINUOUS_EVAL)
+            detectors = await client.read_automations_by_name(UNRESPONSIVE)
             return deployment, await ProcessJobConfiguration.resolve_for_flow_run(
-                flow_run, client=client, work_pool=pool, worker_name="kiln-test", deployment=deployment)
+                flow_run, client=client, work_pool=pool, worker_name="kiln-test", deployment=deployment), \
+                watching, detectors
 
-    deployment, config = asyncio.run(resolve())
+    deployment, config, watching, detectors = asyncio.run(resolve())
+    assert len(detectors) == 1 and detectors[0].trigger.within == timedelta(seconds=540)
+    assert watching.parameters == {"config_path": "mine.yaml", "overrides": ["continuous_eval.interval=90s"]}
+    assert [(s.schedule.interval, s.active) for s in watching.schedules] == [(timedelta(seconds=90), True)]
+    assert not watching.paused
     heartbeat = str(get_current_settings().flows.heartbeat_frequency)
     assert config.env["PREFECT_FLOWS_HEARTBEAT_FREQUENCY"] == heartbeat
     assert deployment.entrypoint == "flows.pipeline:pipeline"  # from the installed package, wherever it is

@@ -1,11 +1,15 @@
 """Continuous eval on a real tiny training run's DCP checkpoints: which steps are due, scores recorded
-once, weights equal to the trained model's, pruned and corrupt checkpoints skipped with a reason."""
+once (also by two scorers at once, in two processes), weights equal to the trained model's, pruned and
+corrupt checkpoints skipped with a reason."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -15,7 +19,6 @@ from torch.distributed.checkpoint.api import CheckpointException
 import tasks.train.dcp as dcp_module
 from tasks.config import load_config
 from tasks.errors import ConfigError, InputError
-from flows.continuous_eval import eval_targets
 from tasks.evals.continuous import (
     STATE_FILE,
     EvalTarget,
@@ -23,6 +26,7 @@ from tasks.evals.continuous import (
     plan_evaluations,
     read_recorded,
 )
+from tasks.evals.continuous_state import eval_targets
 from tasks.evals.evaluate import EvaluateConfig, evaluate_model
 from tasks.graph import stage_keys
 from tasks.library_output import LIBRARY_LOG
@@ -238,6 +242,47 @@ def test_target_resolves_the_train_run_and_eval_settings_from_the_config(monkeyp
     assert resolved("continuous_eval.every=40").eval_key == base.eval_key
     fewer = resolved("continuous_eval.limit=3")
     assert fewer.evaluate.limit == 3 and fewer.eval_key != base.eval_key and fewer.stage_key == base.stage_key
-    assert resolved("train.run.checkpoint_every=10", "continuous_eval.every=30").every == 30
+    # (keep_every: tiny's anneal ablation starts from step 20, which the config checks is kept)
+    assert resolved("train.run.checkpoint_every=10", "train.run.keep_every=10", "continuous_eval.every=30").every == 30
     with pytest.raises(ConfigError, match=r"every=30 is not a multiple of train.run.checkpoint_every=20"):
         resolved("continuous_eval.every=30")
+
+
+SCORER = """
+import json, sys, time
+from pathlib import Path
+from tasks.evals.continuous import EvalTarget, evaluate_checkpoint, plan_evaluations
+from tasks.evals.evaluate import EvaluateConfig
+from tasks.store import Store
+
+root, me, eval_file, tokenizer = Path(sys.argv[1]), sys.argv[2], sys.argv[3], Path(sys.argv[4])
+target = EvalTarget(stage="train", stage_key="train0", eval_key="eval0", every=5,
+                    evaluate=EvaluateConfig(eval_files=[eval_file]), store=Store(root / "store"),
+                    tokenizer=tokenizer, state_dir=root / "state")
+plan = plan_evaluations(target)
+(root / f"planned.{me}").write_text(json.dumps(list(plan.due)))
+while len(list(root.glob("planned.*"))) < 2:  # both have planned before either scores: they want the same steps
+    time.sleep(0.05)
+outcomes = [evaluate_checkpoint(target, step, tasks, plan.versions) for step, tasks in plan.due.items()]
+print(json.dumps({o.step: "scored" if o.evaluated else "elsewhere" if o.elsewhere else o.reason for o in outcomes}))
+"""
+
+
+def test_two_scorers_at_once_score_and_record_each_checkpoint_once(trained, tmp_path):
+    """Two processes plan the same four due checkpoints, then score them at once: each step is scored by
+    one of them (the other finds it recorded once it holds the step's lock), and each row lands once."""
+    target = target_for(trained, tmp_path, every=5)
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    scorers = [subprocess.Popen([sys.executable, "-c", SCORER, str(tmp_path), str(n), str(trained["eval_file"]),
+                                 str(trained["tokenizer"])], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True) for n in range(2)]
+    results = [scorer.communicate(timeout=600) for scorer in scorers]
+    assert [s.returncode for s in scorers] == [0, 0], "\n".join(err[-3000:] for _, err in results)
+    outcomes = [json.loads(out.splitlines()[-1]) for out, _ in results]
+    assert [json.loads((tmp_path / f"planned.{n}").read_text()) for n in range(2)] == [[5, 10, 15, 20]] * 2
+    for step in ("5", "10", "15", "20"):
+        assert sorted(outcome[step] for outcome in outcomes) == ["elsewhere", "scored"], outcomes
+    lines = target.state_file.read_text().splitlines()
+    assert sorted((json.loads(line)["step"], json.loads(line)["task"]) for line in lines) == [
+        (step, "kiln_heldout") for step in (5, 10, 15, 20)]
+    assert not list(target.state_dir.glob("*.lock"))  # every lock released

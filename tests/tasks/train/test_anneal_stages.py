@@ -86,7 +86,9 @@ def test_the_anneal_starts_from_a_kept_checkpoint_and_refuses_one_that_is_not(in
 
 def test_the_ablation_anneals_each_candidate_from_one_checkpoint_and_ranks_them(inputs, tmp_path):
     ctx = context(inputs, tmp_path / "ablation", f"anneal_ablation.candidates={CANDIDATES}",
-                  "anneal_ablation.steps=3", "anneal_ablation.from_step=2", "cluster.gpus_per_node=1")
+                  "anneal_ablation.steps=3", "anneal_ablation.from_step=2", "cluster.gpus_per_node=1",
+                  # the train run of `inputs`, whose step 2 the config's keep policy must keep
+                  "train.run.steps=4", "train.run.checkpoint_every=2", "train.run.keep_every=2")
     stats = anneal_ablation.run(ctx)
     assert stats["from_step"] == 2 and stats["steps"] == 3
     assert stats["num_accelerators"] == 0  # what the runner prices its wall time by: the anneals ran on CPU
