@@ -175,10 +175,7 @@ def deploy(continuous_eval_config: str | None = None, overrides: list[str] | Non
                f"each of {stages} stages, {CONTINUOUS_EVAL}" + (f" (image {image})" if image else ""),
                f"flows run in {project}: config paths, data paths and work_dir resolve there"]
     if watched is not None:
-        parameters, interval = watched
-        asyncio.run(_watch(parameters, interval))
-        summary.append(f"continuous eval scores {continuous_eval_config} every {duration(interval)} "
-                       "(it pauses itself once train and anneal are complete and scored)")
+        summary.append(schedule_continuous_eval(continuous_eval_config, *watched))
     else:
         summary.append("continuous eval has no schedule (kiln deploy --continuous-eval CONFIG [--every 60s] "
                        "gives it one)")
@@ -201,6 +198,14 @@ async def _deployment_names(pool: str) -> set[str]:
         deployments = await client.read_deployments(
             work_pool_filter=WorkPoolFilter(name=WorkPoolFilterName(any_=[pool])))
     return {d.name for d in deployments}
+
+
+def schedule_continuous_eval(config_path: str, parameters: dict, interval: int) -> str:
+    """Point the registered continuous-eval deployment at `parameters` (`continuous_eval_parameters`), give it
+    one schedule every `interval` seconds, switched on; says so."""
+    asyncio.run(_watch(parameters, interval))
+    return (f"continuous eval scores {config_path} every {duration(interval)} (it pauses itself once train and "
+            "anneal are complete and scored)")
 
 
 async def _watch(parameters: dict, interval: int) -> None:

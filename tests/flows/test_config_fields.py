@@ -54,6 +54,8 @@ ALLOWED = {
        for field in ("steps", "min_spearman")},
     **{f"{section}.run.health.{field}": _ROLLBACK for section in ("train", "sweep", "validate")
        for field in ("max_rollbacks", "rollback_lr_factor", "rollback_lr_steps")},
+    "continuous_eval.interval": "read by kiln deploy --continuous-eval and kiln serve (the schedule's interval): "
+                                "tests/flows/test_infra.py, tests/flows/test_operate.py",
 }
 
 _hashing = ContextVar("hashing", default=False)
@@ -103,8 +105,10 @@ def test_every_config_field_is_read_by_the_pipeline(prefect_api, in_repo, tmp_pa
     monkeypatch.setattr(Section, "__getattribute__", recording_getattribute)
     monkeypatch.setattr(Section, "identity", _unrecorded(Section.identity))
     monkeypatch.setattr(tasks.graph, "stage_identity", _unrecorded(tasks.graph.stage_identity))
-    # validators read fields to check them, which is not using them; so does the check of the names a config uses
+    # validators read fields to check them, which is not using them; so do the checks of the names a config uses
+    # and of the checkpoints it needs kept
     monkeypatch.setattr(tasks.config, "check_references", _unrecorded(tasks.config.check_references))
+    monkeypatch.setattr(tasks.config, "check_kept_steps", _unrecorded(tasks.config.check_kept_steps))
     monkeypatch.setattr(Section, "__init__", _unrecorded(Section.__init__))
     validate = BaseModel.model_validate.__func__
     monkeypatch.setattr(BaseModel, "model_validate", classmethod(_unrecorded(validate)))

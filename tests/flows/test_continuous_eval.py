@@ -12,7 +12,6 @@ import subprocess
 import sys
 import time
 
-import numpy as np
 from mlflow.tracking import MlflowClient
 
 from flows.cli import main
@@ -23,29 +22,18 @@ from tasks.evals.continuous import read_recorded
 from tasks.evals.continuous_state import ecg_path, eval_targets, up_to_date
 from tasks.graph import stage_keys
 from tasks.store import Store
-from tasks.train.config import OptimConfig
-from tasks.train.data_loader import Mixture
 from tasks.train.loop import train_model
-from tests.fixtures.continuous_eval import EOS, MODEL, RUN, write_eval_file, write_mixture, write_tokenizer
+from tests.fixtures.continuous_eval import (
+    MODEL,
+    RISING_OPTIM,
+    RUN,
+    other_mixture,
+    write_eval_file,
+    write_mixture,
+    write_tokenizer,
+)
 
 TINY = "configs/tiny.yaml"
-# high enough that ten steps on other text undo what the first ten learnt: held-out bits per byte
-# 2.24 at step 10, then 3.82 and 4.16 (measured); the fixture's 1e-2 barely moves them
-OPTIM = OptimConfig(lr=0.1, warmup_steps=3)
-OTHER_TEXTS = ["0 1 2 3 4 5 6 7 8 9 " * 6, "x = [i * i for i in range(10)]; print(sum(x))  # squares " * 2]
-
-
-def other_mixture(root, tokenizer) -> Mixture:
-    """Text unlike the eval file's: digits and a line of Python, repeated."""
-    eos = tokenizer.token_to_id(EOS)
-    stream = np.array([t for text in OTHER_TEXTS for t in [*tokenizer.encode(text).ids, eos]], dtype="<u2")
-    root.mkdir(parents=True)
-    np.tile(stream, 40).tofile(root / "train.bin")
-    stream.tofile(root / "val.bin")
-    manifest = {"format": 1, "dtype": "uint16", "vocab_size": tokenizer.get_vocab_size(), "eos_id": eos,
-                "domains": {"prose": {"weight": 1.0, "train": ["train.bin"], "val": ["val.bin"]}}}
-    (root / "manifest.json").write_text(json.dumps(manifest))
-    return Mixture.from_manifest(root / "manifest.json", root)
 
 
 def test_checkpoints_are_scored_in_mlflow_at_their_steps_once(prefect_api, in_repo, tmp_path, capsys):
@@ -66,7 +54,7 @@ def test_checkpoints_are_scored_in_mlflow_at_their_steps_once(prefect_api, in_re
 
     # Training is running: checkpoints 5 and 10 in the partial folder, on the eval file's own text.
     partial = store.begin("train", keys["train"], resumable=True)
-    train_model(MODEL, OPTIM, RUN, write_mixture(tmp_path / "data", tokenizer), partial, stop_after=10)
+    train_model(MODEL, RISING_OPTIM, RUN, write_mixture(tmp_path / "data", tokenizer), partial, stop_after=10)
     first = continuous_eval(TINY, overrides)["train"]
     assert (first["evaluated"], first["skipped"], first["missed"]) == ([5, 10], {}, [])
     assert first["mlflow_steps_logged"] == [5, 10] and first["regressions"] == [] == first["open_regressions"]
@@ -75,7 +63,7 @@ def test_checkpoints_are_scored_in_mlflow_at_their_steps_once(prefect_api, in_re
 
     # Training resumes on other text to step 20 and the stage commits: 15 and 20 are read from the final folder,
     # both far worse than step 10: one regression, where it starts.
-    train_model(MODEL, OPTIM, RUN, other_mixture(tmp_path / "other", tokenizer), partial)
+    train_model(MODEL, RISING_OPTIM, RUN, other_mixture(tmp_path / "other", tokenizer), partial)
     store.commit("train", keys["train"], {"stage": "train"})
     second = continuous_eval(TINY, overrides)["train"]
     assert (second["evaluated"], second["recorded"], second["mlflow_steps_logged"]) == ([15, 20], [5, 10, 15, 20], [15, 20])
@@ -124,7 +112,7 @@ def test_checkpoints_are_scored_in_mlflow_at_their_steps_once(prefect_api, in_re
     # The anneal stage's checkpoints, scored by two `kiln continuous-eval` processes started at once (as a
     # scheduled run and a pipeline's pass may be): each step scored by one of them, recorded once.
     anneal_partial = store.begin("anneal", keys["anneal"], resumable=True)
-    train_model(MODEL, OPTIM, RUN, write_mixture(tmp_path / "anneal-data", tokenizer), anneal_partial, stop_after=10)
+    train_model(MODEL, RISING_OPTIM, RUN, write_mixture(tmp_path / "anneal-data", tokenizer), anneal_partial, stop_after=10)
     assert not up_to_date(cfg, keys)
     env = {**{k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "MLFLOW_"))},
            "PREFECT_API_URL": PREFECT_API_URL.value(), "PYTHONPATH": str(in_repo)}

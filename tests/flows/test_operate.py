@@ -1,11 +1,12 @@
 """Kiln operated as its users do: `kiln up`, `kiln deploy --alert-webhook`, `kiln worker`, deployment
 runs, the Prefect UI's Retry (its exact API call, then its button in headless Chromium), the MLflow UI,
-concurrent runs on one store, alerts, and a worker killed mid-stage.
+concurrent runs on one store, alerts, continuous eval on a short schedule while training writes
+checkpoints, and a worker killed mid-stage.
 
 All scenarios share one module fixture (servers, deployments, worker, webhook receiver), so the
 fixed start-up is paid once; every process is stopped at the end. The killed-worker drill starts
 with the fixture: the server's wait for three missed heartbeats then overlaps the other scenarios.
-Screenshots and the timings land in build/test-artifacts/operate/.
+Screenshots, the timings and the alerts as the webhook got them land in build/test-artifacts/operate/.
 """
 
 from __future__ import annotations
@@ -207,7 +208,7 @@ def ops(tmp_path_factory):
             deployed = operated.kiln("deploy", "--alert-webhook", f"http://127.0.0.1:{operated.webhook.server_port}/hook")
             operated.timings["kiln_deploy_s"] = time.perf_counter() - started
             assert deployed.returncode == 0, deployed.stderr[-3000:]
-            assert "schedule off" in deployed.stdout
+            assert "continuous eval has no schedule" in deployed.stdout
             assert "kiln-stage-failed" in deployed.stdout and "kiln-crash-unresponsive-runs" in deployed.stdout
             operated.start_worker()
             operated.crashed_run = start_crash_drill(operated)
@@ -218,6 +219,7 @@ def ops(tmp_path_factory):
                     operated.stop_worker()
                 operated.webhook.shutdown()
                 (ARTIFACTS / "timings.json").write_text(json.dumps(operated.timings, indent=2))
+                (ARTIFACTS / "alerts.json").write_text(json.dumps(operated.webhook.received, indent=2))  # as posted
             finally:
                 assert main(["down", f"work_dir={servers}"]) == 0
 
@@ -249,8 +251,11 @@ def test_ui_retry_of_a_deployment_run_reuses_what_succeeded(ops, in_repo, tmp_pa
     ops.timings["deployment_run_to_failure_s"] = time.perf_counter() - started
     store = ops.root / "work" / "store"
     before = {stage: digests(store / stage) for stage in UPSTREAM}
-    alert = ops.webhook.wait_for("Kiln: a stage failed", "decontaminate")  # the automation posted the runner's event
-    assert "kiln.stage.failed" in alert and "does not exist" in alert
+    # the automation posted the runner's event, as a sentence: stage, config, error, the run's page
+    alert = ops.webhook.wait_for("Kiln: a stage failed", "Stage decontaminate (key ")
+    assert f"of configs/tiny.yaml with work_dir={ops.root / 'work'} evaluate.eval_files=[{eval_file}] failed: " \
+           f"InputError: eval file {eval_file}" in alert and "does not exist" in alert
+    assert alert.endswith(f"Flow run: {ops.ui}/runs/flow-run/{flow_run_id}")
 
     eval_file.write_text((REPO / "data" / "evals" / "heldout.jsonl").read_text())  # the fix
     started = time.perf_counter()
@@ -392,18 +397,102 @@ def test_concurrent_deployment_runs_share_one_store_safely(ops, in_repo):
     assert len(children) == 3 * len(stages)
 
 
-def test_eval_regression_and_training_alerts_reach_the_webhook(ops):
-    """The events continuous eval and the health monitor emit, sent as they send them."""
+def test_an_event_without_its_sentence_still_reaches_the_webhook(ops):
+    """An event emitted by hand (or by an older Kiln), with no `text`: the alert shows it raw."""
     emit = ("from prefect.events import emit_event\n"
-            "emit_event(event='kiln.eval.regression', resource={'prefect.resource.id': 'kiln.eval.tiny'},\n"
-            "           payload={'task': 'heldout_mc', 'metric': 'acc_norm', 'step': 40, 'best': 0.61,\n"
-            "                    'current': 0.48, 'tolerance': 0.05, 'stage': 'train'})\n"
             "emit_event(event='kiln.train.rollback', resource={'prefect.resource.id': 'kiln.train.abc123'},\n"
             "           payload={'step': '17', 'loss': '9.1', 'action': 'rollback'})\n")
     subprocess.run([sys.executable, "-c", emit], env=ops.env, check=True, timeout=120)
-    regression = ops.webhook.wait_for("Kiln: an eval score regressed")
-    assert "kiln.eval.tiny" in regression and "heldout_mc" in regression and "0.48" in regression
-    assert "kiln.train.abc123" in ops.webhook.wait_for("Kiln: training rolled back")
+    assert "kiln.train.rollback on kiln.train.abc123: {'step': '17'" in ops.webhook.wait_for("Kiln: training rolled back")
+
+
+SCHEDULE = """
+import sys
+from flows.deploy import continuous_eval_parameters, schedule_continuous_eval
+config, every, overrides = sys.argv[1], sys.argv[2], sys.argv[3:]
+print(schedule_continuous_eval(config, *continuous_eval_parameters(config, overrides, every)))
+"""
+
+
+def wait_until(ready, what: str, timeout_s: float = 300):
+    deadline = time.monotonic() + timeout_s
+    while not (found := ready()):
+        assert time.monotonic() < deadline, f"{what} within {timeout_s}s"
+        time.sleep(1)
+    return found
+
+
+def test_continuous_eval_on_a_5s_schedule_scores_a_training_run_as_it_writes_checkpoints_then_pauses(ops, in_repo,
+                                                                                                      tmp_path):
+    """The schedule `kiln deploy --continuous-eval CONFIG --every 5s` makes (set as it sets it, without
+    redeploying), run by the worker, while a real training run in this process writes checkpoints: each
+    is scored once; a real regression (training goes on, at a high learning rate, on other text) reaches
+    the webhook once, as a sentence with the run's page; once train and anneal are complete and scored,
+    the schedule pauses itself and the runs Prefect had scheduled ahead are gone."""
+    from tasks.config import load_config
+    from tasks.data.tokenize import TOKENIZER_FILE
+    from tasks.evals.continuous import read_recorded
+    from tasks.evals.continuous_state import eval_targets
+    from tasks.graph import stage_keys
+    from tasks.store import Store
+    from tasks.train.loop import train_model
+    from tests.fixtures.continuous_eval import (MODEL, RISING_OPTIM, RUN, other_mixture, write_eval_file,
+                                                write_mixture, write_tokenizer)
+
+    started = time.perf_counter()
+    eval_file = write_eval_file(tmp_path / "heldout.jsonl")
+    overrides = [f"work_dir={ops.root / 'watched'}", f"evaluate.eval_files=[{eval_file}]",
+                 "train.run.checkpoint_every=5", "train.run.keep_every=5"]
+    cfg = load_config("configs/tiny.yaml", overrides)
+    keys, store = stage_keys(cfg), Store(cfg.store_root)
+    tokenizer = write_tokenizer(store.begin("tokenize", keys["tokenize"]) / TOKENIZER_FILE)
+    store.commit("tokenize", keys["tokenize"], {"stats": {}, "wall_s": 0.0, "cost": {}})
+    scheduled = subprocess.run([sys.executable, "-c", SCHEDULE, "configs/tiny.yaml", "5s", *overrides], env=ops.env,
+                               cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert scheduled.returncode == 0, scheduled.stderr[-3000:]
+    assert "continuous eval scores configs/tiny.yaml every 5 s" in scheduled.stdout
+    deployment = ops.api.call("GET", "/deployments/name/kiln-continuous-eval/continuous-eval")
+    assert [s["schedule"]["interval"] for s in deployment["schedules"]] == [5.0] and not deployment["paused"]
+    train, anneal = eval_targets(cfg, keys)
+
+    def scored(target):
+        return sorted(step for step, _ in read_recorded(target.state_file))
+
+    # training writes checkpoints 5 and 10 into its partial folder; the schedule scores them
+    partial = store.begin("train", keys["train"], resumable=True)
+    train_model(MODEL, RISING_OPTIM, RUN, write_mixture(tmp_path / "data", tokenizer), partial, stop_after=10)
+    wait_until(lambda: scored(train) == [5, 10], "the schedule did not score steps 5 and 10")
+    ops.timings["continuous_eval_first_scores_s"] = time.perf_counter() - started
+    # it goes on, on other text (15 and 20 score far worse than 10), and commits; then a short anneal
+    train_model(MODEL, RISING_OPTIM, RUN, other_mixture(tmp_path / "other", tokenizer), partial)
+    store.commit("train", keys["train"], {"stats": {}, "wall_s": 0.0, "cost": {}})
+    anneal_partial = store.begin("anneal", keys["anneal"], resumable=True)
+    train_model(MODEL, RISING_OPTIM, RUN, write_mixture(tmp_path / "anneal", tokenizer), anneal_partial, stop_after=10)
+    store.commit("anneal", keys["anneal"], {"stats": {}, "wall_s": 0.0, "cost": {}})
+    wait_until(lambda: ops.api.call("GET", f"/deployments/{deployment['id']}")["paused"],
+               "the schedule did not pause itself")
+    ops.timings["continuous_eval_schedule_to_paused_s"] = time.perf_counter() - started
+
+    assert (scored(train), scored(anneal)) == ([5, 10, 15, 20], [5, 10])
+    assert len(train.state_file.read_text().splitlines()) == 4  # one row each: scored once
+    runs = ops.api.call("POST", "/flow_runs/filter", {"deployments": {"id": {"any_": [deployment["id"]]}}})
+    assert not [r for r in runs if r["state_type"] == "SCHEDULED"]  # Prefect deleted the runs scheduled ahead
+    assert any(r["state_type"] == "COMPLETED" for r in runs)
+    artifacts = ops.api.call("POST", "/artifacts/filter", {"artifacts": {"key": {"any_": ["kiln-continuous-eval-schedule"]}}})
+    assert "this deployment's schedule is now paused" in artifacts[0]["data"]  # the run says so
+
+    client = MlflowClient(ops.mlflow)
+    experiment = client.get_experiment_by_name("kiln").experiment_id
+    [train_run] = client.search_runs([experiment], filter_string=f"tags.`kiln.key` = '{keys['train']}' and "
+                                                                 "tags.`kiln.stage` = 'continuous-eval'")
+    assert train_run.info.run_name == f"continuous-eval/train/{keys['train']}"
+    history = client.get_metric_history(train_run.info.run_id, "kiln_heldout.bits_per_byte")
+    assert [m.step for m in history] == [5, 10, 15, 20]
+
+    alert = ops.webhook.wait_for("Kiln: an eval score regressed", "kiln_heldout bits_per_byte regressed at train step 15")
+    assert alert.startswith("Kiln: an eval score regressed\nContinuous eval of configs/tiny.yaml with work_dir=")
+    assert f"Flow run: {ops.ui}/runs/flow-run/" in alert
+    assert sum("regressed at train step" in body.get("text", "") for body in ops.webhook.received) == 1  # once
 
 
 def test_a_worker_killed_mid_stage_leaves_a_crashed_run_and_an_alert(ops):
@@ -411,4 +500,5 @@ def test_a_worker_killed_mid_stage_leaves_a_crashed_run_and_an_alert(ops):
     crashed_at = datetime.fromisoformat(run["state"]["timestamp"]).timestamp()
     ops.timings["killed_worker_to_crashed_s"] = crashed_at - ops.timings.pop("crash_drill_killed_at")
     assert run["state_name"] == "Crashed" and "no heartbeat" in run["state"]["message"]
-    assert ops.webhook.wait_for("Kiln: a flow run crashed", f"prefect.flow-run.{ops.crashed_run}")
+    alert = ops.webhook.wait_for("Kiln: a flow run crashed", f"{ops.ui}/runs/flow-run/{ops.crashed_run}")
+    assert f"Flow run {run['name']} (kiln-pipeline, config configs/tiny.yaml) crashed: no heartbeat for " in alert
