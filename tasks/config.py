@@ -209,6 +209,9 @@ def check_kept_steps(cfg: KilnConfig, origins: dict[str, str] | None = None) -> 
         if step % every or step == 0:
             problems.append(f"{where}: the train run writes no checkpoint of step {step} (one every "
                             f"train.run.checkpoint_every={every} steps); choose a multiple, or null for the final model")
+        elif kept is not None and step > run.steps:
+            problems.append(f"{where}: the train run stops at train.run.steps={run.steps}, before step {step}; "
+                            "choose a kept step, or null for the final model")
         elif kept is None and (run.keep_every is None or step % run.keep_every):
             problems.append(f"{where}: train.run.steps comes from the fit's plan (train.model: plan), so only "
                             f"train.run.keep_every can promise that step {step} is kept: set train.run.keep_every={step}")

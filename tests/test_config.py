@@ -88,6 +88,9 @@ def test_a_step_the_keep_policy_will_not_leave_is_refused_when_the_config_loads(
     assert "command line (anneal.from_step=50): anneal.from_step=50: the train run writes no checkpoint of step 50" \
            in message  # every mistake at once, each with where it was set
     assert load_config(path, ["anneal_ablation.from_step=200"]).anneal_ablation.from_step == 200
+    with pytest.raises(ConfigError, match=r"configs/tiny.yaml: anneal_ablation.from_step=20: the train run stops at "
+                                          r"train.run.steps=10, before step 20"):
+        load_config("configs/tiny.yaml", ["train.run.steps=10", "train.run.checkpoint_every=5"])
     assert load_config("configs/default.yaml", ["anneal.from_step=100"]).anneal.from_step == 100  # keep_every: 100
     # with `model: plan` and no steps of its own, the run's length comes from the fit: only keep_every can promise a step
     with pytest.raises(ConfigError, match=r"anneal.from_step=100: train.run.steps comes from the fit's plan"):
