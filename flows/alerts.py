@@ -78,7 +78,8 @@ def run_context() -> tuple[str, str | None]:
 
 
 def _sentence(text: str, url: str | None) -> str:
-    return text + (f" Flow run: {url}" if url else "")
+    """`text` as a sentence, then the flow run's page."""
+    return text.rstrip(". ") + "." + (f" Flow run: {url}" if url else "")
 
 
 def stage_event_text(event: str, payload: Mapping[str, Any], stage: str, key: str) -> str:

@@ -119,7 +119,11 @@ def status_lines(cfg: KilnConfig, keys: dict[str, str]) -> list[str]:
     steps and its open regressions."""
     path = ecg_path(cfg, keys)
     lines = [f"continuous eval (ECG {path.resolve() if path.is_file() else f'{path.resolve()}: not drawn yet'}):"]
-    for series in series_status(cfg, keys):
+    statuses = series_status(cfg, keys)
+    problems = {series.problem for series in statuses}
+    if len(problems) == 1 and None not in problems:  # the eval settings themselves: one line says it
+        return lines + [f"  cannot be read: {problems.pop()}"]
+    for series in statuses:
         head = f"  {series.stage:<7} {series.key}  "
         if series.problem is not None:
             lines.append(f"{head}cannot be read: {series.problem}")

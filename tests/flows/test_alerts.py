@@ -27,7 +27,7 @@ def test_a_kiln_event_is_its_sentence_and_an_event_without_one_still_says_what_i
                             "decontaminate", "fbcc57f35cde")
     # outside a flow run there is no config and no page to link to
     assert text == ("Stage decontaminate (key fbcc57f35cde) of Kiln's defaults failed: InputError: eval file "
-                    "evals/mine.jsonl does not exist")
+                    "evals/mine.jsonl does not exist.")
     assert render_user_template_sync(KILN_BODY, {"event": event("kiln.stage.failed", {"text": text})}) == text
     bare = render_user_template_sync(KILN_BODY, {"event": event("kiln.train.rollback", {"step": "17"}, "kiln.train.abc")})
     assert bare == "kiln.train.rollback on kiln.train.abc: {'step': '17'}"
