@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from tasks.train.checkpoint import MARKER, checkpoint_dir, delete_checkpoints_after
+from tasks.train.checkpoint import MARKER, checkpoint_dir, delete_checkpoints_after, kept_steps, steps_on_disk
 from tasks.train.dcp import latest_intact_dcp, load_dcp, load_latest_dcp, save_dcp
 
 SHARD = "__0_0.distcp"
@@ -72,6 +72,14 @@ def test_keep_every_is_never_pruned(tmp_path) -> None:
         save(tmp_path, step, keep=2, keep_every=20)
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         "step_0000020", "step_0000040", "step_0000050", "step_0000060"]
+
+
+@pytest.mark.parametrize("keep,keep_every", [(2, 20), (2, None), (1, 30), (5, None)])
+def test_the_config_check_predicts_what_pruning_leaves(tmp_path, keep, keep_every) -> None:
+    """`kept_steps` (what the config check calls kept, before any training) is what `save_dcp` leaves."""
+    for step in range(10, 70, 10):
+        save(tmp_path, step, keep=keep, keep_every=keep_every)
+    assert kept_steps(65, 10, keep, keep_every) == sorted(steps_on_disk(tmp_path))
 
 
 def test_latest_before_a_step_and_delete_after_it(tmp_path) -> None:
