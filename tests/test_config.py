@@ -79,7 +79,8 @@ def test_cluster_launchers_and_executors_are_choices():
 def test_a_step_the_keep_policy_will_not_leave_is_refused_when_the_config_loads(tmp_path):
     # the trial: anneal_ablation.from_step=20 failed after 5.5 minutes of training
     path = write(tmp_path / "mine.yaml", "extends: " + str(Path("configs/default.yaml").resolve()) + "\n"
-                 "train: {run: {keep_every: null}}\nanneal_ablation: {from_step: 100}\n")
+                 "train: {run: {steps: 300, checkpoint_every: 100, keep_checkpoints: 2, keep_every: null}}\n"
+                 "anneal_ablation: {from_step: 100}\n")
     with pytest.raises(ConfigError) as error:  # 300 steps, one every 100, the newest 2 kept: 200 and 300
         load_config(path, ["anneal.from_step=50"])
     message = str(error.value)
@@ -91,7 +92,7 @@ def test_a_step_the_keep_policy_will_not_leave_is_refused_when_the_config_loads(
     with pytest.raises(ConfigError, match=r"configs/tiny.yaml: anneal_ablation.from_step=20: the train run stops at "
                                           r"train.run.steps=10, before step 20"):
         load_config("configs/tiny.yaml", ["train.run.steps=10", "train.run.checkpoint_every=5"])
-    assert load_config("configs/default.yaml", ["anneal.from_step=100"]).anneal.from_step == 100  # keep_every: 100
+    assert load_config("configs/default.yaml", ["anneal.from_step=1000"]).anneal.from_step == 1000  # keep_every: 1000
     # with `model: plan` and no steps of its own, the run's length comes from the fit: only keep_every can promise a step
     with pytest.raises(ConfigError, match=r"anneal.from_step=100: train.run.steps comes from the fit's plan"):
         load_config(None, ["train.model=plan", "anneal.from_step=100"])
@@ -99,13 +100,14 @@ def test_a_step_the_keep_policy_will_not_leave_is_refused_when_the_config_loads(
 
 
 def test_continuous_eval_every_must_name_checkpoints_the_run_writes():
+    run = ["train.run.steps=300", "train.run.checkpoint_every=100"]
     with pytest.raises(ConfigError, match=r"continuous_eval.every=150 is not a multiple of "
-                                          r"train.run.checkpoint_every=100"):
-        load_config("configs/default.yaml", ["continuous_eval.every=150"])
+                                          r"train.run.checkpoint_every=100:"):
+        load_config("configs/default.yaml", [*run, "continuous_eval.every=150"])
     with pytest.raises(ConfigError, match=r"continuous_eval.every=400: no checkpoint is due, the train run stops at "
                                           r"train.run.steps=300"):
-        load_config("configs/default.yaml", ["continuous_eval.every=400"])
-    assert load_config("configs/default.yaml", ["continuous_eval.every=200"]).continuous_eval.every == 200
+        load_config("configs/default.yaml", [*run, "continuous_eval.every=400"])
+    assert load_config("configs/default.yaml", [*run, "continuous_eval.every=200"]).continuous_eval.every == 200
 
 
 @pytest.mark.parametrize("written,seconds", [(60, 60), ("60s", 60), ("10m", 600), ("1.5h", 5400), (" 90 s ", 90)])
