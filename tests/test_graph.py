@@ -52,7 +52,7 @@ def test_runtime_settings_move_no_key(base_keys, override):
     ("train.run.batch_size=16", "mix"),
     ("train.lr=0.001", "train"),
     ("anneal.steps=10", "anneal"),
-    ("anneal.from_step=200", "anneal"),
+    ("anneal.from_step=1000", "anneal"),
     ("anneal_ablation.steps=5", "anneal-ablation"),
     ("evaluate.limit=5", "anneal-ablation"),  # the ablation scores its branches with the evaluate suite
 ])
