@@ -676,6 +676,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _parse_intermixed(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
+    """Parses overrides and options in any order (`kiln run CONFIG --work-dir DIR key=value`). argparse gives a
+    `nargs="*"` positional only the first run of positionals; `parse_intermixed_args` refuses subcommands, so
+    the positionals after an option come back unrecognized and join the command's overrides, in order."""
+    ns, extras = parser.parse_known_args(argv)
+    trailing = next((name for name in ("args", "overrides") if isinstance(getattr(ns, name, None), list)), None)
+    if extras and (trailing is None or any(arg.startswith("-") for arg in extras)):
+        parser.error(f"unrecognized arguments: {' '.join(extras)}")
+    if extras:
+        getattr(ns, trailing).extend(extras)
+    return ns
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the command in `argv`; None: this process's own command line (the `kiln` script), which ends after it."""
     parser = build_parser()
@@ -684,7 +697,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["eval"]:  # the rest is lm-eval's command line, its flags unknown to this parser
         ns = argparse.Namespace(func=cmd_eval, lm_eval_args=argv[1:])
     else:
-        ns = parser.parse_args(argv)
+        ns = _parse_intermixed(parser, argv)
     try:
         return ns.func(ns)
     except KilnError as error:

@@ -63,6 +63,24 @@ def test_status_rows_are_aligned_cut_to_the_terminal_and_say_why_a_stage_failed(
     assert rows["sweep"].split(maxsplit=2)[2].startswith("partial (an attempt crashed")
 
 
+def test_overrides_and_options_come_in_any_order(in_repo, tmp_path, capsys):
+    assert main(["config", "configs/tiny.yaml", "--keys", "dedup.threshold=0.75", f"--work-dir={tmp_path}",
+                 "train.run.eval_batches=3"]) == 0
+    out = capsys.readouterr().out
+    assert "threshold: 0.75" in out and "eval_batches: 3" in out and f"work_dir: {tmp_path}" in out and "# stage keys" in out
+    # later overrides win, whichever side of an option they stand on
+    assert main(["config", "dedup.threshold=0.5", "--work-dir", str(tmp_path), "configs/tiny.yaml",
+                 "dedup.threshold=0.75"]) == 0
+    assert "threshold: 0.75" in capsys.readouterr().out
+    assert main(["status", "configs/tiny.yaml", "--work-dir", str(tmp_path), "evaluate.eval_files=[]"]) == 0
+    assert "missing" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exit_info:  # an unknown option after an override is still refused
+        main(["config", "configs/tiny.yaml", "dedup.threshold=0.75", "--nope", "train.run.steps=12"])
+    assert exit_info.value.code == 2 and "unrecognized arguments: --nope" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # a command without overrides takes no stray positional
+        main(["worker", "dedup.threshold=0.75"])
+
+
 def test_bad_arguments_and_config_errors_exit_2_without_traceback(in_repo, capsys):
     assert main(["config", "not-a-config"]) == 2
     assert "neither a config file" in capsys.readouterr().err
