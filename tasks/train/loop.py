@@ -90,7 +90,9 @@ def mixture_summary(mixture: Mixture) -> dict:
 
 @contextmanager
 def _torch_settings(run_cfg: TrainRunConfig, device: torch.device) -> Iterator[None]:
-    """Deterministic kernels on CPU and the requested thread count, both restored on exit."""
+    """Deterministic kernels on CPU, the requested thread count and the CPU generator seeded from the
+    run's seed, all restored on exit. Checkpoints save that generator's state: seeded here, one config
+    writes the same bytes in this process, a torchrun worker or a Slurm job (a resume then loads it)."""
     prev_det = torch.are_deterministic_algorithms_enabled()
     prev_threads = torch.get_num_threads()
     if device.type == "cpu":
@@ -98,7 +100,9 @@ def _torch_settings(run_cfg: TrainRunConfig, device: torch.device) -> Iterator[N
     if run_cfg.num_threads is not None:
         torch.set_num_threads(run_cfg.num_threads)
     try:
-        yield
+        with torch.random.fork_rng(devices=[]):
+            torch.random.default_generator.manual_seed(run_cfg.seed)
+            yield
     finally:
         torch.use_deterministic_algorithms(prev_det)
         torch.set_num_threads(prev_threads)
