@@ -12,9 +12,11 @@ and follow the job to its end like a local launch.
 2. `sbatch --parsable` of the rendered `infra/slurm/train.sbatch.j2`;
 3. polls `scontrol show job` (no `sacct`: it needs an accounting daemon) and streams the job's
    output file, which stays in `out_dir`, into the `kiln.launch.slurm` logger as it grows;
-4. returns when the job is COMPLETED; any other end (FAILED, CANCELLED, TIMEOUT, NODE_FAIL,
-   OUT_OF_MEMORY, ...) raises `SlurmJobFailed`, a `LaunchError` carrying the job's id, state,
-   exit code and nodes, with the output file as its log, so relaunch loops resubmit;
+4. returns when the job is COMPLETED; any other end (FAILED, TIMEOUT, NODE_FAIL, OUT_OF_MEMORY, ...)
+   raises `SlurmJobFailed`, a `LaunchError` carrying the job's id, state, exit code and nodes, with
+   the output file as its log, so relaunch loops resubmit. CANCELLED by someone else's `scancel`
+   raises `SlurmJobCancelled`, which is not retryable: a person stopped it, no node failed. A
+   submission sbatch refuses (a bad partition, no `SLURM_CONF`) is not retryable either;
 5. Ctrl-C, SIGTERM or any error while waiting `scancel`s the job, waits until it has left the
    queue, and re-raises (`sigterm_raises`: main thread only).
 
@@ -24,6 +26,7 @@ Without `sbatch` on PATH the script is written and the message says how to submi
 from __future__ import annotations
 
 import logging
+import os
 import re
 import subprocess
 import sys
@@ -66,6 +69,17 @@ class SlurmJobFailed(LaunchError):
         self.state = state
         self.exit_code = exit_code
         self.nodes = nodes
+
+
+class SlurmJobCancelled(SlurmJobFailed):
+    """Someone scancelled the job (not Kiln's own `stop` or `cancel`): a person's decision, not a node's
+    failure, so it is not retryable and names no failed host."""
+
+    retryable = False
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.hosts = []
 
 
 @dataclass(frozen=True)
@@ -141,6 +155,12 @@ class SlurmLauncher(Launcher):
     def launch(self, command: list[str]) -> LaunchResult:
         """Submit and wait (see the module docstring); raises SlurmJobFailed when the job fails."""
         sbatch = self._client("sbatch")
+        conf = os.environ.get("SLURM_CONF")
+        if sbatch is not None and conf and not Path(conf).is_file():  # each client would retry it for 60 s
+            refused = LaunchError(f"SLURM_CONF={conf} is not a file, so sbatch cannot reach the cluster: export "
+                                  "the path of the cluster's slurm.conf (kiln slurm up prints it for a local one)")
+            refused.retryable = False
+            raise refused
         exclusion = self.plan_exclusion() if sbatch is not None else Exclusion(tuple(self.exclude_hosts()))
         path = self._write(self.filename, self.render(command, exclude=exclusion.hosts))
         if sbatch is None:
@@ -170,6 +190,11 @@ class SlurmLauncher(Launcher):
             return LaunchResult(self.name, submitted=True, returncode=0, job_id=job_id, rendered=path, log=log,
                                 message=f"{where} completed; log: {log}")
         tail = log.read_text(encoding="utf-8", errors="replace")[-LOG_TAIL_CHARS:] if log.is_file() else "(no output)"
+        if state == "CANCELLED" and not self._stopped.is_set():
+            raise SlurmJobCancelled(
+                f"{where} was cancelled (scancel) while Kiln waited for it: a cancelled job is not relaunched and "
+                f"its nodes are not counted as failed; rerun to resume from its last checkpoint. log: {log}\n{tail}",
+                log, job_id=job_id, state=state, exit_code=exit_code, nodes=nodes)
         reason = job.get("Reason", "None")
         raise SlurmJobFailed(
             f"{where} ended {state} with exit code {exit_code}{f' ({reason})' if reason != 'None' else ''}; "
