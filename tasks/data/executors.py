@@ -29,6 +29,7 @@ import filecmp
 import json
 import math
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -48,6 +49,7 @@ from datatrove.executor.base import PipelineExecutor
 from datatrove.utils.stats import PipelineStats
 
 from tasks.errors import ConfigError, InfrastructureError
+from tasks.launch.cluster import SlurmSettings
 
 if TYPE_CHECKING:
     from tasks.config import ClusterConfig
@@ -77,6 +79,7 @@ class ExecutorSettings:
     kind: Kind = "local"
     partition: str | None = None  # Slurm partition; None: the cluster's default
     time_limit: str = "24:00:00"  # Slurm --time for each array job
+    slurm: SlurmSettings = SlurmSettings()  # cluster.slurm: account, QOS, memory, constraint, lines, modules, env
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -86,7 +89,7 @@ class ExecutorSettings:
     def from_cluster(cls, cluster: ClusterConfig) -> ExecutorSettings:
         if cluster.executor != "slurm":  # the Slurm fields mean nothing to the other executors
             return cls(cluster.executor)
-        return cls("slurm", cluster.partition, cluster.time_limit)
+        return cls("slurm", cluster.partition, cluster.time_limit, cluster.slurm)
 
 
 LOCAL = ExecutorSettings()
@@ -106,11 +109,12 @@ def build_executor(
     tasks_per_job = math.ceil(tasks / jobs)
     if settings.kind == "ray":
         return _RayExecutor(pipeline, cpus_per_task=cpus_per_task, tasks_per_job=tasks_per_job, **common)
+    site = settings.slurm
     return _SlurmExecutor(
         pipeline, time=settings.time_limit, partition=settings.partition or default_partition(),
         cpus_per_task=cpus_per_task, tasks_per_job=tasks_per_job, job_name=job_name,
-        qos=None,  # the partition's default; datatrove's "normal" need not exist
-        **_python_environment(), **common,
+        qos=site.qos,  # None: the partition's default; datatrove's "normal" need not exist
+        sbatch_args=_sbatch_args(site), env_command=_job_environment(site), **common,
     )
 
 
@@ -194,6 +198,12 @@ class _SlurmExecutor(SlurmPipelineExecutor):
     def launch_merge_stats(self) -> None:
         return None
 
+    def get_sbatch_args(self, max_array: int = 1) -> dict:
+        args = super().get_sbatch_args(max_array)
+        if "mem" in args:  # cluster.slurm.mem replaces datatrove's per-CPU default (sbatch refuses both)
+            args.pop("mem-per-cpu")
+        return args
+
 
 class _RayExecutor(RayPipelineExecutor):
     """datatrove's Ray executor, its ranks with the default SIGTERM action.
@@ -209,11 +219,23 @@ class _RayExecutor(RayPipelineExecutor):
         return super()._run_for_rank(rank, local_rank, node_rank)
 
 
-def _python_environment() -> dict[str, str]:
-    """Jobs run this interpreter's environment: its venv activated, else its bin folder first on PATH."""
-    if sys.prefix != sys.base_prefix:
-        return {"venv_path": str(Path(sys.prefix) / "bin" / "activate")}
-    return {"env_command": f"export PATH={Path(sys.executable).parent}:$PATH"}
+def _job_environment(site: SlurmSettings) -> str:
+    """Jobs run this interpreter's environment (its venv activated, else its bin folder first on PATH),
+    after `cluster.slurm`'s modules and with its environment."""
+    python = (f"source {shlex.quote(str(Path(sys.prefix) / 'bin' / 'activate'))}" if sys.prefix != sys.base_prefix
+              else f"export PATH={shlex.quote(str(Path(sys.executable).parent))}:$PATH")
+    return "\n".join([*(f"module load {m}" for m in site.modules),
+                      *(f"export {k}={shlex.quote(v)}" for k, v in site.env.items()), python])
+
+
+def _sbatch_args(site: SlurmSettings) -> dict[str, str]:
+    """`cluster.slurm`'s #SBATCH options as datatrove's `sbatch_args` (`--key=value` -> key: value)."""
+    args = {key: value for key, value in (("account", site.account), ("constraint", site.constraint),
+                                          ("mem", site.mem)) if value}
+    for line in site.sbatch_lines:
+        key, _, value = line.lstrip("-").partition("=")
+        args[key] = value
+    return args
 
 
 def _wait_for_slurm_job(job_id: str) -> None:

@@ -7,7 +7,66 @@ The launchers (`tasks.launch.launchers`) read how to reach it; the parallelism p
 
 from __future__ import annotations
 
+import re
+
+from pydantic import field_validator
+
 from tasks.configbase import Section, runtime_field
+
+DEFAULT_RDZV_PORT = 29500  # torchrun's; where each job has its own network (a Kubernetes pod)
+_WORD = re.compile(r"^[^\s'\"\\]+$")  # one shell word, nothing to quote or escape
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+class SlurmSettings(Section):
+    """`cluster.slurm`: what a real site's jobs need beyond the cluster's shape. Runtime only.
+
+    Read by the Slurm launcher (training jobs, sweep trials: `infra/slurm/train.sbatch.j2`) and by the
+    data stages' Slurm executor (datatrove's array jobs), except the container, modules and `gres`,
+    which only the launcher's script uses (a datatrove task runs this interpreter on the node).
+    """
+
+    account: str | None = runtime_field(None)  # sbatch --account
+    qos: str | None = runtime_field(None)  # sbatch --qos
+    mem: str | None = runtime_field(None, pattern=r"^\d+[KMGT]?$")  # --mem per node (64G); 0: all of it
+    constraint: str | None = runtime_field(None)  # --constraint node features, e.g. "h100&ib"
+    gres: str | None = runtime_field(None)  # --gres, e.g. gpu:h100:8, instead of --gpus-per-node
+    sbatch_lines: tuple[str, ...] = runtime_field(())  # more options, each an #SBATCH line: "--reservation=big"
+    container_image: str | None = runtime_field(None)  # pyxis/enroot: srun --container-image (Kiln installed in it)
+    container_mounts: tuple[str, ...] = runtime_field(())  # pyxis --container-mounts, SRC:DST each
+    modules: tuple[str, ...] = runtime_field(())  # `module load` each before srun (cuda/12.4, nccl, ...)
+    env: dict[str, str] = runtime_field({})  # exported in the job: NCCL_SOCKET_IFNAME, NCCL_IB_HCA, ...
+
+    @field_validator("account", "qos", "constraint", "gres", "container_image")
+    @classmethod
+    def _one_word(cls, value: str | None) -> str | None:
+        if value is not None and not _WORD.match(value):
+            raise ValueError(f"{value!r} must be one word without spaces or quotes (it goes on an #SBATCH line)")
+        return value
+
+    @field_validator("sbatch_lines")
+    @classmethod
+    def _options(cls, lines: tuple[str, ...]) -> tuple[str, ...]:
+        for line in lines:
+            if not line.startswith("-") or "\n" in line:
+                raise ValueError(f"{line!r} is not an sbatch option: give it as on the command line, e.g. "
+                                 "--reservation=big (Kiln writes the #SBATCH)")
+        return lines
+
+    @field_validator("container_mounts", "modules")
+    @classmethod
+    def _words(cls, words: tuple[str, ...]) -> tuple[str, ...]:
+        for word in words:
+            cls._one_word(word)
+        return words
+
+    @field_validator("env")
+    @classmethod
+    def _env_names(cls, env: dict[str, str]) -> dict[str, str]:
+        bad = [name for name in env if not _ENV_NAME.match(name)]
+        if bad:
+            raise ValueError(f"{bad} are not environment variable names")
+        return env
 
 
 class ClusterSpec(Section):
@@ -31,9 +90,12 @@ class ClusterSpec(Section):
     time_limit: str = runtime_field("24:00:00")  # Slurm --time
     image: str | None = runtime_field(None)  # Kubernetes container image
     namespace: str = runtime_field("default")  # Kubernetes namespace
-    rdzv_port: int = runtime_field(29500, gt=0, lt=65536)
+    # None: Slurm jobs pick a port free on their first node (two jobs may share it); torchrun over
+    # several nodes and Kubernetes pods use DEFAULT_RDZV_PORT
+    rdzv_port: int | None = runtime_field(None, gt=0, lt=65536)
     exclude_hosts: tuple[str, ...] = runtime_field(())  # never schedule here (plus recorded failures)
     max_restarts: int = runtime_field(2, ge=0)  # relaunches of a failed training job (it resumes from checkpoints)
+    slurm: SlurmSettings = runtime_field(SlurmSettings())
 
     @property
     def world_size(self) -> int:

@@ -34,6 +34,7 @@ import time
 from pathlib import Path
 
 from tasks.errors import ConfigError
+from tasks.launch.cluster import DEFAULT_RDZV_PORT
 from tasks.launch.launchers import (
     INFRA_DIR,
     Launcher,
@@ -103,12 +104,13 @@ class KubernetesLauncher(Launcher):
                               "lowercase letters, digits and '-', starting with a letter, short enough that "
                               f"'{self.job_name}-{c.nodes - 1}' has at most 63 characters")
         rdzv_host = f"{self.job_name}-0.{self.job_name}"  # indexed pods are named {job}-{index}
+        rdzv_port = c.rdzv_port or DEFAULT_RDZV_PORT  # each pod has its own ports
         torchrun = ["torchrun", "--nnodes", str(c.nodes), "--nproc_per_node", str(self.nproc_per_node),
-                    "--rdzv_backend", "c10d", "--rdzv_endpoint", f"{rdzv_host}:{c.rdzv_port}",
+                    "--rdzv_backend", "c10d", "--rdzv_endpoint", f"{rdzv_host}:{rdzv_port}",
                     "--rdzv_id", self.job_name, *command]
         return render_template(self.template_dir, self.template,
             job_name=self.job_name, namespace=c.namespace, nodes=c.nodes, gpus_per_node=c.gpus_per_node,
-            image=c.image, exclude=self._exclusions(), workdir=str(self.workdir), env=self.env, rdzv_port=c.rdzv_port,
+            image=c.image, exclude=self._exclusions(), workdir=str(self.workdir), env=self.env, rdzv_port=rdzv_port,
             shell_command="exec " + shlex.join(torchrun), attempt=str(self.attempt + 1),
             volume_claim=self.volume_claim, volume_path=str(self.volume_path) if self.volume_path else None,
         )

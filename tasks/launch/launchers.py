@@ -38,7 +38,7 @@ from typing import ClassVar
 import jinja2
 
 from tasks.errors import ConfigError, InfrastructureError, KilnError
-from tasks.launch.cluster import ClusterSpec
+from tasks.launch.cluster import DEFAULT_RDZV_PORT, ClusterSpec
 
 INFRA_DIR = Path(__file__).resolve().parents[2] / "infra"
 KILL_GRACE_S = 10.0  # after SIGTERM, how long a timed-out job gets to exit before SIGKILL
@@ -272,7 +272,7 @@ class TorchrunLauncher(Launcher):
                 "node's address); or use the slurm or kubernetes launcher, which find it themselves"
             )
         else:
-            rdzv = ["--rdzv_backend", "c10d", "--rdzv_endpoint", f"{self.rdzv_host}:{self.cluster.rdzv_port}",
+            rdzv = ["--rdzv_backend", "c10d", "--rdzv_endpoint", f"{self.rdzv_host}:{self.cluster.rdzv_port or DEFAULT_RDZV_PORT}",
                     "--rdzv_id", self.job_name]
         return [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(self.cluster.nodes),
                 "--nproc_per_node", str(self.nproc_per_node), *rdzv, *command]

@@ -28,6 +28,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import shlex
 import subprocess
 import sys
 import time
@@ -144,9 +145,20 @@ class SlurmLauncher(Launcher):
             job_name=self.job_name, nodes=c.nodes, gpus_per_node=c.gpus_per_node, nproc_per_node=self.nproc_per_node,
             partition=c.partition, time_limit=c.time_limit,
             exclude=sorted(self.exclude_hosts() if exclude is None else exclude), log_dir=str(self.out_dir),
-            workdir=str(self.workdir), env=self.env, rdzv_port=c.rdzv_port, python=self.python, command=command,
-            torchrun=self.torchrun,
+            workdir=str(self.workdir), env={**c.slurm.env, **self.env}, rdzv_port=c.rdzv_port,
+            python="python" if c.slurm.container_image else self.python, command=command,
+            torchrun=self.torchrun, slurm=c.slurm, container=self._container_flags(),
         )
+
+    def _container_flags(self) -> str:
+        """pyxis's srun options for `cluster.slurm.container_image` (the image's `python` then runs Kiln)."""
+        s = self.cluster.slurm
+        if not s.container_image:
+            return ""
+        flags = [f"--container-image={s.container_image}", f"--container-workdir={self.workdir}"]
+        if s.container_mounts:
+            flags.append(f"--container-mounts={','.join(s.container_mounts)}")
+        return " " + shlex.join(flags)
 
     def log_path(self, job_id: str) -> Path:
         """The job's output file (the script's `--output`)."""

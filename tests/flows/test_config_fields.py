@@ -36,6 +36,10 @@ ALLOWED = {
     **{f"cluster.{field}": "read by the torchrun launcher (train.parallel above one process, or cluster.launcher="
        "torchrun): the FSDP run in tests/flows/test_pipeline.py, tests/tasks/launch"
        for field in ("nodes", "gpus_per_node", "rdzv_port", "exclude_hosts", "max_restarts")},
+    **{f"cluster.slurm{field}": "read by the Slurm launcher's script and the Slurm executor: "
+       "tests/tasks/launch/test_slurm_settings.py (sbatch --test-only), tests/tasks/data/test_executors.py"
+       for field in ("", ".account", ".qos", ".mem", ".constraint", ".gres", ".sbatch_lines", ".container_image",
+                     ".container_mounts", ".modules", ".env")},
     "cluster.executor": "read by clean and dedup (tasks/data/executors.py): tests/tasks/data on Slurm and Ray",
     **{f"cluster.{field}": "read by the Slurm/Kubernetes launchers, the Slurm executor and the planner "
        "(train.parallel: auto): tests/tasks/launch, tests/tasks/data, tests/tasks/train/test_planner.py"

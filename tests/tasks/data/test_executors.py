@@ -40,6 +40,7 @@ from tasks.data.documents import (
 )
 from tasks.data.executors import ExecutorError, ExecutorSettings, build_executor
 from tasks.errors import ConfigError
+from tasks.launch.cluster import SlurmSettings
 from tests.processes import killing_first, ray_actors, slurm_job_steps
 
 REPO = Path(__file__).parents[3]
@@ -190,6 +191,17 @@ def test_executors_are_built_from_the_cluster_section(tmp_path):
     assert f"source {Path(sys.prefix) / 'bin' / 'activate'}" in script  # the job runs this venv's Python
     assert Path(slurm.slurm_logs_folder) == tmp_path / "logs" / "slurm_logs"  # logs in the stage's folder
 
+    site = SlurmSettings(account="proj", qos="high", mem="8G", constraint="cpu", sbatch_lines=("--exclusive",),
+                         modules=("gcc/12",), env={"HF_HOME": "/scratch/hf cache"})
+    slurm = build(ExecutorSettings("slurm", partition="cpu", slurm=site))
+    script = slurm.get_launch_file_contents(slurm.get_sbatch_args(max_array=3), "launch_pickled_pipeline x")
+    directives = {line for line in script.splitlines() if line.startswith("#SBATCH")}
+    assert {"#SBATCH --account=proj", "#SBATCH --qos=high", "#SBATCH --mem=8G", "#SBATCH --constraint=cpu",
+            "#SBATCH --exclusive"} <= directives
+    assert not any(line.startswith("#SBATCH --mem-per-cpu") for line in directives)  # sbatch refuses both
+    body = script[script.index("module load gcc/12"):]
+    assert body.index("export HF_HOME='/scratch/hf cache'") < body.index(f"source {Path(sys.prefix) / 'bin' / 'activate'}")
+
 
 def test_cluster_section_decides_the_executor():
     from tasks.config import ClusterConfig
@@ -197,6 +209,8 @@ def test_cluster_section_decides_the_executor():
     assert ExecutorSettings.from_cluster(ClusterConfig()) == ExecutorSettings("local")
     slurm = ClusterConfig(executor="slurm", partition="cpu", time_limit="01:00:00")
     assert ExecutorSettings.from_cluster(slurm) == ExecutorSettings("slurm", "cpu", "01:00:00")
+    site = ClusterConfig(executor="slurm", slurm=SlurmSettings(account="proj"))
+    assert ExecutorSettings.from_cluster(site).slurm.account == "proj"
     assert ExecutorSettings.from_cluster(ClusterConfig(executor="ray", partition="cpu")) == ExecutorSettings("ray")
     with pytest.raises(ConfigError, match="'k8s' is not one of local, slurm, ray"):
         ExecutorSettings("k8s")  # type: ignore[arg-type]

@@ -11,7 +11,6 @@ import torch
 
 from tasks.launch.cluster import ClusterSpec
 from tasks.launch.launched_training import train_with_launcher
-from tasks.launch.local_slurm import free_port
 from tasks.train.config import ModelConfig, OptimConfig, ParallelDims, TrainRunConfig
 from tasks.train.data_loader import Mixture
 from tasks.train.loop import train_model
@@ -60,6 +59,7 @@ def test_this_process_and_torchrun_write_identical_checkpoints(corpus, torchrun_
 
 @pytest.mark.cluster
 def test_a_slurm_job_writes_the_torchrun_checkpoint(slurm_cluster, corpus, torchrun_checkpoint, tmp_path):
-    train_with_launcher(MODEL, OptimConfig(), RUN, ParallelDims(), ClusterSpec(rdzv_port=free_port()), corpus,
-                        corpus.parent, tmp_path, launcher="slurm", timeout_s=180)
+    # no cluster.rdzv_port: the job picks one free on its node
+    train_with_launcher(MODEL, OptimConfig(), RUN, ParallelDims(), ClusterSpec(), corpus, corpus.parent, tmp_path,
+                        launcher="slurm", timeout_s=180)
     assert checkpoint_bytes(tmp_path) == torchrun_checkpoint

@@ -108,7 +108,8 @@ def test_slurm_script_renders_from_the_cluster(tmp_path: Path) -> None:
     # torchrun as this interpreter's module: a node needs no torchrun on its PATH
     assert argv[:5] == ["srun", "--kill-on-bad-exit=1", sys.executable, "-m", "torch.distributed.run"]
     assert argv[5:10] == ["--nnodes=4", "--nproc_per_node=8", "--rdzv_id=$SLURM_JOB_ID", "--rdzv_backend=c10d",
-                          "--rdzv_endpoint=$head_addr:29400"]
+                          "--rdzv_endpoint=$head_addr:$rdzv_port"]
+    assert "\nrdzv_port=29400\n" in script  # cluster.rdzv_port as given (unset: a free port on the first node)
     assert argv[10:] == COMMAND  # the quoted argument survives the shell
     assert "export NCCL_DEBUG=WARN" in script and "cd /shared/kiln" in script
     # a second failure is carried into the next render
