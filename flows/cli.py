@@ -50,6 +50,7 @@ examples:
   kiln config --keys                         the resolved config and every stage key
   kiln ui                                    how to open the MLflow and Prefect UIs
   kiln up --work-dir ops / kiln down         start / stop local Prefect and MLflow servers (source ops/servers/env)
+  kiln slurm up / status / down              a local Slurm cluster in work_dir/slurm; run the export line it prints
   kiln deploy, then kiln worker              deployments on that server, run from this folder, and a worker
 
 Without a CONFIG.yaml, configs/default.yaml is used if this folder has one, else Kiln's built-in
@@ -447,6 +448,49 @@ def cmd_down(ns: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_slurm(ns: argparse.Namespace) -> int:
+    """`kiln slurm up | down | status`: a local Slurm cluster in work_dir/slurm, for trying the Slurm paths.
+    stdout gets only the `export SLURM_CONF=...` line (`eval "$(kiln slurm up)"`); the rest goes to stderr."""
+    if ns.action not in ("up", "down", "status"):
+        raise KilnError(f"kiln slurm {ns.action}: the actions are up, down and status")
+    cfg, _, _ = _load(ns)
+    from tasks.launch.local_slurm import LocalSlurmCluster
+
+    folder = Path(cfg.work_dir).resolve() / "slurm"
+    existing = LocalSlurmCluster.in_folder(folder)
+    up = existing is not None and existing.running()
+    if ns.action == "up":
+        if up:
+            print(f"kiln: a local Slurm cluster already runs in {folder} ({', '.join(existing.node_names)})",
+                  file=sys.stderr)
+        else:
+            existing = LocalSlurmCluster(folder, cpus=ns.cpus, nodes=ns.nodes).start()
+            print(f"kiln: started a local Slurm cluster in {folder}: {len(existing.node_names)} node(s) "
+                  f"({', '.join(existing.node_names)}), {existing.cpus} CPUs each, partition "
+                  f"{existing.partition}; `kiln slurm down` stops it", file=sys.stderr)
+        print(f"export SLURM_CONF={existing.conf}")
+        return 0
+    if ns.action == "down":
+        if existing is None or not up:
+            print(f"kiln: no local Slurm cluster runs in {folder}", file=sys.stderr)
+            return 0
+        existing.stop()
+        print(f"kiln: stopped the local Slurm cluster in {folder} (its jobs cancelled); unset SLURM_CONF",
+              file=sys.stderr)
+        return 0
+    if not up:
+        print(f"kiln: no local Slurm cluster runs in {folder} (kiln slurm up starts one)", file=sys.stderr)
+        return 1
+    import subprocess
+
+    env = {**os.environ, **existing.env}
+    for argv in (["sinfo", "--Node", "--format", "%N %P %T %c"], ["squeue", "--format", "%i %j %T %M %N"]):
+        shown = subprocess.run(argv, capture_output=True, text=True, env=env, check=False)
+        print(shown.stdout.rstrip() or shown.stderr.strip(), file=sys.stderr)
+    print(f"export SLURM_CONF={existing.conf}")
+    return 0
+
+
 def cmd_deploy(ns: argparse.Namespace) -> int:
     from flows.deploy import deploy, work_pool
 
@@ -613,6 +657,13 @@ def build_parser() -> argparse.ArgumentParser:
     add("down", "Stop the servers `kiln up` started for a working directory: the one given (--work-dir), else this "
         "folder's, else the last `kiln up`'s, wherever it was; names the others still running.", cmd_down,
         args_help=servers_args)
+    slurm = add("slurm", "Start, stop or show a local Slurm cluster (this machine's slurmctld and slurmd, in "
+                "work_dir/slurm) for trying cluster.launcher=slurm and cluster.executor=slurm; up and status print "
+                "the one line to run: export SLURM_CONF=...", cmd_slurm, first=("action", "up, down or status"),
+                args_help=servers_args)
+    slurm.add_argument("--nodes", type=int, default=1, help="with up: emulated nodes, one slurmd each (default 1: "
+                       "this host; 2 or more: kiln-n1, kiln-n2, ... so that jobs span nodes and --exclude moves them)")
+    slurm.add_argument("--cpus", type=int, help="with up: CPUs per node (default: this machine's)")
     for name, func, help_text in (
         ("deploy", cmd_deploy, "Register every deployment (pipeline, each stage, continuous eval) with the Prefect "
                                "server at PREFECT_API_URL, creating its work pool (process, or --work-pool kubernetes) "

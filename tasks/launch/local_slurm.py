@@ -1,7 +1,7 @@
 """A real Slurm cluster on this machine: munged, slurmctld and slurmd from Debian's packages.
 
 The test suite, the scale-out benchmark and anyone trying the Slurm paths on a laptop start one
-with `LocalSlurmCluster(folder).start()`; its clients (`sbatch`, `squeue`, `scontrol`, `scancel`)
+with `LocalSlurmCluster(folder).start()` (from a shell: `kiln slurm up`); its clients (`sbatch`, `squeue`, `scontrol`, `scancel`)
 find it through `SLURM_CONF` (see `env`). Everything it writes — config, state, spool, pid files,
 daemon logs — stays in `folder`, and its ports are picked free, so several clusters (two test
 sessions) can run side by side. There is no accounting daemon: jobs are followed with `squeue` and
@@ -17,6 +17,7 @@ node claims `cpus` CPUs of the same machine (the scheduler does not bind them: `
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import socket
@@ -28,6 +29,7 @@ from tasks.errors import KilnError
 
 DAEMONS = ("slurmctld", "slurmd")
 START_TIMEOUT_S = 30.0
+_CONF_FIELD = re.compile(r"(\w+)=(\S+)")
 MUNGE_KEY = Path("/etc/munge/munge.key")
 MUNGE_SOCKET = Path("/run/munge/munge.socket.2")
 
@@ -85,6 +87,30 @@ class LocalSlurmCluster:
                              start_new_session=True)
         self._wait_until_idle()
         return self
+
+    @classmethod
+    def in_folder(cls, folder: Path) -> LocalSlurmCluster | None:
+        """The cluster an earlier `start` (maybe another process's: `kiln slurm up`) configured in `folder`,
+        its nodes and CPUs read back from its slurm.conf; None when there is none."""
+        conf = folder / "slurm.conf"
+        if not conf.is_file():
+            return None
+        nodes = [dict(_CONF_FIELD.findall(line)) for line in conf.read_text().splitlines()
+                 if line.startswith("NodeName=")]
+        if not nodes:
+            return None
+        cluster = cls(folder, cpus=int(nodes[0]["CPUs"]), memory_mb=int(nodes[0]["RealMemory"]), nodes=len(nodes))
+        cluster.node_names = [node["NodeName"] for node in nodes]
+        return cluster
+
+    def running(self) -> bool:
+        """Whether this cluster's controller is up (its pid file names a live slurmctld of this config)."""
+        pid_file = self.folder / "slurmctld.pid"
+        try:
+            pid = int(pid_file.read_text().strip() or 0)
+        except (OSError, ValueError):
+            return False
+        return pid > 0 and _alive(pid) and self._is_daemon(pid)
 
     @property
     def multiple(self) -> bool:
