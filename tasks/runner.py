@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import logging
 import resource
+import socket
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -40,6 +41,8 @@ from tasks.tracker import NullTracker, Tracker
 
 _SMALL_ARTIFACT_SUFFIXES = (".json", ".md", ".png")
 _SMALL_ARTIFACT_BYTES = 5_000_000
+# launchers whose workers are no children of this process (their CPU time is added from their own records)
+CLUSTER_LAUNCHERS = ("slurm", "kubernetes")
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +73,17 @@ class StageRecorder:
         self._on_event = on_event
         self.parent, self.name = parent, name
         self.forecasts: dict[str, dict[str, Any]] = {}
+        self.launches: dict[str, dict[str, Any]] = {}  # run name -> where it ran (`launched`)
+
+    def launched(self, record: dict[str, Any], run: str | None = None) -> None:
+        """Where one training run of this stage ran (`tasks.launch.launched_training.launch_record`):
+        tags on this run (`kiln.launcher`, `kiln.job_ids`, `kiln.nodes`, `kiln.job_name`), and the
+        stage's manifest's `launch.runs`, named `run` (a sub-run's under its `{kind}/{name}`)."""
+        self.tracker.set_tags(self.run_id, launch_tags(record))
+        if self.parent is not None:
+            self.parent.launched(record, run or self.name)
+            return
+        self.launches[run or self.stage] = record
 
     def record_forecast(self, forecast: dict[str, Any], run: str | None = None) -> None:
         """The planner's forecast of one training run of this stage (`tasks.train.planner.forecast_record`),
@@ -212,6 +226,23 @@ class SubRuns:
         return {"kiln.stage": self.recorder.stage, "kiln.key": self.recorder.key, "kiln.subrun": sub.kind,
                 "kiln.subrun_key": self.key(sub), "kiln.status": status, "kiln.git_sha": code["git_sha"],
                 OWNER_TAG: process_owner()}
+
+
+def merged_launch(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Several runs' launch records as one: their launchers, job ids, nodes and attempts together."""
+    records = list(runs.values())
+    return {"launcher": ",".join(sorted({r["launcher"] for r in records})),
+            "job_name": ",".join(sorted({r["job_name"] for r in records if r.get("job_name")})),
+            "job_ids": [j for r in records for j in r["job_ids"]],
+            "nodes": sorted({n for r in records for n in r["nodes"]}),
+            "attempts": [a for r in records for a in r["attempts"]]}
+
+
+def launch_tags(record: dict[str, Any]) -> dict[str, str]:
+    """A launch record (`StageRecorder.launched`) as MLflow tags."""
+    return {"kiln.launcher": record["launcher"], "kiln.job_name": record.get("job_name") or "",
+            "kiln.job_ids": ",".join(record["job_ids"]), "kiln.nodes": ",".join(record["nodes"]),
+            "kiln.attempts": str(len(record["attempts"]))}
 
 
 def _numeric(stats: dict[str, Any], prefix: str = "") -> dict[str, float]:
@@ -369,8 +400,12 @@ def _execute(stage: Stage, cfg: KilnConfig, store: Store, tracker: Tracker, regi
     wall_s = time.perf_counter() - started
     cpu_after, peak_rss_mb = _usage()
     # accelerator-seconds: devices held (a training stage's num_accelerators; 0 on CPU) x wall time
-    cost = {"wall_s": wall_s, "cpu_s": cpu_after - cpu_before, "peak_rss_mb": peak_rss_mb,
-            "accelerator_s": stats.get("num_accelerators", 0) * wall_s}
+    # a cluster job's workers are no children of this process: they report their own CPU seconds
+    jobs_cpu_s = sum(r["worker_cpu_s"] for r in recorder.launches.values() if r["launcher"] in CLUSTER_LAUNCHERS)
+    cost = {"wall_s": wall_s, "cpu_s": cpu_after - cpu_before + jobs_cpu_s, "jobs_cpu_s": jobs_cpu_s,
+            "peak_rss_mb": peak_rss_mb, "accelerator_s": stats.get("num_accelerators", 0) * wall_s}
+    launch = {"host": socket.gethostname(), "launcher": cfg.cluster.launcher, "executor": cfg.cluster.executor,
+              "runs": recorder.launches}
     if recorder.forecasts:
         forecast = stage_forecast(recorder.forecasts)
         stats = {**stats, "forecast": forecast}
@@ -379,8 +414,8 @@ def _execute(stage: Stage, cfg: KilnConfig, store: Store, tracker: Tracker, regi
     manifest = {
         "stage": stage.name, "key": key, "format_version": stage.version,
         "inputs": {i: keys[i] for i in stage.inputs}, "identity": stage_identity(stage.name, cfg, registry),
-        "stats": stats, "wall_s": wall_s, "cost": cost, "mlflow_run_id": run_id, "prefect_flow_run_id": flow_run_id,
-        "provenance": provenance(), "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "stats": stats, "wall_s": wall_s, "cost": cost, "launch": launch, "mlflow_run_id": run_id,
+        "prefect_flow_run_id": flow_run_id, "provenance": provenance(), "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
     (out_dir / STATS_FILE).write_text(json.dumps(stats, indent=2, default=str))
     tracker.log_metrics(run_id, {**_numeric({k: v for k, v in stats.items() if k != "headline"}),
@@ -388,6 +423,8 @@ def _execute(stage: Stage, cfg: KilnConfig, store: Store, tracker: Tracker, regi
     for path in sorted(out_dir.iterdir()):
         if path.suffix in _SMALL_ARTIFACT_SUFFIXES and path.stat().st_size < _SMALL_ARTIFACT_BYTES:
             tracker.log_artifact(run_id, path)
+    if recorder.launches:  # the stage's run says where its training ran, all runs together
+        tracker.set_tags(run_id, launch_tags(merged_launch(recorder.launches)))
     final = store.commit(stage.name, key, manifest)
     tracker.log_dict(run_id, store.manifest(stage.name, key), "manifest.json")
     tracker.end_run(run_id)

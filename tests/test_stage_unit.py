@@ -90,3 +90,63 @@ def test_the_registry_knows_every_stage_and_refuses_disorder():
         Registry([toy_stage.STAGE])
     with pytest.raises(ValueError, match="registered twice"):
         Registry([collect_stage.STAGE, collect_stage.STAGE])
+
+
+def test_where_a_stage_ran_is_in_its_manifest_cost_and_mlflow_tags(toy_registry, tmp_path):
+    """A stage body reports a training run and a sub-run's launch (as tasks.stages._training does): the
+    manifest's `launch` says where each ran, a cluster job's workers' CPU joins the stage's cost, and
+    the stage's and sub-run's MLflow runs are tagged with launcher, job ids and nodes."""
+    from dataclasses import replace
+
+    from mlflow.tracking import MlflowClient
+
+    from tasks.launch.launched_training import launch_record
+    from tasks.stage import SubRun
+    from tasks.tracking import MlflowTracker
+
+    job = launch_record("slurm", "kiln-toy-count-abc", [
+        {"attempt": 1, "job_id": "41", "nodes": ["n1"], "failed": "Slurm job 41 ended FAILED", "failed_hosts": ["n1"]},
+        {"attempt": 2, "job_id": "42", "nodes": ["n2"], "excluded": ["n1"], "time_to_resume_s": 6.5}], 12.5)
+
+    def body(ctx):
+        count_stats = toy_stage.count_long_documents(ctx)
+        ctx.recorder.launched(job)
+        ctx.recorder.subruns(ctx.out_dir).run(SubRun("branch", "b1", {}), lambda folder, recorder: (
+            recorder.launched(launch_record("torchrun", "kiln-toy-count-abc-b1", [
+                {"attempt": 1, "job_id": None, "nodes": ["here"]}], 3.0)), {})[1])
+        return count_stats
+
+    registry = Registry([collect_stage.STAGE, replace(toy_stage.STAGE, body=body)])
+    cfg = load_config(TOY, [f"work_dir={tmp_path}"], registry=registry)
+    tracker = MlflowTracker(f"sqlite:///{tmp_path}/mlflow.db", "kiln", tmp_path / "artifacts")
+    run_stage("collect", cfg, registry=registry, tracker=tracker)
+    outcome = run_stage("toy-count", cfg, registry=registry, tracker=tracker)
+    manifest = Store(cfg.store_root).manifest("toy-count", outcome.key)
+    assert manifest["launch"]["launcher"] == "local" and manifest["launch"]["executor"] == "local"
+    runs = manifest["launch"]["runs"]
+    assert set(runs) == {"toy-count", "branch/b1"} and runs["toy-count"] == job
+    assert (runs["branch/b1"]["launcher"], runs["branch/b1"]["job_name"]) == ("torchrun", "kiln-toy-count-abc-b1")
+    # the Slurm job's workers are no children of this process: their 12.5 s join its own CPU time;
+    # torchrun's are (already counted by getrusage)
+    assert manifest["cost"]["jobs_cpu_s"] == 12.5 and manifest["cost"]["cpu_s"] > 12.5
+    tags = MlflowClient(tracker.uri).get_run(outcome.mlflow_run_id).data.tags
+    assert (tags["kiln.launcher"], tags["kiln.job_ids"], tags["kiln.nodes"]) == ("slurm,torchrun", "41,42", "here,n1,n2")
+    assert tags["kiln.attempts"] == "3"
+
+
+def test_a_training_job_is_named_after_its_stage_key_and_sub_run(tmp_path):
+    from tasks.config import KilnConfig
+    from tasks.runner import StageRecorder
+    from tasks.stage import StageContext
+    from tasks.stages._training import job_name
+    from tasks.tracker import NullTracker
+
+    stage = StageRecorder(NullTracker(), "run", "anneal-ablation", "0123456789abcdef0123")
+    branch = StageRecorder(NullTracker(), "child", "anneal-ablation", "0123456789abcdef0123", parent=stage,
+                           name="branches/From_Step_20")
+
+    def name(recorder: StageRecorder) -> str:
+        return job_name(StageContext(KilnConfig(), tmp_path, {}, Store(tmp_path), recorder))
+
+    assert name(stage) == "kiln-anneal-ablation-0123456789ab"
+    assert name(branch) == "kiln-anneal-ablation-0123456789ab-from-step-20"  # a Kubernetes Job name too

@@ -8,7 +8,8 @@ are done, as a stopped job would), `init_model_dir` (a saved model to start from
 `callbacks` (a list of `CallbackSpec`s as JSON: each rank builds them from their dotted paths
 and hands them to `train_model`). Every rank runs `train_model` with the `parallel` layout and
 registers the scheduler's name for its node (`rank_hosts.node_name`: the Slurm node, the
-Kubernetes node) for failure reports; rank 0 writes the `TrainResult` as JSON to `--out`.
+Kubernetes node) for failure reports; rank 0 writes the `TrainResult` as JSON to `--out`; every
+process records its CPU seconds in `out_dir/worker_cpu/` as it ends (the stage's cost counts them).
 Several `--config C --out O` pairs run one after another in the same process group, which saves
 a torchrun start-up (seconds of imports per process) each.
 Run without torchrun, it trains as a single process.
@@ -19,6 +20,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
+import socket
 from pathlib import Path
 
 import torch.distributed as dist
@@ -33,6 +36,7 @@ from tasks.train.loop import train_model, write_result
 
 SECTIONS = {"model": ModelConfig, "optim": OptimConfig, "train": TrainRunConfig, "parallel": ParallelDims}
 OPTIONS = {"stop_after", "callbacks", "init_model_dir"}
+WORKER_CPU_DIR = "worker_cpu"  # in out_dir: each worker process's CPU seconds (`record_cpu`)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -56,6 +60,22 @@ def main(argv: list[str] | None = None) -> None:
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+        for _, _, options in runs:
+            record_cpu(options["out_dir"] / WORKER_CPU_DIR)
+
+
+def record_cpu(folder: Path) -> None:
+    """This process's CPU seconds, for the stage's cost: a Slurm or Kubernetes job's processes are no
+    children of the process that launched them, so its own accounting never sees them."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    folder.mkdir(parents=True, exist_ok=True)
+    name = f"{os.environ.get('SLURM_JOB_ID') or os.environ.get('KILN_JOB_ID') or 'local'}-{socket.gethostname()}-{os.getpid()}"
+    (folder / f"{name}.json").write_text(json.dumps({"cpu_s": usage.ru_utime + usage.ru_stime}) + "\n")
+
+
+def worker_cpu_s(folder: Path) -> float:
+    """The CPU seconds the workers recorded in `folder` (`record_cpu`)."""
+    return sum(json.loads(path.read_text())["cpu_s"] for path in folder.glob("*.json"))
 
 
 def _load(config: Path) -> tuple[dict, Mixture, dict]:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -22,12 +23,14 @@ from typing import Any
 
 from tasks.errors import ConfigError
 from tasks.launch.cluster import ClusterSpec
+from tasks.launch.dist_worker import WORKER_CPU_DIR, worker_cpu_s
 from tasks.launch.launchers import Launcher, LaunchError, make_launcher, record_failed_hosts
 from tasks.launch.rank_hosts import (
     REGISTRY_DIR,
     failed_ranks,
     first_failure_unix,
     hosts_of_failed_ranks,
+    read_registry,
     reset_registry,
 )
 from tasks.train.callbacks import METRICS_LOG, CallbackSpec
@@ -38,6 +41,7 @@ logger = logging.getLogger("kiln.launch.training")
 
 WORKER_CONFIG = "dist_config.json"
 WORKER_RESULT = "dist_result.json"
+LAUNCH_FILE = "launch.json"  # where the run ran (`launch_record`)
 FAILED_HOSTS_FILE = "failed_hosts.json"
 
 
@@ -47,7 +51,8 @@ def train_with_launcher(model_cfg: ModelConfig, optim_cfg: OptimConfig, run_cfg:
                         on_metrics: Callable[[int, dict[str, float]], None] | None = None,
                         on_event: Callable[[dict[str, Any]], None] | None = None,
                         callbacks: Sequence[CallbackSpec] = (), job_name: str = "kiln-train",
-                        timeout_s: float | None = None) -> TrainResult:
+                        timeout_s: float | None = None,
+                        on_launch: Callable[[dict[str, Any]], None] | None = None) -> TrainResult:
     """Train through `launcher` (a `cluster.launcher` name: torchrun, slurm, kubernetes) on
     `cluster.nodes` nodes of `dims.world_size / cluster.nodes` processes each.
 
@@ -58,7 +63,8 @@ def train_with_launcher(model_cfg: ModelConfig, optim_cfg: OptimConfig, run_cfg:
     job id, what the relaunch excluded, and the measured time from the failure to the relaunched
     job's first step; it joins the worker's own health events (rollbacks) in the result.
     `init_model_dir` is a saved model to start from (anneal), as in `train_model`; `callbacks` are
-    built in every worker (see `CallbackSpec`); `timeout_s` bounds each launch.
+    built in every worker (see `CallbackSpec`); `timeout_s` bounds each launch. `on_launch(record)`
+    gets where it ran (`launch_record`), also written to `out_dir/launch.json`.
     """
     if dims.world_size % cluster.nodes:
         raise ConfigError(f"the layout has {dims.world_size} processes, which cluster.nodes={cluster.nodes} cannot "
@@ -77,22 +83,30 @@ def train_with_launcher(model_cfg: ModelConfig, optim_cfg: OptimConfig, run_cfg:
     command = ["-m", "tasks.launch.dist_worker", "--config", str((out_dir / WORKER_CONFIG).resolve()),
                "--out", str((out_dir / WORKER_RESULT).resolve())]
     registry = out_dir / REGISTRY_DIR
+    shutil.rmtree(out_dir / WORKER_CPU_DIR, ignore_errors=True)  # this attempt's cost: an earlier one's was its own
     failures: list[dict] = []
+    attempts: list[dict] = []
     for attempt in range(cluster.max_restarts + 1):
         reset_registry(registry)  # so a record cannot be an earlier launch's
         try:
             launched = job.launch(command)
         except LaunchError as error:
             _note_exclusion(failures, job)
+            attempts.append({"attempt": attempt + 1, "job_id": error.job_id, "nodes": _nodes(registry),
+                             "failed": str(error).split("\n")[0][:300]})
             if attempt == cluster.max_restarts or not error.retryable:  # a refusal comes back the same
+                _record_launch(out_dir, launcher, job_name, attempts, on_launch)
                 raise
             failures.append(_failure_event(error, registry, attempt + 1))
+            attempts[-1].update(failed_hosts=failures[-1]["hosts"], failed_ranks=failures[-1]["failed_ranks"])
             record_failed_hosts(failures_file, failures[-1]["hosts"])
             logger.warning("training job failed: ranks %s on %s (attempt %d); relaunching",
                            failures[-1]["failed_ranks"], ", ".join(failures[-1]["hosts"]) or "no host Kiln could name",
                            attempt + 1)
             continue
         _note_exclusion(failures, job)
+        attempts.append({"attempt": attempt + 1, "job_id": launched.job_id, "nodes": _nodes(registry),
+                         "excluded": list(job.excluded)})
         if not launched.submitted:
             raise ConfigError(f"cluster.launcher={launcher}: {launched.message}. Training waits for its job, so "
                               "the client must be on PATH where Kiln runs")
@@ -101,6 +115,9 @@ def train_with_launcher(model_cfg: ModelConfig, optim_cfg: OptimConfig, run_cfg:
     if failures:
         failures[-1]["step"] = result.resumed_from_step or 0
         failures[-1]["time_to_resume_s"] = result.first_step_unix - failures[-1]["failed_at_unix"]
+    if failures:
+        attempts[-1]["time_to_resume_s"] = failures[-1]["time_to_resume_s"]
+    _record_launch(out_dir, launcher, job_name, attempts, on_launch)
     result.health_events = [*result.health_events, *failures]
     if on_metrics is not None:
         # a relaunched job logs the steps after its checkpoint again: the last record of a step wins
@@ -117,6 +134,26 @@ def train_with_launcher(model_cfg: ModelConfig, optim_cfg: OptimConfig, run_cfg:
             on_event(event)
     write_metrics(result, out_dir)  # with the relaunches' events
     return result
+
+
+def launch_record(launcher: str, job_name: str, attempts: list[dict], worker_cpu: float) -> dict[str, Any]:
+    """Where a training run ran: the launcher, the job's name, each attempt (job id, nodes, what failed
+    and on which hosts, what the next one excluded, the time to resume) and its workers' CPU seconds."""
+    return {"launcher": launcher, "job_name": job_name, "job_ids": [a["job_id"] for a in attempts if a["job_id"]],
+            "nodes": sorted({node for a in attempts for node in a["nodes"]}), "attempts": attempts,
+            "worker_cpu_s": worker_cpu}
+
+
+def _record_launch(out_dir: Path, launcher: str, job_name: str, attempts: list[dict],
+                   on_launch: Callable[[dict[str, Any]], None] | None) -> None:
+    record = launch_record(launcher, job_name, attempts, worker_cpu_s(out_dir / WORKER_CPU_DIR))
+    (out_dir / LAUNCH_FILE).write_text(json.dumps(record, indent=2) + "\n")
+    if on_launch is not None:
+        on_launch(record)
+
+
+def _nodes(registry: Path) -> list[str]:
+    return sorted({record["host"] for record in read_registry(registry).values()})
 
 
 def _failure_event(error: LaunchError, registry: Path, attempt: int) -> dict[str, Any]:

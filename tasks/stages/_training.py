@@ -4,6 +4,8 @@ how a `TrainResult` becomes stage stats."""
 
 from __future__ import annotations
 
+import re
+import socket
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -52,17 +54,30 @@ def run_training(ctx: StageContext, model_cfg: ModelConfig, optim: OptimConfig, 
     out_dir, on_metrics = ctx.out_dir, ctx.recorder.metrics
     launcher = ctx.cfg.cluster.launcher
     if dims.world_size == 1 and launcher == "local":
+        from tasks.launch.launched_training import launch_record
         from tasks.train.loop import train_model
 
-        return train_model(model_cfg, optim, run_cfg, mixture, out_dir, init_model_dir=init_model_dir,
-                           on_metrics=on_metrics, on_event=ctx.recorder.event)
+        result = train_model(model_cfg, optim, run_cfg, mixture, out_dir, init_model_dir=init_model_dir,
+                             on_metrics=on_metrics, on_event=ctx.recorder.event)
+        ctx.recorder.launched(launch_record("in-process", None, [{"attempt": 1, "job_id": None,
+                                                                  "nodes": [socket.gethostname()]}], 0.0))
+        return result
     from tasks.launch.launched_training import train_with_launcher
     from tasks.train.data_loader import write_manifest
 
     manifest = write_manifest(mixture, out_dir / LAUNCHED_MIXTURE_FILE, ctx.store.root)
     return train_with_launcher(model_cfg, optim, run_cfg, dims, ctx.cfg.cluster, manifest, ctx.store.root,
                                out_dir, launcher="torchrun" if launcher == "local" else launcher,
-                               init_model_dir=init_model_dir, on_metrics=on_metrics, on_event=ctx.recorder.event)
+                               init_model_dir=init_model_dir, on_metrics=on_metrics, on_event=ctx.recorder.event,
+                               job_name=job_name(ctx), on_launch=ctx.recorder.launched)
+
+
+def job_name(ctx: StageContext) -> str:
+    """`kiln-<stage>-<key>`, and the sub-run's name for one (an ablation branch): which run a job is, in
+    `squeue`. Lowercase letters, digits and '-', at most 50 characters, as a Kubernetes Job name must be."""
+    recorder = ctx.recorder
+    name = f"kiln-{recorder.stage}-{recorder.key[:12]}" + (f"-{recorder.name.split('/')[-1]}" if recorder.name else "")
+    return re.sub(r"[^a-z0-9-]+", "-", name.lower())[:50].rstrip("-")
 
 
 def train_stats(result: TrainResult, *, device: str, world_size: int = 1, **extra: Any) -> dict[str, Any]:

@@ -81,6 +81,27 @@ def test_overrides_and_options_come_in_any_order(in_repo, tmp_path, capsys):
         main(["worker", "dedup.threshold=0.75"])
 
 
+def test_status_says_where_each_training_run_ran(in_repo, tmp_path, capsys):
+    from tasks.config import load_config
+    from tasks.graph import stage_keys
+    from tasks.launch.launched_training import launch_record
+    from tasks.store import Store
+
+    cfg = load_config("configs/tiny.yaml", [f"work_dir={tmp_path}"])
+    store, keys = Store(cfg.store_root), stage_keys(cfg)
+    relaunched = launch_record("slurm", "kiln-train-0123", [
+        {"attempt": 1, "job_id": "7", "nodes": ["kiln-n1"], "failed": "ended FAILED", "failed_hosts": ["kiln-n1"]},
+        {"attempt": 2, "job_id": "8", "nodes": ["kiln-n2"], "excluded": ["kiln-n1"], "time_to_resume_s": 6.25}], 40.0)
+    store.begin("train", keys["train"])
+    store.commit("train", keys["train"], {"stats": {}, "wall_s": 1.0, "cost": {},
+                                          "launch": {"launcher": "slurm", "runs": {"train": relaunched}}})
+    assert main(["status", "configs/tiny.yaml", f"work_dir={tmp_path}"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    row = next(i for i, line in enumerate(lines) if line.split()[:1] == ["train"])
+    assert lines[row + 1].split() == ["train:", "slurm", "job", "7,8", "(kiln-train-0123)", "on", "kiln-n1,kiln-n2;",
+                                      "attempt", "1", "failed", "on", "kiln-n1,", "resumed", "in", "6.2", "s"]
+
+
 def test_bad_arguments_and_config_errors_exit_2_without_traceback(in_repo, capsys):
     assert main(["config", "not-a-config"]) == 2
     assert "neither a config file" in capsys.readouterr().err

@@ -4,6 +4,7 @@ as DCP writes a fresh save id (a uuid) and the folder's path into it on every sa
 
 from __future__ import annotations
 
+import socket
 from pathlib import Path
 
 import pytest
@@ -39,8 +40,12 @@ def corpus(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def torchrun_checkpoint(corpus, tmp_path_factory) -> dict[str, bytes]:
     out = tmp_path_factory.mktemp("torchrun")
+    launches = []
     train_with_launcher(MODEL, OptimConfig(), RUN, ParallelDims(), ClusterSpec(), corpus, corpus.parent, out,
-                        launcher="torchrun")
+                        launcher="torchrun", on_launch=launches.append)
+    [launch] = launches  # where it ran: this machine, no scheduler's job id; the worker's CPU seconds recorded
+    assert (launch["launcher"], launch["job_ids"], len(launch["attempts"])) == ("torchrun", [], 1)
+    assert launch["nodes"] == [socket.gethostname()] and launch["worker_cpu_s"] > 0
     return checkpoint_bytes(out)
 
 
@@ -60,6 +65,14 @@ def test_this_process_and_torchrun_write_identical_checkpoints(corpus, torchrun_
 @pytest.mark.cluster
 def test_a_slurm_job_writes_the_torchrun_checkpoint(slurm_cluster, corpus, torchrun_checkpoint, tmp_path):
     # no cluster.rdzv_port: the job picks one free on its node
+    launches = []
     train_with_launcher(MODEL, OptimConfig(), RUN, ParallelDims(), ClusterSpec(), corpus, corpus.parent, tmp_path,
-                        launcher="slurm", timeout_s=180)
+                        launcher="slurm", timeout_s=180, job_name="kiln-train-0123abcd", on_launch=launches.append)
     assert checkpoint_bytes(tmp_path) == torchrun_checkpoint
+    [launch] = launches
+    [job_id] = launch["job_ids"]
+    assert (launch["launcher"], launch["job_name"], launch["nodes"]) == ("slurm", "kiln-train-0123abcd",
+                                                                         slurm_cluster.node_names)
+    assert launch["attempts"] == [{"attempt": 1, "job_id": job_id, "nodes": slurm_cluster.node_names, "excluded": []}]
+    assert launch["worker_cpu_s"] > 0  # the job's worker, no child of this process, counted its own CPU
+    assert (tmp_path / f"kiln-train-0123abcd-{job_id}.out").is_file()

@@ -4,12 +4,13 @@ node that resumes from the checkpoint with the same losses, the failure recorded
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 
 from tasks.launch.cluster import ClusterSpec
-from tasks.launch.launched_training import train_with_launcher
+from tasks.launch.launched_training import LAUNCH_FILE, train_with_launcher
 from tasks.launch.local_slurm import free_port
 from tasks.launch.rank_hosts import REGISTRY_DIR, read_registry
 from tasks.train.callbacks import CallbackSpec
@@ -78,3 +79,9 @@ def test_a_killed_rank_is_resubmitted_off_its_node_and_resumes(slurm_two_nodes, 
     print(f"\nkilled rank -> first resumed step: {killed_to_resumed:.1f} s (event: {event['time_to_resume_s']:.1f} s, "
           f"failure noticed after {event['detected_at_unix'] - (out / FAULT_MARKER).stat().st_mtime:.1f} s)")
     assert len(list(out.glob("kiln-train-*.out"))) == 2  # both jobs' logs
+    launch = json.loads((out / LAUNCH_FILE).read_text())  # where it ran, attempt by attempt
+    first, second = launch["attempts"]
+    assert (first["job_id"], first["failed_hosts"], first["failed_ranks"]) == (event["job_id"], [failed_node], [1])
+    assert second["nodes"] == [other_node] and second["excluded"] == [failed_node]
+    assert second["time_to_resume_s"] == event["time_to_resume_s"] and launch["job_ids"] == [first["job_id"],
+                                                                                          second["job_id"]]
