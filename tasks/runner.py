@@ -94,6 +94,10 @@ class StageRecorder:
             return
         self.forecasts[run or self.stage] = forecast
 
+    def job_launched(self, record: dict[str, Any]) -> None:
+        """`launched` for a data pipeline's executor job, named after the job (a stage may run several)."""
+        self.launched(record, record["job_name"])
+
     def metrics(self, step: int, metrics: dict[str, float]) -> None:
         self.tracker.log_metrics(self.run_id, metrics, step)
 

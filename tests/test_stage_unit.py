@@ -100,7 +100,7 @@ def test_where_a_stage_ran_is_in_its_manifest_cost_and_mlflow_tags(toy_registry,
 
     from mlflow.tracking import MlflowClient
 
-    from tasks.launch.launched_training import launch_record
+    from tasks.launch.cluster import launch_record
     from tasks.stage import SubRun
     from tasks.tracking import MlflowTracker
 

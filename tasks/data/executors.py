@@ -36,9 +36,9 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from datatrove.executor import (
     LocalPipelineExecutor,
@@ -49,7 +49,7 @@ from datatrove.executor.base import PipelineExecutor
 from datatrove.utils.stats import PipelineStats
 
 from tasks.errors import ConfigError, InfrastructureError
-from tasks.launch.cluster import SlurmSettings
+from tasks.launch.cluster import SlurmSettings, launch_record
 
 if TYPE_CHECKING:
     from tasks.config import ClusterConfig
@@ -80,16 +80,19 @@ class ExecutorSettings:
     partition: str | None = None  # Slurm partition; None: the cluster's default
     time_limit: str = "24:00:00"  # Slurm --time for each array job
     slurm: SlurmSettings = SlurmSettings()  # cluster.slurm: account, QOS, memory, constraint, lines, modules, env
+    # told where each pipeline's job ran (`launch_record`: the Slurm job id and nodes), for the stage's record
+    on_job: Callable[[dict[str, Any]], None] | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ConfigError(f"cluster.executor: {self.kind!r} is not one of {', '.join(KINDS)}")
 
     @classmethod
-    def from_cluster(cls, cluster: ClusterConfig) -> ExecutorSettings:
+    def from_cluster(cls, cluster: ClusterConfig,
+                     on_job: Callable[[dict[str, Any]], None] | None = None) -> ExecutorSettings:
         if cluster.executor != "slurm":  # the Slurm fields mean nothing to the other executors
-            return cls(cluster.executor)
-        return cls("slurm", cluster.partition, cluster.time_limit, cluster.slurm)
+            return cls(cluster.executor, on_job=on_job)
+        return cls("slurm", cluster.partition, cluster.time_limit, cluster.slurm, on_job)
 
 
 LOCAL = ExecutorSettings()
@@ -129,7 +132,10 @@ def run_pipeline(
         connect_ray()
     executor.run()  # local and Ray return when their ranks are over; Slurm returns once submitted
     if settings.kind == "slurm" and executor.job_id not in (None, -1):  # -1: every rank was already done
-        _wait_for_slurm_job(str(executor.job_id))
+        nodes = _wait_for_slurm_job(str(executor.job_id))
+        if settings.on_job is not None:
+            settings.on_job(launch_record("slurm executor", job_name, [
+                {"attempt": 1, "job_id": str(executor.job_id), "nodes": nodes}], 0.0))
     unfinished = executor.get_incomplete_ranks(skip_completed=True)
     if unfinished:
         raise ExecutorError(_unfinished_message(executor, logging_dir, settings, job_name, unfinished))
@@ -238,19 +244,22 @@ def _sbatch_args(site: SlurmSettings) -> dict[str, str]:
     return args
 
 
-def _wait_for_slurm_job(job_id: str) -> None:
-    """Poll squeue until no task of array job `job_id` is pending or running; scancel it if interrupted."""
+def _wait_for_slurm_job(job_id: str) -> list[str]:
+    """Poll squeue until no task of array job `job_id` is pending or running; scancel it if interrupted.
+    The nodes its tasks were seen running on (squeue's node lists, as Slurm writes them)."""
     started = time.monotonic()
+    nodes: set[str] = set()
     try:
         while True:
-            done = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T"], capture_output=True, text=True,
+            done = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T %N"], capture_output=True, text=True,
                                   check=False)
             if done.returncode != 0:
                 if "Invalid job id" in done.stderr:  # finished and already purged from slurmctld
-                    return
+                    return sorted(nodes)
                 raise ExecutorError(f"squeue -j {job_id} failed (exit {done.returncode}): {done.stderr.strip()}")
             if not done.stdout.strip():
-                return
+                return sorted(nodes)
+            nodes |= {fields[1] for fields in map(str.split, done.stdout.splitlines()) if len(fields) > 1}
             time.sleep(min(max(_POLL_FRACTION * (time.monotonic() - started), _POLL_MIN_S), _POLL_MAX_S))
     except BaseException:
         subprocess.run(["scancel", job_id], capture_output=True, check=False)

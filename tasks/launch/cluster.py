@@ -1,4 +1,5 @@
-"""The cluster's shape: how many nodes and devices, what they can do, and how to reach them.
+"""The cluster's shape: how many nodes and devices, what they can do, and how to reach them; and the
+record of where a run went on it (`launch_record`).
 
 The launchers (`tasks.launch.launchers`) read how to reach it; the parallelism planner
 (`tasks.train.planner`) reads what the hardware can do; the cluster config section
@@ -8,6 +9,7 @@ The launchers (`tasks.launch.launchers`) read how to reach it; the parallelism p
 from __future__ import annotations
 
 import re
+from typing import Any
 
 from pydantic import field_validator
 
@@ -100,3 +102,12 @@ class ClusterSpec(Section):
     @property
     def world_size(self) -> int:
         return self.nodes * self.gpus_per_node
+
+
+def launch_record(launcher: str, job_name: str | None, attempts: list[dict], worker_cpu: float) -> dict[str, Any]:
+    """Where a run ran, for its stage's manifest, MLflow tags and `kiln status`: the launcher (or
+    executor), the job's name, each attempt (job id, nodes, what failed and on which hosts, what the
+    next one excluded, the time to resume) and its workers' own CPU seconds."""
+    return {"launcher": launcher, "job_name": job_name, "job_ids": [a["job_id"] for a in attempts if a["job_id"]],
+            "nodes": sorted({node for a in attempts for node in a["nodes"]}), "attempts": attempts,
+            "worker_cpu_s": worker_cpu}

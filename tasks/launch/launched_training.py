@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from tasks.errors import ConfigError
-from tasks.launch.cluster import ClusterSpec
+from tasks.launch.cluster import ClusterSpec, launch_record
 from tasks.launch.dist_worker import WORKER_CPU_DIR, worker_cpu_s
 from tasks.launch.launchers import Launcher, LaunchError, make_launcher, record_failed_hosts
 from tasks.launch.rank_hosts import (
@@ -134,14 +134,6 @@ def train_with_launcher(model_cfg: ModelConfig, optim_cfg: OptimConfig, run_cfg:
             on_event(event)
     write_metrics(result, out_dir)  # with the relaunches' events
     return result
-
-
-def launch_record(launcher: str, job_name: str, attempts: list[dict], worker_cpu: float) -> dict[str, Any]:
-    """Where a training run ran: the launcher, the job's name, each attempt (job id, nodes, what failed
-    and on which hosts, what the next one excluded, the time to resume) and its workers' CPU seconds."""
-    return {"launcher": launcher, "job_name": job_name, "job_ids": [a["job_id"] for a in attempts if a["job_id"]],
-            "nodes": sorted({node for a in attempts for node in a["nodes"]}), "attempts": attempts,
-            "worker_cpu_s": worker_cpu}
 
 
 def _record_launch(out_dir: Path, launcher: str, job_name: str, attempts: list[dict],

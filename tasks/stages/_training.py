@@ -54,7 +54,7 @@ def run_training(ctx: StageContext, model_cfg: ModelConfig, optim: OptimConfig, 
     out_dir, on_metrics = ctx.out_dir, ctx.recorder.metrics
     launcher = ctx.cfg.cluster.launcher
     if dims.world_size == 1 and launcher == "local":
-        from tasks.launch.launched_training import launch_record
+        from tasks.launch.cluster import launch_record
         from tasks.train.loop import train_model
 
         result = train_model(model_cfg, optim, run_cfg, mixture, out_dir, init_model_dir=init_model_dir,

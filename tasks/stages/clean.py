@@ -24,7 +24,7 @@ def run(ctx: StageContext) -> dict:
                                 ctx.subruns(ctx.store.root))
     ctx.recorder.metrics(0, classifier_metrics(ctx.out_dir / REPORT_FILE))  # held-out precision, recall, ROC-AUC
     stats = clean_documents(cfg, ctx.inputs["collect"] / DOCUMENTS_FILE, ctx.out_dir,
-                           ExecutorSettings.from_cluster(ctx.cfg.cluster))
+                           ExecutorSettings.from_cluster(ctx.cfg.cluster, ctx.recorder.job_launched))
     # removals by domain and filter (removals.json/.md/.png), datatrove's log to MLflow
     return stats | report_stage(ctx.out_dir, "clean", lambda path: ctx.recorder.tracker.log_artifact(ctx.recorder.run_id, path))
 

@@ -12,7 +12,7 @@ from tasks.stages._common import document_headline
 
 def run(ctx: StageContext) -> dict:
     input_file = ctx.inputs["clean"] / DOCUMENTS_FILE
-    executor = ExecutorSettings.from_cluster(ctx.cfg.cluster)
+    executor = ExecutorSettings.from_cluster(ctx.cfg.cluster, ctx.recorder.job_launched)
     if ctx.cfg.dedup.engine == "datatrove":
         from tasks.data.dedup_datatrove import dedup_with_datatrove
 

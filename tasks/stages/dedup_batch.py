@@ -30,7 +30,7 @@ def _batch_file(ctx: StageContext) -> Path:
 
 
 def run(ctx: StageContext) -> dict:
-    executor = ExecutorSettings.from_cluster(ctx.cfg.cluster)  # the fast dedup as one job there
+    executor = ExecutorSettings.from_cluster(ctx.cfg.cluster, ctx.recorder.job_launched)  # the fast dedup as one job there
     return dedup_on_executor(ctx.cfg.dedup, _batch_file(ctx), ctx.out_dir, executor,
                              index_dir=ctx.inputs["dedup"] / INDEX_DIR)
 

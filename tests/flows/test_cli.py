@@ -84,7 +84,7 @@ def test_overrides_and_options_come_in_any_order(in_repo, tmp_path, capsys):
 def test_status_says_where_each_training_run_ran(in_repo, tmp_path, capsys):
     from tasks.config import load_config
     from tasks.graph import stage_keys
-    from tasks.launch.launched_training import launch_record
+    from tasks.launch.cluster import launch_record
     from tasks.store import Store
 
     cfg = load_config("configs/tiny.yaml", [f"work_dir={tmp_path}"])

@@ -144,11 +144,17 @@ def test_clean_on_slurm_survives_a_killed_rank_and_equals_local(local, slurm_clu
 
 
 def test_dedup_on_slurm_equals_local(local, slurm_cluster, tmp_path):
-    fast, distributed = _dedup(tmp_path, local["root"] / "clean" / DOCUMENTS_FILE, SLURM)
+    jobs = []
+    fast, distributed = _dedup(tmp_path, local["root"] / "clean" / DOCUMENTS_FILE,
+                               ExecutorSettings("slurm", on_job=jobs.append))
     assert fast == local["fast"] and distributed == local["datatrove"]
     for engine in ("fast", "datatrove"):
         _assert_same_files(tmp_path / engine, local["root"] / "dedup" / engine)
     assert not (tmp_path / "fast" / "_job").exists()
+    # each pipeline's job is recorded for the stage: the fast job and datatrove's four, each on this node
+    assert len(jobs) == 5 and len({job["job_ids"][0] for job in jobs}) == 5
+    assert {job["launcher"] for job in jobs} == {"slurm executor"}
+    assert all(job["nodes"] == slurm_cluster.node_names for job in jobs), jobs
 
 
 def test_clean_on_ray_resubmits_a_killed_worker_and_equals_local(local, ray_cluster, tmp_path):
