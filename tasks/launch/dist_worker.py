@@ -69,8 +69,8 @@ def record_cpu(folder: Path) -> None:
     children of the process that launched them, so its own accounting never sees them."""
     usage = resource.getrusage(resource.RUSAGE_SELF)
     folder.mkdir(parents=True, exist_ok=True)
-    name = f"{os.environ.get('SLURM_JOB_ID') or os.environ.get('KILN_JOB_ID') or 'local'}-{socket.gethostname()}-{os.getpid()}"
-    (folder / f"{name}.json").write_text(json.dumps({"cpu_s": usage.ru_utime + usage.ru_stime}) + "\n")
+    job = os.environ.get("SLURM_JOB_ID") or os.environ.get("KILN_JOB_ID") or "local"
+    (folder / f"{job}-{socket.gethostname()}-{os.getpid()}.json").write_text(json.dumps({"cpu_s": usage.ru_utime + usage.ru_stime}) + "\n")
 
 
 def worker_cpu_s(folder: Path) -> float:

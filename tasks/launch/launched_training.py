@@ -57,8 +57,9 @@ def train_with_launcher(model_cfg: ModelConfig, optim_cfg: OptimConfig, run_cfg:
     `cluster.nodes` nodes of `dims.world_size / cluster.nodes` processes each.
 
     A failed job is relaunched (up to `cluster.max_restarts` times; never one the scheduler refused
-    or a person scancelled, whose errors are not retryable: no node failed) and resumes from its last DCP checkpoint; the failed ranks' hosts go to `failed_hosts.json`, which the cluster launchers
-    exclude from the next submission (Slurm: unless that would leave too few nodes, see
+    or a person scancelled, whose errors are not retryable: no node failed) and resumes from its
+    last DCP checkpoint; the failed ranks' hosts go to `failed_hosts.json`, which the cluster
+    launchers exclude from the next submission (Slurm: unless that would leave too few nodes, see
     `tasks.launch.slurm`). Each failure is a `process_failure` event: failed ranks and hosts, the
     job id, what the relaunch excluded, and the measured time from the failure to the relaunched
     job's first step; it joins the worker's own health events (rollbacks) in the result.

@@ -272,7 +272,8 @@ class TorchrunLauncher(Launcher):
                 "node's address); or use the slurm or kubernetes launcher, which find it themselves"
             )
         else:
-            rdzv = ["--rdzv_backend", "c10d", "--rdzv_endpoint", f"{self.rdzv_host}:{self.cluster.rdzv_port or DEFAULT_RDZV_PORT}",
+            port = self.cluster.rdzv_port or DEFAULT_RDZV_PORT
+            rdzv = ["--rdzv_backend", "c10d", "--rdzv_endpoint", f"{self.rdzv_host}:{port}",
                     "--rdzv_id", self.job_name]
         return [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(self.cluster.nodes),
                 "--nproc_per_node", str(self.nproc_per_node), *rdzv, *command]

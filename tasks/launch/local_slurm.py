@@ -1,10 +1,10 @@
 """A real Slurm cluster on this machine: munged, slurmctld and slurmd from Debian's packages.
 
 The test suite, the scale-out benchmark and anyone trying the Slurm paths on a laptop start one
-with `LocalSlurmCluster(folder).start()` (from a shell: `kiln slurm up`); its clients (`sbatch`, `squeue`, `scontrol`, `scancel`)
-find it through `SLURM_CONF` (see `env`). Everything it writes — config, state, spool, pid files,
-daemon logs — stays in `folder`, and its ports are picked free, so several clusters (two test
-sessions) can run side by side. There is no accounting daemon: jobs are followed with `squeue` and
+with `LocalSlurmCluster(folder).start()` (from a shell: `kiln slurm up`); its clients (`sbatch`,
+`squeue`, `scontrol`, `scancel`) find it through `SLURM_CONF` (see `env`). Everything it writes —
+config, state, spool, pid files, daemon logs — stays in `folder`, and its ports are picked free, so
+several clusters (two test sessions) can run side by side. There is no accounting daemon: jobs are followed with `squeue` and
 `scontrol show job`.
 
 `nodes=1` is this host under its own name. `nodes=2` or more runs one slurmd per node on this host
