@@ -260,6 +260,7 @@ def _cut(text: str, room: int) -> str:
 def cmd_status(ns: argparse.Namespace) -> int:
     cfg, _, _ = _load(ns)
     from tasks.graph import stage_keys
+    from tasks.launch.cluster import where_it_ran
     from tasks.stages import REGISTRY
     from tasks.store import Store
 
@@ -282,7 +283,7 @@ def cmd_status(ns: argparse.Namespace) -> int:
                 totals[name] = totals.get(name, 0.0) + value
         print(f"  {stage.name:<{width}} {key}  {state}")
         if state.startswith("complete"):
-            for line in _where_it_ran(store.manifest(stage.name, key)):
+            for line in where_it_ran(store.manifest(stage.name, key).get("launch", {})):
                 print(f"  {'':<{width}} {line}"[:columns])
     if totals:
         forecast = (f" (the planner forecast {totals['forecast_accelerator_s'] / 3600:.3g} for its training stages)"
@@ -300,22 +301,6 @@ def cmd_status(ns: argparse.Namespace) -> int:
     if ns.json:
         print(json.dumps(keys, indent=2))
     return 0
-
-
-def _where_it_ran(manifest: dict) -> list[str]:
-    """A complete stage's training runs as `kiln status` shows them: launcher, jobs, nodes, relaunches."""
-    lines = []
-    for run, record in manifest.get("launch", {}).get("runs", {}).items():
-        jobs = f" job {','.join(record['job_ids'])} ({record['job_name']})" if record["job_ids"] else ""
-        line = f"{run}: {record['launcher']}{jobs} on {','.join(record['nodes']) or 'no node recorded'}"
-        failed = [a for a in record["attempts"] if a.get("failed")]
-        if failed:
-            line += "; " + "; ".join(f"attempt {a['attempt']} failed on {','.join(a.get('failed_hosts') or []) or '?'}"
-                                     for a in failed)
-            resumed = record["attempts"][-1].get("time_to_resume_s")
-            line += f", resumed in {resumed:.1f} s" if resumed is not None else ""
-        lines.append(line)
-    return lines
 
 
 def cmd_lineage(ns: argparse.Namespace) -> int:

@@ -15,6 +15,7 @@ so each has its own deployment; each loads its config once, marks what a crash l
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -30,9 +31,10 @@ from flows.environment import apply_run_settings
 from tasks.config import KilnConfig, load_config
 from tasks.errors import is_retryable
 from tasks.graph import stage_keys
+from tasks.launch.cluster import where_it_ran
 from tasks.runner import StageOutcome, run_stage
 from tasks.stages import REGISTRY
-from tasks.store import Store
+from tasks.store import MANIFEST_FILE, Store
 from tasks.tracking import MlflowTracker
 from tasks.train.health import TrainingDivergedError
 
@@ -131,6 +133,11 @@ def _publish(outcome: StageOutcome) -> None:
     rows += [{"metric": "status", "value": outcome.status}, {"metric": "key", "value": outcome.key},
              {"metric": "wall_s", "value": round(outcome.wall_s, 2)}]
     create_table_artifact(rows, key=f"kiln-{stage.name}", description=f"Kiln {stage.name}: {stage.description}")
+    manifest = json.loads((Path(outcome.path) / MANIFEST_FILE).read_text())
+    where = where_it_ran(manifest.get("launch", {}))
+    if where:
+        create_markdown_artifact("\n".join(f"- {line}" for line in where), key=f"kiln-{stage.name}-where",
+                                 description=f"Kiln {stage.name}: where its runs ran (launcher, jobs, nodes, relaunches)")
     for report in stage.reports:
         path = Path(outcome.path) / report
         if path.is_file():

@@ -111,3 +111,20 @@ def launch_record(launcher: str, job_name: str | None, attempts: list[dict], wor
     return {"launcher": launcher, "job_name": job_name, "job_ids": [a["job_id"] for a in attempts if a["job_id"]],
             "nodes": sorted({node for a in attempts for node in a["nodes"]}), "attempts": attempts,
             "worker_cpu_s": worker_cpu}
+
+
+def where_it_ran(launch: dict[str, Any]) -> list[str]:
+    """A stage manifest's `launch` block as lines (`kiln status`, the stage's Prefect artifact): each
+    run's launcher, jobs, nodes, and the attempts that failed and how fast the next one resumed."""
+    lines = []
+    for run, record in launch.get("runs", {}).items():
+        jobs = f" job {','.join(record['job_ids'])} ({record['job_name']})" if record["job_ids"] else ""
+        line = f"{run}: {record['launcher']}{jobs} on {','.join(record['nodes']) or 'no node recorded'}"
+        failed = [a for a in record["attempts"] if a.get("failed")]
+        if failed:
+            line += "; " + "; ".join(f"attempt {a['attempt']} failed on {','.join(a.get('failed_hosts') or []) or '?'}"
+                                     for a in failed)
+            resumed = record["attempts"][-1].get("time_to_resume_s")
+            line += f", resumed in {resumed:.1f} s" if resumed is not None else ""
+        lines.append(line)
+    return lines
