@@ -37,6 +37,9 @@ class TrackingConfig(Section):
 
     uri: str | None = runtime_field(None)
     experiment: str = runtime_field("kiln")
+    # how long a write that hit a database lock (SQLite's `database is locked`) is retried before it is
+    # kept in the store's spool (<store>/.tracking-spool) and written when MLflow can take it
+    write_retry_s: float = runtime_field(60.0, gt=0)
 
 
 class OrchestrationConfig(Section):
