@@ -424,12 +424,16 @@ def cmd_ui(ns: argparse.Namespace) -> int:
 
 def cmd_up(ns: argparse.Namespace) -> int:
     cfg, _, _ = _load(ns)
+    from flows.database import SECRETS_FILE as DATABASE_SECRETS
     from flows.servers import ENV_FILE, servers_dir, start_servers
 
     servers = start_servers(cfg.work_dir, prefect_port=ns.prefect_port, mlflow_port=ns.mlflow_port,
-                            prefect_database=ns.prefect_database, mlflow_database=ns.mlflow_database)
+                            prefect_database=ns.prefect_database, mlflow_database=ns.mlflow_database,
+                            database_kind=ns.database)
     for server in servers:
         print(f"{server.name:<8} {server.ui:<24} pid {server.pid}  log {server.log}")
+    if any(server.name == "postgres" for server in servers):
+        print(f"its role and password (owner-only; keep it): {servers_dir(cfg.work_dir) / DATABASE_SECRETS}")
     print(f"\npoint kiln, workers and deployments at them:  source {servers_dir(cfg.work_dir) / ENV_FILE}")
     return 0
 
@@ -649,17 +653,23 @@ def build_parser() -> argparse.ArgumentParser:
                         "else this config's tokenize output)")
     export.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     servers_args = "a config file or work_dir=DIR: only its work_dir is used"
-    up = add("up", "Start a local Prefect server and MLflow tracking server (127.0.0.1, SQLite under "
-             "work_dir/servers unless a database URL is given), wait until both are healthy, and write "
-             "work_dir/servers/env for `source`.", cmd_up, args_help=servers_args)
+    up = add("up", "Start a local Prefect server and MLflow tracking server (127.0.0.1; their records in SQLite "
+             "under work_dir/servers, in a PostgreSQL of Kiln's own with --database postgres, or in your database "
+             "given by URL), wait until both are healthy, and write work_dir/servers/env for `source`. Servers "
+             "of an earlier `up` that died are started again as they were.", cmd_up, args_help=servers_args)
+    up.add_argument("--database", choices=["sqlite", "postgres"], default=os.environ.get("KILN_DATABASE"),
+                    help="postgres: a local PostgreSQL cluster under work_dir/servers/postgres (created on first use; "
+                         "Debian's postgresql package), for many concurrent runs; sqlite: the embedded default "
+                         "(default: $KILN_DATABASE, else postgres where this work dir has a cluster, else sqlite)")
     up.add_argument("--prefect-port", type=int, default=4200, help="the Prefect server and UI's port (default 4200)")
     up.add_argument("--mlflow-port", type=int, default=5000, help="the MLflow server and UI's port (default 5000)")
     up.add_argument("--prefect-database", default=os.environ.get("KILN_PREFECT_DATABASE"), metavar="URL",
                     help="e.g. postgresql+asyncpg://user:pass@host/prefect (default: $KILN_PREFECT_DATABASE, else SQLite)")
     up.add_argument("--mlflow-database", default=os.environ.get("KILN_MLFLOW_DATABASE"), metavar="URL",
                     help="e.g. postgresql://user:pass@host/mlflow (default: $KILN_MLFLOW_DATABASE, else SQLite)")
-    add("down", "Stop the servers `kiln up` started for a working directory: the one given (--work-dir), else this "
-        "folder's, else the last `kiln up`'s, wherever it was; names the others still running.", cmd_down,
+    add("down", "Stop the servers `kiln up` started for a working directory (Kiln's PostgreSQL last; its cluster "
+        "is kept): the one given (--work-dir), else this folder's, else the last `kiln up`'s, wherever it was; names "
+        "the others still running.", cmd_down,
         args_help=servers_args)
     slurm = add("slurm", "Start, stop or show a local Slurm cluster (this machine's slurmctld and slurmd, in "
                 "work_dir/slurm) for trying cluster.launcher=slurm and cluster.executor=slurm; up and status print "

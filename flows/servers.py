@@ -1,11 +1,17 @@
 """`kiln up` / `kiln down`: a local Prefect server and MLflow tracking server for one working directory.
 
 Both bind to 127.0.0.1 and keep their state under `{work_dir}/servers/` (SQLite databases, logs,
-pid files), unless a database URL (Postgres) is given. `up` returns once both answer their
+pid files), unless a database URL (a team's PostgreSQL) is given. `up` returns once both answer their
 health checks and writes `servers/env`, the variables through which every later `kiln` command,
 worker and deployment finds them (`PREFECT_API_URL`, `MLFLOW_TRACKING_URI`) and keeps its Prefect
 client state in the working directory (`PREFECT_HOME={work_dir}/prefect`, not ~/.prefect).
 Without those variables Kiln falls back to its embedded defaults.
+
+With `--database postgres` both servers keep their records in a PostgreSQL cluster of Kiln's own
+under `servers/postgres` (`flows.database`), started first and stopped last; a cluster once created
+is used by every later `up` of the working directory. A server that died while the others still run
+is started again by the next `up`, as it was (same port, same database), so clients' URLs stay right.
+The state file records how each server was started, passwords included: it is owner-only.
 
 `up` also records the working directory in the user's list of running servers
 (`$XDG_STATE_HOME/kiln/servers.json`), so that `down` finds the last `up` from any folder and can
@@ -25,9 +31,10 @@ import time
 import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from flows import database
 from tasks.errors import KilnError
 from tasks.keylock import pid_alive
 
@@ -44,6 +51,9 @@ class Server:
     ui: str
     health: str
     log: str
+    command: list[str] = field(default_factory=list)  # how `up` starts it again if it dies
+    env: dict[str, str] = field(default_factory=dict)  # its variables beyond Kiln's own environment
+    user: str | None = None  # the account it runs as, when not Kiln's (PostgreSQL's, as root)
 
 
 def servers_dir(work_dir: str | Path) -> Path:
@@ -55,9 +65,17 @@ def _port_free(port: int) -> bool:
         return probe.connect_ex((HOST, port)) != 0
 
 
-def _healthy(url: str) -> bool:
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind((HOST, 0))
+        return probe.getsockname()[1]
+
+
+def _healthy(server: Server, folder: Path) -> bool:
+    if server.name == "postgres":
+        return database.ready(int(server.url.rsplit(":", 1)[1]), database.read_secrets(folder)["PGPASSWORD"])
     try:
-        with urllib.request.urlopen(url, timeout=2) as response:
+        with urllib.request.urlopen(server.health, timeout=2) as response:
             return response.status == 200
     except OSError:
         return False
@@ -68,102 +86,160 @@ def _python_tool(module: str) -> list[str]:
     return [sys.executable, "-m", module]
 
 
-def _spawn(name: str, command: list[str], env: dict[str, str], folder: Path) -> tuple[int, Path]:
-    log = folder / f"{name}.log"
-    with open(log, "ab") as out:
+def _alive(pid: int) -> bool:
+    _reap(pid)  # a server this process started and that died is a zombie until collected
+    return pid_alive(pid)
+
+
+def _spawn(server: Server) -> Server:
+    """Start `server` as recorded (command, variables, account); returns it with its new pid."""
+    env = {**os.environ, **server.env}
+    env.pop("PREFECT_API_URL", None)  # a server must not look for itself elsewhere
+    with open(server.log, "ab") as out:
         # its own process group: `down` stops the server and every worker process it forked
-        process = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                   stdin=subprocess.DEVNULL, start_new_session=True)
-    return process.pid, log
+        process = subprocess.Popen(server.command, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                   stdin=subprocess.DEVNULL, start_new_session=True, user=server.user,
+                                   group=server.user, extra_groups=[] if server.user else None)
+    return Server(**{**asdict(server), "pid": process.pid})
 
 
-def start_servers(work_dir: str | Path, *, prefect_port: int = 4200, mlflow_port: int = 5000,
-                  prefect_database: str | None = None, mlflow_database: str | None = None,
-                  timeout_s: float = 120.0) -> list[Server]:
-    """Start both servers (or report the running ones) and wait until they are healthy."""
+def _wait_healthy(work_dir: str | Path, servers: list[Server], timeout_s: float) -> None:
     folder = servers_dir(work_dir)
-    folder.mkdir(parents=True, exist_ok=True)
-    running = read_servers(work_dir)
-    if running:
-        _remember(folder.parent)
-        return running
-    for port in (prefect_port, mlflow_port):
-        if not _port_free(port):
-            raise KilnError(f"port {port} on {HOST} is in use: stop what holds it, or pick another with "
-                            "--prefect-port / --mlflow-port")
-
-    prefect_env = {**os.environ, "PREFECT_HOME": str(folder / "prefect"), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-                   "PREFECT_UI_API_URL": f"http://{HOST}:{prefect_port}/api"}
-    prefect_env.pop("PREFECT_API_URL", None)  # the server must not look for itself elsewhere
-    if prefect_database:
-        prefect_env["PREFECT_SERVER_DATABASE_CONNECTION_URL"] = prefect_database
-    mlflow_store = mlflow_database or f"sqlite:///{folder / 'mlflow.db'}"
-    commands = {
-        "prefect": (_python_tool("prefect") + ["server", "start", "--host", HOST, "--port", str(prefect_port)],
-                    prefect_env, f"http://{HOST}:{prefect_port}/api", f"http://{HOST}:{prefect_port}",
-                    f"http://{HOST}:{prefect_port}/api/health"),
-        "mlflow": (_python_tool("mlflow") + ["server", "--host", HOST, "--port", str(mlflow_port), "--workers", "1",
-                                             "--backend-store-uri", mlflow_store,
-                                             "--artifacts-destination", str(folder / "mlartifacts")],
-                   dict(os.environ), f"http://{HOST}:{mlflow_port}", f"http://{HOST}:{mlflow_port}",
-                   f"http://{HOST}:{mlflow_port}/health"),
-    }
-    servers = []
-    for name, (command, env, url, ui, health) in commands.items():
-        pid, log = _spawn(name, command, env, folder)
-        servers.append(Server(name, pid, url, ui, health, str(log)))
-    _write_state(folder, servers)
     deadline = time.monotonic() + timeout_s
     for server in servers:
-        while not _healthy(server.health):
-            if not pid_alive(server.pid):
+        while not _healthy(server, folder):
+            if not _alive(server.pid):
                 stop_servers(work_dir)
                 raise KilnError(f"the {server.name} server exited while starting; its log: {server.log}")
             if time.monotonic() > deadline:
                 stop_servers(work_dir)
                 raise KilnError(f"the {server.name} server was not healthy after {timeout_s:.0f}s; its log: {server.log}")
             time.sleep(0.5)
+
+
+def _postgres(folder: Path) -> tuple[Server, tuple[str, str]]:
+    """Kiln's PostgreSQL, created on first use, not yet started; and the servers' URLs to it."""
+    password = database.prepare(folder)
+    port = _free_port()
+    database.write_secrets(folder, password, port)
+    server = Server("postgres", 0, f"postgresql://{database.ROLE}@{HOST}:{port}", f"{HOST}:{port}", "",
+                    str(folder / "postgres.log"), database.server_command(folder, port), {}, database.account())
+    return server, database.urls(port, password)
+
+
+def start_servers(work_dir: str | Path, *, prefect_port: int = 4200, mlflow_port: int = 5000,
+                  prefect_database: str | None = None, mlflow_database: str | None = None,
+                  database_kind: str | None = None, timeout_s: float = 120.0) -> list[Server]:
+    """Start both servers (or report the running ones) and wait until they are healthy. `database_kind`:
+    `sqlite`, `postgres` (Kiln's own cluster), or None: the cluster if this work dir has one, else SQLite.
+    Servers of an earlier `up` that died while others still run are started again as they were."""
+    folder = servers_dir(work_dir)
+    folder.mkdir(parents=True, exist_ok=True)
+    recorded = _recorded(folder)
+    if any(_alive(s.pid) for s in recorded):
+        servers = [s if _alive(s.pid) else _spawn(s) for s in _start_order(recorded)]
+        _write_state(folder, servers)
+        _wait_healthy(work_dir, _start_order(servers), timeout_s)
+        _remember(folder.parent)
+        return _stop_order(servers)
+
+    urls_given = bool(prefect_database or mlflow_database)
+    postgres = database_kind == "postgres" or (database_kind is None and not urls_given and database.exists(folder))
+    if postgres and urls_given:
+        raise KilnError("--database postgres starts Kiln's own PostgreSQL; --prefect-database / --mlflow-database "
+                        "(or $KILN_PREFECT_DATABASE / $KILN_MLFLOW_DATABASE) name another: give one or the other")
+    for port in (prefect_port, mlflow_port):
+        if not _port_free(port):
+            raise KilnError(f"port {port} on {HOST} is in use: stop what holds it, or pick another with "
+                            "--prefect-port / --mlflow-port")
+    servers = []
+    if postgres:
+        server, (prefect_database, mlflow_database) = _postgres(folder)
+        servers.append(_spawn(server))
+        _write_state(folder, servers)
+        _wait_healthy(work_dir, servers, timeout_s)
+
+    prefect_env = {"PREFECT_HOME": str(folder / "prefect"), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+                   "PREFECT_UI_API_URL": f"http://{HOST}:{prefect_port}/api"}
+    if prefect_database:
+        prefect_env["PREFECT_SERVER_DATABASE_CONNECTION_URL"] = prefect_database
+    # the store's URL goes in the environment, not on the command line, where `ps` shows any password
+    mlflow_env = {"MLFLOW_BACKEND_STORE_URI": mlflow_database or f"sqlite:///{folder / 'mlflow.db'}"}
+    for server in (
+        Server("prefect", 0, f"http://{HOST}:{prefect_port}/api", f"http://{HOST}:{prefect_port}",
+               f"http://{HOST}:{prefect_port}/api/health", str(folder / "prefect.log"),
+               _python_tool("prefect") + ["server", "start", "--host", HOST, "--port", str(prefect_port)], prefect_env),
+        Server("mlflow", 0, f"http://{HOST}:{mlflow_port}", f"http://{HOST}:{mlflow_port}",
+               f"http://{HOST}:{mlflow_port}/health", str(folder / "mlflow.log"),
+               _python_tool("mlflow") + ["server", "--host", HOST, "--port", str(mlflow_port), "--workers", "1",
+                                         "--artifacts-destination", str(folder / "mlartifacts")], mlflow_env),
+    ):
+        servers.append(_spawn(server))
+    _write_state(folder, servers)
+    _wait_healthy(work_dir, servers, timeout_s)
     _remember(folder.parent)
-    return servers
+    return _stop_order(servers)
+
+
+def _start_order(servers: list[Server]) -> list[Server]:
+    """The database first: both servers need it."""
+    return sorted(servers, key=lambda s: s.name != "postgres")
+
+
+def _stop_order(servers: list[Server]) -> list[Server]:
+    """The database last: both servers write to it until they stop."""
+    return sorted(servers, key=lambda s: s.name == "postgres")
 
 
 def _write_state(folder: Path, servers: list[Server]) -> None:
-    (folder / STATE_FILE).write_text(json.dumps([asdict(s) for s in servers], indent=2))
+    _write_private(folder / STATE_FILE, json.dumps([asdict(s) for s in _stop_order(servers)], indent=2))
     urls = {s.name: s.url for s in servers}
-    (folder / ENV_FILE).write_text(f"export PREFECT_API_URL={urls['prefect']}\n"
-                                   f"export MLFLOW_TRACKING_URI={urls['mlflow']}\n"
-                                   f"export PREFECT_HOME={folder.parent / 'prefect'}\n")
+    if {"prefect", "mlflow"} <= urls.keys():
+        _write_private(folder / ENV_FILE, f"export PREFECT_API_URL={urls['prefect']}\n"
+                                          f"export MLFLOW_TRACKING_URI={urls['mlflow']}\n"
+                                          f"export PREFECT_HOME={folder.parent / 'prefect'}\n")
+
+
+def _write_private(path: Path, text: str) -> None:
+    """Write `text` to `path` readable by its owner only (the state holds database passwords)."""
+    temporary = path.with_name(path.name + ".tmp")
+    descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(descriptor, "w") as out:
+        out.write(text)
+    os.replace(temporary, path)
+
+
+def _recorded(folder: Path) -> list[Server]:
+    state = folder / STATE_FILE
+    return [Server(**entry) for entry in json.loads(state.read_text())] if state.is_file() else []
 
 
 def read_servers(work_dir: str | Path) -> list[Server]:
-    """The servers `up` started for this working directory that are still alive."""
-    state = servers_dir(work_dir) / STATE_FILE
-    if not state.is_file():
-        return []
-    servers = [Server(**entry) for entry in json.loads(state.read_text())]
-    return servers if all(pid_alive(s.pid) for s in servers) else []
+    """The servers `up` started for this working directory, if all are still alive."""
+    servers = _recorded(servers_dir(work_dir))
+    return servers if all(_alive(s.pid) for s in servers) else []
 
 
 def stop_servers(work_dir: str | Path, timeout_s: float = 30.0) -> list[str]:
-    """SIGTERM each server's process group, then SIGKILL what is left; returns the names stopped."""
-    state = servers_dir(work_dir) / STATE_FILE
-    if not state.is_file():
-        return []
-    servers = [Server(**entry) for entry in json.loads(state.read_text())]
+    """Stop each server (SIGTERM to its process group; PostgreSQL, last, gets SIGINT, its fast shutdown),
+    then SIGKILL what is left; returns the names stopped."""
+    folder = servers_dir(work_dir)
     stopped = []
-    for server in servers:
-        if not pid_alive(server.pid):
+    for server in _stop_order(_recorded(folder)):
+        if not _alive(server.pid):
             continue
-        _signal_group(server.pid, signal.SIGTERM)
+        if server.name == "postgres":
+            os.kill(server.pid, signal.SIGINT)  # the postmaster stops its own processes
+        else:
+            _signal_group(server.pid, signal.SIGTERM)
         deadline = time.monotonic() + timeout_s
-        while pid_alive(server.pid) and time.monotonic() < deadline:
-            _reap(server.pid)
+        while _alive(server.pid) and time.monotonic() < deadline:
             time.sleep(0.2)
         _signal_group(server.pid, signal.SIGKILL)
         _reap(server.pid)
         stopped.append(server.name)
-    state.unlink()
-    (servers_dir(work_dir) / ENV_FILE).unlink(missing_ok=True)
+    (folder / STATE_FILE).unlink(missing_ok=True)
+    (folder / ENV_FILE).unlink(missing_ok=True)
     _forget(Path(work_dir).resolve())
     return stopped
 

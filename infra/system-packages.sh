@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The Debian packages Kiln's test suite drives for real: a single-node Slurm cluster (slurm-wlm,
-# munge) and headless Chromium (the Prefect UI test). Installed only when missing; needs root
+# munge), headless Chromium (the Prefect UI test) and PostgreSQL (`kiln up --database postgres`;
+# its binaries live in /usr/lib/postgresql/<major>/bin, off PATH). Installed only when missing; needs root
 # (or sudo) and Debian/Ubuntu's apt. `make setup` runs this; set KILN_SKIP_SYSTEM_PACKAGES=1 to
 # skip it on a machine where you manage packages yourself (the tests that need them then fail
 # and say which command is missing).
@@ -12,6 +13,7 @@ missing=()
 command -v slurmctld >/dev/null 2>&1 || missing+=(slurm-wlm)
 command -v munged >/dev/null 2>&1 || missing+=(munge)
 command -v chromium >/dev/null 2>&1 || missing+=(chromium)
+compgen -G "/usr/lib/postgresql/*/bin/initdb" >/dev/null || missing+=(postgresql)
 [[ ${#missing[@]} -eq 0 ]] && exit 0
 
 if ! command -v apt-get >/dev/null 2>&1; then

@@ -39,9 +39,11 @@ def test_every_registered_stage_the_pipeline_and_continuous_eval_are_deployable(
 def test_compose_services_share_the_database():
     compose = yaml.safe_load((INFRA / "compose.yaml").read_text())
     assert set(compose["services"]) == {"postgres", "prefect", "mlflow"}
-    prefect_db = compose["services"]["prefect"]["environment"]["PREFECT_API_DATABASE_CONNECTION_URL"]
-    assert prefect_db.startswith("postgresql+asyncpg://") and "@postgres:5432/" in prefect_db
-    assert "postgresql://" in compose["services"]["mlflow"]["command"]
+    prefect_db = compose["services"]["prefect"]["environment"]["PREFECT_SERVER_DATABASE_CONNECTION_URL"]
+    assert prefect_db.startswith("postgresql+asyncpg://") and "@postgres:5432/prefect" in prefect_db
+    mlflow_db = compose["services"]["mlflow"]["environment"]["MLFLOW_BACKEND_STORE_URI"]
+    assert mlflow_db.startswith("postgresql+psycopg2://") and "@postgres:5432/mlflow" in mlflow_db
+    assert "POSTGRES_PASSWORD" not in compose["services"]["mlflow"]["command"]  # `ps` would show it
     assert "CREATE DATABASE mlflow" in (INFRA / "postgres-init.sql").read_text()
 
 
