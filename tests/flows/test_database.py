@@ -1,0 +1,39 @@
+"""`kiln up --database postgres` refuses what it cannot do before it starts anything: a database URL
+given beside it, and (as root, where PostgreSQL runs as its own account) a work dir that account
+cannot enter. The real cluster is started in tests/flows/test_servers.py and benchmarks/load.py."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from flows.cli import main
+
+
+def test_the_database_and_urls_are_one_or_the_other(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
+    assert main(["up", f"work_dir={tmp_path}", "--database", "postgres",
+                 "--mlflow-database", "postgresql://team@db.example/mlflow"]) == 2
+    assert "give one or the other" in capsys.readouterr().err
+    assert not (tmp_path / "servers" / "postgres").exists()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="as another user than root, PostgreSQL runs as that user")
+def test_as_root_a_work_dir_postgres_cannot_reach_is_refused_naming_the_folder(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
+    root = Path(tempfile.mkdtemp(prefix="kiln-database-"))  # enterable by all (pytest's folders are root's only)
+    try:
+        os.chmod(root, 0o711)
+        private = root / "private"
+        private.mkdir(mode=0o700)
+        assert main(["up", f"work_dir={private / 'ops'}", "--database", "postgres"]) == 2
+        err = capsys.readouterr().err
+        assert f"runs it as the `postgres` account, which cannot enter {private} (mode 700)" in err
+        assert f"chmod o+x {private}" in err
+        assert not (private / "ops" / "servers" / "postgres").exists()  # nothing half-made left behind
+    finally:
+        shutil.rmtree(root)
