@@ -27,6 +27,10 @@ PROCESS_SETTINGS = {
     "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
     "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120",
     "PREFECT_RESULTS_PERSIST_BY_DEFAULT": "false",
+    # A Prefect server whose database is down (restarting) answers 500, which Prefect's client does not
+    # retry by default (only 429, 502, 503): an artifact or a state change then fails the flow run.
+    # Retried with Prefect's backoff (5 tries, ~1 min in all); a real server error still fails after.
+    "PREFECT_CLIENT_RETRY_EXTRA_CODES": "500",
 }
 
 

@@ -160,7 +160,10 @@ def start_servers(work_dir: str | Path, *, prefect_port: int = 4200, mlflow_port
         _wait_healthy(work_dir, servers, timeout_s)
 
     prefect_env = {"PREFECT_HOME": str(folder / "prefect"), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-                   "PREFECT_UI_API_URL": f"http://{HOST}:{prefect_port}/api"}
+                   "PREFECT_UI_API_URL": f"http://{HOST}:{prefect_port}/api",
+                   # the server drops the events it could not write after 5 flushes (~25 s): hold them
+                   # through a database restart (60 flushes, ~5 min)
+                   "PREFECT_SERVER_SERVICES_EVENT_PERSISTER_MAX_FLUSH_RETRIES": "60"}
     if prefect_database:
         prefect_env["PREFECT_SERVER_DATABASE_CONNECTION_URL"] = prefect_database
     # the store's URL goes in the environment, not on the command line, where `ps` shows any password
