@@ -7,15 +7,19 @@ For each backend, in one run and against real servers as an operator starts them
 - once two runs are Running, `--records` (200) short records written concurrently by one flow in
   another process (8 threads): per record a Prefect task run that starts an MLflow run through Kiln's tracker, logs
   its params and metrics, ends it and publishes a Prefect table artifact;
-- during that load the Prefect server is SIGKILLed and restarted (`kiln up` restarts what died), then
-  the database: PostgreSQL itself, or, on SQLite, the MLflow server that owns its file.
+- during that load the Prefect server is SIGKILLed and restarted (`kiln up` restarts what died) once an
+  eighth of the records are written, then the database once a quarter are (early, so that the
+  pipeline runs are still going): PostgreSQL itself, or, on SQLite, the MLflow server that owns its
+  file. The table says how far the load was at each kill.
 At the end, after the next run's replay of anything Kiln kept in a spool: flow runs completed,
 failed and crashed; MLflow runs expected and present with their metrics; Prefect task runs and
 artifacts of the records; store keys committed; `database is locked` lines in every log; p50/p95 of
 Kiln's API calls (the tracker's and Prefect's, timed where Kiln makes them). One table per backend.
 
 Records lost = MLflow runs (records and pipeline stages of completed flow runs) missing or without
-their metrics, plus records whose Prefect artifact is missing. Last line:
+their metrics, plus records whose Prefect artifact is missing: what Kiln writes. The records' Prefect
+task runs are Prefect's own (its server records them from the clients' events, and drops an event it
+failed to write five times): counted and shown, not in that sum. Last line:
 `RESULT load_records_lost_postgres <n>` (goal 0, with no failed flow run).
 """
 
@@ -79,6 +83,20 @@ def server_pid(ops: Path, name: str) -> int:
     return next(s["pid"] for s in json.loads((ops / "servers" / "servers.json").read_text()) if s["name"] == name)
 
 
+def written(root: Path) -> int:
+    progress = root / "records.progress"
+    return len(progress.read_text().splitlines()) if progress.is_file() else 0
+
+
+def fault_when(root: Path, records: subprocess.Popen, at: int, api: Api, run_ids: list[str]) -> str:
+    """Wait until `at` records are written (or the records' process ended); how far the load is."""
+    while written(root) < at and records.poll() is None:
+        time.sleep(0.5)
+    states = [r["state_type"] for r in api.flow_runs(run_ids)]
+    return (f"{written(root)} records written, flow runs {states.count('RUNNING')} running, "
+            f"{sum(s in FINAL for s in states)} final")
+
+
 def kill_and_restart(ops: Path, name: str, env: dict) -> float:
     """SIGKILL a server's process group, then `kiln up`, which starts what died as it was; returns the
     seconds from the kill to `kiln up` returning with every server healthy."""
@@ -102,6 +120,7 @@ def write_records(count: int, store: Path, out: Path, tag: str) -> None:
     tracker = MlflowTracker(os.environ["MLFLOW_TRACKING_URI"], EXPERIMENT, spool=spool_dir(store))
     timings: dict[str, list[float]] = {}
     lock = threading.Lock()
+    progress = out.with_suffix(".progress")  # one line per record written: when the faults come
 
     def timed(kind: str, call):
         started = time.perf_counter()
@@ -120,6 +139,8 @@ def write_records(count: int, store: Path, out: Path, tag: str) -> None:
         timed("mlflow end_run", lambda: tracker.end_run(run_id))
         timed("prefect artifact", lambda: create_table_artifact([{"record": index, "run": run_id}],
                                                                 key=f"load-record-{index}"))
+        with lock, open(progress, "a") as written:
+            written.write(f"{index}\n")
         return run_id
 
     @flow(name="kiln-load-records", task_runner=ThreadPoolTaskRunner(max_workers=8))
@@ -137,7 +158,11 @@ def run_backend(database: str, args: argparse.Namespace) -> dict:
     root = Path(tempfile.mkdtemp(prefix=f"kiln-load-{database}-", dir=args.tmp))
     os.chmod(root, 0o711)  # as root, PostgreSQL runs as its own account and must reach servers/
     ops = root / "ops"
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "MLFLOW_", "KILN_"))}
+    from flows.environment import PROCESS_SETTINGS
+
+    # every process here is a Kiln process, the records' included: Kiln's settings, as deploy gives them
+    env = {**PROCESS_SETTINGS,
+           **{k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "MLFLOW_", "KILN_"))}}
     env.update(XDG_STATE_HOME=str(root / "state"), PYTHONPATH=str(REPO), PREFECT_WORKER_QUERY_SECONDS="2")
     report: dict = {"database": database, "root": str(root)}
     workers, records = [], None
@@ -169,11 +194,11 @@ def run_backend(database: str, args: argparse.Namespace) -> dict:
         records = subprocess.Popen([sys.executable, __file__, "_records", str(args.records), str(root / "records"),
                                     str(root / "records.json"), database], cwd=REPO, env=env, start_new_session=True,
                                    stdout=open(root / "records.log", "ab"), stderr=subprocess.STDOUT)
-        time.sleep(args.fault_after_s)
+        report["prefect server killed at"] = fault_when(root, records, args.records // 8, api, run_ids)
         report["prefect server down s"] = kill_and_restart(ops, "prefect", env)
-        time.sleep(args.fault_after_s)
-        report[f"{'postgres' if database == 'postgres' else 'mlflow server'} down s"] = kill_and_restart(
-            ops, "postgres" if database == "postgres" else "mlflow", env)
+        victim = "postgres" if database == "postgres" else "mlflow"
+        report[f"{victim} killed at"] = fault_when(root, records, args.records // 4, api, run_ids)
+        report[f"{victim} down s"] = kill_and_restart(ops, victim, env)
 
         deadline = time.monotonic() + args.timeout_s
         while True:
@@ -255,14 +280,13 @@ def count(database: str, root: Path, api: Api, run_ids: list[str], args: argpars
     result = json.loads((root / "records.json").read_text()) if (root / "records.json").is_file() else {}
     out["records flow"] = f"{result.get('state', 'died')} in {result.get('wall_s', 0):.0f}s"
     record_flow = api.call("POST", "/flow_runs/filter", {"flows": {"name": {"any_": ["kiln-load-records"]}}})
-    task_runs = api.call("POST", "/task_runs/filter", {"flow_runs": {"id": {"any_": [r["id"] for r in record_flow]}},
-                                                        "limit": 200}, attempts=3) if record_flow else []
-    task_runs += api.call("POST", "/task_runs/filter", {"flow_runs": {"id": {"any_": [r["id"] for r in record_flow]}},
-                                                         "offset": 200, "limit": 200}, attempts=3) if record_flow else []
+    task_runs = settled_task_runs(api, [r["id"] for r in record_flow]) if record_flow else []
     artifacts = api.call("POST", "/artifacts/filter", {"artifacts": {"key": {"like_": "load-record-"}}, "limit": 200})
     artifacts += api.call("POST", "/artifacts/filter", {"artifacts": {"key": {"like_": "load-record-"}},
                                                          "offset": 200, "limit": 200})
-    out["prefect record task runs completed"] = f"{sum(t['state_type'] == 'COMPLETED' for t in task_runs)} / {args.records}"
+    completed_tasks = sum(t["state_type"] == "COMPLETED" for t in task_runs)
+    out["prefect record task runs completed (Prefect's own)"] = (f"{completed_tasks} / {args.records}, "
+                                                                 f"{len(task_runs) - completed_tasks} in another state")
     out["prefect record artifacts"] = f"{len({a['key'] for a in artifacts})} / {args.records}"
 
     committed = 0
@@ -271,12 +295,22 @@ def count(database: str, root: Path, api: Api, run_ids: list[str], args: argpars
         keys, store = stage_keys(cfg), Store(cfg.store_root)
         committed += sum(store.is_complete(s, keys[s]) for s in stages)
     out["store keys committed"] = f"{committed} / {args.runs * len(stages)}"
-    out["records kept in a spool, then replayed"] = f"{kept} journals, {sum(r.writes for r in replayed)} writes"
-
-    locked = 0
+    locked: dict[str, int] = {}
+    spooled = caught_up = dropped = 0
     for log in [*root.glob("*.log"), *(root / "ops" / "servers").glob("*.log")]:
-        locked += len(re.findall(r"database is locked", log.read_text(errors="replace")))
-    out["'database is locked' lines"] = locked
+        text = log.read_text(errors="replace")
+        if found := len(re.findall(r"database is locked", text)):
+            locked[log.name] = found
+        spooled += len(re.findall(r"could not take a write", text))
+        caught_up += sum(int(n) for n in re.findall(r"wrote (\d+) records \(\d+ runs created\) that MLflow", text))
+        # Prefect's server: its event persister's and its task-run recorder's writes it gave up on
+        dropped += sum(int(n) for n in re.findall(r"Max flush retries \(\d+\) reached, dropping (\d+) events", text))
+        dropped += len(re.findall(r"Dropping event \S+ after \d+ failed attempts", text))
+    out["Kiln's spool: outages met, writes replayed by their run"] = f"{spooled}, {caught_up}"
+    out["Kiln's spool: left at the end, replayed by the next run"] = (f"{kept} journals, "
+                                                                       f"{sum(r.writes for r in replayed)} writes")
+    out["events Prefect's server dropped"] = dropped
+    out["'database is locked' lines, by log"] = ", ".join(f"{name} {n}" for name, n in locked.items()) or "0"
 
     timings = result.get("timings", {})
     for kind, values in sorted(timings.items()):
@@ -291,6 +325,21 @@ def count(database: str, root: Path, api: Api, run_ids: list[str], args: argpars
     return out
 
 
+def settled_task_runs(api: Api, flow_run_ids: list[str], quiet_s: float = 20.0, limit_s: float = 300.0) -> list:
+    """The records' task runs once Prefect has recorded what it will: its server writes task runs from the
+    clients' events, in the background and behind after an outage; wait until their states stop changing."""
+    deadline, seen, since = time.monotonic() + limit_s, None, time.monotonic()
+    while True:
+        task_runs = [t for offset in (0, 200) for t in api.call("POST", "/task_runs/filter", {
+            "flow_runs": {"id": {"any_": flow_run_ids}}, "offset": offset, "limit": 200})]
+        now = sorted((t["id"], t["state_type"]) for t in task_runs)
+        if now != seen:
+            seen, since = now, time.monotonic()
+        if time.monotonic() - since > quiet_s or time.monotonic() > deadline:
+            return task_runs
+        time.sleep(5)
+
+
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "_records":
         count_, store, out, tag = sys.argv[2:6]
@@ -302,7 +351,6 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--records", type=int, default=200)
     parser.add_argument("--until", default="collect")
-    parser.add_argument("--fault-after-s", type=float, default=8.0, help="seconds under load before each fault")
     parser.add_argument("--timeout-s", type=float, default=1800.0)
     parser.add_argument("--tmp", default=None, help="where the work dirs go (default: the system's temp folder)")
     parser.add_argument("--keep", action="store_true", help="keep each backend's folder (logs, stores)")
@@ -319,7 +367,9 @@ def main() -> None:
             print(f"{key:<{width}}  {shown}", flush=True)
     lost = {r["database"]: r.get("records lost", "n/a") for r in reports}
     failed = {r["database"]: r.get("flow runs failed", 0) + r.get("flow runs crashed", 0) for r in reports}
-    print(f"records lost: {lost}; failed or crashed flow runs: {failed}; load average {os.getloadavg()[0]:.1f} at end")
+    tasks = {r["database"]: r.get("prefect record task runs completed (Prefect's own)", "n/a") for r in reports}
+    print(f"records lost: {lost}; failed or crashed flow runs: {failed}; the records' task runs in Prefect: {tasks}; "
+          f"load average {os.getloadavg()[0]:.1f} at end")
     if "postgres" in lost:
         print(f"RESULT load_records_lost_postgres {lost['postgres']}")
 
