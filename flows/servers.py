@@ -167,7 +167,10 @@ def start_servers(work_dir: str | Path, *, prefect_port: int = 4200, mlflow_port
     if prefect_database:
         prefect_env["PREFECT_SERVER_DATABASE_CONNECTION_URL"] = prefect_database
     # the store's URL goes in the environment, not on the command line, where `ps` shows any password
-    mlflow_env = {"MLFLOW_BACKEND_STORE_URI": mlflow_database or f"sqlite:///{folder / 'mlflow.db'}"}
+    # MLflow 3's job runner (seven huey consumers, ~260 MB each, for GenAI evaluation jobs Kiln never
+    # submits) is left off: fewer processes to start, hold memory and outlive a killed server
+    mlflow_env = {"MLFLOW_BACKEND_STORE_URI": mlflow_database or f"sqlite:///{folder / 'mlflow.db'}",
+                  "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
     for server in (
         Server("prefect", 0, f"http://{HOST}:{prefect_port}/api", f"http://{HOST}:{prefect_port}",
                f"http://{HOST}:{prefect_port}/api/health", str(folder / "prefect.log"),
