@@ -4,19 +4,19 @@ Collects the bundled corpus once (the default run's sources), then, `--repeats` 
 folders:
 
 - kiln:      `clean_documents`, the clean stage's body: checks the language list and the quality
-             model, writes datatrove's shards, runs the pipeline through Kiln's executor layer, merges
-             the ranks back into input order, writes `documents.jsonl`, `removed.jsonl` (with reasons)
-             and the stats.
-- datatrove: a `LocalPipelineExecutor` over the collected `documents.jsonl`: `JsonlReader` (an adapter
-             puts source, domain, licence and url in the metadata), then the very filter steps Kiln
-             builds (`tasks.data.clean._pipeline`: blocklists, language, Gopher, C4, FineWeb, code
-             rules, the quality classifier, PII redaction, each with its exclusion writer and its
-             domain gate), then a `JsonlWriter`. The same filters on the same input, as a datatrove
-             user would run them.
+             model, runs the pipeline through Kiln's executor layer (a task per collected shard),
+             each rank writing its kept, removed (with reasons) and quarantined shards as Kiln
+             documents and its counts; the stage adds those up and writes the report.
+- datatrove: a `LocalPipelineExecutor` over the collected shards: `JsonlReader` (an adapter puts
+             source, domain, licence and url in the metadata), then the very filter steps Kiln builds
+             (`tasks.data.clean._pipeline`: blocklists, language, Gopher, C4, FineWeb, code rules, the
+             quality classifier, PII redaction, each with its domain gate, which tags what it drops),
+             then a `JsonlWriter` of everything, counted afterwards. The same filters on the same
+             input, as a datatrove user would run them.
 
 The clean settings are the default run's, with the shipped quality model instead of one trained from
-references (training is not the clean's filtering). One rank each (`--workers`): a plain
-`JsonlReader` gives a single input file to one rank. Both must keep the same number of documents
+references (training is not the clean's filtering). A rank per collected shard, `--workers` at a
+time, in both. Both must keep the same number of documents
 and remove the same number by each filter. An untimed run of each first imports spaCy and loads
 the models; the timed runs then alternate which goes first.
 
@@ -44,9 +44,12 @@ from datatrove.executor import LocalPipelineExecutor  # noqa: E402
 from datatrove.pipeline.readers import JsonlReader  # noqa: E402
 
 from tasks.data.clean import CleanConfig, _blocklists, _pipeline, clean_documents, lid_model_path  # noqa: E402
+from datatrove.pipeline.writers import JsonlWriter  # noqa: E402
+
 from tasks.data.collect import CollectConfig, collect_documents  # noqa: E402
-from tasks.data.documents import DOCUMENTS_FILE  # noqa: E402
+from tasks.data.documents import read_shards  # noqa: E402
 from tasks.data.quality import check_quality_model  # noqa: E402
+from tasks.data.shards import shard_paths  # noqa: E402
 
 
 def configs(workers: int) -> tuple[CollectConfig, CleanConfig]:
@@ -69,21 +72,25 @@ def kiln_record(self, data: dict, path: str, id_in_file: int | str) -> dict:
 def run_kiln(cfg: CleanConfig, corpus: Path, out: Path) -> tuple[int, dict[str, int]]:
     """Documents kept, and removed by each filter."""
     stats = clean_documents(cfg, corpus, out)
-    return stats["num_kept"], {label: n for label, n in stats["removed_by_filter"].items() if n}
+    return stats["num_kept"], {label: n for label, n in sorted(stats["removed_by_filter"].items()) if n}
 
 
 def run_datatrove(cfg: CleanConfig, corpus: Path, out: Path) -> tuple[int, dict[str, int]]:
     quality_model = None if cfg.quality_model is None else check_quality_model(cfg.quality_model)
-    steps = _pipeline(cfg, out, lid_model_path(), quality_model, _blocklists(cfg))
-    steps[0] = JsonlReader(str(corpus.parent), glob_pattern=corpus.name, compression=None, adapter=kiln_record)
-    LocalPipelineExecutor(steps, tasks=cfg.num_workers, workers=cfg.num_workers, logging_dir=str(out / "logs")).run()
-    removed = {folder.name: sum(len(_lines(path)) for path in folder.glob("*.jsonl"))
-               for folder in sorted((out / "removed").iterdir())}
-    return sum(len(_lines(path)) for path in (out / "kept").glob("*.jsonl")), {k: n for k, n in removed.items() if n}
-
-
-def _lines(path: Path) -> list[str]:
-    return path.read_text(encoding="utf-8").splitlines()
+    shards = shard_paths(corpus)
+    steps = _pipeline(cfg, shards, out, lid_model_path(), quality_model, _blocklists(cfg))
+    steps[0] = JsonlReader(str(corpus / "documents"), glob_pattern="*.jsonl.zst", adapter=kiln_record)
+    steps[-1] = JsonlWriter(str(out / "all"), compression=None)
+    LocalPipelineExecutor(steps, tasks=len(shards), workers=cfg.num_workers, logging_dir=str(out / "logs")).run()
+    kept, removed = 0, {}
+    for path in sorted((out / "all").glob("*.jsonl")):
+        for line in path.read_text(encoding="utf-8").splitlines():
+            reason = json.loads(line)["metadata"].get("filter_reason")
+            if reason is None:
+                kept += 1
+            else:
+                removed[reason.split(":", 1)[0]] = removed.get(reason.split(":", 1)[0], 0) + 1
+    return kept, dict(sorted(removed.items()))
 
 
 def main() -> None:
@@ -104,9 +111,9 @@ def main() -> None:
         work = Path(tmp)
         (work / "collect").mkdir()
         collect_documents(collect_cfg, work / "collect")
-        corpus = work / "collect" / DOCUMENTS_FILE
-        num_docs = len(_lines(corpus))
-        num_bytes = sum(len(json.loads(line)["text"].encode()) for line in _lines(corpus))
+        corpus = work / "collect"
+        docs = list(read_shards(shard_paths(corpus)))
+        num_docs, num_bytes = len(docs), sum(len(doc.text.encode()) for doc in docs)
         # Untimed: the first run in a process imports spaCy and loads the models.
         for name, method in methods.items():
             (work / f"warm-up-{name}").mkdir()

@@ -14,8 +14,8 @@ Recall is the share of true pairs a method puts in one cluster; precision the sh
 it puts in one cluster (all pairs within each cluster) that are true pairs.
 
 - stage:      `dedup_documents`, the whole stage as it runs in the pipeline on one worker: reading
-              `documents.jsonl`, exact and fuzzy passes, writing kept and removed documents, the
-              index, the removal report, the cluster plot.
+              the corpus (one shard), signing, exact and fuzzy passes, writing kept and removed
+              shards, the index, the removal report, the cluster plot.
 - signatures: read, normalise, `tasks.data.minhash` signatures (1000 documents a batch), banding,
               verification of candidates, union-find clusters: the same scope as datasketch below.
 - datasketch: read, the same normalisation and shingles, then `MinHash(num_perm, seed).update_batch`
@@ -48,7 +48,8 @@ import numpy as np  # noqa: E402
 from datasketch import MinHash, MinHashLSH  # noqa: E402
 
 from tasks.data import minhash  # noqa: E402
-from tasks.data.dedup import DedupConfig, dedup_documents, normalize, shingles  # noqa: E402
+from tasks.data.dedup import DedupConfig, normalize, shingles  # noqa: E402
+from tasks.data.dedup_job import dedup_documents  # noqa: E402
 from tasks.data.documents import Document, read_documents, write_documents  # noqa: E402
 from tasks.data.html_text import extract_html  # noqa: E402
 from tests.fixtures.dedup_corpus import clusters_from_output  # noqa: E402
@@ -147,7 +148,7 @@ def clustered_pairs(cluster_of: dict[str, str]) -> set[tuple[str, str]]:
 
 
 def run_stage(cfg: DedupConfig, input_file: Path, out_dir: Path) -> Callable[[], dict[str, str]]:
-    dedup_documents(cfg, input_file, out_dir)
+    dedup_documents(cfg, [input_file], out_dir)
     return lambda: clusters_from_output(out_dir)
 
 
@@ -202,7 +203,7 @@ def run_datatrove(cfg: DedupConfig, input_file: Path, out_dir: Path) -> Callable
     from tasks.data.dedup_datatrove import dedup_with_datatrove
 
     logger.remove()  # datatrove logs every stage's stats; the table below is the report
-    dedup_with_datatrove(cfg, input_file, out_dir, tasks=1)
+    dedup_with_datatrove(cfg, [input_file], out_dir, tasks=1)
     return lambda: clusters_from_output(out_dir)
 
 

@@ -322,7 +322,7 @@ def cmd_inspect(ns: argparse.Namespace) -> int:
 
     keys = stage_keys(cfg)
     if ns.name not in keys:
-        raise KilnError(f"unknown stage {ns.name!r}; data stages write removed.jsonl: collect, clean, dedup, decontaminate")
+        raise KilnError(f"unknown stage {ns.name!r}; data stages write removed shards: collect, clean, dedup, decontaminate")
     store = Store(cfg.store_root)
     if not store.is_complete(ns.name, keys[ns.name]):
         raise KilnError(f"stage {ns.name} ({keys[ns.name]}) is not complete in {store.root}: run `kiln run --until {ns.name}`")
@@ -356,7 +356,7 @@ def cmd_dedup_batch(ns: argparse.Namespace) -> int:
     """Deduplicate a newly delivered batch against everything the dedup stage already kept."""
     batch = Path(ns.batch).resolve()
     outcome = _run_one_stage("dedup-batch", ns, (f"dedup_batch.batch={batch}",))
-    print(f"\nkept documents, removed.jsonl and the extended LSH index: {outcome.path}")
+    print(f"\nkept documents, removed shards and the extended LSH index: {outcome.path}")
     return 0
 
 
@@ -643,7 +643,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "--model_args model_dir=DIR,tokenizer=FILE --tasks ... (any lm_eval flag; kiln eval --help lists them)")
     add("dedup-batch", "Deduplicate a new batch of documents against the dedup stage's persisted LSH index (no old "
         "signature is recomputed); the result is a store entry of stage dedup-batch with its manifest and MLflow run.",
-        cmd_dedup_batch, first=("batch", "new documents (jsonl)"))
+        cmd_dedup_batch, first=("batch", "new documents: a folder of shards (.jsonl.zst, .jsonl) or one file"))
     export = add("export", "Write a model as a Hugging Face folder (config.json, model.safetensors, tokenizer, model card) "
                  "that transformers and `lm_eval --model hf` load.", cmd_export,
                  first=("source", "a stage name (this config's output of it, e.g. anneal), a stage key, or a model "

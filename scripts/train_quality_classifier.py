@@ -42,8 +42,9 @@ sys.path.insert(0, str(REPO))
 from tasks.config import load_config  # noqa: E402
 from tasks.data.clean import clean_documents  # noqa: E402
 from tasks.data.collect import collect_documents  # noqa: E402
-from tasks.data.documents import DOCUMENTS_FILE, REMOVED_FILE, read_documents  # noqa: E402
+from tasks.data.documents import read_shards  # noqa: E402
 from tasks.data.quality import SHIPPED_MODEL, fasttext_text  # noqa: E402
+from tasks.data.shards import REMOVED, shard_paths  # noqa: E402
 
 WINDOW = 64
 MIN_WORDS = 16
@@ -67,10 +68,9 @@ def labelled_documents(work: Path) -> list[tuple[str, str, str]]:
     (work / "collect").mkdir()
     (work / "clean").mkdir()
     collect_documents(cfg.collect, work / "collect")
-    clean_documents(rules_only, work / "collect" / DOCUMENTS_FILE, work / "clean")
-    kept = [("hq", d.id, d.text) for d in read_documents(work / "clean" / DOCUMENTS_FILE)
-            if d.domain in ("web", "prose")]
-    removed = [("lq", d.id, d.text) for d in read_documents(work / "clean" / REMOVED_FILE)
+    clean_documents(rules_only, work / "collect", work / "clean")
+    kept = [("hq", d.id, d.text) for d in read_shards(shard_paths(work / "clean")) if d.domain in ("web", "prose")]
+    removed = [("lq", d.id, d.text) for d in read_shards(shard_paths(work / "clean", REMOVED))
                if d.domain == "web" and d.metadata["language"] == "en"]
     return kept + removed
 

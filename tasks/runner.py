@@ -27,6 +27,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+import psutil
 from pydantic import BaseModel
 
 from tasks.config import KilnConfig
@@ -329,11 +330,44 @@ def _tags(stage: Stage, key: str, cfg: KilnConfig, flow_run_id: str | None, stat
             OWNER_TAG: process_owner()}
 
 
-def _usage() -> tuple[float, float]:
-    """CPU seconds of this process and its finished children, and the largest peak RSS among them (MiB)."""
+class _CpuMeter:
+    """CPU seconds used since it was made by this process and every process below it: its finished
+    children (getrusage), and the live descendants, with what they reaped (a multiprocessing
+    forkserver's workers, datatrove's local ranks, a Ray cluster started here). A data stage's ranks
+    that ran elsewhere (Slurm, a remote Ray cluster) it cannot see: the stage reports those
+    (`executor_cpu_s` in its stats); a Slurm or Kubernetes training job's workers neither (their launch
+    records' `worker_cpu_s`)."""
+
+    def __init__(self) -> None:
+        self.start = self._snapshot()
+
+    @staticmethod
+    def _snapshot() -> tuple[float, dict[tuple[int, float], float]]:
+        own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+        live = {}
+        for process in psutil.Process().children(recursive=True):
+            try:
+                times = process.cpu_times()
+                live[(process.pid, process.create_time())] = (times.user + times.system + times.children_user
+                                                               + times.children_system)
+            except (psutil.NoSuchProcess, psutil.AccessDenied):  # ended meanwhile
+                continue
+        return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime, live
+
+    def used(self) -> float:
+        (before, live_before), (after, live_after) = self.start, self._snapshot()
+        used = after - before
+        for process, seconds in live_after.items():
+            used += seconds - live_before.get(process, 0.0)
+        # A descendant that ended meanwhile is now in its reaper's count for its whole life: not its time before.
+        used -= sum(seconds for process, seconds in live_before.items() if process not in live_after)
+        return used
+
+
+def _peak_rss_mb() -> float:
+    """The largest peak RSS of this process and its finished children (MiB)."""
     own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-    cpu = own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
-    return cpu, max(own.ru_maxrss, children.ru_maxrss) / 1024
+    return max(own.ru_maxrss, children.ru_maxrss) / 1024
 
 
 def run_stage(stage: Stage | str, cfg: KilnConfig, *, store: Store | None = None, tracker: Tracker | None = None,
@@ -387,7 +421,7 @@ def _execute(stage: Stage, cfg: KilnConfig, store: Store, tracker: Tracker, regi
     for name, path in inputs.items():
         tracker.log_input(run_id, name, keys[name], path)
     out_dir = store.begin(stage.name, key, resumable=stage.resumable)
-    started, (cpu_before, _) = time.perf_counter(), _usage()
+    started, cpu = time.perf_counter(), _CpuMeter()
     recorder = StageRecorder(tracker, run_id, stage.name, key, on_event)
     try:
         stats = stage.body(StageContext(cfg, out_dir, inputs, store, recorder))
@@ -402,12 +436,15 @@ def _execute(stage: Stage, cfg: KilnConfig, store: Store, tracker: Tracker, regi
             on_event("kiln.stage.failed", {"stage": stage.name, "key": key, "error": f"{type(error).__name__}: {error}"})
         raise
     wall_s = time.perf_counter() - started
-    cpu_after, peak_rss_mb = _usage()
-    # accelerator-seconds: devices held (a training stage's num_accelerators; 0 on CPU) x wall time
-    # a cluster job's workers are no children of this process: they report their own CPU seconds
+    # cpu_s: this process tree's (torchrun's workers and the local executor's ranks among it), plus what
+    # it cannot see: a cluster training job's workers (their own records, `jobs_cpu_s`) and a data stage's
+    # ranks outside the tree (`executor_cpu_s`; its Slurm jobs' launch records carry none, so neither
+    # counts twice). accelerator-seconds: devices held (a training stage's num_accelerators; 0 on CPU) x wall time
     jobs_cpu_s = sum(r["worker_cpu_s"] for r in recorder.launches.values() if r["launcher"] in CLUSTER_LAUNCHERS)
-    cost = {"wall_s": wall_s, "cpu_s": cpu_after - cpu_before + jobs_cpu_s, "jobs_cpu_s": jobs_cpu_s,
-            "peak_rss_mb": peak_rss_mb, "accelerator_s": stats.get("num_accelerators", 0) * wall_s}
+    executor_cpu_s = stats.get("executor_cpu_s", 0.0)
+    cost = {"wall_s": wall_s, "cpu_s": cpu.used() + jobs_cpu_s + executor_cpu_s, "jobs_cpu_s": jobs_cpu_s,
+            "executor_cpu_s": executor_cpu_s, "peak_rss_mb": _peak_rss_mb(),
+            "accelerator_s": stats.get("num_accelerators", 0) * wall_s}
     launch = {"host": socket.gethostname(), "launcher": cfg.cluster.launcher, "executor": cfg.cluster.executor,
               "runs": recorder.launches}
     if recorder.forecasts:

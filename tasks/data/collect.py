@@ -3,10 +3,10 @@
 A source is a typed config entry: its `format` (jsonl — also .gz and .zst —, txt, html, parquet,
 warc, code, hf) decides which other fields it takes; every source has a `domain`, a `licence`
 (optional where records or files carry their own) and an optional `weight`. Every input record
-ends up in exactly one place: `documents.jsonl` (kept), `removed.jsonl` (licence not allowed or
+ends up in exactly one place: `documents/` (kept), `removed/` (licence not allowed or
 unknown; sampled out by the source's weight; a vendored, generated or binary file of a code tree)
-or `quarantine.jsonl` (unreadable or unusable input, with the file and line, row or WARC offset at
-fault); no input, however broken, raises (`tasks.data.readers`, `tasks.data.code_tree`). Licences
+or `quarantine/` (unreadable or unusable input, with the file and line, row or WARC offset at
+fault), each cut into shards of `shard_bytes` (`tasks.data.shards`); no input, however broken, raises (`tasks.data.readers`, `tasks.data.code_tree`). Licences
 are normalised to SPDX expressions and judged by `tasks.data.licences`; a compliance report per
 source records which licences were seen, as written and normalised, and whether each is allowed.
 """
@@ -27,9 +27,11 @@ from tasks.accounting import DocCounts
 from tasks.configbase import Section, runtime_field
 from tasks.data.code_tree import read_code_tree
 from tasks.data.compliance import SourceReport, compliance_markdown, compliance_report
-from tasks.data.documents import DOCUMENTS_FILE, QUARANTINE_FILE, REMOVED_FILE, Document, ReasonLog
+from tasks.data.documents import Document
+from tasks.data.inspection import RemovalTally, text_bytes, write_removal_report
 from tasks.data.licences import LicencePolicy, LicenceVerdict, normalise
 from tasks.data.readers import READERS, Candidate, read_dataset
+from tasks.data.shards import DOCUMENTS, QUARANTINE, REMOVED, RotatingShards, write_listing
 from tasks.data.source_files import is_remote, list_files, local_path, remote_fingerprint
 from tasks.errors import ConfigError, InputError
 
@@ -189,19 +191,26 @@ class CollectConfig(Section):
     # quarantined as `too_large` without being read into memory (a corrupt file with no newline,
     # a dump of a binary); 10 MB is far above any real document, far below the memory of a worker.
     max_doc_bytes: int = Field(10_000_000, ge=1)
+    # The size of a shard of the output (uncompressed JSON lines; zstd stores about a quarter): each
+    # later data stage processes one shard per rank, so shards are the unit of parallel work.
+    shard_bytes: int = Field(100_000_000, ge=1)
 
     def domains(self) -> list[str]:
         """Every domain the sources' documents may have, in the order the sources name them."""
         return list(dict.fromkeys(domain for source in self.sources for domain in source.all_domains()))
 
     def identity(self) -> dict[str, Any]:
-        """Remote sources' content enters the key as their listing (names, sizes, ETags): a local
-        source's files are fingerprinted by the stage (`source_paths`), a bucket's cannot be read
+        """Remote sources' content enters the key as their listing (names, sizes, ETags, version ids): a
+        local source's files are fingerprinted by the stage (`source_paths`), a bucket's cannot be read
         for that without downloading it."""
-        identity = super().identity()
-        remote = {s.name: remote_fingerprint(s.path, _patterns(s), s.storage_options) for s in self.sources
-                  if is_remote(s.path) and s.format != "hf"}
-        return identity | ({"remote_sources_sha256": remote} if remote else {})
+        remote = remote_identity(self.sources)
+        return super().identity() | ({"remote_sources_sha256": remote} if remote else {})
+
+
+def remote_identity(sources: list[Source]) -> dict[str, str]:
+    """Each remote source's listing fingerprint, by name (hub datasets are pinned by their revision)."""
+    return {s.name: remote_fingerprint(s.path, _patterns(s), s.storage_options) for s in sources
+            if is_remote(s.path) and s.format != "hf"}
 
 
 def source_paths(cfg: CollectConfig) -> list[Path]:
@@ -284,7 +293,7 @@ _MAX_REASON_LICENCE_CHARS = 100  # a licence as written, in a reason (a stats ke
 
 
 def collect_documents(cfg: CollectConfig, out_dir: Path) -> dict:
-    """Read every source into `out_dir/documents.jsonl` and write the compliance report."""
+    """Read every source into shards in `out_dir` (`tasks.data.shards`) and write the compliance report."""
     policy = _check_config(cfg)
     counts = DocCounts()
     reports = []
@@ -292,10 +301,11 @@ def collect_documents(cfg: CollectConfig, out_dir: Path) -> dict:
     by_domain: Counter[str] = Counter()
     by_format: Counter[str] = Counter()
     num_repaired = 0
+    tally = RemovalTally()  # documents and bytes by domain and reason, counted while writing
     with (
-        open(out_dir / DOCUMENTS_FILE, "wb") as kept,
-        ReasonLog(out_dir / REMOVED_FILE) as removed,
-        ReasonLog(out_dir / QUARANTINE_FILE) as quarantine,
+        RotatingShards(out_dir, DOCUMENTS, cfg.shard_bytes) as kept,
+        RotatingShards(out_dir, REMOVED, cfg.shard_bytes) as removed,
+        RotatingShards(out_dir, QUARANTINE, cfg.shard_bytes) as quarantine,
     ):
         for source in cfg.sources:
             report = SourceReport(source.name, source.path, source.format, source.domain, source.licence)
@@ -314,7 +324,8 @@ def collect_documents(cfg: CollectConfig, out_dir: Path) -> dict:
                 if reason is None:
                     assert doc is not None
                     seen_ids.add(doc.id)
-                    kept.write(doc.to_json_line())
+                    kept.write_line(doc.to_json_line())
+                    tally.add("kept", source.domain, text_bytes(doc.text))
                     counts.num_kept += 1
                     report.num_kept += 1
                     report.num_chars += len(doc.text)
@@ -322,20 +333,25 @@ def collect_documents(cfg: CollectConfig, out_dir: Path) -> dict:
                     by_format[source.format] += 1
                 elif doc is not None:  # readable, but its licence is not allowed (or not known), or sampled out
                     removed.add(reason, {**log_record, "document": json.loads(doc.to_json())})
+                    tally.add("removed", source.domain, text_bytes(doc.text), reason)
                     counts.removed[reason] += 1
                     report.removed[reason] += 1
                 else:
                     extra = {key: value for key, value in (("detail", candidate.detail), ("raw", candidate.raw),
                                                            ("raw_prefix", candidate.raw_prefix)) if value}
+                    raw_bytes = text_bytes(extra.get("raw") or extra.get("raw_prefix") or "")
                     if candidate.skip is not None:  # a file of a code tree that is no document
                         removed.add(reason, {**log_record, **extra})
+                        tally.add("removed", source.domain, raw_bytes, reason)
                         counts.removed[reason] += 1
                         report.removed[reason] += 1
                         continue
                     quarantine.add(reason, {**log_record, **extra})
+                    tally.add("quarantined", source.domain, raw_bytes, reason)
                     counts.quarantined[reason] += 1
                     report.quarantined[reason] += 1
             candidates.close()  # a capped source: close its open file now
+        shards = {DOCUMENTS: kept.close(), REMOVED: removed.close(), QUARANTINE: quarantine.close()}
     compliance = compliance_report(reports, policy.allowed)
     (out_dir / "compliance.json").write_text(json.dumps(compliance, indent=2) + "\n", encoding="utf-8")
     (out_dir / "compliance.md").write_text(compliance_markdown(compliance), encoding="utf-8")
@@ -346,6 +362,8 @@ def collect_documents(cfg: CollectConfig, out_dir: Path) -> dict:
         "by_domain": dict(sorted(by_domain.items())),
         "by_format": dict(sorted(by_format.items())),
         "num_chars": sum(r.num_chars for r in reports),
+        "accounting": write_removal_report(out_dir, "collect", tally.table()),  # removals.json/.md/.png
+        "shards": write_listing(out_dir, shards),
     }
 
 

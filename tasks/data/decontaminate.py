@@ -1,10 +1,18 @@
-"""The decontaminate stage: drop (or flag) training documents that share word n-grams with eval sets.
+"""The decontaminate stage: drop (or flag) training documents that share n-grams with eval sets.
 
 Each eval set — a JSON-lines file, or an lm-eval task whose documents come through lm-eval's
-`TaskManager` — becomes an index of hashed word n-grams (NFKC, lowercased, punctuation stripped,
-whitespace-split, so case and layout changes in a copy do not hide it) that remembers which eval
-documents hold each one. A training document sharing at least `min_overlap_ngrams` of them with an
-eval set is contaminated by it.
+`TaskManager` — becomes an index of hashed n-grams (NFKC, lowercased, punctuation stripped, so case
+and layout changes in a copy do not hide it) that remembers which eval documents hold each one.
+Text in scripts written with spaces gives word n-grams (`ngram_size` words); text in scripts
+written without them (Chinese, Japanese kana and kanji, Thai, Lao, Khmer, Myanmar), where a
+"word" would be a whole sentence, gives character n-grams (`char_ngram_size` characters, spaces
+and punctuation left out). A document of mixed scripts gives both: its spaced words in order, and
+its unspaced characters in order. A training document sharing at least `min_overlap_ngrams` of
+them with an eval set is contaminated by it.
+
+The index is built once, in this process; the training shards are scanned in parallel, a task per
+shard on `cluster.executor`, each writing its shard of kept and removed documents and what it found
+(which n-grams, which documents, the first examples), which this process adds up in shard order.
 
 Some eval n-grams are boilerplate, not leaked test data, and never count. Boilerplate is decided by
 evidence about the text itself, never by how many training documents hold it — a benchmark item
@@ -27,6 +35,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import shutil
 import unicodedata
 from collections import Counter
 from collections.abc import Iterable, Sequence
@@ -34,14 +43,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+import numpy as np
 from pydantic import Field
 
 from tasks.accounting import DocCounts
-from tasks.configbase import Section
+from tasks.configbase import Section, runtime_field
 from tasks.data.decontam_boilerplate import KNOWN_BOILERPLATE
 from tasks.data.dedup import strip_punctuation
-from tasks.data.documents import DOCUMENTS_FILE, REMOVED_FILE, ReasonLog, read_documents
+from tasks.data.documents import read_documents
+from tasks.data.executors import LOCAL, ExecutorSettings, map_shards, shard_plan
 from tasks.data.inspection import RemovalTally, text_bytes, write_removal_report
+from tasks.data.shards import KINDS, RankShards, write_listing
 from tasks.errors import InputError
 from tasks.evals.evaluate import Contamination, require_hub
 from tasks.evals.heldout_task import read_eval_records, task_name_for
@@ -51,6 +63,15 @@ CONTAMINATION_REPORT = "contamination.md"
 RATES_FILE = "contamination_rates.json"
 _NUM_EXAMPLES = 5
 _SNIPPET_CONTEXT = 12  # words either side of a matched n-gram in an example's snippet
+_SNIPPET_CHARS = 20  # ...or characters, for a character n-gram
+WORK_DIR = "_decontaminate"  # the scan job's logs, markers and results, while the stage runs
+# Scripts written without spaces between words: their text is n-grammed by character.
+_UNSPACED = ("\u0e00-\u0eff"  # Thai, Lao
+             "\u1000-\u109f"  # Myanmar
+             "\u1780-\u17ff"  # Khmer
+             "\u3040-\u30ff\u31f0-\u31ff\uff66-\uff9f"  # hiragana, katakana (and their extensions, half-width forms)
+             "\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff\U00020000-\U0003134f")  # CJK ideographs
+_UNSPACED_RUN = re.compile(f"[{_UNSPACED}]+")
 _MIN_PHRASE_WORDS = 4  # shorter clauses of a boilerplate text ("and exit") would cover ordinary prose
 _PHRASE_KEY_WORDS = 4  # phrases are found by their first words
 # An eval n-gram is boilerplate when more than this share of its words lie in boilerplate phrases:
@@ -61,6 +82,9 @@ KNOWN, CONFIGURED, EVAL_FREQUENT = "known_boilerplate", "configured_boilerplate"
 
 class DecontaminateConfig(Section):
     ngram_size: int = Field(13, ge=1)  # words; 13 follows GPT-3's decontamination
+    # characters, for scripts written without spaces (CJK, Thai): 13 words of English are ~70 characters,
+    # and 50 characters of Chinese or Japanese carry about as much text
+    char_ngram_size: int = Field(50, ge=1)
     min_overlap_ngrams: int = Field(1, ge=1)  # a doc sharing >= this many eval n-grams is contaminated
     action: Literal["remove", "flag"] = "remove"
     # Boilerplate eval n-grams never count (see the module docstring); how many training documents
@@ -70,6 +94,7 @@ class DecontaminateConfig(Section):
     # An n-gram held by at least this many eval documents (all eval sets together) is template text
     # of the eval sets; None: no n-gram is boilerplate for being frequent there.
     eval_boilerplate_min_docs: int | None = Field(3, ge=2)
+    num_workers: int = runtime_field(1, ge=1)  # shards scanned at once on cluster.executor
 
 
 _FOLD = str.maketrans({"ı": "i"})  # Turkish dotless i: "I".lower() is "i", so a copy in capitals loses the dot
@@ -86,9 +111,33 @@ def words(text: str) -> list[str]:
     return strip_punctuation(text).split()
 
 
-def _hash(gram: str) -> int:
+def split_scripts(tokens: list[str]) -> tuple[list[str], list[str]]:
+    """The words of scripts written with spaces, and the characters of those written without (CJK,
+    Thai...), each in text order: `"python3のリリース"` gives the word `python3` and five characters."""
+    spaced: list[str] = []
+    unspaced: list[str] = []
+    for token in tokens:
+        if token.isascii() or not _UNSPACED_RUN.search(token):
+            spaced.append(token)
+            continue
+        end = 0
+        for run in _UNSPACED_RUN.finditer(token):
+            if run.start() > end:
+                spaced.append(token[end : run.start()])
+            unspaced.extend(run.group())
+            end = run.end()
+        if end < len(token):
+            spaced.append(token[end:])
+    return spaced, unspaced
+
+
+def _hash(gram: str, kind: bytes = b"") -> int:
     # A stable hash (Python's hash() is salted per process); 8 bytes keeps collisions negligible.
-    return int.from_bytes(hashlib.blake2b(gram.encode("utf-8"), digest_size=8).digest(), "little")
+    # `kind` keeps character n-grams apart from word n-grams.
+    return int.from_bytes(hashlib.blake2b(gram.encode("utf-8"), digest_size=8, person=kind).digest(), "little")
+
+
+_CHARS = b"chars"
 
 
 def ngram_positions(tokens: list[str], size: int) -> dict[int, int]:
@@ -97,6 +146,46 @@ def ngram_positions(tokens: list[str], size: int) -> dict[int, int]:
     for i in range(len(tokens) - size + 1):
         positions.setdefault(_hash(" ".join(tokens[i : i + size])), i)
     return positions
+
+
+def char_ngram_positions(chars: list[str], size: int) -> dict[int, int]:
+    """Hashed character n-grams, each with the position of its first occurrence."""
+    text = "".join(chars)
+    positions: dict[int, int] = {}
+    for i in range(len(text) - size + 1):
+        positions.setdefault(_hash(text[i : i + size], _CHARS), i)
+    return positions
+
+
+@dataclass
+class Grams:
+    """A text's n-grams: words of spaced scripts, characters of unspaced ones (see the module docstring)."""
+
+    words: list[str]
+    chars: list[str]
+    word_grams: dict[int, int]  # hash -> first position in `words`
+    char_grams: dict[int, int]  # hash -> first position in `chars`
+
+    @classmethod
+    def of(cls, text: str, word_size: int, char_size: int) -> Grams:
+        spaced, unspaced = split_scripts(words(text))
+        return cls(spaced, unspaced, ngram_positions(spaced, word_size), char_ngram_positions(unspaced, char_size))
+
+    def hashes(self) -> set[int]:
+        return self.word_grams.keys() | self.char_grams.keys()
+
+    def example(self, doc_id: str, gram: int, word_size: int, char_size: int) -> dict[str, str]:
+        """The n-gram `gram` and the normalised text around it."""
+        if gram in self.word_grams:
+            start, tokens, size, context, sep = self.word_grams[gram], self.words, word_size, _SNIPPET_CONTEXT, " "
+        else:
+            start, tokens, size, context, sep = self.char_grams[gram], self.chars, char_size, _SNIPPET_CHARS, ""
+        lo, hi = max(0, start - context), start + size + context
+        return {
+            "doc_id": doc_id,
+            "ngram": sep.join(tokens[start : start + size]),
+            "snippet": ("… " if lo else "") + sep.join(tokens[lo:hi]) + (" …" if hi < len(tokens) else ""),
+        }
 
 
 def _phrase_token(token: str) -> str:
@@ -151,6 +240,38 @@ def boilerplate_phrases(cfg: DecontaminateConfig) -> Phrases:
 
 
 @dataclass
+class Findings:
+    """What training documents held of one eval set's n-grams: a shard's, or all shards' added up."""
+
+    shared: set[int] = field(default_factory=set)  # n-grams any training document holds (not boilerplate)
+    matched: set[int] = field(default_factory=set)  # n-grams held by contaminated training documents
+    num_docs_contaminated: int = 0
+    examples: list[dict[str, str]] = field(default_factory=list)
+    # what boilerplate the training data held: reason -> n-grams found, documents holding them, examples
+    ignored_found: dict[str, set[int]] = field(default_factory=dict)
+    ignored_docs: Counter = field(default_factory=Counter)
+    ignored_examples: dict[str, list[dict[str, str]]] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"shared": sorted(self.shared), "matched": sorted(self.matched),
+                "num_docs_contaminated": self.num_docs_contaminated, "examples": self.examples,
+                "ignored_found": {r: sorted(grams) for r, grams in self.ignored_found.items()},
+                "ignored_docs": dict(self.ignored_docs), "ignored_examples": self.ignored_examples}
+
+    def merge(self, other: dict[str, Any]) -> None:
+        """Add a later shard's findings (`to_json`): examples stay the first ones in input order."""
+        self.shared.update(other["shared"])
+        self.matched.update(other["matched"])
+        self.num_docs_contaminated += other["num_docs_contaminated"]
+        self.examples = (self.examples + other["examples"])[:_NUM_EXAMPLES]
+        for reason, grams in other["ignored_found"].items():
+            self.ignored_found.setdefault(reason, set()).update(grams)
+        self.ignored_docs.update(other["ignored_docs"])
+        for reason, examples in other["ignored_examples"].items():
+            self.ignored_examples[reason] = (self.ignored_examples.get(reason, []) + examples)[:_NUM_EXAMPLES]
+
+
+@dataclass
 class EvalIndex:
     """The n-grams of one eval set, which eval documents hold them, and what training data matched."""
 
@@ -161,18 +282,11 @@ class EvalIndex:
     holders: dict[int, list[int]]  # n-gram hash -> indices of the eval documents holding it
     num_eval_docs_too_short: int  # shorter than one n-gram: cannot be detected
     boilerplate: dict[int, str] = field(default_factory=dict)  # n-gram hash -> why it never counts
-    shared: set[int] = field(default_factory=set)  # n-grams any training document holds (not boilerplate)
-    matched: set[int] = field(default_factory=set)  # n-grams held by contaminated training documents
-    num_docs_contaminated: int = 0
-    examples: list[dict[str, str]] = field(default_factory=list)
-    # what boilerplate the training data held: reason -> n-grams found, documents holding them, examples
-    ignored_found: dict[str, set[int]] = field(default_factory=dict)
-    ignored_docs: Counter = field(default_factory=Counter)
-    ignored_examples: dict[str, list[dict[str, str]]] = field(default_factory=dict)
+    found: Findings = field(default_factory=Findings)  # in the training data
 
     def contaminated_eval_docs(self) -> list[str]:
         """Eval documents sharing any n-gram with the training data, in eval order."""
-        indices = {i for gram in self.shared for i in self.holders[gram]}
+        indices = {i for gram in self.found.shared for i in self.holders[gram]}
         return [self.doc_ids[i] for i in sorted(indices)]
 
     def contamination_rate(self) -> float:
@@ -180,6 +294,7 @@ class EvalIndex:
 
     def report(self) -> dict[str, Any]:
         contaminated = self.contaminated_eval_docs()
+        found = self.found
         return {
             "source": self.source,
             "task_name": self.task_name,
@@ -190,28 +305,30 @@ class EvalIndex:
             "num_eval_docs_contaminated": len(contaminated),
             "contamination_rate": len(contaminated) / len(self.doc_ids),
             "contaminated_eval_docs": contaminated,
-            "num_docs_contaminated": self.num_docs_contaminated,
-            "num_overlapping_ngrams": len(self.matched),
-            "examples": self.examples,
-            "ignored": {reason: {"num_ngrams": len(grams), "num_training_docs": self.ignored_docs[reason],
-                                 "examples": self.ignored_examples.get(reason, [])}
-                        for reason, grams in sorted(self.ignored_found.items())},
+            "num_docs_contaminated": found.num_docs_contaminated,
+            "num_overlapping_ngrams": len(found.matched),
+            "examples": found.examples,
+            "ignored": {reason: {"num_ngrams": len(grams), "num_training_docs": found.ignored_docs[reason],
+                                 "examples": found.ignored_examples.get(reason, [])}
+                        for reason, grams in sorted(found.ignored_found.items())},
         }
 
 
-def _index(name: str, task: str, source: str, docs: Iterable[tuple[str, str]], size: int,
+def _index(name: str, task: str, source: str, docs: Iterable[tuple[str, str]], cfg: DecontaminateConfig,
            phrases: Phrases) -> EvalIndex:
     doc_ids: list[str] = []
     holders: dict[int, list[int]] = {}
     boilerplate: dict[int, str] = {}
     too_short = 0
+    size = cfg.ngram_size
     for i, (doc_id, text) in enumerate(docs):
         doc_ids.append(doc_id)
-        tokens = words(text)
-        grams = ngram_positions(tokens, size)
-        too_short += not grams
-        for gram in grams:
+        grams = Grams.of(text, size, cfg.char_ngram_size)
+        hashes = grams.hashes()
+        too_short += not hashes
+        for gram in (*grams.word_grams, *grams.char_grams):
             holders.setdefault(gram, []).append(i)
+        tokens = grams.words
         covered = phrases.cover(tokens)
         if any(covered):
             for start in range(len(tokens) - size + 1):
@@ -265,22 +382,22 @@ def _task_doc_text(task: Any, doc: dict) -> str:
 
 
 def index_ngrams(
-    eval_files: Sequence[Path], eval_tasks: Sequence[str], size: int, *, task_include_path: Path | None = None,
-    phrases: Phrases | None = None, eval_boilerplate_min_docs: int | None = None,
+    eval_files: Sequence[Path], eval_tasks: Sequence[str], cfg: DecontaminateConfig, *,
+    task_include_path: Path | None = None, phrases: Phrases | None = None,
 ) -> list[EvalIndex]:
     """One n-gram index per eval file (named by its stem) and per lm-eval task (named by the task), each
-    with its boilerplate n-grams: mostly made of `phrases`, or held by at least `eval_boilerplate_min_docs`
-    eval documents of all the sets together.
+    with its boilerplate n-grams: mostly made of `phrases`, or held by at least
+    `cfg.eval_boilerplate_min_docs` eval documents of all the sets together.
 
     `task_include_path` is a folder of extra lm-eval task YAMLs (lm-eval's `include_path`).
     """
     phrases = phrases or Phrases()
     indexes = [
-        _index(Path(path).stem, task_name_for(Path(path)), str(path), read_eval_records(Path(path)), size, phrases)
+        _index(Path(path).stem, task_name_for(Path(path)), str(path), read_eval_records(Path(path)), cfg, phrases)
         for path in eval_files
     ]
     for name, docs in _task_docs(eval_tasks, task_include_path).items() if eval_tasks else ():
-        indexes.append(_index(name, name, f"lm-eval:{name}", docs, size, phrases))
+        indexes.append(_index(name, name, f"lm-eval:{name}", docs, cfg, phrases))
     by_name: dict[str, str] = {}
     for index in indexes:
         if index.name in by_name:
@@ -289,72 +406,144 @@ def index_ngrams(
                 "reports and removal reasons are keyed by it: rename one"
             )
         by_name[index.name] = index.source
-    if eval_boilerplate_min_docs is not None:
+    if cfg.eval_boilerplate_min_docs is not None:
         num_docs = Counter()
         for index in indexes:
             for gram, docs in index.holders.items():
                 num_docs[gram] += len(docs)
         for index in indexes:
             for gram in index.holders:
-                if num_docs[gram] >= eval_boilerplate_min_docs:
+                if num_docs[gram] >= cfg.eval_boilerplate_min_docs:
                     index.boilerplate.setdefault(gram, EVAL_FREQUENT)
     return indexes
 
 
+@dataclass
+class Lookup:
+    """What a scan needs of one eval set: its n-grams and which of them are boilerplate."""
+
+    name: str
+    grams: set[int]
+    boilerplate: dict[int, str]
+
+
+def save_lookups(indexes: list[EvalIndex], path: Path) -> None:
+    """The eval sets' n-grams for the scan's ranks, as arrays (a file, not the ranks' pickled pipeline:
+    datatrove copies and logs a pipeline per rank)."""
+    arrays: dict[str, np.ndarray] = {"names": np.array([index.name for index in indexes], dtype=str)}
+    for i, index in enumerate(indexes):
+        arrays[f"grams_{i}"] = np.array(sorted(index.holders), dtype=np.uint64)
+        arrays[f"boilerplate_{i}"] = np.array(list(index.boilerplate), dtype=np.uint64)
+        arrays[f"reasons_{i}"] = np.array(list(index.boilerplate.values()), dtype=str)
+    np.savez(path, **arrays)
+
+
+def load_lookups(path: Path) -> list[Lookup]:
+    with np.load(path, allow_pickle=False) as arrays:
+        return [Lookup(str(name), set(arrays[f"grams_{i}"].tolist()),
+                       dict(zip(arrays[f"boilerplate_{i}"].tolist(), arrays[f"reasons_{i}"].tolist())))
+                for i, name in enumerate(arrays["names"].tolist())]
+
+
+@dataclass(frozen=True)
+class _Scan:
+    """Rank r: scan input shard r against the eval sets' n-grams, writing shard r of the kept and removed documents."""
+
+    cfg: DecontaminateConfig
+    lookups: Path  # `save_lookups`' file
+    shards: list[Path]
+    out_dir: Path
+
+    def __call__(self, rank: int) -> dict[str, Any]:
+        with RankShards(self.out_dir, rank) as shards:
+            result = scan_shard(self.cfg, load_lookups(self.lookups), self.shards[rank], shards)
+            return result | {"shards": shards.close()}
+
+
+def scan_shard(cfg: DecontaminateConfig, lookups: list[Lookup], shard: Path, out: RankShards) -> dict[str, Any]:
+    """Remove (or flag) the documents of `shard` that overlap an eval set; its counts, tally and findings."""
+    counts = DocCounts()
+    tally = RemovalTally()
+    found = {lookup.name: Findings() for lookup in lookups}
+    num_flagged = 0
+    for doc in read_documents(shard):
+        counts.num_in += 1
+        overlaps: dict[str, int] = {}
+        grams = Grams.of(doc.text, cfg.ngram_size, cfg.char_ngram_size)
+        hashes = grams.hashes()
+        for lookup in lookups:
+            hits = lookup.grams & hashes
+            if not hits:
+                continue
+            findings = found[lookup.name]
+            ignored = hits & lookup.boilerplate.keys()
+            if ignored:
+                _note_ignored(lookup, findings, doc.id, grams, ignored, cfg)
+            shared = hits - ignored
+            findings.shared |= shared
+            if len(shared) < cfg.min_overlap_ngrams:
+                continue
+            overlaps[lookup.name] = len(shared)
+            findings.matched |= shared
+            findings.num_docs_contaminated += 1
+            if len(findings.examples) < _NUM_EXAMPLES:
+                findings.examples.append(grams.example(doc.id, min(shared), cfg.ngram_size, cfg.char_ngram_size))
+        if overlaps:
+            doc.metadata["contamination"] = overlaps
+        if overlaps and cfg.action == "remove":
+            reason = f"contaminated:{next(iter(overlaps))}"  # the first eval set, in the given order
+            out.removed.add(reason, vars(doc))
+            counts.removed[reason] += 1
+            tally.add("removed", doc.domain, text_bytes(doc.text), reason)
+            continue
+        num_flagged += bool(overlaps)
+        out.kept.write_line(doc.to_json_line())
+        counts.num_kept += 1
+        tally.add("kept", doc.domain, text_bytes(doc.text))
+    return {"counts": counts.as_dict(), "tally": tally.table(), "num_flagged": num_flagged,
+            "found": {name: findings.to_json() for name, findings in found.items()}}
+
+
 def decontaminate_documents(
     cfg: DecontaminateConfig,
-    input_file: Path,
+    inputs: list[Path],
     eval_files: list[Path],
     out_dir: Path,
     *,
     eval_tasks: Sequence[str] = (),
     task_include_path: Path | None = None,
+    executor: ExecutorSettings = LOCAL,
 ) -> dict:
-    """Remove (or flag) training documents overlapping the eval sets; write the contamination reports."""
-    indexes = index_ngrams(eval_files, eval_tasks, cfg.ngram_size, task_include_path=task_include_path,
-                           phrases=boilerplate_phrases(cfg), eval_boilerplate_min_docs=cfg.eval_boilerplate_min_docs)
+    """Remove (or flag) the documents of the shards `inputs` that overlap the eval sets, a task per shard
+    on `executor`; write the contamination reports."""
+    indexes = index_ngrams(eval_files, eval_tasks, cfg, task_include_path=task_include_path,
+                           phrases=boilerplate_phrases(cfg))
+    # Absolute: Slurm and Ray workers do not share this process's working directory.
+    inputs, out_dir = [path.resolve() for path in inputs], out_dir.resolve()
+    work = out_dir / WORK_DIR
+    plan = shard_plan("kiln_decontaminate", {"config": cfg.identity(), "evals": _digest(indexes)}, inputs)
+    lookups = work / "eval_ngrams.npz"
+    work.mkdir(exist_ok=True)
+    save_lookups(indexes, lookups)
+    run = map_shards(_Scan(cfg, lookups, inputs, out_dir), len(inputs), work / "scan", settings=executor,
+                     jobs=cfg.num_workers, job_name="kiln_decontaminate", plan=plan,
+                     clear=[out_dir / kind for kind in KINDS])
     counts = DocCounts()
     tally = RemovalTally()
     num_flagged = 0
-    with (
-        open(out_dir / DOCUMENTS_FILE, "wb") as out,
-        ReasonLog(out_dir / REMOVED_FILE) as removed,
-    ):
-        for doc in read_documents(input_file):
-            counts.num_in += 1
-            overlaps: dict[str, int] = {}
-            tokens = words(doc.text)
-            doc_grams = ngram_positions(tokens, cfg.ngram_size)
-            for index in indexes:
-                found = index.holders.keys() & doc_grams.keys()
-                if not found:
-                    continue
-                ignored = found & index.boilerplate.keys()
-                if ignored:
-                    _note_ignored(index, doc.id, tokens, ignored, doc_grams, cfg.ngram_size)
-                shared = found - ignored
-                index.shared |= shared
-                if len(shared) < cfg.min_overlap_ngrams:
-                    continue
-                overlaps[index.name] = len(shared)
-                index.matched |= shared
-                index.num_docs_contaminated += 1
-                if len(index.examples) < _NUM_EXAMPLES:
-                    index.examples.append(_example(doc.id, tokens, doc_grams[min(shared)], cfg.ngram_size))
-            if overlaps:
-                doc.metadata["contamination"] = overlaps
-            if overlaps and cfg.action == "remove":
-                reason = f"contaminated:{next(iter(overlaps))}"  # the first eval set, in the given order
-                removed.add(reason, vars(doc))
-                counts.removed[reason] += 1
-                tally.add("removed", doc.domain, text_bytes(doc.text), reason)
-                continue
-            num_flagged += bool(overlaps)
-            out.write(doc.to_json_line())
-            counts.num_kept += 1
-            tally.add("kept", doc.domain, text_bytes(doc.text))
+    for result in run.results:  # in shard order: examples are the first ones in input order
+        part = result["counts"]
+        counts.num_in += part["num_in"]
+        counts.num_kept += part["num_kept"]
+        counts.removed.update(part["removed"])
+        tally.merge(result["tally"])
+        num_flagged += result["num_flagged"]
+        for index in indexes:
+            index.found.merge(result["found"][index.name])
+    shutil.rmtree(work, ignore_errors=True)
     report = {
         "ngram_size": cfg.ngram_size,
+        "char_ngram_size": cfg.char_ngram_size,
         "min_overlap_ngrams": cfg.min_overlap_ngrams,
         "action": cfg.action,
         "boilerplate": {"known_boilerplate": cfg.known_boilerplate, "boilerplate_files": list(cfg.boilerplate_files),
@@ -372,38 +561,40 @@ def decontaminate_documents(
         "num_flagged": num_flagged,
         "contamination": {
             index.name: {
-                "num_docs_contaminated": index.num_docs_contaminated,
-                "num_overlapping_ngrams": len(index.matched),
+                "num_docs_contaminated": index.found.num_docs_contaminated,
+                "num_overlapping_ngrams": len(index.found.matched),
                 "contamination_rate": index.contamination_rate(),
-                "num_training_docs_with_ignored_boilerplate": dict(index.ignored_docs),
+                "num_training_docs_with_ignored_boilerplate": dict(index.found.ignored_docs),
             }
             for index in indexes
         },
+        "shards": write_listing(out_dir, {kind: [r["shards"][kind] for r in run.results] for kind in KINDS}),
+        "executor_cpu_s": run.outside_cpu_s,
     }
 
 
-def _note_ignored(index: EvalIndex, doc_id: str, tokens: list[str], ignored: set[int], doc_grams: dict[int, int],
-                  size: int) -> None:
-    """Count a training document holding boilerplate n-grams of `index`, by reason, with a few examples."""
+def _digest(indexes: list[EvalIndex]) -> str:
+    """The eval sets' n-grams and boilerplate, for a scan's plan: finished ranks are reused only under the same."""
+    digest = hashlib.sha256()
+    for index in indexes:
+        digest.update(index.name.encode() + b"\0")
+        digest.update(b"".join(gram.to_bytes(8, "little") for gram in sorted(index.holders)))
+        digest.update(json.dumps(sorted(index.boilerplate.items())).encode())
+    return digest.hexdigest()
+
+
+def _note_ignored(lookup: Lookup, found: Findings, doc_id: str, grams: Grams, ignored: set[int],
+                  cfg: DecontaminateConfig) -> None:
+    """Count a training document holding boilerplate n-grams of an eval set, by reason, with a few examples."""
     by_reason: dict[str, set[int]] = {}
     for gram in ignored:
-        by_reason.setdefault(index.boilerplate[gram], set()).add(gram)
-    for reason, grams in by_reason.items():
-        index.ignored_found.setdefault(reason, set()).update(grams)
-        index.ignored_docs[reason] += 1
-        examples = index.ignored_examples.setdefault(reason, [])
+        by_reason.setdefault(lookup.boilerplate[gram], set()).add(gram)
+    for reason, hashes in by_reason.items():
+        found.ignored_found.setdefault(reason, set()).update(hashes)
+        found.ignored_docs[reason] += 1
+        examples = found.ignored_examples.setdefault(reason, [])
         if len(examples) < _NUM_EXAMPLES:
-            examples.append(_example(doc_id, tokens, doc_grams[min(grams)], size))
-
-
-def _example(doc_id: str, tokens: list[str], start: int, size: int) -> dict[str, str]:
-    """A matched n-gram and the normalised words around it in the training document."""
-    lo, hi = max(0, start - _SNIPPET_CONTEXT), start + size + _SNIPPET_CONTEXT
-    return {
-        "doc_id": doc_id,
-        "ngram": " ".join(tokens[start : start + size]),
-        "snippet": ("… " if lo else "") + " ".join(tokens[lo:hi]) + (" …" if hi < len(tokens) else ""),
-    }
+            examples.append(grams.example(doc_id, min(hashes), cfg.ngram_size, cfg.char_ngram_size))
 
 
 def contamination_markdown(report: dict[str, Any]) -> str:
@@ -411,7 +602,8 @@ def contamination_markdown(report: dict[str, Any]) -> str:
     lines = [
         "# Contamination",
         "",
-        f"{report['ngram_size']}-word n-grams; a training document sharing at least "
+        f"{report['ngram_size']}-word n-grams ({report['char_ngram_size']}-character n-grams in scripts written "
+        "without spaces); a training document sharing at least "
         f"{report['min_overlap_ngrams']} with a benchmark is contaminated "
         f"({ {'remove': 'removed', 'flag': 'flagged'}[report['action']] }). "
         "Contamination rate: eval documents sharing any n-gram with the training data / eval documents.",

@@ -1,24 +1,24 @@
-"""The dedup stage on one node: exact (normalised-text digest), then fuzzy (MinHash LSH) duplicates.
+"""The dedup stage's algorithm: exact (normalised-text digest), then fuzzy (MinHash LSH) duplicates.
 
 Fuzzy matching uses the vectorised signatures and banding of `tasks.data.minhash`: LSH proposes
 candidate pairs, and a pair counts only if its estimated Jaccard similarity (the fraction of
 agreeing permutations) reaches the verification threshold. Duplicates are clustered (connected
 components), and each cluster keeps one document: the highest `metadata.quality_score` (documents
 without one rank below any with one), then the longest text, then the smallest id — never input
-position, so shuffling the input keeps the same survivors. The others go to `removed.jsonl` with
+position, so shuffling the input keeps the same survivors. The others are removed with
 `metadata.duplicate_of` naming the survivor. Output keeps input order.
 
-`removals.json/.md/.png` count documents and bytes in, kept and removed by reason per domain
-(`tasks.data.inspection`, tallied while writing), and `cluster_sizes.png` plots the clusters.
-
-The input is parsed once. A line that is already its document's `Document.to_json_line()` (checked
-while reading: true of every file a Kiln stage writes) is written back byte for byte when kept,
-and spliced into its removal record when removed; any other line is parsed again and
+It runs in three steps (`tasks.data.dedup_job` runs them): `sign_shard` computes each input
+shard's digests and signatures (a task per shard, in parallel); `cluster` reads them all — ids,
+digests, band keys and signatures, never a text — finds the clusters and decides every document's
+fate, as one process must; `write_shard` writes each shard's kept and removed documents (a task per
+shard again), tallying `removals.json` as it writes. A line that is already its document's
+`Document.to_json_line()` (true of every file a Kiln stage writes) is written back byte for byte
+when kept, and spliced into its removal record when removed; any other line is parsed again and
 re-serialised, so the output is the same either way.
 
 Every run saves its kept documents' signatures and LSH bucket tables in `out_dir/lsh_index/`, so
-`dedup_against_index` can deduplicate a later batch against everything kept so far without
-recomputing a signature.
+a later batch can be deduplicated against everything kept so far without recomputing a signature.
 """
 
 from __future__ import annotations
@@ -26,14 +26,12 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import multiprocessing
 import sys
 import unicodedata
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable
 from collections.abc import Set as AbstractSet
-from concurrent.futures import Future, ProcessPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -43,9 +41,10 @@ from pydantic import Field
 from tasks.accounting import DocCounts
 from tasks.configbase import Section, runtime_field
 from tasks.data import minhash
-from tasks.data.dedup_index import DIGEST_BYTES, INDEX_DIR, SNIPPET_CHARS, DedupIndex
-from tasks.data.documents import DOCUMENTS_FILE, REMOVED_FILE, Document, ReasonLog
-from tasks.data.inspection import RemovalTally, text_bytes, write_removal_report
+from tasks.data.dedup_index import DIGEST_BYTES, SNIPPET_CHARS, DedupIndex, digest_array
+from tasks.data.documents import Document, open_lines, read_documents
+from tasks.data.inspection import RemovalTally, text_bytes
+from tasks.data.shards import RankShards
 
 _BATCH = 1000  # documents per signature batch: amortises numpy calls, bounds memory per worker
 _BATCH_CHARS = 8_000_000  # ...or fewer, once a batch holds this much text (enormous documents)
@@ -74,9 +73,10 @@ class DedupConfig(Section):
     fp_weight: float = Field(0.5, ge=0.0)
     fn_weight: float = Field(0.5, ge=0.0)
     seed: int = 1
-    # fast: Kiln's single-node numpy path, as one job on `cluster.executor`; datatrove: datatrove's
-    # 4-stage MinHash pipeline distributed on `cluster.executor` (local processes, Slurm or Ray). Their
-    # normalisation differs (see tasks/data/dedup_datatrove.py), so the engine is part of the key.
+    # fast: Kiln's numpy path, signatures and writing a task per shard on `cluster.executor`, clusters in
+    # one process; datatrove: datatrove's 4-stage MinHash pipeline on `cluster.executor` (local processes,
+    # Slurm or Ray). Their normalisation differs (see tasks/data/dedup_datatrove.py), so the engine is
+    # part of the key.
     engine: Literal["fast", "datatrove"] = "fast"
     num_workers: int = runtime_field(1, ge=1)
 
@@ -171,7 +171,7 @@ def shingles(normalized: str, size: int) -> list[bytes]:
     return sorted({raw[s:e] for s, e in zip(starts.tolist(), ends.tolist())})
 
 
-def _signature_settings(cfg: DedupConfig) -> dict[str, Any]:
+def signature_settings(cfg: DedupConfig) -> dict[str, Any]:
     """Everything an index's signatures, digests and band keys depend on."""
     bands, rows = lsh_bands(cfg)
     return {
@@ -182,62 +182,107 @@ def _signature_settings(cfg: DedupConfig) -> dict[str, Any]:
     }
 
 
-def dedup_documents(cfg: DedupConfig, input_file: Path, out_dir: Path) -> dict:
-    """Remove exact and near duplicates from `input_file` into `out_dir/documents.jsonl`."""
-    return _dedup(cfg, DedupIndex.empty(_signature_settings(cfg)), input_file, out_dir)
+@dataclass
+class SignedShard:
+    """What `cluster` needs of one shard's documents, in input order: no text but a snippet."""
+
+    ids: np.ndarray  # str
+    lengths: np.ndarray  # int64: characters
+    quality: np.ndarray  # float64: metadata.quality_score, NaN where absent
+    snippets: np.ndarray  # str: the first SNIPPET_CHARS characters
+    digests: np.ndarray  # (n, DIGEST_BYTES) uint8: digest of the normalised text
+    signatures: np.ndarray  # (n, num_perm) uint32
+    has_shingles: np.ndarray  # bool
+
+    def save(self, path: Path) -> None:
+        np.savez(path, **vars(self))
+
+    @classmethod
+    def load(cls, path: Path) -> SignedShard:
+        with np.load(path, allow_pickle=False) as arrays:
+            return cls(**{name: arrays[name] for name in arrays.files})
 
 
-def dedup_against_index(cfg: DedupConfig, index_dir: Path, new_input_file: Path, out_dir: Path) -> dict:
-    """Deduplicate a new batch against itself and every document kept in `index_dir` (an earlier
-    run's `lsh_index/`). Indexed documents are already published, so they always survive; the
-    combined index is saved in `out_dir/lsh_index/`."""
-    return _dedup(cfg, DedupIndex.load(index_dir, _signature_settings(cfg)), new_input_file, out_dir)
+def sign_shard(cfg: DedupConfig, shard: Path) -> SignedShard:
+    """Digests and signatures of one shard's documents, `_BATCH` documents at a time. A normalised text
+    seen before in the shard is not signed again: it takes the signature of its first occurrence."""
+    ids: list[str] = []
+    lengths: list[int] = []
+    quality: list[float] = []
+    snippets: list[str] = []
+    parts: list[tuple[list[bytes], np.ndarray, np.ndarray]] = []
+    signed: set[bytes] = set()  # normalised texts signed so far
+    pending: list[str] = []
+    pending_chars = 0
+
+    def sign() -> None:
+        parts.append(_sign_batch(pending, cfg, signed))
+        signed.update(parts[-1][0])
+
+    for doc in read_documents(shard):
+        ids.append(doc.id)
+        lengths.append(len(doc.text))
+        quality.append(quality_score(doc))
+        snippets.append(doc.text[:SNIPPET_CHARS])
+        pending.append(doc.text)
+        pending_chars += len(doc.text)
+        if len(pending) >= _BATCH or pending_chars >= _BATCH_CHARS:
+            sign()
+            pending, pending_chars = [], 0
+    if pending:
+        sign()
+    digests = [digest for part in parts for digest in part[0]]
+    signatures = (np.concatenate([part[1] for part in parts]) if parts
+                  else np.zeros((0, cfg.num_perm), dtype=np.uint32))
+    first_row: dict[bytes, int] = {}
+    copies = [(row, first) for row, digest in enumerate(digests) if (first := first_row.setdefault(digest, row)) != row]
+    if copies and cfg.fuzzy:
+        rows, firsts = np.array(copies).T
+        signatures[rows] = signatures[firsts]
+    return SignedShard(
+        ids=np.array(ids, dtype=str), lengths=np.array(lengths, dtype=np.int64),
+        quality=np.array(quality, dtype=np.float64), snippets=np.array(snippets, dtype=str),
+        digests=digest_array(digests), signatures=signatures,
+        has_shingles=np.concatenate([part[2] for part in parts]) if parts else np.zeros(0, dtype=bool),
+    )
 
 
 @dataclass
-class _Batch:
-    """What the stage remembers of each input document (its line is re-read when writing)."""
+class Clustering:
+    """`cluster`'s decisions and what the stage reports of them."""
 
-    num_perm: int
-    line_numbers: list[int] = field(default_factory=list)  # blank lines skipped, as `read_documents` does
-    ids: list[str] = field(default_factory=list)
-    lengths: list[int] = field(default_factory=list)
-    text_bytes: list[int] = field(default_factory=list)
-    snippets: list[str] = field(default_factory=list)
-    domains: list[str] = field(default_factory=list)
-    quality: list[float] = field(default_factory=list)
-    # b"" or b", " (what goes before a `duplicate_of` appended to its metadata) where the line is
-    # the document's `to_json_line()` and its metadata has no `duplicate_of`; else None (re-serialise).
-    splices: list[bytes | None] = field(default_factory=list)
-    digests: list[bytes] = field(default_factory=list)
-    signatures: np.ndarray = field(init=False)
-    has_shingles: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=bool))
-
-    def __post_init__(self) -> None:
-        self.signatures = np.zeros((0, self.num_perm), dtype=np.uint32)
+    removed: list[dict[int, tuple[str, str]]]  # per shard: position -> (reason, survivor id)
+    index: DedupIndex  # the index extended with the kept documents
+    sizes: Counter[int]  # clusters by number of members
+    stats: dict[str, Any]
 
 
-def _dedup(cfg: DedupConfig, index: DedupIndex, input_file: Path, out_dir: Path) -> dict:
-    (out_dir / REMOVED_FILE).unlink(missing_ok=True)  # written lazily: a failed attempt's must not survive
-    batch = _read_and_sign(cfg, input_file)
-    n, m = len(batch.ids), len(index)
-    # Graph nodes: indexed documents 0..m-1, then this batch's documents m..m+n-1.
-    index_digests = index.digest_list()
+def cluster(cfg: DedupConfig, index: DedupIndex, shards: list[SignedShard]) -> Clustering:
+    """Exact and fuzzy duplicates among `shards` (in input order) and against `index`, whose documents
+    are published and so always survive; which document each removed one duplicates, and why."""
+    n = sum(len(shard.ids) for shard in shards)
+    m = len(index)
+    ids = index.ids.tolist() + [i for shard in shards for i in shard.ids.tolist()]
+    digest_rows = np.concatenate([index.digests, *(shard.digests for shard in shards)])
+    digests = [row.tobytes() for row in digest_rows]
+    signatures = np.concatenate([shard.signatures for shard in shards]) if shards else index.signatures[:0]
+    has_shingles = np.concatenate([shard.has_shingles for shard in shards]) if shards else np.zeros(0, dtype=bool)
+    # Graph nodes: indexed documents 0..m-1, then the new documents m..m+n-1.
     exact_pairs: list[tuple[int, int]] = []
-    in_lsh = batch.has_shingles.copy()
+    in_lsh = has_shingles.copy()
     if cfg.exact:
-        first_with = {digest: i for i, digest in enumerate(index_digests)}
-        for i, digest in enumerate(batch.digests):
-            first = first_with.setdefault(digest, m + i)
-            if first != m + i:
-                exact_pairs.append((first, m + i))
-                in_lsh[i] = False  # an exact copy is clustered already: no fuzzy matching needed
+        first_with = {digest: node for node, digest in enumerate(digests[:m])}
+        for node in range(m, m + n):
+            first = first_with.setdefault(digests[node], node)
+            if first != node:
+                exact_pairs.append((first, node))
+                in_lsh[node - m] = False  # an exact copy is clustered already: no fuzzy matching needed
     edges = [np.array(exact_pairs, dtype=np.int64).reshape(-1, 2)]
     num_candidates = num_verified = 0
     if cfg.fuzzy:
         verify = _verify_threshold(cfg)
         members = np.flatnonzero(in_lsh)
-        sigs = batch.signatures[members]
+        sigs = signatures[members]
         keys = minhash.band_keys(sigs, index.settings["bands"], index.settings["rows"])
         inner = minhash.candidate_pairs(keys)
         cross = index.candidates(keys)
@@ -250,76 +295,89 @@ def _dedup(cfg: DedupConfig, index: DedupIndex, input_file: Path, out_dir: Path)
     clusters = _clusters(m + n, np.concatenate(edges))
 
     # Survivor of each cluster: an indexed document if any (it is published), else the best new one.
-    quality = np.concatenate((index.quality, np.array(batch.quality, dtype=np.float64)))
-    lengths = np.concatenate((index.lengths, np.array(batch.lengths, dtype=np.int64)))
-    ids = index.ids.tolist() + batch.ids
+    quality = np.concatenate([index.quality, *(shard.quality for shard in shards)])
+    lengths = np.concatenate([index.lengths, *(shard.lengths for shard in shards)])
     survivor_of = np.arange(m + n)
-    for cluster in clusters:
-        indexed = [node for node in cluster if node < m]
-        candidates = indexed or cluster
-        best = min(candidates, key=lambda i: survivor_rank(quality[i], lengths[i], ids[i]))
-        survivor_of[cluster] = best
-    digests = index_digests + batch.digests
+    for members_of in clusters:
+        indexed = [node for node in members_of if node < m]
+        best = min(indexed or members_of, key=lambda i: survivor_rank(quality[i], lengths[i], ids[i]))
+        survivor_of[members_of] = best
 
-    counts = DocCounts(num_in=n)
-    removed_by_domain: Counter[str] = Counter()
-    tally = RemovalTally()
-    sampled = _sample_clusters(clusters, survivor_of)
-    snippets = {i: str(index.snippets[i]) if i < m else batch.snippets[i - m] for cluster in sampled for i in cluster}
-    kept: list[int] = []
-    with open(out_dir / DOCUMENTS_FILE, "wb") as out, ReasonLog(out_dir / REMOVED_FILE) as removed:
-        for i, line in enumerate(_document_lines(input_file, batch.line_numbers)):
-            node = m + i
+    removed: list[dict[int, tuple[str, str]]] = []
+    kept: list[int] = []  # nodes
+    node = m
+    for shard in shards:
+        decisions: dict[int, tuple[str, str]] = {}
+        for position in range(len(shard.ids)):
             survivor = int(survivor_of[node])
-            domain, num_bytes = batch.domains[i], batch.text_bytes[i]
             if survivor == node:
-                out.write(line if batch.splices[i] is not None else _parse(line).to_json_line())
-                snippets[node] = batch.snippets[i]
-                counts.num_kept += 1
-                kept.append(i)
-                tally.add("kept", domain, num_bytes)
-                continue
-            # The reason is the relation to the kept document, whichever member made the link.
-            reason = "exact_duplicate" if cfg.exact and digests[survivor] == digests[node] else "near_duplicate"
-            splice = batch.splices[i]
-            if splice is None:
-                doc = _parse(line)
-                doc.metadata["duplicate_of"] = ids[survivor]
-                removed.add(reason, vars(doc))
-            else:
-                removed.write_line(_spliced_removal(line, splice, reason, ids[survivor]))
-            counts.removed[reason] += 1
-            removed_by_domain[domain] += 1
-            tally.add("removed", domain, num_bytes, reason)
+                kept.append(node)
+            else:  # the reason is the relation to the kept document, whichever member made the link
+                exact = cfg.exact and digests[survivor] == digests[node]
+                decisions[position] = ("exact_duplicate" if exact else "near_duplicate", ids[survivor])
+            node += 1
+        removed.append(decisions)
 
-    index.extended(
-        ids=[batch.ids[i] for i in kept], digests=[batch.digests[i] for i in kept],
-        lengths=[batch.lengths[i] for i in kept], quality=[batch.quality[i] for i in kept],
-        snippets=[snippets[m + i] for i in kept], signatures=batch.signatures[kept],
-        in_lsh=batch.has_shingles[kept],
-    ).save(out_dir / INDEX_DIR)
+    snippets = np.concatenate([index.snippets, *(shard.snippets for shard in shards)])
+    new = np.array(kept, dtype=np.int64) - m
+    extended = index.extended(
+        ids=[ids[i] for i in kept], digests=[digests[i] for i in kept], lengths=lengths[kept].tolist(),
+        quality=quality[kept].tolist(), snippets=snippets[kept].tolist(), signatures=signatures[new],
+        in_lsh=has_shingles[new],
+    )
     sizes = Counter(len(c) for c in clusters)
-    _plot_cluster_sizes(sizes, out_dir / PLOT_FILE)
-    table = write_removal_report(out_dir, "dedup", tally.table())  # removals by domain and reason
-    bands, rows = lsh_bands(cfg)
-    domain_totals = Counter(batch.domains)
-    return {
-        **counts.as_dict(),
+    bands, rows = index.settings["bands"], index.settings["rows"]
+    stats = {
         "num_clusters": len(clusters),
         "num_indexed_before": m,
         "num_candidate_pairs": num_candidates,
         "num_verified_pairs": num_verified,
-        "lsh": {"bands": bands, "rows": rows,
-                "verify_threshold": _verify_threshold(cfg)},
-        "duplicate_rate_by_domain": {d: removed_by_domain[d] / total for d, total in sorted(domain_totals.items())},
+        "lsh": {"bands": bands, "rows": rows, "verify_threshold": _verify_threshold(cfg)},
         "cluster_sizes": {str(size): num for size, num in sorted(sizes.items())},
         "sample_clusters": [
             {"survivor": ids[survivor_of[c[0]]], "size": len(c),
-             "members": [{"id": ids[i], "snippet": snippets[i]} for i in c[:_SAMPLE_MEMBERS]]}
-            for c in sampled
+             "members": [{"id": ids[i], "snippet": str(snippets[i])} for i in c[:_SAMPLE_MEMBERS]]}
+            for c in _sample_clusters(clusters, survivor_of)
         ],
-        "accounting": table,
     }
+    return Clustering(removed, extended, sizes, stats)
+
+
+def write_shard(shard: Path, shards: RankShards, removed: Callable[[int, str], tuple[str, str] | None]
+                ) -> dict[str, Any]:
+    """Write one input shard's kept and removed documents; `removed(position, id)` gives a removed
+    document's (reason, survivor id), None for a kept one. Returns its counts and tally."""
+    counts = DocCounts()
+    removed_by_domain: Counter[str] = Counter()
+    tally = RemovalTally()
+    with open_lines(shard) as lines:
+        position = 0
+        for raw in lines:
+            if not raw.strip():  # read_documents' `line.strip()`
+                continue
+            line = raw if raw.endswith(b"\n") else raw + b"\n"
+            doc = _parse(line)
+            # the line is the document's canonical form: kept as it is, or spliced into its removal record
+            canonical = line == doc.to_json_line() and "duplicate_of" not in doc.metadata
+            num_bytes = text_bytes(doc.text)
+            counts.num_in += 1
+            decision = removed(position, doc.id)
+            position += 1
+            if decision is None:
+                shards.kept.write_line(line if canonical else doc.to_json_line())
+                counts.num_kept += 1
+                tally.add("kept", doc.domain, num_bytes)
+                continue
+            reason, survivor_id = decision
+            if canonical:
+                shards.removed.write_line(_spliced_removal(line, b", " if doc.metadata else b"", reason, survivor_id))
+            else:
+                doc.metadata["duplicate_of"] = survivor_id
+                shards.removed.add(reason, vars(doc))
+            counts.removed[reason] += 1
+            removed_by_domain[doc.domain] += 1
+            tally.add("removed", doc.domain, num_bytes, reason)
+    return {"counts": counts.as_dict(), "removed_by_domain": dict(removed_by_domain), "tally": tally.table()}
 
 
 def _clusters(num_nodes: int, edges: np.ndarray) -> list[list[int]]:
@@ -342,7 +400,7 @@ def _sample_clusters(clusters: list[list[int]], survivor_of: np.ndarray) -> list
     return [[int(survivor_of[c[0]])] + [i for i in c if i != survivor_of[c[0]]] for c in largest]
 
 
-def _plot_cluster_sizes(sizes: Counter[int], path: Path) -> None:
+def plot_cluster_sizes(sizes: Counter[int], path: Path) -> None:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
     from matplotlib.ticker import MaxNLocator
@@ -360,17 +418,6 @@ def _plot_cluster_sizes(sizes: Counter[int], path: Path) -> None:
     figure.savefig(path, dpi=80)
 
 
-def _document_lines(input_file: Path, line_numbers: list[int]) -> Iterator[bytes]:
-    """The input's document lines (those numbered in `line_numbers`), as bytes ending in a newline."""
-    wanted = iter(line_numbers)
-    next_wanted = next(wanted, -1)
-    with open(input_file, "rb") as lines:
-        for number, line in enumerate(lines):
-            if number == next_wanted:
-                yield line if line.endswith(b"\n") else line + b"\n"
-                next_wanted = next(wanted, -1)
-
-
 def _parse(line: bytes) -> Document:
     return Document.from_dict(json.loads(line.decode("utf-8")))
 
@@ -384,79 +431,13 @@ def _spliced_removal(line: bytes, splice: bytes, reason: str, survivor_id: str) 
             + json.dumps(survivor_id, ensure_ascii=False).encode("utf-8") + b"}}\n")
 
 
-def _read_and_sign(cfg: DedupConfig, input_file: Path) -> _Batch:
-    batch = _Batch(cfg.num_perm)
-    parts: list[Future[tuple] | tuple] = []
-    signed: set[bytes] = set()  # normalised texts signed so far, in this process
-    pool = None
-    if cfg.num_workers > 1:
-        # forkserver, not fork: the caller (a flow runner) may hold threads, and locks, that fork copies.
-        pool = ProcessPoolExecutor(cfg.num_workers, mp_context=multiprocessing.get_context("forkserver"))
-
-    def sign(texts: list[str]) -> None:
-        if pool is not None:
-            parts.append(pool.submit(_sign_batch, texts, cfg))
-            return
-        parts.append(_sign_batch(texts, cfg, signed))
-        signed.update(parts[-1][0])
-
-    try:
-        pending: list[str] = []
-        pending_chars = 0
-        for number, line, doc in _read_lines(input_file):
-            batch.line_numbers.append(number)
-            batch.ids.append(doc.id)
-            batch.lengths.append(len(doc.text))
-            batch.text_bytes.append(text_bytes(doc.text))
-            batch.snippets.append(doc.text[:SNIPPET_CHARS])
-            batch.domains.append(doc.domain)
-            batch.quality.append(quality_score(doc))
-            canonical = line == doc.to_json_line() and "duplicate_of" not in doc.metadata
-            batch.splices.append((b", " if doc.metadata else b"") if canonical else None)
-            pending.append(doc.text)
-            pending_chars += len(doc.text)
-            if len(pending) >= _BATCH or pending_chars >= _BATCH_CHARS:
-                sign(pending)
-                pending, pending_chars = [], 0
-        if pending:
-            sign(pending)
-        results = [part.result() if isinstance(part, Future) else part for part in parts]
-    finally:
-        if pool is not None:
-            pool.shutdown(cancel_futures=True)
-    for digests, _, _ in results:
-        batch.digests.extend(digests)
-    if results:
-        batch.signatures = np.concatenate([r[1] for r in results])
-        batch.has_shingles = np.concatenate([r[2] for r in results])
-    # Copies of a normalised text were not signed: they take the signature of its first occurrence.
-    first_row: dict[bytes, int] = {}
-    copies = [(row, first) for row, digest in enumerate(batch.digests)
-              if (first := first_row.setdefault(digest, row)) != row]
-    if copies and cfg.fuzzy:
-        rows, firsts = np.array(copies).T
-        batch.signatures[rows] = batch.signatures[firsts]
-    return batch
-
-
-def _read_lines(input_file: Path) -> Iterator[tuple[int, bytes, Document]]:
-    """(line number, line, document) of each document line, as `read_documents` reads them but split
-    at newlines only, as `_document_lines` reads them again; the line (bytes, ending in a newline)
-    is kept to check its form."""
-    with open(input_file, "rb") as lines:
-        for number, raw in enumerate(lines):
-            line = raw.decode("utf-8")
-            if line and not line.isspace():  # read_documents' `line.strip()`, without copying the line
-                yield number, raw if raw.endswith(b"\n") else raw + b"\n", Document.from_dict(json.loads(line))
-
-
 def _sign_batch(texts: list[str], cfg: DedupConfig, signed_before: AbstractSet[bytes] = frozenset()
                 ) -> tuple[list[bytes], np.ndarray, np.ndarray]:
     """Digests of the normalised texts, their signatures, and which have any shingle.
 
     Equal normalised texts have equal signatures, so only the first of each that is not in
     `signed_before` is signed (exact copies are a large share of real corpora); the other rows
-    stay empty for `_read_and_sign` to fill.
+    stay empty for `sign_shard` to fill.
     """
     normalized = [normalize(t, cfg) for t in texts]
     digests = [hashlib.blake2b(t.encode("utf-8"), digest_size=DIGEST_BYTES).digest() for t in normalized]

@@ -4,11 +4,13 @@ The four pipelines run one after another through `tasks.data.executors` (local p
 or Ray); each keeps its completion markers under `datatrove/logs/<stage>`, so a rerun after a
 failure skips the finished stages and ranks.
 
-The same `DedupConfig` as the single-node `dedup_documents` drives it: n-gram size, the LSH's
-bands and rows (from `threshold` and `num_perm`), seed and the case/whitespace/punctuation
-switches. The results are written in Kiln's format (`documents.jsonl` in input order,
-`removed.jsonl` with reason `near_duplicate` and `metadata.duplicate_of`), so either path feeds
-the next stage. Where the two paths differ, and why:
+The same `DedupConfig` as the fast engine (`tasks.data.dedup_job.dedup_documents`) drives it:
+n-gram size, the LSH's bands and rows (from `threshold` and `num_perm`), seed and the
+case/whitespace/punctuation switches. Stages 1 and 4 read the input shards themselves; stage 4
+writes only each document's id, cluster, score and length, from which this process picks the
+survivors, and the fast engine's `WriteDecisions` job writes Kiln's shards (kept in input order,
+removed with reason `near_duplicate` and `metadata.duplicate_of`), so either path feeds the next
+stage. Where the two paths differ, and why:
 
 - Text simplification is datatrove's `simplify_text`, which also maps every number to "0" and
   strips diacritics, and turns punctuation into spaces (Kiln deletes it); words come from its
@@ -19,6 +21,7 @@ the next stage. Where the two paths differ, and why:
 - There is no separate exact pass: exact copies share every band and are removed as near
   duplicates; a document with fewer words than `shingle_size` has no signature and is kept.
   So `exact`, `verify_threshold` and `num_workers` (here: `tasks`) have no effect on this path.
+- Ids must be unique (datatrove's results are matched back to documents by id).
 
 Datatrove decides the clusters; which member a cluster keeps follows the single-node rule
 (quality score, then length, then id) rather than datatrove's union-find root, so where the two
@@ -47,14 +50,14 @@ from datatrove.pipeline.writers import JsonlWriter
 from datatrove.utils.hashing import HashConfig
 from datatrove.utils.text import TextNormConfig
 
-from tasks.accounting import DocCounts
 from tasks.data.dedup import DedupConfig, lsh_bands, quality_score, survivor_rank
-from tasks.data.documents import DOCUMENTS_FILE, REMOVED_FILE, ReasonLog, read_documents
-from tasks.data.executors import LOCAL, PLAN_FILE, ExecutorSettings, keep_or_reset, run_pipeline
-from tasks.data.inspection import RemovalTally, text_bytes, write_removal_report
+from tasks.data.dedup_job import WriteDecisions, write_decisions
+from tasks.data.documents import Document
+from tasks.data.executors import LOCAL, PLAN_FILE, ExecutorSettings, reset_unless, run_pipeline, shard_plan
 from tasks.errors import ConfigError, InputError
 
 WORK_DIR = "datatrove"  # intermediates under out_dir; only its `logs/` (stats per stage) is kept
+_INPUTS = "inputs.txt"  # in WORK_DIR: the input shards' names, for datatrove's readers
 STAGES = ("signatures", "buckets", "clusters", "filter")
 _REASON = "near_duplicate"
 _NUM_SAMPLE_CLUSTERS = 5
@@ -79,21 +82,27 @@ def minhash_config(cfg: DedupConfig) -> MinhashConfig:
 
 
 def _from_kiln(self: JsonlReader, data: dict, path: str, id_in_file: int | str) -> dict:
-    """Reader adapter: only the Kiln id and text enter datatrove; Kiln writes full records itself."""
-    return {"id": data["id"], "text": data["text"], "metadata": {}}
+    """Reader adapter: the Kiln id and text enter datatrove, with what choosing a survivor needs (the
+    score, the length) and where the document is; Kiln writes full records itself."""
+    doc = Document.from_dict(data)
+    where = {"file": Path(path).name, "line": id_in_file}
+    return {"id": doc.id, "text": doc.text,
+            "metadata": {"quality": quality_score(doc), "length": len(doc.text), "where": where}}
 
 
 def _ids_only(self: JsonlWriter, document: Any) -> dict:
-    """Writer adapter: which document, and its duplicate cluster (-1: in none)."""
-    return {"id": document.id, "cluster": document.metadata.get("minhash_cluster_id", -1)}
+    """Writer adapter: which document, its duplicate cluster (-1: in none), score, length and place."""
+    return {"id": document.id, "cluster": document.metadata.get("minhash_cluster_id", -1),
+            **{key: document.metadata[key] for key in ("quality", "length", "where")}}
 
 
-def build_pipelines(cfg: DedupConfig, work: Path) -> dict[str, list]:
-    """The four datatrove pipelines, by stage name, reading shards from `work/input`."""
+def build_pipelines(cfg: DedupConfig, inputs: list[Path], work: Path) -> dict[str, list]:
+    """The four datatrove pipelines, by stage name, reading the shards `inputs` (files of one folder)."""
     config = minhash_config(cfg)
+    (work / _INPUTS).write_text("".join(f"{path.name}\n" for path in inputs))
 
     def reader() -> JsonlReader:
-        return JsonlReader(str(work / "input"), compression=None, adapter=_from_kiln, glob_pattern="*.jsonl")
+        return JsonlReader(str(inputs[0].parent), paths_file=str(work / _INPUTS), adapter=_from_kiln)
 
     return {
         "signatures": [reader(), MinhashDedupSignature(str(work / "signatures"), config=config)],
@@ -119,64 +128,58 @@ def stage_tasks(cfg: DedupConfig, tasks: int) -> dict[str, int]:
 
 
 def dedup_with_datatrove(
-    cfg: DedupConfig, input_file: Path, out_dir: Path, *, tasks: int = 2, executor: ExecutorSettings = LOCAL,
+    cfg: DedupConfig, inputs: list[Path], out_dir: Path, *, tasks: int = 2, executor: ExecutorSettings = LOCAL,
 ) -> dict:
-    """Remove near duplicates from `input_file` with datatrove's MinHash in `tasks` tasks on `executor`."""
+    """Remove near duplicates from the shards `inputs` with datatrove's MinHash in `tasks` tasks on `executor`."""
     if not cfg.fuzzy:
         raise ConfigError("dedup.fuzzy is false, but the datatrove path is MinHash (fuzzy) dedup only: "
                           "use the single-node dedup or set dedup.fuzzy: true")
     if tasks < 1:
         raise ConfigError(f"dedup datatrove tasks={tasks}: need at least 1 task")
     # Absolute: Slurm and Ray workers do not share this process's working directory.
-    input_file, out_dir = input_file.resolve(), out_dir.resolve()
+    inputs, out_dir = [path.resolve() for path in inputs], out_dir.resolve()
+    if len({path.parent for path in inputs}) > 1:
+        raise InputError(f"dedup (datatrove engine): the input shards must lie in one folder, not {inputs}")
     work = out_dir / WORK_DIR
-    (out_dir / REMOVED_FILE).unlink(missing_ok=True)  # written lazily: a stale one must not survive a rerun
-    plan = json.dumps(cfg.model_dump(mode="json"), sort_keys=True)  # finished ranks are reused only under it
-    num_in = keep_or_reset(work, "input", plan, lambda shards: _write_shards(input_file, shards, tasks))
-    pipelines = build_pipelines(cfg, work)
-    for stage, num_tasks in stage_tasks(cfg, tasks).items():
-        run_pipeline(pipelines[stage], work / "logs" / stage, tasks=num_tasks, jobs=tasks, settings=executor,
-                     job_name=f"kiln_dedup_{stage}")
-    cluster_of = _read_clusters(work / "kept") | _read_clusters(work / "removed")
-    assert len(cluster_of) == num_in, (len(cluster_of), num_in)
-    survivor_of_cluster = _survivors(input_file, cluster_of)
-
-    counts = DocCounts(num_in=num_in)
-    domains: Counter[str] = Counter()
-    removed_by_domain: Counter[str] = Counter()
+    config = cfg.model_dump(mode="json")
+    # finished ranks are reused only under the same settings and input
+    reset_unless(work, shard_plan("kiln_dedup_datatrove", {"config": config, "tasks": tasks}, inputs))
+    if inputs:
+        pipelines = build_pipelines(cfg, inputs, work)
+        for stage, num_tasks in stage_tasks(cfg, tasks).items():
+            run_pipeline(pipelines[stage], work / "logs" / stage, tasks=num_tasks, jobs=tasks, settings=executor,
+                         job_name=f"kiln_dedup_{stage}")
+    records = _read_records(work / "kept") + _read_records(work / "removed")
+    cluster_of = {r["id"]: r["cluster"] for r in records}
+    if len(cluster_of) < len(records):
+        repeated = next(doc_id for doc_id, n in Counter(r["id"] for r in records).items() if n > 1)
+        raise InputError(f"dedup (datatrove engine): document id {repeated!r} occurs twice; ids must be unique")
+    order = {path.name: i for i, path in enumerate(inputs)}
+    records.sort(key=lambda r: (order[r["where"]["file"]], r["where"]["line"]))  # input order
+    survivor_of_cluster = _survivors(records)
     clusters: dict[int, list[str]] = defaultdict(list)
-    tally = RemovalTally()
-    with (
-        open(out_dir / DOCUMENTS_FILE, "wb") as out,
-        ReasonLog(out_dir / REMOVED_FILE) as removed_log,
-    ):
-        for doc in read_documents(input_file):
-            domains[doc.domain] += 1
-            cluster = cluster_of[doc.id]
-            if cluster != -1:
-                clusters[cluster].append(doc.id)
-            if cluster == -1 or survivor_of_cluster[cluster] == doc.id:
-                out.write(doc.to_json_line())
-                counts.num_kept += 1
-                tally.add("kept", doc.domain, text_bytes(doc.text))
-                continue
-            doc.metadata["duplicate_of"] = survivor_of_cluster[cluster]
-            removed_log.add(_REASON, vars(doc))
-            counts.removed[_REASON] += 1
-            removed_by_domain[doc.domain] += 1
-            tally.add("removed", doc.domain, text_bytes(doc.text), _REASON)
-    for stage in ("input", "signatures", "buckets", "remove", "kept", "removed"):
-        shutil.rmtree(work / stage, ignore_errors=True)
-    (work / PLAN_FILE).unlink()  # without its shards it resumes nothing
+    removed: dict[str, tuple[str, str]] = {}
+    for record in records:
+        cluster = record["cluster"]
+        if cluster == -1:
+            continue
+        clusters[cluster].append(record["id"])
+        if survivor_of_cluster[cluster] != record["id"]:
+            removed[record["id"]] = (_REASON, survivor_of_cluster[cluster])
+    decisions = work / "decisions"
+    decisions.mkdir(exist_ok=True)
+    (decisions / "all.json").write_text(json.dumps(removed))
+    writing, written = write_decisions(WriteDecisions(inputs, out_dir, decisions, by_id=True), work / "write",
+                                       executor, tasks, shard_plan("kiln_dedup_write", config, inputs))
+    for stage in ("signatures", "buckets", "remove", "kept", "removed", "decisions", "write", _INPUTS, PLAN_FILE):
+        target = work / stage
+        shutil.rmtree(target) if target.is_dir() else target.unlink(missing_ok=True)
 
     bands, rows = lsh_bands(cfg)
     dup_clusters = sorted(clusters.items(), key=lambda item: (-len(item[1]), item[1][0]))
-    table = write_removal_report(out_dir, "dedup", tally.table())  # removals by domain and reason
     return {
-        **counts.as_dict(),
-        "accounting": table,
+        **written,
         "num_clusters": len(dup_clusters),
-        "duplicate_rate_by_domain": {d: removed_by_domain[d] / total for d, total in sorted(domains.items())},
         "cluster_sizes": {
             str(size): num for size, num in sorted(Counter(len(m) for _, m in dup_clusters).items())
         },
@@ -188,52 +191,29 @@ def dedup_with_datatrove(
         "tasks": tasks,
         "lsh": {"bands": bands, "rows": rows, "n_grams": cfg.shingle_size},
         "datatrove_logs": f"{WORK_DIR}/logs",
+        "executor_cpu_s": writing.outside_cpu_s,
     }
 
 
-def _write_shards(input_file: Path, shard_dir: Path, tasks: int) -> int:
-    """Split the input into `tasks` contiguous shards (rank r reads shard r); returns the document count.
-
-    Ids must be unique: datatrove's results are matched back to documents by id.
-    """
-    with open(input_file, encoding="utf-8") as handle:
-        num_docs = sum(1 for line in handle if line.strip())
-    per_shard = max(1, math.ceil(num_docs / tasks))
-    shard_dir.mkdir(parents=True)
-    shards = [open(shard_dir / f"{rank:05d}.jsonl", "wb") for rank in range(tasks)]
-    seen: set[str] = set()
-    try:
-        for i, doc in enumerate(read_documents(input_file)):
-            if doc.id in seen:
-                raise InputError(f"{input_file}: document id {doc.id!r} occurs twice; ids must be unique for dedup")
-            seen.add(doc.id)
-            shards[i // per_shard].write(doc.to_json_line())
-    finally:
-        for shard in shards:
-            shard.close()
-    return num_docs
-
-
-def _read_clusters(folder: Path) -> dict[str, int]:
-    """`{doc id: cluster id}` from the JSON lines a stage-4 writer left in `folder` (none: empty)."""
-    ids: dict[str, int] = {}
+def _read_records(folder: Path) -> list[dict[str, Any]]:
+    """The records a stage-4 writer left in `folder` (none: empty)."""
+    records = []
     for path in sorted(folder.glob("*.jsonl")):
         with open(path, encoding="utf-8") as handle:
-            for line in handle:
-                record = json.loads(line)
-                ids[record["id"]] = record["cluster"]
-    return ids
+            records += [json.loads(line) for line in handle]
+    return records
 
 
-def _survivors(input_file: Path, cluster_of: dict[str, int]) -> dict[int, str]:
+def _survivors(records: list[dict[str, Any]]) -> dict[int, str]:
     """The document each cluster keeps, by the single-node rule: highest `metadata.quality_score`
     (none ranks last), then the longest text, then the smallest id."""
     best: dict[int, tuple[tuple[bool, float, int, str], str]] = {}
-    for doc in read_documents(input_file):
-        cluster = cluster_of[doc.id]
+    for record in records:
+        cluster = record["cluster"]
         if cluster == -1:
             continue
-        rank = survivor_rank(quality_score(doc), len(doc.text), doc.id)
+        quality = math.nan if record["quality"] is None else record["quality"]  # JSON writes NaN as null
+        rank = survivor_rank(quality, record["length"], record["id"])
         if cluster not in best or rank < best[cluster][0]:
-            best[cluster] = (rank, doc.id)
+            best[cluster] = (rank, record["id"])
     return {cluster: doc_id for cluster, (_, doc_id) in best.items()}

@@ -69,7 +69,7 @@ class DedupIndex:
         return replace(
             self,
             ids=np.concatenate((self.ids, np.array(ids, dtype=str))),
-            digests=np.concatenate((self.digests, _digest_array(digests))),
+            digests=np.concatenate((self.digests, digest_array(digests))),
             lengths=np.concatenate((self.lengths, np.array(lengths, dtype=np.int64))),
             quality=np.concatenate((self.quality, np.array(quality, dtype=np.float64))),
             snippets=np.concatenate((self.snippets, np.array(snippets, dtype=str))),
@@ -110,7 +110,7 @@ class DedupIndex:
         return minhash.cross_candidate_pairs(new_keys, self.table_keys, self.table_docs)
 
 
-def _digest_array(digests: list[bytes]) -> np.ndarray:
+def digest_array(digests: list[bytes]) -> np.ndarray:
     return np.frombuffer(b"".join(digests), dtype=np.uint8).reshape(len(digests), DIGEST_BYTES)
 
 

@@ -1,68 +1,133 @@
-"""The fast dedup engine on a cluster executor: the whole single-node dedup (or a new batch's dedup
-against a saved index) as one datatrove task.
+"""The dedup stage on `cluster.executor`: signatures per shard in parallel, clusters in this process,
+each shard's kept and removed documents written in parallel.
 
-The fast engine's clustering needs every signature in one process, so it is not split into
-ranks; on `cluster.executor: slurm | ray` it runs as one job with `num_workers` CPUs on the
-cluster (where the data and the cores are) instead of in the orchestrating process. The job
-writes the stage's files into `out_dir` as the local run does and leaves its stats in the job's
-folder for this process to return.
+`dedup_documents` runs the fast engine's three steps (`tasks.data.dedup`): a shard job signs every
+input shard (digests, MinHash signatures, ids, lengths, scores, snippets: no text); this process
+loads those, finds the clusters and decides each document's fate, as one process must; a second
+shard job writes the kept and removed shards from the decisions, tallying as it writes. The
+output equals what one process reading the whole input would write. A rerun after a failure keeps
+the ranks a job finished while its plan (config, input shards, the index it extends) is unchanged.
+`WriteDecisions` is the datatrove engine's last step too.
 """
 
 from __future__ import annotations
 
 import json
 import shutil
+from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-from datatrove.data import DocumentsPipeline
-from datatrove.pipeline.base import PipelineStep
+from tasks.accounting import DocCounts
+from tasks.data.dedup import (
+    PLOT_FILE,
+    DedupConfig,
+    SignedShard,
+    cluster,
+    plot_cluster_sizes,
+    sign_shard,
+    signature_settings,
+    write_shard,
+)
+from tasks.data.dedup_index import INDEX_DIR, DedupIndex
+from tasks.data.executors import LOCAL, ExecutorSettings, ShardRun, map_shards, shard_plan
+from tasks.data.inspection import RemovalTally, write_removal_report
+from tasks.data.shards import KINDS, RankShards, write_listing
 
-from tasks.data.dedup import DedupConfig, dedup_against_index, dedup_documents
-from tasks.data.executors import LOCAL, ExecutorSettings, run_pipeline
-
-JOB_DIR = "_job"  # datatrove's logs and the job's result, removed once the stage has its files
-RESULT_FILE = "result.json"
-
-
-class DedupJob(PipelineStep):
-    """`dedup_documents` (or, given `index_dir`, `dedup_against_index`) as a pipeline step (rank 0 of 1);
-    its stats go to `RESULT_FILE`."""
-
-    name = "Kiln fast dedup"
-    type = "DEDUP"
-
-    def __init__(self, cfg: DedupConfig, input_file: Path, out_dir: Path, index_dir: Path | None = None):
-        super().__init__()
-        self.cfg, self.input_file, self.out_dir, self.index_dir = cfg, input_file, out_dir, index_dir
-
-    def run(self, data: DocumentsPipeline = None, rank: int = 0, world_size: int = 1) -> DocumentsPipeline:
-        stats = dedup(self.cfg, self.input_file, self.out_dir, self.index_dir)
-        self.stat_update("documents", value=stats["num_in"])
-        (self.out_dir / JOB_DIR / RESULT_FILE).write_text(json.dumps(stats))
-        yield from ()
+WORK_DIR = "_dedup"  # the jobs' logs, markers, signatures and decisions, while the stage runs
+_SIGNED = "signed"
+_DECISIONS = "decisions"
 
 
-def dedup(cfg: DedupConfig, input_file: Path, out_dir: Path, index_dir: Path | None = None) -> dict:
-    """The fast dedup of `input_file`, against the saved index in `index_dir` if one is given."""
-    if index_dir is None:
-        return dedup_documents(cfg, input_file, out_dir)
-    return dedup_against_index(cfg, index_dir, input_file, out_dir)
+@dataclass(frozen=True)
+class _Sign:
+    """Rank r: sign input shard r into `target/NNNNN.npz`."""
+
+    cfg: DedupConfig
+    shards: list[Path]
+    target: Path
+
+    def __call__(self, rank: int) -> dict[str, Any]:
+        signed = sign_shard(self.cfg, self.shards[rank])
+        self.target.mkdir(parents=True, exist_ok=True)
+        signed.save(self.target / f"{rank:05d}.npz")
+        return {"num_docs": len(signed.ids)}
 
 
-def dedup_on_executor(cfg: DedupConfig, input_file: Path, out_dir: Path, executor: ExecutorSettings = LOCAL,
-                      index_dir: Path | None = None) -> dict:
-    """The fast dedup of `input_file` (against `index_dir`, if given) into `out_dir`: here when local,
-    else as one job on `executor`."""
-    if executor.kind == "local":
-        return dedup(cfg, input_file, out_dir, index_dir)
+@dataclass(frozen=True)
+class WriteDecisions:
+    """Rank r: write input shard r's kept and removed documents into `out_dir`. `decisions` holds
+    `NNNNN.json` per shard ([position, reason, survivor id] of each removed document), or, with
+    `by_id`, one `all.json` for every shard ({id: [reason, survivor id]}; ids are then unique)."""
+
+    shards: list[Path]
+    out_dir: Path
+    decisions: Path
+    by_id: bool = False
+
+    def __call__(self, rank: int) -> dict[str, Any]:
+        if self.by_id:
+            by_id = {doc_id: tuple(d) for doc_id, d in json.loads((self.decisions / "all.json").read_text()).items()}
+            removed = lambda position, doc_id: by_id.get(doc_id)  # noqa: E731
+        else:
+            by_position = {p: (reason, survivor) for p, reason, survivor in
+                           json.loads((self.decisions / f"{rank:05d}.json").read_text())}
+            removed = lambda position, doc_id: by_position.get(position)  # noqa: E731
+        with RankShards(self.out_dir, rank) as shards:
+            result = write_shard(self.shards[rank], shards, removed)
+            return result | {"shards": shards.close()}
+
+
+def write_decisions(writer: WriteDecisions, work: Path, executor: ExecutorSettings, jobs: int, plan: str
+                    ) -> tuple[ShardRun, dict[str, Any]]:
+    """Run `writer` over its shards; the job's results and what they add up to: counts (as stats),
+    `accounting` (removals.json/.md/.png written), `duplicate_rate_by_domain`, `shards` (the listing written)."""
+    run = map_shards(writer, len(writer.shards), work, settings=executor, jobs=jobs, job_name="kiln_dedup_write",
+                     plan=plan, clear=[writer.out_dir / kind for kind in KINDS])
+    counts = DocCounts()
+    tally = RemovalTally()
+    removed_by_domain: Counter[str] = Counter()
+    for result in run.results:
+        counts.num_in += result["counts"]["num_in"]
+        counts.num_kept += result["counts"]["num_kept"]
+        counts.removed.update(result["counts"]["removed"])
+        removed_by_domain.update(result["removed_by_domain"])
+        tally.merge(result["tally"])
+    table = tally.table()
+    return run, {
+        **counts.as_dict(),
+        "accounting": write_removal_report(writer.out_dir, "dedup", table),  # removals by domain and reason
+        "duplicate_rate_by_domain": {d: removed_by_domain[d] / row["in"]["docs"] for d, row in table.items()},
+        "shards": write_listing(writer.out_dir, {kind: [r["shards"][kind] for r in run.results] for kind in KINDS}),
+    }
+
+
+def dedup_documents(cfg: DedupConfig, inputs: list[Path], out_dir: Path, executor: ExecutorSettings = LOCAL,
+                    index_dir: Path | None = None) -> dict:
+    """Remove exact and near duplicates from the shards `inputs` into `out_dir` (against every document
+    of the saved index in `index_dir`, if given, which always survive), on `executor` with
+    `cfg.num_workers` tasks at a time; the combined index is saved in `out_dir/lsh_index/`."""
     # Absolute: Slurm and Ray workers do not share this process's working directory.
-    input_file, out_dir = input_file.resolve(), out_dir.resolve()
-    index_dir = None if index_dir is None else index_dir.resolve()
-    job_dir = out_dir / JOB_DIR
-    shutil.rmtree(job_dir, ignore_errors=True)  # one rank: nothing of an earlier attempt to keep
-    job_dir.mkdir(parents=True)
-    run_pipeline([DedupJob(cfg, input_file, out_dir, index_dir)], job_dir, tasks=1, jobs=1, settings=executor,
-                 job_name="kiln_dedup_fast", cpus_per_task=cfg.num_workers)
-    stats = json.loads((job_dir / RESULT_FILE).read_text())
-    shutil.rmtree(job_dir)
-    return stats
+    inputs, out_dir = [path.resolve() for path in inputs], out_dir.resolve()
+    settings = signature_settings(cfg)
+    index = DedupIndex.empty(settings) if index_dir is None else DedupIndex.load(index_dir, settings)
+    work = out_dir / WORK_DIR
+    config = cfg.model_dump(mode="json")
+    planned = inputs + ([] if index_dir is None else sorted(p for p in index_dir.resolve().iterdir() if p.is_file()))
+
+    signed_dir = work / "sign" / _SIGNED
+    signing = map_shards(_Sign(cfg, inputs, signed_dir), len(inputs), work / "sign", settings=executor,
+                         jobs=cfg.num_workers, job_name="kiln_dedup_sign",
+                         plan=shard_plan("kiln_dedup_sign", config, inputs))
+    found = cluster(cfg, index, [SignedShard.load(signed_dir / f"{rank:05d}.npz") for rank in range(len(inputs))])
+    decisions = work / _DECISIONS
+    decisions.mkdir(parents=True, exist_ok=True)
+    for rank, removed in enumerate(found.removed):
+        (decisions / f"{rank:05d}.json").write_text(json.dumps([[p, *d] for p, d in sorted(removed.items())]))
+    writing, written = write_decisions(WriteDecisions(inputs, out_dir, decisions), work / "write", executor,
+                                       cfg.num_workers, shard_plan("kiln_dedup_write", config, planned))
+    found.index.save(out_dir / INDEX_DIR)
+    plot_cluster_sizes(found.sizes, out_dir / PLOT_FILE)
+    shutil.rmtree(work)
+    return {**written, **found.stats, "executor_cpu_s": signing.outside_cpu_s + writing.outside_cpu_s}

@@ -1,12 +1,15 @@
-"""The document record every data stage reads and writes, as JSON lines.
+"""The document record every data stage reads and writes, as JSON lines, and the shard files that hold them.
 
-One record per line: `{"id", "text", "source", "domain", "licence", "metadata"}`. Stages
-stream these files rather than holding a corpus in memory, and write removed or
-quarantined records beside their output with a `reason`, so nothing is lost silently.
+One record per line: `{"id", "text", "source", "domain", "licence", "metadata"}`. Stages stream
+these files rather than holding a corpus in memory, and write removed or quarantined records beside
+their output with a `reason`, so nothing is lost silently. Between stages the lines live in shards,
+zstd-compressed JSON lines (`documents/00000.jsonl.zst`; `tasks.data.shards` lays them out): the
+same bytes as a plain `.jsonl`, a third of the size, read and written as streams.
 """
 
 from __future__ import annotations
 
+import io
 import json
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -15,10 +18,10 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 import orjson
+import zstandard
 
-DOCUMENTS_FILE = "documents.jsonl"
-REMOVED_FILE = "removed.jsonl"
-QUARANTINE_FILE = "quarantine.jsonl"
+SHARD_SUFFIX = ".jsonl.zst"
+ZSTD_LEVEL = 3  # zstd's default: ~4x smaller than the JSON at hundreds of MB/s; the same bytes on every run
 _ENCODER = json.JSONEncoder(ensure_ascii=False)  # json.dumps(..., ensure_ascii=False) without a new encoder a call
 
 
@@ -62,47 +65,76 @@ class Document:
         )
 
 
+def open_lines(path: Path) -> BinaryIO:
+    """A documents file (`.jsonl`, or zstd-compressed `.jsonl.zst`) as a binary stream of its lines."""
+    raw = open(path, "rb")
+    if path.name.endswith(".zst"):
+        reader = zstandard.ZstdDecompressor().stream_reader(raw, read_across_frames=True, closefd=True)
+        return io.BufferedReader(reader, buffer_size=1 << 20)
+    return raw
+
+
 def read_documents(path: Path) -> Iterator[Document]:
     """Stream documents written by a previous Kiln stage (trusted format: errors are bugs)."""
-    with open(path, encoding="utf-8") as handle:
+    with open_lines(path) as handle:
         for line in handle:
             if line.strip():
                 yield Document.from_dict(json.loads(line))
 
 
+def read_shards(paths: Iterable[Path]) -> Iterator[Document]:
+    """The documents of several files, one after another."""
+    for path in paths:
+        yield from read_documents(path)
+
+
 def write_documents(path: Path, documents: Iterable[Document]) -> int:
-    """Write documents as JSON lines; returns how many were written."""
-    count = 0
-    with open(path, "wb") as handle:
+    """Write documents as JSON lines (zstd-compressed when `path` ends in `.zst`); returns how many."""
+    with ShardWriter(path) as writer:
         for doc in documents:
-            handle.write(doc.to_json_line())
-            count += 1
-    return count
+            writer.write_line(doc.to_json_line())
+        writer.touch()
+        return writer.num_records
 
 
-class ReasonLog:
-    """Appends records that left the stream (removed or quarantined) with the reason why. The file
-    is created by the first record, so a stage that removes nothing leaves none."""
+class ShardWriter:
+    """One file of JSON-line records, zstd-compressed when its name ends in `.zst`: kept documents
+    (`write_line(doc.to_json_line())`) or records that left the stream with the reason why (`add`).
+    The file is created by the first record, so a shard nothing went to does not exist; it counts
+    what it holds while writing."""
 
     def __init__(self, path: Path):
         self.path = path
+        self.num_records = 0
+        self.num_bytes = 0  # uncompressed
         self._handle: BinaryIO | None = None
 
     def add(self, reason: str, record: dict[str, Any]) -> None:
         self.write_line((_ENCODER.encode({"reason": reason, **record}) + "\n").encode("utf-8"))
 
     def write_line(self, line: bytes) -> None:
-        """One record already serialised as `add` would write it (UTF-8, ending in a newline)."""
+        """One record already serialised (UTF-8, ending in a newline)."""
         if self._handle is None:
-            self._handle = open(self.path, "wb")
+            self.touch()
+        assert self._handle is not None
         self._handle.write(line)
+        self.num_records += 1
+        self.num_bytes += len(line)
+
+    def touch(self) -> None:
+        """Create the file now, even if no record follows."""
+        if self._handle is None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            raw = open(self.path, "wb")
+            compressed = self.path.name.endswith(".zst")
+            self._handle = zstandard.ZstdCompressor(level=ZSTD_LEVEL).stream_writer(raw) if compressed else raw
 
     def close(self) -> None:
         if self._handle is not None:
             self._handle.close()
             self._handle = None
 
-    def __enter__(self) -> ReasonLog:
+    def __enter__(self) -> ShardWriter:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -1,11 +1,16 @@
-"""Runs a data stage's datatrove pipeline on the configured executor: local processes, Slurm or Ray.
+"""Runs a data stage's work on the configured executor: local processes, Slurm or Ray.
 
-Clean and dedup say *what* runs (a pipeline and its number of tasks); `cluster.executor` says
-*where*. Whatever the executor, datatrove's completion markers, per-rank logs and stats land in
-the stage's own folder (`logging_dir`), so a rerun of a failed stage skips the ranks that finished
-(the stages are resumable, and `keep_or_reset` keeps that folder only while its input shards are
-the same). A run returns only when every rank is done; otherwise it raises `ExecutorError`
-naming each unfinished rank's log.
+The stages say *what* runs; `cluster.executor` says *where*. Most work is a shard job
+(`map_shards`): rank i processes input shard i (`tasks.data.shards`) and writes the stage's shard i,
+returning a small summary (counts, tallies) that the driver adds up, so no stage's corpus passes
+through one process. Clean and the datatrove dedup engine run datatrove pipelines of their own
+(`run_pipeline`). Whatever the executor, datatrove's completion markers, per-rank logs and stats
+land in the stage's own folder (`logging_dir`), so a rerun of a failed stage skips the ranks that
+finished (`reset_unless` keeps that folder only while the ranks' plan, their config and input
+shards, is the same). A run returns only when every rank is done; otherwise it raises
+`ExecutorError` naming each unfinished rank's log. Each rank records the CPU seconds it used; those
+of ranks outside this process tree (Slurm, a Ray cluster started elsewhere) are returned for the
+stage's cost, which the runner measures for this process tree itself.
 
 - local: `LocalPipelineExecutor`, `jobs` worker processes.
 - slurm: `SlurmPipelineExecutor`, one array job per pipeline (tasks grouped `tasks_per_job` so at
@@ -25,29 +30,32 @@ next job pending forever.
 
 from __future__ import annotations
 
-import filecmp
 import json
 import math
 import os
+import resource
 import shlex
 import shutil
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, Literal
 
+import multiprocess
 from datatrove.executor import (
     LocalPipelineExecutor,
     RayPipelineExecutor,
     SlurmPipelineExecutor,
 )
 from datatrove.executor.base import PipelineExecutor
+from datatrove.pipeline.base import PipelineStep
 from datatrove.utils.stats import PipelineStats
 
+from tasks.data import datatrove_logs  # noqa: F401  (importing it keeps datatrove's rank logs off the terminal)
 from tasks.errors import ConfigError, InfrastructureError
 from tasks.launch.cluster import SlurmSettings, launch_record
 
@@ -57,14 +65,19 @@ if TYPE_CHECKING:
 Kind = Literal["local", "slurm", "ray"]
 KINDS: tuple[Kind, ...] = ("local", "slurm", "ray")
 STATS_FILE = "stats.json"  # every rank's stats merged, in logging_dir
-PLAN_FILE = "plan.json"  # beside the shards: what the ranks of a resumable run computed with
+PLAN_FILE = "plan.json"  # in a job's folder: what its ranks computed with (`reset_unless`)
+RESULTS_DIR = "results"  # in a job's folder: each rank's summary (`map_shards`)
 # squeue is polled every tenth of the time the job has taken so far, within these bounds: a small
 # job's end is seen within a fraction of a second, a long job's costs slurmctld one query a half-minute,
 # and the wait never adds more than a tenth to a job's time.
 _POLL_MIN_S = 0.2
 _POLL_MAX_S = 30.0
 _POLL_FRACTION = 0.1
-_T = TypeVar("_T")
+# What the local executor's worker processes run, imported once by datatrove's forkserver (which forks
+# every worker from it): without it each pool's workers imported datatrove and the stage's modules
+# afresh, seconds per job on a busy machine. `__main__` is the forkserver's own default.
+_FORKSERVER_PRELOAD = ["__main__", "tasks.data.clean", "tasks.data.dedup_job", "tasks.data.decontaminate",
+                       "tasks.data.tokenize"]
 
 
 class ExecutorError(InfrastructureError):
@@ -108,6 +121,7 @@ def build_executor(
     jobs = min(jobs, tasks)
     common = {"tasks": tasks, "logging_dir": str(logging_dir), "skip_completed": True}
     if settings.kind == "local":
+        multiprocess.set_forkserver_preload(_FORKSERVER_PRELOAD)  # only until the forkserver has started
         return LocalPipelineExecutor(pipeline, workers=jobs, **common)
     tasks_per_job = math.ceil(tasks / jobs)
     if settings.kind == "ray":
@@ -169,32 +183,91 @@ def default_partition() -> str:
     return default[0]
 
 
-def keep_or_reset(work: Path, shards: str, plan: str, write_shards: Callable[[Path], _T]) -> _T:
-    """Write a pipeline's input shards; keep `work` (completion markers, finished ranks' outputs) when
-    `work/shards` already holds the very same files and `plan` (what else the ranks compute with:
-    config, model digests) is unchanged, so a rerun resumes, else start `work` afresh.
-
-    `write_shards(folder)` creates `folder` and fills it; its result is returned either way."""
-    fresh = work.with_name(f"{work.name}.shards-new")
-    shutil.rmtree(fresh, ignore_errors=True)
-    result = write_shards(fresh)
-    old, plan_file = work / shards, work / PLAN_FILE
-    if old.is_dir() and plan_file.is_file() and plan_file.read_text() == plan and _same_files(old, fresh):
-        shutil.rmtree(fresh)
-    else:
-        shutil.rmtree(work, ignore_errors=True)
-        work.mkdir(parents=True)
-        fresh.rename(old)
-        plan_file.write_text(plan)  # last: a reset cut short leaves no plan, so the next run resets again
-    return result
+def reset_unless(work: Path, plan: str, clear: Iterable[Path] = ()) -> None:
+    """Keep `work` (completion markers, finished ranks' results) when it was made under `plan` (what
+    the ranks compute with: config, model digests, their input shards), so a rerun resumes; else empty
+    it and the `clear` folders (the outputs its ranks wrote)."""
+    plan_file = work / PLAN_FILE
+    if plan_file.is_file() and plan_file.read_text() == plan:
+        return
+    for folder in (work, *clear):
+        shutil.rmtree(folder, ignore_errors=True)
+    work.mkdir(parents=True)
+    plan_file.write_text(plan)  # last: a reset cut short leaves no plan, so the next run resets again
 
 
-def _same_files(a: Path, b: Path) -> bool:
-    names = sorted(p.name for p in a.iterdir())
-    if names != sorted(p.name for p in b.iterdir()):
-        return False
-    _, mismatch, errors = filecmp.cmpfiles(a, b, names, shallow=False)
-    return not mismatch and not errors
+def shard_plan(job_name: str, settings: Any, inputs: Iterable[Path]) -> str:
+    """A job's plan (see `reset_unless`): its name, its JSON-able `settings`, its input files (path,
+    size, modification time)."""
+    files = [(str(path), path.stat().st_size, path.stat().st_mtime_ns) for path in inputs]
+    return json.dumps({"job": job_name, "settings": settings, "inputs": files}, sort_keys=True, default=str)
+
+
+class ShardTask(PipelineStep):
+    """Rank r of a shard job: `work(r)`, a picklable callable that processes input shard r and returns
+    a JSON-able summary, saved by `save_result`."""
+
+    name = "Kiln shard task"
+    type = "KILN"
+
+    def __init__(self, work: Callable[[int], dict[str, Any]], results: Path, driver_pid: int):
+        super().__init__()
+        self.work, self.results, self.driver_pid = work, results, driver_pid
+
+    def run(self, data: Any = None, rank: int = 0, world_size: int = 1) -> Any:
+        started = cpu_seconds()
+        result = self.work(rank)
+        save_result(self.results, rank, result, cpu_seconds() - started, self.driver_pid)
+        self.stat_update("shards")
+        yield from ()
+
+
+def save_result(results: Path, rank: int, result: dict[str, Any], cpu_s: float, driver_pid: int) -> None:
+    """A rank's summary, the CPU seconds it took, and whether its process was outside the driver's
+    process tree (where the stage runner cannot measure it), written atomically to `results`."""
+    record = {"result": result, "cpu_s": cpu_s, "outside_driver": not _in_process_tree(driver_pid)}
+    results.mkdir(parents=True, exist_ok=True)
+    tmp = results / f"{rank:05d}.json.tmp"
+    tmp.write_text(json.dumps(record))
+    os.replace(tmp, results / f"{rank:05d}.json")
+
+
+@dataclass(frozen=True)
+class ShardRun:
+    results: list[dict[str, Any]]  # each rank's summary, in rank order
+    outside_cpu_s: float  # CPU seconds of ranks outside this process tree (Slurm; Ray on a cluster not started here)
+
+
+def read_results(results: Path, num_ranks: int) -> ShardRun:
+    """Every rank's saved summary (`save_result`), including those a previous attempt saved."""
+    records = [json.loads((results / f"{rank:05d}.json").read_text()) for rank in range(num_ranks)]
+    return ShardRun([r["result"] for r in records], sum(r["cpu_s"] for r in records if r["outside_driver"]))
+
+
+def map_shards(work: Callable[[int], dict[str, Any]], num_shards: int, work_dir: Path, *, settings: ExecutorSettings,
+               jobs: int, job_name: str, plan: str, clear: Iterable[Path] = ()) -> ShardRun:
+    """Run `work(rank)` for every rank below `num_shards` as one job of `num_shards` datatrove tasks on
+    `settings`' executor, at most `jobs` at once; ranks a previous attempt under the same `plan`
+    finished are skipped (their results kept). `clear`: output folders emptied when the plan changed."""
+    if num_shards == 0:
+        return ShardRun([], 0.0)
+    reset_unless(work_dir, plan, clear)
+    run_pipeline([ShardTask(work, work_dir / RESULTS_DIR, os.getpid())], work_dir / "logs", tasks=num_shards,
+                 jobs=jobs, settings=settings, job_name=job_name)
+    return read_results(work_dir / RESULTS_DIR, num_shards)
+
+
+def cpu_seconds() -> float:
+    """CPU seconds this process and its finished children have used."""
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+def _in_process_tree(pid: int) -> bool:
+    """Whether this process is `pid` or one of its descendants."""
+    import psutil
+
+    return os.getpid() == pid or any(parent.pid == pid for parent in psutil.Process().parents())
 
 
 class _SlurmExecutor(SlurmPipelineExecutor):

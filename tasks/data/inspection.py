@@ -1,39 +1,40 @@
 """What a data stage kept and removed, for a person: documents and bytes per domain and filter, a plot, samples.
 
-Every data stage writes `documents.jsonl` (kept), `removed.jsonl` and `quarantine.jsonl` (each
-record with its `reason`), so one reader serves them all. A reason's filter is its part before the
+Every data stage writes shards of kept documents, removed and quarantined records (each with its
+`reason`; `tasks.data.shards`), so one reader serves them all. A reason's filter is its part before the
 first colon (`gopher_quality:gopher_below_avg_threshold` → `gopher_quality`,
 `licence_not_allowed:GFDL-1.3` → `licence_not_allowed`). A record's domain is its own, its
 document's, or (for collect's quarantine, which has no document) its source's domain.
 
 `write_removal_report` leaves `removals.json`, `removals.md` and `removals.png` in a stage's
-folder: the runner logs them to MLflow, Prefect shows the Markdown. Stages that see every outcome
-as they write it (dedup, decontaminate) fill a `RemovalTally` instead of reading their files back. `samples` feeds
-`kiln inspect`, so a person can judge a filter in a minute.
+folder: the runner logs them to MLflow, Prefect shows the Markdown. Stages fill a `RemovalTally`
+as they write each shard, and add up the shards' tables (`RemovalTally.merge`), instead of reading
+their files back; `accounting` reads them back, to check a stage's tally. `samples` feeds `kiln
+inspect`, so a person can judge a filter in a minute.
 """
 
 from __future__ import annotations
 
 import json
 from collections import defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from tasks.data.documents import DOCUMENTS_FILE, QUARANTINE_FILE, REMOVED_FILE
+from tasks.data.documents import open_lines
+from tasks.data.shards import DOCUMENTS, QUARANTINE, REMOVED, shard_paths
 
 REPORT_JSON, REPORT_MD, REPORT_PNG = "removals.json", "removals.md", "removals.png"
-OUTCOMES = {"kept": DOCUMENTS_FILE, "removed": REMOVED_FILE, "quarantined": QUARANTINE_FILE}
+OUTCOMES = {"kept": DOCUMENTS, "removed": REMOVED, "quarantined": QUARANTINE}  # outcome -> shard kind
 UNKNOWN_DOMAIN = "unknown"
 
 
-def _records(path: Path) -> Iterator[dict[str, Any]]:
-    if not path.is_file():
-        return
-    with open(path, encoding="utf-8") as handle:
-        for line in handle:
-            if line.strip():
-                yield json.loads(line)
+def _records(out_dir: Path, outcome: str) -> Iterator[dict[str, Any]]:
+    for path in shard_paths(out_dir, OUTCOMES[outcome]):
+        with open_lines(path) as handle:
+            for line in handle:
+                if line.strip():
+                    yield json.loads(line)
 
 
 def _document(record: dict[str, Any]) -> dict[str, Any]:
@@ -87,18 +88,30 @@ class RemovalTally:
             target["docs"] += 1
             target["bytes"] += num_bytes
 
+    def merge(self, table: dict[str, Any]) -> None:
+        """Add another tally's `table()` (a shard's) to this one."""
+        for domain, other in table.items():
+            row = self._rows[domain]
+            for outcome in ("in", "kept"):
+                for key in ("docs", "bytes"):
+                    row[outcome][key] += other[outcome][key]
+            for outcome in ("removed", "quarantined"):
+                for name, cell in other[outcome].items():
+                    for key in ("docs", "bytes"):
+                        row[outcome][name][key] += cell[key]
+
     def table(self) -> dict[str, Any]:
         return {domain: {key: dict(sorted(value.items())) if key in ("removed", "quarantined") else dict(value)
                          for key, value in row.items()} for domain, row in sorted(self._rows.items())}
 
 
 def accounting(out_dir: Path) -> dict[str, Any]:
-    """Per domain: documents and bytes in, kept, removed by filter and quarantined by reason, read from
-    the stage's output files."""
+    """Per domain: documents and bytes in, kept, removed by filter and quarantined by reason, read back
+    from the stage's shards (what its own tally must equal)."""
     sources = source_domains(out_dir)
     tally = RemovalTally()
-    for outcome, name in OUTCOMES.items():
-        for record in _records(out_dir / name):
+    for outcome in OUTCOMES:
+        for record in _records(out_dir, outcome):
             tally.add(outcome, _domain(record, sources), text_bytes(_text(record)), record.get("reason"))
     return tally.table()
 
@@ -150,10 +163,8 @@ def plot(table: dict[str, Any], path: Path, stage: str) -> None:
     fig.savefig(path, dpi=100)
 
 
-def write_removal_report(out_dir: Path, stage: str, table: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The accounting table (`table`, a stage's own `RemovalTally`, else read from the files) as
-    removals.json/.md/.png in `out_dir`; returns the table."""
-    table = accounting(out_dir) if table is None else table
+def write_removal_report(out_dir: Path, stage: str, table: dict[str, Any]) -> dict[str, Any]:
+    """The accounting table (a stage's `RemovalTally`) as removals.json/.md/.png in `out_dir`; returns it."""
     (out_dir / REPORT_JSON).write_text(json.dumps(table, indent=2) + "\n", encoding="utf-8")
     (out_dir / REPORT_MD).write_text(markdown(table, stage), encoding="utf-8")
     plot(table, out_dir / REPORT_PNG, stage)
@@ -168,7 +179,7 @@ def samples(out_dir: Path, *, outcome: str = "removed", reason: str | None = Non
         raise ValueError(f"outcome {outcome!r} is not one of {sorted(OUTCOMES)}")
     sources = source_domains(out_dir)
     shown = 0
-    for record in _records(out_dir / OUTCOMES[outcome]):
+    for record in _records(out_dir, outcome):
         if shown >= n:
             return
         if reason is not None and record.get("reason") != reason and filter_of(record.get("reason", "")) != reason:
@@ -194,14 +205,3 @@ def render_sample(sample: dict[str, Any], max_chars: int = 600) -> str:
     text = _text(record)
     body = text[:max_chars] + ("…" if len(text) > max_chars else "")
     return f"── {header}\n{body}\n"
-
-
-def report_stage(out_dir: Path, stage: str, log_artifact: Callable[[Path], None] | None = None) -> dict[str, Any]:
-    """A data stage's inspection outputs: the removal report files, and datatrove's log (if the stage
-    ran a datatrove pipeline) handed to `log_artifact`; returns the table for the stage's stats."""
-    from tasks.data.datatrove_logs import LOG_FILE
-
-    table = write_removal_report(out_dir, stage)
-    if log_artifact is not None and (out_dir / LOG_FILE).is_file():
-        log_artifact(out_dir / LOG_FILE)
-    return {"accounting": table}

@@ -34,6 +34,8 @@ import multiprocessing
 import random
 import tempfile
 import time
+from array import array
+from collections import Counter
 from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
@@ -42,10 +44,11 @@ from typing import TYPE_CHECKING, Any
 from pydantic import Field, field_validator
 
 from tasks.configbase import Section, names_field
-from tasks.data.collect import Source, _candidates
+from tasks.data.collect import Source, _candidates, remote_identity
 from tasks.data.compliance import SourceReport
-from tasks.data.documents import read_documents
+from tasks.data.documents import read_shards
 from tasks.data.quality import HQ_LABEL, fasttext_text
+from tasks.data.shards import shard_paths
 from tasks.stage import SubRun
 
 if TYPE_CHECKING:
@@ -57,6 +60,7 @@ REPORT_FILE = "quality_classifier.json"
 FORMAT_VERSION = 2  # 2: trained reproducibly (one thread on zero-filled memory), not Hogwild
 _LQ_LABEL = "__label__lq"
 _M_PERTURB = -6  # glibc's mallopt parameter: new allocations are filled with the complement of its byte
+_SCORE_BATCH = 1024  # documents scored per fastText call
 
 
 class QualityTraining(Section):
@@ -76,6 +80,12 @@ class QualityTraining(Section):
     dim: int = Field(10, ge=10)  # a multiple of 10 (the 10-thread fallback's NaN bug otherwise)
     bucket: int = Field(100_000, ge=1_000)  # hashed word-bigram rows
     seed: int = 0  # subsampling, shuffling and fastText's initialisation
+
+    def identity(self) -> dict[str, Any]:
+        """Remote references' content enters the key as their listing (ETags, version ids), local ones' as
+        their files' (`reference_paths`)."""
+        remote = remote_identity(self.references)
+        return super().identity() | ({"remote_references_sha256": remote} if remote else {})
 
     @field_validator("references")
     @classmethod
@@ -114,17 +124,15 @@ def _reference_texts(cfg: QualityTraining) -> Iterator[tuple[str, str]]:
                 yield f"{source.name}/{candidate.id or candidate.location['path']}:{position}", candidate.text
 
 
-def labelled_documents(cfg: QualityTraining, collected: Path) -> list[tuple[str, str, str]]:
+def labelled_documents(cfg: QualityTraining, collected: Path) -> Iterator[tuple[str, str, str]]:
     """(label, doc id, text): references and documents of `positive_sources` as hq, the rest of
-    `negative_domains` as lq."""
-    positives = [("hq", doc_id, text) for doc_id, text in _reference_texts(cfg)]
-    negatives = []
-    for doc in read_documents(collected):
+    `negative_domains` as lq; `collected` is a collect output's folder, read shard by shard."""
+    yield from (("hq", doc_id, text) for doc_id, text in _reference_texts(cfg))
+    for doc in read_shards(shard_paths(collected)):
         if doc.source in cfg.positive_sources:
-            positives.append(("hq", doc.id, doc.text))
+            yield "hq", doc.id, doc.text
         elif doc.domain in cfg.negative_domains:
-            negatives.append(("lq", doc.id, doc.text))
-    return positives + negatives
+            yield "lq", doc.id, doc.text
 
 
 def held_out(doc_id: str, fraction: float) -> bool:
@@ -136,38 +144,65 @@ def _windows(text: str, size: int, min_words: int) -> list[str]:
     return [" ".join(words[i:i + size]) for i in range(0, len(words), size) if len(words[i:i + size]) >= min_words]
 
 
-def _training_lines(cfg: QualityTraining, docs: list[tuple[str, str, str]]) -> tuple[list[str], dict[str, int]]:
-    """fastText lines, the larger class subsampled to the size of the smaller (a seeded sample)."""
+class _Lines:
+    """One label's fastText lines in a file, each found again by its offset: the windows of a whole
+    corpus need not fit in memory to be subsampled and shuffled."""
+
+    def __init__(self, path: Path):
+        self.handle = open(path, "w+b")
+        self.offsets = array("q")
+
+    def add(self, line: str) -> None:
+        self.offsets.append(self.handle.tell())
+        self.handle.write(line.encode("utf-8") + b"\n")
+
+    def __len__(self) -> int:
+        return len(self.offsets)
+
+    def line(self, i: int) -> bytes:
+        self.handle.seek(self.offsets[i])
+        return self.handle.readline()
+
+
+def _training_file(cfg: QualityTraining, lines: dict[str, _Lines], path: Path) -> dict[str, int]:
+    """Write the fastText training file: the larger class subsampled to the size of the smaller (a
+    seeded sample), shuffled. `random.sample` and `shuffle` pick by position alone, so drawing
+    positions gives the lines drawing the lines themselves would."""
     rng = random.Random(cfg.seed)
-    by_label: dict[str, list[str]] = {"hq": [], "lq": []}
-    for label, _, text in docs:
-        by_label[label] += [f"__label__{label} {w}" for w in _windows(text, cfg.window_words, cfg.min_window_words)]
-    size = min(len(lines) for lines in by_label.values())
-    lines = [line for label in ("hq", "lq") for line in rng.sample(by_label[label], size)]
-    rng.shuffle(lines)
-    return lines, {f"num_{label}_windows": len(v) for label, v in by_label.items()} | {"num_windows_per_class": size}
+    size = min(len(label_lines) for label_lines in lines.values())
+    picks = [(label, i) for label in ("hq", "lq") for i in rng.sample(range(len(lines[label])), size)]
+    rng.shuffle(picks)
+    with open(path, "wb") as out:
+        out.writelines(lines[label].line(i) for label, i in picks)
+    return {f"num_{label}_windows": len(label_lines) for label, label_lines in lines.items()} | {
+        "num_windows_per_class": size}
 
 
 def train_quality_model(cfg: QualityTraining, collected: Path, out_dir: Path) -> dict[str, Any]:
-    """Train on the documents of `collected` (collect's documents.jsonl) and the references; write
-    the model and its held-out report into `out_dir`; returns the report."""
+    """Train on the documents of `collected` (a collect output's folder) and the references; write
+    the model and its held-out report into `out_dir`; returns the report. The documents are streamed
+    twice (windows for training, then the held-out documents to score): nothing holds the corpus."""
     import fasttext
     from sklearn.metrics import precision_score, recall_score, roc_auc_score
 
-    docs = labelled_documents(cfg, collected)
-    train = [d for d in docs if not held_out(d[1], cfg.held_out_fraction)]
-    test = [d for d in docs if held_out(d[1], cfg.held_out_fraction)]
-    counts = {f"num_{split}_{label}_docs": sum(d[0] == label for d in part)
-              for split, part in (("train", train), ("held_out", test)) for label in ("hq", "lq")}
-    missing = [name for name, n in counts.items() if name.startswith("num_train") and n == 0]
-    if missing:
-        raise ValueError(f"clean.quality_training: no training documents for {', '.join(missing)}: add references, "
-                         "or collect sources in clean.quality_training.negative_domains")
-    lines, window_counts = _training_lines(cfg, train)
-    started = time.perf_counter()
+    counts = Counter({f"num_{split}_{label}_docs": 0 for split in ("train", "held_out") for label in ("hq", "lq")})
     with tempfile.TemporaryDirectory() as tmp:
+        lines = {label: _Lines(Path(tmp) / f"{label}.lines") for label in ("hq", "lq")}
+        for label, doc_id, text in labelled_documents(cfg, collected):
+            split = "held_out" if held_out(doc_id, cfg.held_out_fraction) else "train"
+            counts[f"num_{split}_{label}_docs"] += 1
+            if split == "train":
+                for window in _windows(text, cfg.window_words, cfg.min_window_words):
+                    lines[label].add(f"__label__{label} {window}")
+        missing = [name for name, n in counts.items() if name.startswith("num_train") and n == 0]
+        if missing:
+            raise ValueError(f"clean.quality_training: no training documents for {', '.join(missing)}: add "
+                             "references, or collect sources in clean.quality_training.negative_domains")
+        started = time.perf_counter()
         train_file = Path(tmp) / "train.txt"
-        train_file.write_text("\n".join(lines) + "\n", encoding="utf-8")
+        window_counts = _training_file(cfg, lines, train_file)
+        for label_lines in lines.values():
+            label_lines.handle.close()
         fit = dict(lr=cfg.lr, epoch=cfg.epoch, wordNgrams=cfg.word_ngrams, dim=cfg.dim, bucket=cfg.bucket,
                    minCount=1, seed=cfg.seed, verbose=0)
         # Not quantised: on two cores quantising (with its retraining) costs ~6x the training itself,
@@ -178,15 +213,18 @@ def train_quality_model(cfg: QualityTraining, collected: Path, out_dir: Path) ->
     model = fasttext.load_model(str(out_dir / MODEL_FILE))
     train_s = time.perf_counter() - started
 
-    truth = [int(label == "hq") for label, _, _ in test]
-    scores = [score_texts(model, [text])[0] for _, _, text in test]
+    truth, scores = [], []
+    for label, doc_id, text in labelled_documents(cfg, collected):
+        if held_out(doc_id, cfg.held_out_fraction):
+            truth.append(int(label == "hq"))
+            scores.append(score_texts(model, [text])[0])
     predicted = [int(score >= 0.5) for score in scores]
     both = 0 < sum(truth) < len(truth)
     report = {
         **counts, **window_counts, "train_s": round(train_s, 2), "threads": threads, "reproducible": threads == 1,
         "held_out": {
-            "precision": precision_score(truth, predicted, zero_division=0.0) if test else None,
-            "recall": recall_score(truth, predicted, zero_division=0.0) if test else None,
+            "precision": precision_score(truth, predicted, zero_division=0.0) if truth else None,
+            "recall": recall_score(truth, predicted, zero_division=0.0) if truth else None,
             "roc_auc": roc_auc_score(truth, scores) if both else None,  # undefined with one class held out
         },
     }
@@ -232,43 +270,51 @@ def trained_model(cfg: QualityTraining, collect_dir: Path, subruns: SubRuns) -> 
     """The model for `cfg` and the collect output at `collect_dir` (its folder name is its key): the
     sub-run's, trained now unless one is stored for its key."""
     outcome = subruns.run(model_subrun(cfg, collect_dir.name),
-                          lambda folder, _: train_quality_model(cfg, collect_dir / "documents.jsonl", folder))
+                          lambda folder, _: train_quality_model(cfg, collect_dir, folder))
     return outcome.path / MODEL_FILE, {"key": outcome.key, "model": str(outcome.path / MODEL_FILE), **outcome.stats}
 
 
-def top_fraction_threshold(model_path: Path, documents: Path, domains: list[str], fraction: float) -> float:
-    """The score that keeps the best `fraction` of the input documents of `domains` (ties kept):
-    DCLM keeps a top share of its pool rather than a fixed probability."""
+def top_fraction_threshold(model_path: Path, collected: Path, domains: list[str], fraction: float) -> float:
+    """The score that keeps the best `fraction` of the documents of `domains` in `collected` (a collect
+    output's folder; ties kept): DCLM keeps a top share of its pool rather than a fixed probability."""
     import fasttext
 
     model = fasttext.load_model(str(model_path))
-    texts = [doc.text for doc in read_documents(documents) if doc.domain in domains and doc.text.strip()]
-    if not texts:
+    scores: list[float] = []
+    batch: list[str] = []
+    for doc in read_shards(shard_paths(collected)):
+        if doc.domain in domains and doc.text.strip():
+            batch.append(doc.text)
+        if len(batch) == _SCORE_BATCH:
+            scores += score_texts(model, batch)
+            batch = []
+    scores += score_texts(model, batch) if batch else []
+    if not scores:
         return 0.0
-    scores = sorted((round(s, 4) for s in score_texts(model, texts)), reverse=True)
+    scores = sorted((round(s, 4) for s in scores), reverse=True)
     return scores[max(0, min(len(scores), round(fraction * len(scores))) - 1)]
 
 
-def resolve_quality_model(cfg: Any, input_file: Path, out_dir: Path, subruns: SubRuns | None = None) -> Any:
-    """The clean config to run: with the model trained from `cfg.quality_training` (the clean stage's
-    sub-run in the store when `subruns` is given, else trained into `out_dir`) and the score threshold
-    that keeps `cfg.quality_top_fraction` of the input; the classifier's report goes to
-    `out_dir/quality_classifier.json`."""
+def resolve_quality_model(cfg: Any, collected: Path, out_dir: Path, subruns: SubRuns | None = None) -> Any:
+    """The clean config to run on `collected` (a collect output's folder): with the model trained from
+    `cfg.quality_training` (the clean stage's sub-run in the store when `subruns` is given, else trained
+    into `out_dir`) and the score threshold that keeps `cfg.quality_top_fraction` of the input; the
+    classifier's report goes to `out_dir/quality_classifier.json`."""
     update: dict[str, Any] = {}
     report: dict[str, Any] = {}
     if cfg.quality_training is not None:
-        if subruns is not None:  # input_file is collect's documents.jsonl, in a folder named by its key
-            model, report = trained_model(cfg.quality_training, input_file.parent, subruns)
+        if subruns is not None:  # a collect output, in a folder named by its key
+            model, report = trained_model(cfg.quality_training, collected, subruns)
         else:
             folder = out_dir / STORE_STAGE
             folder.mkdir(exist_ok=True)
-            report = train_quality_model(cfg.quality_training, input_file, folder)
+            report = train_quality_model(cfg.quality_training, collected, folder)
             model = folder / MODEL_FILE
             report = {"model": str(model), **report}
         update = {"quality_model": str(model), "quality_training": None}
     model_path = update.get("quality_model", cfg.quality_model)
     if model_path is not None and cfg.quality_top_fraction is not None:
-        update["quality_threshold"] = top_fraction_threshold(Path(model_path), input_file, cfg.quality_model_domains,
+        update["quality_threshold"] = top_fraction_threshold(Path(model_path), collected, cfg.quality_model_domains,
                                                              cfg.quality_top_fraction)
         update["quality_top_fraction"] = None  # resolved: a second call changes nothing
     if update:

@@ -40,8 +40,8 @@ def build_mixture_manifest(cfg: MixConfig, shards: dict, shards_rel_root: str, w
             "token_budget": budget,
             "num_tokens": available,
             "epochs": round(epochs, 4),
-            "train": [f"{shards_rel_root}/{split['train']['path']}"],
-            "val": [f"{shards_rel_root}/{split['val']['path']}"],
+            "train": [f"{shards_rel_root}/{shard['path']}" for shard in split["train"]["shards"]],
+            "val": [f"{shards_rel_root}/{shard['path']}" for shard in split["val"]["shards"]],
         }
     return {"format": 1, "dtype": shards["dtype"], "vocab_size": shards["vocab_size"], "eos_id": shards["eos_id"],
             "seq_len": seq_len, "train_tokens": train_tokens, "domains": domains}

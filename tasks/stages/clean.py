@@ -7,10 +7,9 @@ from typing import TYPE_CHECKING
 
 from tasks.bundled import locate
 from tasks.data.clean import CleanConfig, clean_documents
-from tasks.data.documents import DOCUMENTS_FILE
-from tasks.data.quality_training import REPORT_FILE, classifier_metrics, reference_paths, resolve_quality_model
-from tasks.data.inspection import report_stage
+from tasks.data.datatrove_logs import LOG_FILE
 from tasks.data.executors import ExecutorSettings
+from tasks.data.quality_training import REPORT_FILE, classifier_metrics, reference_paths, resolve_quality_model
 from tasks.stage import Stage, StageContext
 from tasks.stages._common import document_headline
 
@@ -20,13 +19,13 @@ if TYPE_CHECKING:
 
 def run(ctx: StageContext) -> dict:
     # A classifier trained from references is a sub-run kept in the store under its own key, and reused.
-    cfg = resolve_quality_model(ctx.cfg.clean, ctx.inputs["collect"] / DOCUMENTS_FILE, ctx.out_dir,
-                                ctx.subruns(ctx.store.root))
+    cfg = resolve_quality_model(ctx.cfg.clean, ctx.inputs["collect"], ctx.out_dir, ctx.subruns(ctx.store.root))
     ctx.recorder.metrics(0, classifier_metrics(ctx.out_dir / REPORT_FILE))  # held-out precision, recall, ROC-AUC
-    stats = clean_documents(cfg, ctx.inputs["collect"] / DOCUMENTS_FILE, ctx.out_dir,
-                           ExecutorSettings.from_cluster(ctx.cfg.cluster, ctx.recorder.job_launched))
-    # removals by domain and filter (removals.json/.md/.png), datatrove's log to MLflow
-    return stats | report_stage(ctx.out_dir, "clean", lambda path: ctx.recorder.tracker.log_artifact(ctx.recorder.run_id, path))
+    stats = clean_documents(cfg, ctx.inputs["collect"], ctx.out_dir,
+                            ExecutorSettings.from_cluster(ctx.cfg.cluster, ctx.recorder.job_launched))
+    if (ctx.out_dir / LOG_FILE).is_file():  # every rank's datatrove log, to MLflow
+        ctx.recorder.tracker.log_artifact(ctx.recorder.run_id, ctx.out_dir / LOG_FILE)
+    return stats
 
 
 def external_files(cfg: KilnConfig) -> list[Path]:
@@ -44,7 +43,8 @@ STAGE = Stage(
     external_files=external_files,
     # 2: C4, FineWeb, code rules and blocklists; phone and card PII; stats by domain
     # 3: a classifier trained from references; every document scored; top-fraction thresholds
-    version=3,
+    # 4: documents, removed and quarantined records as shards, one datatrove task per input shard
+    version=4,
     # A retry keeps the failed attempt's folder: ranks that finished (datatrove's markers) are skipped.
     resumable=True,
     headline=document_headline,

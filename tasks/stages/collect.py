@@ -4,13 +4,12 @@ documents, check licences, write a compliance report."""
 from __future__ import annotations
 
 from tasks.data.collect import CollectConfig, collect_documents, source_paths
-from tasks.data.inspection import report_stage
 from tasks.stage import Stage, StageContext
 from tasks.stages._common import document_headline
 
 
 def run(ctx: StageContext) -> dict:
-    return collect_documents(ctx.cfg.collect, ctx.out_dir) | report_stage(ctx.out_dir, "collect")
+    return collect_documents(ctx.cfg.collect, ctx.out_dir)
 
 
 # version 2: licences normalised to SPDX (documents carry the SPDX expression, the written one in
@@ -18,7 +17,8 @@ def run(ctx: StageContext) -> dict:
 # version 3: typed sources (warc, parquet, compressed jsonl, hf, code), positions by row/offset, weights, by_format
 # version 4: a jsonl record's other fields kept in metadata; a domain per record (domain_field); WARC pages
 # by their HTTP Content-Type; licence names as PyPI writes them
+# version 5: documents, removed and quarantined records as shards (tasks.data.shards)
 STAGE = Stage(
-    name="collect", description="read sources, check licences", body=run, config=CollectConfig, version=4,
+    name="collect", description="read sources, check licences", body=run, config=CollectConfig, version=5,
     external_files=lambda cfg: source_paths(cfg.collect), headline=document_headline, reports=("compliance.md", "removals.md"),
 )

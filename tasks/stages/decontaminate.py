@@ -6,7 +6,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from tasks.data.decontaminate import DecontaminateConfig, decontaminate_documents
-from tasks.data.documents import DOCUMENTS_FILE
+from tasks.data.executors import ExecutorSettings
+from tasks.data.shards import shard_paths
 from tasks.stage import Stage, StageContext
 from tasks.stages._common import configured_eval_files, document_headline, eval_file_paths
 
@@ -15,8 +16,10 @@ if TYPE_CHECKING:
 
 
 def run(ctx: StageContext) -> dict:
-    return decontaminate_documents(ctx.cfg.decontaminate, ctx.inputs["dedup"] / DOCUMENTS_FILE,
-                                   eval_file_paths(ctx.cfg), ctx.out_dir, eval_tasks=ctx.cfg.evaluate.online_tasks())
+    evals = eval_file_paths(ctx.cfg)  # first: a config naming a missing eval file is told so before any input is read
+    return decontaminate_documents(ctx.cfg.decontaminate, shard_paths(ctx.inputs["dedup"]), evals,
+                                   ctx.out_dir, eval_tasks=ctx.cfg.evaluate.online_tasks(),
+                                   executor=ExecutorSettings.from_cluster(ctx.cfg.cluster, ctx.recorder.job_launched))
 
 
 def external_files(cfg: KilnConfig) -> list[Path]:
@@ -29,5 +32,8 @@ STAGE = Stage(
     inputs=("dedup",), config=DecontaminateConfig,
     reads=("evaluate.eval_files", "evaluate.standard_suite", "evaluate.extra_tasks"),
     external_files=external_files, headline=document_headline, reports=("contamination.md", "removals.md"),
-    version=3,  # 3: removals by domain (removals.json/.md/.png)
+    # 3: removals by domain (removals.json/.md/.png)
+    # 4: character n-grams for scripts without spaces; shards scanned a task each; documents as shards
+    version=4,
+    resumable=True,  # a retry keeps the shards its scan finished
 )

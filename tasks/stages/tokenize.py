@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from tasks.data.documents import DOCUMENTS_FILE
+from tasks.data.executors import ExecutorSettings
 from tasks.data.tokenize import TokenizeConfig, tokenize_corpus
 from tasks.stage import Stage, StageContext
 
 
 def run(ctx: StageContext) -> dict:
-    return tokenize_corpus(ctx.cfg.tokenize, ctx.inputs["decontaminate"] / DOCUMENTS_FILE, ctx.out_dir)
+    return tokenize_corpus(ctx.cfg.tokenize, ctx.inputs["decontaminate"], ctx.out_dir,
+                           ExecutorSettings.from_cluster(ctx.cfg.cluster, ctx.recorder.job_launched))
 
 
 def headline(stats: dict) -> dict:
@@ -17,7 +18,8 @@ def headline(stats: dict) -> dict:
 
 
 # version 2: a document index (end offset, quality_score) beside each shard, for the anneal's quality selections
+# version 3: trained on a sample (tokenize.train_sample_bytes); a token shard per input shard, domain and split
 STAGE = Stage(
     name="tokenize", description="train BPE, write token shards per domain", body=run, inputs=("decontaminate",),
-    config=TokenizeConfig, headline=headline, version=2,
+    config=TokenizeConfig, headline=headline, version=3, resumable=True,
 )

@@ -34,8 +34,9 @@ def top_quality_cutoff(quality: np.ndarray, top: float) -> float | None:
     return float(scored[keep - 1])
 
 
-def _doc_index(shards_root: Path, split: dict[str, Any]) -> np.ndarray:
-    return np.load(shards_root / split["index"])
+def _train_shards(shards_root: Path, split: dict[str, Any]) -> list[tuple[Path, np.ndarray]]:
+    """A domain's train token shards, in order, each with its document index."""
+    return [(shards_root / shard["path"], np.load(shards_root / shard["index"])) for shard in split["shards"]]
 
 
 def select_by_quality(shards: dict, shards_root: Path, selection: QualitySelection, name: str, where: str,
@@ -46,14 +47,15 @@ def select_by_quality(shards: dict, shards_root: Path, selection: QualitySelecti
     unknown = sorted(set(selection.domains or ()) - set(known))
     if unknown:
         raise ConfigError(f"{where}.{name}.domains: {unknown} are not in the corpus; known: {known}")
-    indexes = {d: _doc_index(shards_root, shards["domains"][d]["train"]) for d in selection.domains or known}
-    unscored = {d: int(np.isnan(index["quality"]).sum()) for d, index in indexes.items()}
-    never_scored = [d for d, index in indexes.items() if unscored[d] == len(index)]
+    parts = {d: _train_shards(shards_root, shards["domains"][d]["train"]) for d in selection.domains or known}
+    quality = {d: np.concatenate([index["quality"] for _, index in part] or [np.zeros(0)]) for d, part in parts.items()}
+    unscored = {d: int(np.isnan(scores).sum()) for d, scores in quality.items()}
+    never_scored = [d for d, scores in quality.items() if unscored[d] == len(scores)]
     if selection.domains is not None and never_scored:
         raise ConfigError(
             f"{where}.{name}.domains: {never_scored} have no document with a quality_score (the clean stage scores "
             "documents only when clean.quality_model or clean.quality_training is set); choose scored domains")
-    cutoff = top_quality_cutoff(np.concatenate([index["quality"] for index in indexes.values()]), selection.quality_top)
+    cutoff = top_quality_cutoff(np.concatenate(list(quality.values())), selection.quality_top)
     if cutoff is None:
         raise ConfigError(f"{where}.{name}: no train document has a quality_score; set clean.quality_model or "
                           "clean.quality_training, or draw on domains instead")
@@ -63,17 +65,18 @@ def select_by_quality(shards: dict, shards_root: Path, selection: QualitySelecti
     selected: dict[str, int] = {}
     num_tokens = 0
     with open(path, "wb") as handle:
-        for domain, index in indexes.items():
-            shard = shards_root / shards["domains"][domain]["train"]["path"]
-            tokens = np.memmap(shard, dtype=dtype, mode="r") if shard.stat().st_size else np.zeros(0, dtype)
-            ends = index["end"]
-            starts = np.concatenate([[0], ends[:-1]])
-            taken = np.flatnonzero(index["quality"] >= cutoff)  # NaN compares False: unscored never taken
-            handle.writelines(tokens[starts[i]:ends[i]].tobytes() for i in taken)
-            selected[domain] = len(taken)
-            num_tokens += int((ends[taken] - starts[taken]).sum())
+        for domain, part in parts.items():
+            selected[domain] = 0
+            for shard, index in part:
+                tokens = np.memmap(shard, dtype=dtype, mode="r") if shard.stat().st_size else np.zeros(0, dtype)
+                ends = index["end"]
+                starts = np.concatenate([[0], ends[:-1]])
+                taken = np.flatnonzero(index["quality"] >= cutoff)  # NaN compares False: unscored never taken
+                handle.writelines(tokens[starts[i]:ends[i]].tobytes() for i in taken)
+                selected[domain] += len(taken)
+                num_tokens += int((ends[taken] - starts[taken]).sum())
     stats = {"quality_top": selection.quality_top, "score_cutoff": cutoff, "num_tokens": num_tokens,
-             "num_scored": sum(len(index) - unscored[d] for d, index in indexes.items()),
+             "num_scored": sum(len(scores) - unscored[d] for d, scores in quality.items()),
              "num_selected": sum(selected.values()), "num_selected_by_domain": selected,
              "num_unscored_by_domain": unscored}
     return path, stats

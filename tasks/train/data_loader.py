@@ -132,8 +132,8 @@ def mixture_with_weights(shards: dict, shards_root: Path, weights: dict[str, flo
     domains = {
         name: DomainSource(
             weight=weights.get(name, 0.0) / total,
-            train=(shards_root / split["train"]["path"],),
-            val=(shards_root / split["val"]["path"],),
+            train=tuple(shards_root / shard["path"] for shard in split["train"]["shards"]),
+            val=tuple(shards_root / shard["path"] for shard in split["val"]["shards"]),
         )
         for name, split in shards["domains"].items()
     }

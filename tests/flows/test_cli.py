@@ -127,7 +127,7 @@ def test_status_lists_abandoned_partial_folders_and_prune_removes_them(in_repo, 
     from tasks.store import Store
 
     store = Store(load_config("configs/tiny.yaml", [f"work_dir={tmp_path}"]).store_root)
-    (store.begin("decontaminate", "0ld0ld0ld0ld") / "documents.jsonl").write_text("{}\n")
+    (store.begin("decontaminate", "0ld0ld0ld0ld") / "document_shards.json").write_text("{}\n")
     assert main(["status", "configs/tiny.yaml", f"work_dir={tmp_path}"]) == 0
     assert "1 abandoned partial folder(s)" in capsys.readouterr().out
     assert main(["prune", "configs/tiny.yaml", f"work_dir={tmp_path}", "--dry-run"]) == 0

@@ -147,7 +147,7 @@ def test_pipeline_end_to_end_then_fully_cached(prefect_api, in_repo, tmp_path, c
     assert len(trials) == manifests["sweep"]["stats"]["num_trials"]
 
     # A batch delivered again later is deduplicated against the persisted index: nothing new survives.
-    redelivered = store.path("clean", keys["clean"]) / "documents.jsonl"
+    redelivered = store.path("clean", keys["clean"])  # a folder of shards
     assert main(["dedup-batch", str(redelivered), TINY, f"work_dir={work}"]) == 0
     batch_key = stage_keys(load_config(TINY, [f"work_dir={work}", f"dedup_batch.batch={redelivered.resolve()}"]))
     batch = store.manifest("dedup-batch", batch_key["dedup-batch"])  # a store entry, with its manifest

@@ -108,22 +108,28 @@ def redact(text: str, kinds: list[str]) -> tuple[str, dict[str, int]]:
 
 
 class PIIRedactor(BaseFormatter):
-    """Redacts `kinds` of PII in documents of `domains`, recording counts in `PII_METADATA`."""
+    """Redacts `kinds` of PII in documents of `domains`, recording counts in `PII_METADATA`. Documents
+    whose metadata holds `skip_key` (the clean stage's removed ones, on their way to its writer) pass
+    unchanged."""
 
     name = "📞 PII"
 
-    def __init__(self, kinds: list[str], domains: list[str]):
+    def __init__(self, kinds: list[str], domains: list[str], skip_key: str | None = None):
         super().__init__()
         unknown = sorted(set(kinds) - set(PII_KINDS))
         assert not unknown, f"unknown PII kinds {unknown}"  # the config's Literal refuses them first
         self.kinds = list(kinds)
         self.domains = frozenset(domains)
+        self.skip_key = skip_key
 
     def format(self, text: str) -> str:
         return redact(text, self.kinds)[0]
 
     def run(self, data, rank: int = 0, world_size: int = 1):
         for doc in data:
+            if self.skip_key is not None and self.skip_key in doc.metadata:
+                yield doc
+                continue
             self.stat_update(StatHints.total)
             if doc.metadata["domain"] in self.domains:
                 with self.track_time():

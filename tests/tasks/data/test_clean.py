@@ -13,8 +13,11 @@ from pathlib import Path
 import pytest
 
 from tasks.data.clean import STATS_FILE, CleanConfig, clean_documents
-from tasks.data.documents import Document, read_documents, write_documents
+from tasks.data.documents import Document, read_shards
+from tasks.data.inspection import accounting
+from tasks.data.shards import KINDS, LISTING_FILE, shard_paths
 from tasks.errors import ConfigError, InputError
+from tests.fixtures.shards import raw, records, write_stage
 
 EN = (
     "This APT transport allows the use of repositories accessed via the HTTP Secure protocol (HTTPS), also "
@@ -96,31 +99,34 @@ CORPUS = [
 ]
 
 
-def _run(tmp_path: Path, name: str, **overrides) -> tuple[dict, Path]:
-    input_file = tmp_path / "input.jsonl"
-    if not input_file.exists():
-        write_documents(input_file, CORPUS)
+def _run(tmp_path: Path, name: str, num_shards: int = 1, **overrides) -> tuple[dict, Path]:
+    collected = tmp_path / f"input-{num_shards}"
+    if not collected.exists():
+        write_stage(collected, CORPUS, num_shards)
     out_dir = tmp_path / name
     out_dir.mkdir()
-    return clean_documents(CleanConfig(**overrides), input_file, out_dir), out_dir
+    return clean_documents(CleanConfig(**overrides), collected, out_dir), out_dir
 
 
-def _reasons(path: Path) -> dict[str, str]:
-    with open(path, encoding="utf-8") as handle:
-        return {record["id"]: record["reason"] for record in map(json.loads, handle)}
+def _reasons(out: Path, kind: str) -> dict[str, str]:
+    return {record["id"]: record["reason"] for record in records(out, kind)}
+
+
+def _kept(out: Path) -> list[Document]:
+    return list(read_shards(shard_paths(out)))
 
 
 def test_clean_keeps_removes_and_accounts_exactly(tmp_path: Path) -> None:
     stats, out = _run(tmp_path, "w1", num_workers=1)
 
-    kept = list(read_documents(out / "documents.jsonl"))
+    kept = _kept(out)
     assert [d.id for d in kept] == ["en", "de", "code", "fr"]  # input order
-    assert _reasons(out / "removed.jsonl") == {
+    assert _reasons(out, "removed") == {
         "ja": "language:ja",
         "repetitive": "gopher_repetition:dup_para_frac",
         "short": "gopher_quality:gopher_short_doc",
     }
-    assert _reasons(out / "quarantine.jsonl") == {"blank": "empty_text"}
+    assert _reasons(out, "quarantine") == {"blank": "empty_text"}
 
     inputs = {d.id: d for d in CORPUS}
     by_id = {d.id: d for d in kept}
@@ -136,6 +142,10 @@ def test_clean_keeps_removes_and_accounts_exactly(tmp_path: Path) -> None:
         assert doc.metadata["language"] == doc_id
         assert doc.metadata["language_score"] > 0.9
 
+    assert stats.pop("accounting") == accounting(out)  # tallied while writing: what the shards hold
+    listing = stats.pop("shards")
+    assert [len(listing[kind]) for kind in KINDS] == [1, 1, 1]
+    assert stats.pop("executor_cpu_s") == 0  # every rank ran in this process
     assert stats == {
         "num_in": 8,
         "num_kept": 4,
@@ -156,27 +166,33 @@ def test_clean_keeps_removes_and_accounts_exactly(tmp_path: Path) -> None:
         "pii": {"num_docs_redacted": 0, "num_replacements": {"email": 0, "ip": 0, "card": 0, "phone": 0}},
     }
     assert sorted(p.name for p in out.iterdir()) == sorted(
-        ["documents.jsonl", "quarantine.jsonl", "removed.jsonl", STATS_FILE, "datatrove.log"]
+        [*KINDS, LISTING_FILE, STATS_FILE, "datatrove.log", "removals.json", "removals.md", "removals.png"]
     )
 
 
-def test_num_workers_does_not_change_output(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_shards_and_workers_do_not_change_output(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A task per input shard, two at a time: shard i of the output holds input shard i's documents, and
+    the shards read in order are what one shard in one process gives."""
     stats1, out1 = _run(tmp_path, "w1", num_workers=1)
-    stats2, out2 = _run(tmp_path, "w2", num_workers=2)
-    assert stats1 == stats2
+    stats3, out3 = _run(tmp_path, "w2", num_shards=3, num_workers=2)
     # the ranks' documents, counted in the workers, on this process's progress line (a plain line off a terminal)
     progress = [line for line in capsys.readouterr().err.splitlines() if line.startswith("clean: ")]
-    assert [line.split(", ")[0] for line in progress] == ["clean: 7/7 documents (100%)"] * 2
-    for name in ("documents.jsonl", "removed.jsonl", "quarantine.jsonl"):
-        assert (out1 / name).read_bytes() == (out2 / name).read_bytes()
+    assert [line.split(", ")[0] for line in progress] == ["clean: 8/8 documents (100%)"] * 2
+    listing1, listing3 = stats1.pop("shards"), stats3.pop("shards")
+    assert [len(listing1[kind]) for kind in KINDS] == [1, 1, 1]
+    assert [s["path"] for s in listing3["documents"]] == [f"documents/0000{i}.jsonl.zst" for i in range(3)]
+    stats1.pop("executor_cpu_s"), stats3.pop("executor_cpu_s")
+    assert stats1 == stats3
+    for kind in KINDS:
+        assert raw(out1, kind) == raw(out3, kind)
     assert CleanConfig(num_workers=1).identity() == CleanConfig(num_workers=2).identity()
 
 
 def test_domains_choose_where_filters_apply(tmp_path: Path) -> None:
     # Japanese text in a domain without language ID passes; English rules now also judge "multilingual".
     stats, out = _run(tmp_path, "domains", language_domains=["web"], quality_domains=["web", "prose", "multilingual"])
-    assert [d.id for d in read_documents(out / "documents.jsonl")] == ["en", "code"]
-    assert _reasons(out / "removed.jsonl") == {
+    assert [d.id for d in _kept(out)] == ["en", "code"]
+    assert _reasons(out, "removed") == {
         "ja": "gopher_quality:gopher_short_doc",  # spaCy's English tokenizer finds few "words" in Japanese
         "de": "gopher_quality:gopher_below_alpha_threshold",
         "repetitive": "gopher_repetition:dup_para_frac",
@@ -187,8 +203,8 @@ def test_domains_choose_where_filters_apply(tmp_path: Path) -> None:
 
 
 def test_bad_config_and_input_are_user_errors(tmp_path: Path) -> None:
-    write_documents(tmp_path / "input.jsonl", CORPUS)
+    write_stage(tmp_path / "input", CORPUS)
     with pytest.raises(ConfigError, match="'xx'"):
-        clean_documents(CleanConfig(languages=["en", "xx"]), tmp_path / "input.jsonl", tmp_path)
-    with pytest.raises(InputError, match="does not exist"):
-        clean_documents(CleanConfig(), tmp_path / "missing.jsonl", tmp_path)
+        clean_documents(CleanConfig(languages=["en", "xx"]), tmp_path / "input", tmp_path)
+    with pytest.raises(InputError, match="has no document_shards.json"):
+        clean_documents(CleanConfig(), tmp_path / "missing", tmp_path)

@@ -7,7 +7,6 @@ the rules reach the stage per domain, with every removal counted by `<filter>:<r
 from __future__ import annotations
 
 import base64
-import json
 from pathlib import Path
 
 import pytest
@@ -15,12 +14,14 @@ from datatrove.data import Document as DtDocument
 
 from tasks.config import load_config
 from tasks.data.clean import CleanConfig, clean_documents
-from tasks.data.documents import Document, read_documents, write_documents
+from tasks.data.documents import Document, read_shards
+from tasks.data.shards import shard_paths
 from tasks.data.filters.blocklists import URLBlocklistFilter, WordBlocklistFilter
 from tasks.data.filters.code_rules import CodeRules, CodeRulesFilter
 from tasks.data.filters.pii import PII_KINDS, luhn_valid, redact
 from tasks.errors import ConfigError
 from tasks.graph import stage_keys
+from tests.fixtures.shards import records, write_stage
 
 from .test_clean import CODE, EN
 
@@ -48,16 +49,14 @@ def _dt(text: str) -> DtDocument:
 
 
 def _run(tmp_path: Path, corpus: list[Document], name: str, **overrides) -> tuple[dict, Path]:
-    input_file = tmp_path / f"{name}.input.jsonl"
-    write_documents(input_file, corpus)
+    input_file = write_stage(tmp_path / f"{name}.input", corpus)
     out_dir = tmp_path / name
     out_dir.mkdir()
     return clean_documents(CleanConfig(**overrides), input_file, out_dir), out_dir
 
 
 def _reasons(out: Path) -> dict[str, str]:
-    with open(out / "removed.jsonl", encoding="utf-8") as handle:
-        return {record["id"]: record["reason"] for record in map(json.loads, handle)}
+    return {record["id"]: record["reason"] for record in records(out, "removed")}
 
 
 def test_code_rules_each_rule_and_its_reason() -> None:
@@ -152,7 +151,7 @@ def test_rules_apply_per_domain_and_count_by_reason(tmp_path: Path) -> None:
         "web-curly": "c4_quality:curly_bracket",
         "web-duplicates": "fineweb_quality:char_dup_ratio",
     }
-    kept = {d.id: d for d in read_documents(out / "documents.jsonl")}
+    kept = {d.id: d for d in read_shards(shard_paths(out))}
     assert list(kept) == ["prose", "code", "prose-generated", "web-contact"]
     assert kept["prose"].text == EN  # C4 judges, it does not rewrite
     assert kept["web-contact"].text == EN + (
@@ -181,7 +180,7 @@ def test_rules_apply_per_domain_and_count_by_reason(tmp_path: Path) -> None:
         "code-encoded": "code_rules:encoded_data",
         "prose-generated": "code_rules:generated",
     }
-    assert [d.id for d in read_documents(out / "documents.jsonl")] == [
+    assert [d.id for d in read_shards(shard_paths(out))] == [
         "code", "web-lorem", "web-curly", "web-duplicates", "web-contact"
     ]
     assert stats["pii"]["num_replacements"] == {"email": 0, "ip": 0, "card": 1, "phone": 0}
@@ -212,10 +211,10 @@ def test_blocklists_remove_with_the_list_name_and_enter_the_key(tmp_path: Path) 
         "no-url": "word_blocklist:leaked-terms",
         "both": "url_blocklist:gambling-sites",
     }
-    assert [d.id for d in read_documents(out / "documents.jsonl")] == ["public", "code"]
+    assert [d.id for d in read_shards(shard_paths(out))] == ["public", "code"]
     assert stats["removed"] == {"url_blocklist:gambling-sites": 3, "word_blocklist:leaked-terms": 1}
     assert stats["num_in"] == stats["num_kept"] + stats["num_removed"] == 6
-    kept = next(read_documents(out / "documents.jsonl"))
+    kept = next(read_shards(shard_paths(out)))
     assert kept.metadata["url"] == "https://docs.example.org/public/a.html"
 
     def keys() -> dict[str, str]:

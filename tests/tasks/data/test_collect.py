@@ -9,6 +9,7 @@ import pytest
 
 from tasks.data.collect import CollectConfig, SourceConfig, collect_documents, source_paths
 from tasks.errors import ConfigError, InputError
+from tests.fixtures import shards
 
 # Real text: the MIT licence and paragraphs of the GNU GPL v3 preamble.
 MIT_GRANT = (
@@ -35,9 +36,6 @@ PAGE = f"""<!DOCTYPE html>
 </body></html>
 """
 
-
-def _lines(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()] if path.exists() else []
 
 
 def _code_source(root: Path) -> Path:
@@ -108,7 +106,7 @@ def test_every_record_is_kept_removed_or_quarantined_with_its_location(corpus):
     assert stats["by_source"] == {"code": 3, "prose": 2, "web": 1}
     assert stats["by_domain"] == {"code": 3, "prose": 2, "web": 1}
 
-    quarantine = [(q["reason"], q["source"], q["path"], q.get("line")) for q in _lines(corpus / "quarantine.jsonl")]
+    quarantine = [(q["reason"], q["source"], q["path"], q.get("line")) for q in shards.records(corpus, "quarantine")]
     assert quarantine == [
         ("invalid_json", "code", "a.jsonl", 3),
         ("not_an_object", "code", "a.jsonl", 4),
@@ -120,17 +118,17 @@ def test_every_record_is_kept_removed_or_quarantined_with_its_location(corpus):
         ("empty_text", "web", "gnu/blank.html", None),
     ]
     # The unparsed input travels with the reason, so nothing is lost.
-    assert _lines(corpus / "quarantine.jsonl")[0]["raw"] == "{not json\n"
-    assert _lines(corpus / "quarantine.jsonl")[5]["raw"] == '{"text": "caf\\xe9", "licence": "MIT"}\n'
+    assert shards.records(corpus, "quarantine")[0]["raw"] == "{not json\n"
+    assert shards.records(corpus, "quarantine")[5]["raw"] == '{"text": "caf\\xe9", "licence": "MIT"}\n'
 
-    [removed] = _lines(corpus / "removed.jsonl")
+    [removed] = shards.records(corpus, "removed")
     assert (removed["reason"], removed["path"], removed["line"]) == ("licence_not_allowed:BSD-4-Clause", "a.jsonl", 8)
     assert removed["document"]["text"] == GPL_INTRO
 
 
 def test_documents_have_stable_ids_text_and_provenance(corpus):
     stats = collect_documents(_config(), corpus)
-    docs = _lines(corpus / "documents.jsonl")
+    docs = shards.records(corpus)
     assert [d["id"] for d in docs] == [
         "code/a.jsonl:1",
         "code/notice",
@@ -156,7 +154,7 @@ def test_documents_have_stable_ids_text_and_provenance(corpus):
     again = corpus.parent / "again"
     again.mkdir()
     collect_documents(_config(), again)
-    assert (again / "documents.jsonl").read_bytes() == (corpus / "documents.jsonl").read_bytes()
+    assert shards.raw(again) == shards.raw(corpus)
 
 
 def test_compliance_report_lists_licences_per_source(corpus):
@@ -177,7 +175,7 @@ def test_compliance_report_lists_licences_per_source(corpus):
 def test_cap_keeps_the_first_documents_of_each_source(corpus):
     stats = collect_documents(_config(max_docs_per_source=1), corpus)
     assert stats["by_source"] == {"code": 1, "prose": 1, "web": 1}
-    ids = [d["id"] for d in _lines(corpus / "documents.jsonl")]
+    ids = [d["id"] for d in shards.records(corpus)]
     assert ids == ["code/a.jsonl:1", "prose/gpl.txt", "web/gnu/gpl.html"]
     assert stats["num_in"] == stats["num_kept"] + stats["num_removed"] + stats["num_quarantined"]
 
@@ -229,7 +227,7 @@ def test_duplicate_record_ids_are_quarantined(tmp_path, monkeypatch):
     (tmp_path / "out").mkdir()
     stats = collect_documents(cfg, tmp_path / "out")
     assert (stats["num_kept"], stats["quarantined"]) == (1, {"duplicate_id": 1})
-    [bad] = _lines(tmp_path / "out" / "quarantine.jsonl")
+    [bad] = shards.records(tmp_path / "out", "quarantine")
     assert (bad["path"], bad["line"]) == ("one.jsonl", 2) and "'s/7'" in bad["detail"]
 
 
@@ -254,11 +252,11 @@ def test_lines_that_used_to_kill_the_stage_are_repaired_or_quarantined_with_thei
     stats, out = _collect_one(tmp_path, lines)
     assert (stats["num_in"], stats["num_kept"], stats["num_repaired"]) == (6, 1, 1)
     assert stats["quarantined"] == {"invalid_json": 2, "json_number_out_of_range": 2, "json_too_deep": 1}
-    assert [(q["reason"], q["path"], q["line"]) for q in _lines(out / "quarantine.jsonl")] == [
+    assert [(q["reason"], q["path"], q["line"]) for q in shards.records(out, "quarantine")] == [
         ("json_number_out_of_range", "in.jsonl", 2), ("json_too_deep", "in.jsonl", 3),
         ("json_number_out_of_range", "in.jsonl", 4), ("invalid_json", "in.jsonl", 5), ("invalid_json", "in.jsonl", 6),
     ]
-    [doc] = _lines(out / "documents.jsonl")
+    [doc] = shards.records(out)
     assert doc["text"] == f"{MIT_GRANT} \ufffd" and doc["metadata"]["note\ufffd"] == "\ufffd"
 
 
@@ -281,7 +279,7 @@ def test_inputs_over_max_doc_bytes_are_quarantined_as_too_large_in_every_format(
     (tmp_path / "out").mkdir()
     stats = collect_documents(cfg, tmp_path / "out")
     assert (stats["num_in"], stats["num_kept"], stats["quarantined"]) == (5, 2, {"too_large": 3})
-    too_large = _lines(tmp_path / "out" / "quarantine.jsonl")
+    too_large = shards.records(tmp_path / "out", "quarantine")
     assert [(q["source"], q["path"], q.get("line")) for q in too_large] == [
         ("code", "a.jsonl", 2), ("prose", "big.txt", None), ("web", "gpl.html", None)]
     assert "max_doc_bytes=400" in too_large[0]["detail"] and too_large[0]["raw_prefix"].startswith('{"text": "xxx')
@@ -299,7 +297,7 @@ def test_licences_as_real_data_writes_them(tmp_path):
     stats, out = _collect_one(tmp_path, lines)
     assert stats["removed"] == {"licence_not_allowed:BSD-4-Clause-UC": 1, "licence_unknown:Frobnicate | see copyright": 1}
     assert stats["quarantined"] == {"invalid_licence": 2}
-    docs = _lines(out / "documents.jsonl")
+    docs = shards.records(out)
     assert [(d["licence"], d["metadata"]["licence_as_written"]) for d in docs] == [
         ("GPL-2.0-or-later", "GPL-2+"), ("GPL-2.0-or-later OR CC-BY-SA-3.0", "GPL-2.0+ or CC-BY-SA-3.0")]
 

@@ -1,7 +1,7 @@
 """A collect stage killed mid-write and rerun gives the same bytes as a clean run: nothing lost, nothing twice.
 
 The stage runs in a subprocess through the plain-Python runner (`run_stage`, no-op tracker) and is
-sent SIGKILL once its partial output has started to grow; the rerun (here, in-process) must
+sent SIGKILL once it has written two shards and begun a third; the rerun (here, in-process) must
 discard the partial folder, and its committed files must hash as a clean run's do.
 """
 
@@ -18,6 +18,8 @@ from pathlib import Path
 import pytest
 
 from tasks.config import load_config
+from tasks.data.documents import read_documents, read_shards
+from tasks.data.shards import shard_paths
 from tasks.graph import stage_keys
 from tasks.runner import run_stage
 from tasks.stage import Registry
@@ -32,6 +34,8 @@ LICENCES = ["PSF-2.0", "GPL-2+", "Vim", "BSD-4-Clause-UC (fortune-mod; collected
 _CHILD = """
 import sys
 from tasks.config import load_config
+from tasks.data.documents import read_documents, read_shards
+from tasks.data.shards import shard_paths
 from tasks.runner import run_stage
 from tasks.stage import Registry
 from tasks.stages import collect
@@ -65,19 +69,19 @@ def test_a_killed_collect_reruns_to_the_same_bytes(tmp_path):
     _big_source(source, 15_000)
     registry = Registry([collect_stage.STAGE, toy_stage.STAGE])
     sources = f"collect.sources=[{{name: big, path: {source}, format: jsonl, domain: code, licence: MIT}}]"
-    overrides = [sources, "collect.max_docs_per_source=null"]
+    overrides = [sources, "collect.max_docs_per_source=null", "collect.shard_bytes=500000"]
     killed_cfg = load_config(TOY, [*overrides, f"work_dir={tmp_path / 'killed'}"], registry=registry)
     clean_cfg = load_config(TOY, [*overrides, f"work_dir={tmp_path / 'clean'}"], registry=registry)
     key = stage_keys(killed_cfg, registry)["collect"]
     assert stage_keys(clean_cfg, registry)["collect"] == key  # work_dir is no part of the key
     store = Store(killed_cfg.store_root)
-    partial_documents = store.partial_path("collect", key) / "documents.jsonl"
+    partial_documents = store.partial_path("collect", key) / "documents"
 
     child = subprocess.Popen([sys.executable, "-c", _CHILD, TOY, *overrides, f"work_dir={tmp_path / 'killed'}"],
                              cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
         deadline = time.monotonic() + 120
-        while not (partial_documents.exists() and partial_documents.stat().st_size > 1_000_000):
+        while len(list(partial_documents.glob("*.jsonl.zst"))) < 3:  # two shards written, a third begun
             assert child.poll() is None, f"the stage ended before it could be killed: {child.stderr.read().decode()}"
             assert time.monotonic() < deadline, "the stage never started writing"
             time.sleep(0.01)
@@ -87,7 +91,7 @@ def test_a_killed_collect_reruns_to_the_same_bytes(tmp_path):
         child.wait()  # reaped, so the key lock's owner is seen as dead
     assert child.returncode == -signal.SIGKILL
     assert not store.is_complete("collect", key) and store.partial_path("collect", key).is_dir()
-    written_before_kill = len(partial_documents.read_bytes().splitlines())
+    written_before_kill = sum(len(list(read_documents(shard))) for shard in sorted(partial_documents.glob("*"))[:-1])
 
     rerun = run_stage("collect", killed_cfg, registry=registry)
     clean = run_stage("collect", clean_cfg, registry=registry)
@@ -97,5 +101,6 @@ def test_a_killed_collect_reruns_to_the_same_bytes(tmp_path):
 
     stats = store.manifest("collect", key)["stats"]
     assert stats["num_in"] == 15_000 and stats["num_in"] == stats["num_kept"] + stats["num_removed"] + stats["num_quarantined"]
-    ids = [json.loads(line)["id"] for line in (Path(rerun.path) / "documents.jsonl").read_text().splitlines()]
+    ids = [doc.id for doc in read_shards(shard_paths(Path(rerun.path)))]
     assert len(ids) == len(set(ids)) == stats["num_kept"] > written_before_kill
+    assert len(stats["shards"]["documents"]) > 3

@@ -23,8 +23,11 @@ from hypothesis import strategies as st
 
 from tasks.data.clean import CleanConfig, clean_documents
 from tasks.data.collect import CollectConfig, SourceConfig, collect_documents
-from tasks.data.dedup import DedupConfig, dedup_documents
-from tasks.data.documents import DOCUMENTS_FILE, QUARANTINE_FILE, REMOVED_FILE
+from tasks.data.dedup import DedupConfig
+from tasks.data.dedup_job import dedup_documents
+from tasks.data.inspection import accounting
+from tasks.data.shards import KINDS, shard_paths
+from tests.fixtures import shards
 
 REPO = Path(__file__).resolve().parents[3]
 REAL_LINES = (REPO / "data/sample/code/code.jsonl").read_bytes().splitlines()
@@ -165,10 +168,6 @@ def _write(root: Path, files: dict[str, bytes]) -> None:
         (root / rel).write_bytes(data)
 
 
-def _count_lines(path: Path) -> int:
-    return len(path.read_bytes().splitlines()) if path.exists() else 0
-
-
 def _collect(root: Path, max_doc_bytes: int) -> tuple[dict, Path]:
     sources = [
         SourceConfig(name="j", path=str(root / "jsonl"), format="jsonl", domain="web", licence="MIT"),
@@ -180,10 +179,10 @@ def _collect(root: Path, max_doc_bytes: int) -> tuple[dict, Path]:
     ]
     out = root / "collect"
     out.mkdir()
-    stats = collect_documents(CollectConfig(sources=sources, max_doc_bytes=max_doc_bytes), out)
+    # small shards: most corpora span several
+    stats = collect_documents(CollectConfig(sources=sources, max_doc_bytes=max_doc_bytes, shard_bytes=2000), out)
     _assert_accounts(stats, out)
-    quarantined = (out / QUARANTINE_FILE).read_bytes().splitlines() if (out / QUARANTINE_FILE).exists() else []
-    for record in map(json.loads, quarantined):
+    for record in shards.records(out, "quarantine"):
         assert record["reason"] and record["path"]  # a reason and a location, always
         assert "line" in record or record["source"] != "j"
         assert "offset" in record or record["source"] != "w"
@@ -191,10 +190,12 @@ def _collect(root: Path, max_doc_bytes: int) -> tuple[dict, Path]:
 
 
 def _assert_accounts(stats: dict, out: Path) -> None:
+    """Counts add up, the shards hold what the stats and listing say, and the removal report (tallied while
+    writing) equals the shards read back."""
     assert stats["num_in"] == stats["num_kept"] + stats["num_removed"] + stats["num_quarantined"]
-    assert _count_lines(out / DOCUMENTS_FILE) == stats["num_kept"]
-    assert _count_lines(out / REMOVED_FILE) == stats["num_removed"]
-    assert _count_lines(out / QUARANTINE_FILE) == stats["num_quarantined"]
+    for kind, count in zip(KINDS, ("num_kept", "num_removed", "num_quarantined")):
+        assert len(shards.lines(out, kind)) == stats[count] == sum(s["num_records"] for s in stats["shards"][kind])
+    assert stats["accounting"] == accounting(out)
 
 
 @settings(max_examples=150, **SETTINGS)
@@ -240,10 +241,10 @@ def test_collect_clean_and_dedup_account_for_every_document(files):
         _write(root, files)
         collected, collect_out = _collect(root, 10_000_000)
         (root / "clean").mkdir()
-        cleaned = clean_documents(CleanConfig(quality_model=QUALITY_MODEL), collect_out / DOCUMENTS_FILE, root / "clean")
+        cleaned = clean_documents(CleanConfig(quality_model=QUALITY_MODEL), collect_out, root / "clean")
         _assert_accounts(cleaned, root / "clean")
         assert cleaned["num_in"] == collected["num_kept"]
         (root / "dedup").mkdir()
-        deduped = dedup_documents(DedupConfig(), root / "clean" / DOCUMENTS_FILE, root / "dedup")
+        deduped = dedup_documents(DedupConfig(), shard_paths(root / "clean"), root / "dedup")
         _assert_accounts(deduped, root / "dedup")
         assert deduped["num_in"] == cleaned["num_kept"]

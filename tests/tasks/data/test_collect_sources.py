@@ -19,6 +19,7 @@ from pydantic import ValidationError
 from tasks.data.code_tree import language_of, licence_id, skip_reason, spdx_header
 from tasks.data.collect import CollectConfig, SourceConfig, collect_documents, source_paths
 from tasks.errors import ConfigError
+from tests.fixtures import shards
 
 REPO = Path(__file__).resolve().parents[3]
 TEXTS = dict(LICENSES)
@@ -35,10 +36,6 @@ def _collect(tmp_path: Path, *sources, **extra) -> tuple[dict, Path]:
     assert stats["num_in"] == stats["num_kept"] + stats["num_removed"] + stats["num_quarantined"]
     return stats, out
 
-
-def _lines(path: Path) -> list[dict]:
-    """JSON lines (split on newlines only: a raw detail may hold U+2028 or NEL, which str.splitlines splits on)."""
-    return [json.loads(line) for line in path.read_text(encoding="utf-8").split("\n") if line] if path.exists() else []
 
 
 # --- WARC -----------------------------------------------------------------------------------------
@@ -93,12 +90,12 @@ def test_warc_records_become_documents_with_url_and_crawl_date_and_offsets(tmp_p
     source = SourceConfig(name="crawl", path=str(tmp_path / "crawl"), format="warc", domain="web", licence="CC-BY-4.0")
     stats, out = _collect(tmp_path, source, max_doc_bytes=5_000)
 
-    docs = _lines(out / "documents.jsonl")
+    docs = shards.records(out)
     assert [d["metadata"]["url"] for d in docs][:2] == ["https://example.org/a", "https://example.org/b"]
     assert {d["metadata"]["crawl_date"] for d in docs} == {"2024-03-01T12:00:00Z"}
     assert docs[0]["id"].startswith("crawl/urn:uuid:") and "Alpha" in docs[0]["text"] and "Home | About" not in docs[0]["text"]
     assert "Le café est très bon" in docs[1]["text"]
-    quarantine = _lines(out / "quarantine.jsonl")
+    quarantine = shards.records(out, "quarantine")
     assert [(q["reason"], q["path"]) for q in quarantine[:2]] == [("not_html", "a.warc.gz"), ("too_large", "a.warc.gz")]
     offsets = [q["offset"] for q in quarantine]
     assert 0 < docs[0]["metadata"]["offset"] < docs[1]["metadata"]["offset"] < offsets[0] < offsets[1] < len(data)
@@ -114,7 +111,7 @@ def test_the_bundled_warc_sample(tmp_path):
     source = SourceConfig(name="howto", path=str(REPO / "data/sample/warc"), format="warc", domain="web", licence="PSF-2.0")
     stats, out = _collect(tmp_path, source)
     assert stats["num_kept"] == 6 and stats["quarantined"] == {"not_html": 1}
-    urls = [d["metadata"]["url"] for d in _lines(out / "documents.jsonl")]
+    urls = [d["metadata"]["url"] for d in shards.records(out)]
     assert urls[0] == "https://docs.python.org/3.11/howto/annotations.html"
 
 
@@ -134,10 +131,10 @@ def test_parquet_rows_go_through_the_record_checks(tmp_path):
     source = SourceConfig(name="t", path=str(tmp_path / "t"), format="parquet", domain="web")
     stats, out = _collect(tmp_path, source)
 
-    docs = _lines(out / "documents.jsonl")
+    docs = shards.records(out)
     assert [(d["id"], d["licence"]) for d in docs] == [("t/a", "MIT"), ("t/b", "GPL-2.0-or-later")]
     assert docs[0]["metadata"] == {"url": "https://a", "score": 0.5, "path": "part-0.parquet", "row": 0}
-    assert [(q["reason"], q["path"], q.get("row")) for q in _lines(out / "quarantine.jsonl")] == [
+    assert [(q["reason"], q["path"], q.get("row")) for q in shards.records(out, "quarantine")] == [
         ("missing_text", "part-0.parquet", 2), ("invalid_json", "part-0.parquet", 3), ("unreadable_parquet", "part-1.parquet", None),
     ]
     assert stats["num_in"] == 5
@@ -150,7 +147,7 @@ def test_parquet_columns_pick_what_is_read(tmp_path):
     stats, out = _collect(tmp_path, SourceConfig(**base))
     assert stats["quarantined"] == {"unsupported_value": 1}  # bytes have no JSON form
     stats, out = _collect(tmp_path, SourceConfig(**base, columns=["content", "doc", "licence"]))
-    assert [d["id"] for d in _lines(out / "documents.jsonl")] == ["t/x"]
+    assert [d["id"] for d in shards.records(out)] == ["t/x"]
 
 
 def test_gzip_and_zstd_jsonl_are_streamed_and_a_cut_stream_is_quarantined_at_its_line(tmp_path):
@@ -165,10 +162,10 @@ def test_gzip_and_zstd_jsonl_are_streamed_and_a_cut_stream_is_quarantined_at_its
     (folder / "c.jsonl.gz").write_bytes(gzip.compress(data(200))[:-30])  # cut off: the last bytes and the crc are gone
     (folder / "d.jsonl").write_bytes(data(300))
     stats, out = _collect(tmp_path, SourceConfig(name="c", path=str(folder), format="jsonl", domain="web"))
-    ids = [d["id"] for d in _lines(out / "documents.jsonl")]
+    ids = [d["id"] for d in shards.records(out)]
     assert ids[:100] == [f"c/{i}" for i in range(50)] + [f"c/{i}" for i in range(100, 150)]
     assert ids[-50:] == [f"c/{i}" for i in range(300, 350)] and 150 < len(ids) < 200
-    assert [(q["reason"], q["path"], q["line"]) for q in _lines(out / "quarantine.jsonl")] == [
+    assert [(q["reason"], q["path"], q["line"]) for q in shards.records(out, "quarantine")] == [
         ("corrupt_file", "c.jsonl.gz", len(ids) - 150 + 1)]  # the line after the last one read
 
 
@@ -182,7 +179,7 @@ def test_a_dataset_saved_to_disk_is_read_by_datasets(tmp_path):
     datasets.DatasetDict({"train": datasets.Dataset.from_dict(rows)}).save_to_disk(str(tmp_path / "ds"))
     source = SourceConfig(name="ds", path=str(tmp_path / "ds"), format="hf", domain="web")
     stats, out = _collect(tmp_path, source)
-    docs = _lines(out / "documents.jsonl")
+    docs = shards.records(out)
     assert [(d["id"], d["licence"], d["metadata"]["lang"], d["metadata"]["split"]) for d in docs] == [
         ("ds/one", "Apache-2.0", "en", "train"), ("ds/two", "MIT", "en", "train")]
     stats, out = _collect(tmp_path, SourceConfig(name="ds", path=str(tmp_path / "ds"), format="hf", domain="web", split="test"))
@@ -199,7 +196,7 @@ def test_load_dataset_builds_a_local_folder_and_a_builder_with_data_files(tmp_pa
     by_builder = SourceConfig(name="builder", path="json", format="hf", domain="web", data_files=str(jsonl))
     stats, out = _collect(tmp_path, by_folder, by_builder)
     assert stats["by_source"] == {"folder": 2, "builder": 1}
-    assert [d["id"] for d in _lines(out / "documents.jsonl")] == [f"folder/{tmp_path / 'hub-style'}:0",
+    assert [d["id"] for d in shards.records(out)] == [f"folder/{tmp_path / 'hub-style'}:0",
                                                                  f"folder/{tmp_path / 'hub-style'}:1", "builder/7"]
 
 
@@ -242,7 +239,7 @@ def test_a_code_tree_is_one_document_per_source_file_with_language_and_licence(t
     tree = _tree(tmp_path / "repo")
     source = SourceConfig(name="repo", path=str(tree), format="code", domain="code", exclude=["docs/**"])
     stats, out = _collect(tmp_path, source)
-    docs = {d["metadata"]["path"]: d for d in _lines(out / "documents.jsonl")}
+    docs = {d["metadata"]["path"]: d for d in shards.records(out)}
     assert {path: (d["metadata"]["language"], d["licence"], d["metadata"]["licence_origin"]) for path, d in docs.items()} == {
         "bin/tool": ("python", "MIT", "LICENSE"),
         "gpl/lib.py": ("python", "GPL-3.0-only", "gpl/COPYING"),
@@ -250,20 +247,20 @@ def test_a_code_tree_is_one_document_per_source_file_with_language_and_licence(t
         "src/fast.c": ("c", "Apache-2.0", "spdx_header"),
     }
     assert docs["src/app.py"]["id"] == "repo/src/app.py"
-    removed = {r["path"]: r["reason"] for r in _lines(out / "removed.jsonl")}
+    removed = {r["path"]: r["reason"] for r in shards.records(out, "removed")}
     assert removed == {
         "LICENSE": "licence_file", "README": "not_code", "docs/conf.py": "excluded", "gpl/COPYING": "licence_file",
         "logo.png": "binary", "odd/LICENSE": "licence_file", "src/api_pb2.py": "generated", "src/blob.py": "binary",
         "src/table.h": "generated", "vendor/left_pad.js": "vendored",
     }
-    quarantine = {q["path"]: (q["reason"], q.get("detail", "")) for q in _lines(out / "quarantine.jsonl")}
+    quarantine = {q["path"]: (q["reason"], q.get("detail", "")) for q in shards.records(out, "quarantine")}
     assert quarantine["latin1.py"][0] == "non_utf8"
     assert quarantine["odd/x.py"] == ("missing_licence", "licence file odd/LICENSE is not a licence text identify recognises")
     assert ".git/config" not in quarantine | removed | docs
 
     # a source licence answers where the tree's files do not
     stats, out = _collect(tmp_path, SourceConfig(name="repo", path=str(tree), format="code", domain="code", licence="ISC"))
-    assert {d["metadata"]["path"]: d["licence"] for d in _lines(out / "documents.jsonl")}["odd/x.py"] == "ISC"
+    assert {d["metadata"]["path"]: d["licence"] for d in shards.records(out)}["odd/x.py"] == "ISC"
 
 
 def test_code_rules_one_by_one():
@@ -284,7 +281,7 @@ def test_the_bundled_code_tree(tmp_path):
     source = SourceConfig(name="colorlog", path=str(REPO / "data/sample/code-tree/colorlog"), format="code", domain="code")
     stats, out = _collect(tmp_path, source)
     assert stats["num_kept"] == 4 and stats["removed"] == {"binary": 1, "licence_file": 1, "not_code": 1}
-    assert {d["licence"] for d in _lines(out / "documents.jsonl")} == {"MIT"}
+    assert {d["licence"] for d in shards.records(out)} == {"MIT"}
 
 
 # --- where files are: globs, file:// and S3 -------------------------------------------------------------
@@ -298,7 +295,7 @@ def test_globs_and_file_urls(tmp_path, monkeypatch):
     by_glob = SourceConfig(name="g", path="d/*.jsonl", format="jsonl", domain="web")
     by_url = SourceConfig(name="u", path=f"file://{tmp_path}/d", format="jsonl", domain="web")
     stats, out = _collect(tmp_path, by_glob, by_url)
-    assert [d["id"] for d in _lines(out / "documents.jsonl")] == ["g/d/a.jsonl", "u/d/a.jsonl", "u/d/sub/b.jsonl"]
+    assert [d["id"] for d in shards.records(out)] == ["g/d/a.jsonl", "u/d/a.jsonl", "u/d/sub/b.jsonl"]
     assert source_paths(CollectConfig(sources=[by_glob, by_url])) == [Path("d"), tmp_path / "d"]
 
 
@@ -317,7 +314,7 @@ def test_sources_in_an_s3_bucket(tmp_path, s3):
     ]
     stats, out = _collect(tmp_path, *sources)
     assert stats["by_source"] == {"warc": 1, "dump": 1, "tables": 1}
-    assert _lines(out / "documents.jsonl")[0]["metadata"]["url"] == "https://example.org/a"
+    assert shards.records(out)[0]["metadata"]["url"] == "https://example.org/a"
 
     cfg = CollectConfig(sources=sources)
     before = cfg.identity()["remote_sources_sha256"]
@@ -334,10 +331,10 @@ def test_weight_keeps_the_same_share_on_every_run(tmp_path):
     (tmp_path / "w.jsonl").write_text("".join(json.dumps({"id": i, "text": PROSE, "licence": "MIT"}) + "\n" for i in range(400)))
     source = SourceConfig(name="w", path=str(tmp_path / "w.jsonl"), format="jsonl", domain="web", weight=0.25)
     first, out = _collect(tmp_path, source)
-    kept = [d["id"] for d in _lines(out / "documents.jsonl")]
+    kept = [d["id"] for d in shards.records(out)]
     second, _ = _collect(tmp_path, source)
     assert 70 <= first["num_kept"] <= 130 and first["removed"] == {"sampled_out": 400 - first["num_kept"]}
-    assert [d["id"] for d in _lines(out / "documents.jsonl")] == kept and second == first
+    assert [d["id"] for d in shards.records(out)] == kept and second == first
 
 
 def test_each_format_takes_its_own_fields(tmp_path):

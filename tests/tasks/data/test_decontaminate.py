@@ -8,11 +8,13 @@ from pathlib import Path
 import pytest
 
 from tasks.data.collect import CollectConfig, SourceConfig, collect_documents
-from tasks.data.decontaminate import DecontaminateConfig, decontaminate_documents, words
-from tasks.data.documents import Document, read_documents, write_documents
+from tasks.data.decontaminate import DecontaminateConfig, Grams, decontaminate_documents, split_scripts, words
+from tasks.data.documents import Document, read_shards, write_documents
 from tasks.data.inspection import accounting
+from tasks.data.shards import shard_paths
 from tasks.errors import InputError
 from tasks.evals.heldout_task import write_heldout_task
+from tests.fixtures.shards import raw, records, write_stage
 
 SAMPLE = Path(__file__).parents[3] / "data" / "sample"
 HELDOUT = Path(__file__).parents[3] / "data" / "evals" / "heldout.jsonl"
@@ -56,10 +58,8 @@ def _run(tmp_path: Path, docs: list[tuple[str, str]], name: str = "run", **cfg) 
     evals = _write_jsonl(work / "licence_qa.jsonl", [{"text": APACHE_DERIVATIVE}, {"text": APACHE_CONTRIBUTION}])
     input_file = work / "in.jsonl"
     write_documents(input_file, [Document(i, t, "prose", "prose", "GPL-3.0-or-later") for i, t in docs])
-    stats = decontaminate_documents(DecontaminateConfig(**cfg), input_file, [evals], out)
-    kept = [json.loads(line) for line in (out / "documents.jsonl").read_text().splitlines()]
-    removed_file = out / "removed.jsonl"
-    removed = [json.loads(line) for line in removed_file.read_text().splitlines()] if removed_file.exists() else []
+    stats = decontaminate_documents(DecontaminateConfig(**cfg), [input_file], [evals], out)
+    kept, removed = records(out), records(out, "removed")
     report = json.loads((out / "contamination.json").read_text())
     assert stats["num_in"] == stats["num_kept"] + stats["num_removed"] + stats["num_quarantined"] == len(docs)
     assert stats["num_kept"] == len(kept) and stats["num_removed"] == len(removed)
@@ -152,7 +152,7 @@ def _run_evals(tmp_path: Path, evals: list[str], docs: list[tuple[str, str]], **
     input_file = tmp_path / "in.jsonl"
     write_documents(input_file, [Document(i, t, "prose", "prose", "GPL-3.0-or-later") for i, t in docs])
     (tmp_path / "out").mkdir()
-    stats = decontaminate_documents(DecontaminateConfig(**cfg), input_file, [eval_file], tmp_path / "out")
+    stats = decontaminate_documents(DecontaminateConfig(**cfg), [input_file], [eval_file], tmp_path / "out")
     return stats, json.loads((tmp_path / "out" / "contamination.json").read_text())["benchmarks"]["qa"]
 
 
@@ -196,12 +196,24 @@ def test_copies_in_other_case_layout_or_accents_match():
     assert words("Straße\n\n  and\tmore") == words("STRASSE AND MORE")
 
 
+def test_scripts_without_spaces_give_characters_and_the_rest_words():
+    assert split_scripts(words("Python3のリリース、2024年 Released")) == (
+        ["python3", "2024", "released"], list("のリリース年"))
+    assert split_scripts(words("ภาษาไทย and 中文")) == (["and"], list("ภาษาไทย中文"))
+    assert split_scripts(words("한국어 문장은 띄어 씁니다")) == (["한국어", "문장은", "띄어", "씁니다"], [])  # Hangul: spaced
+    # A copy re-wrapped, in another width or case, has the same character n-grams.
+    zh = "人人生而自由，在尊严和权利上一律平等。他们赋有理性和良心，并应以兄弟关系的精神相对待。"
+    copy = "ＡＢＣ " + zh[:20] + "\n  " + zh[20:]
+    assert Grams.of(zh, 13, 10).char_grams.keys() <= Grams.of(copy.lower(), 13, 10).char_grams.keys()
+    assert len(Grams.of(zh, 13, 10).char_grams) == len(split_scripts(words(zh))[1]) - 10 + 1
+
+
 def test_eval_texts_shorter_than_one_ngram_are_reported(tmp_path):
     evals = _write_jsonl(tmp_path / "short.jsonl", [{"text": TWELVE}, {"text": APACHE_CONTRIBUTION}])
     input_file = tmp_path / "in.jsonl"
     write_documents(input_file, [Document("d", GPL_RIGHTS, "s", "prose", "MIT")])
     (tmp_path / "out").mkdir()
-    decontaminate_documents(DecontaminateConfig(), input_file, [evals], tmp_path / "out")
+    decontaminate_documents(DecontaminateConfig(), [input_file], [evals], tmp_path / "out")
     report = json.loads((tmp_path / "out" / "contamination.json").read_text())
     assert report["benchmarks"]["short"]["num_eval_docs_too_short"] == 1
 
@@ -212,14 +224,14 @@ def test_missing_or_bad_eval_files_are_input_errors_naming_them(tmp_path):
     (tmp_path / "out").mkdir()
     missing = tmp_path / "nowhere.jsonl"
     with pytest.raises(InputError, match="nowhere.jsonl"):
-        decontaminate_documents(DecontaminateConfig(), input_file, [missing], tmp_path / "out")
+        decontaminate_documents(DecontaminateConfig(), [input_file], [missing], tmp_path / "out")
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"text": GPL_RIGHTS}) + "\n{not json\n", encoding="utf-8")
     with pytest.raises(InputError, match=r"bad.jsonl:2 is not valid JSON"):
-        decontaminate_documents(DecontaminateConfig(), input_file, [bad], tmp_path / "out")
+        decontaminate_documents(DecontaminateConfig(), [input_file], [bad], tmp_path / "out")
     no_text = _write_jsonl(tmp_path / "no_text.jsonl", [{"question": GPL_RIGHTS}])
     with pytest.raises(InputError, match=r'no_text.jsonl:1 has no string "text" field'):
-        decontaminate_documents(DecontaminateConfig(), input_file, [no_text], tmp_path / "out")
+        decontaminate_documents(DecontaminateConfig(), [input_file], [no_text], tmp_path / "out")
 
 
 def test_decontaminating_the_collected_prose_finds_the_leaked_eval_documents(tmp_path):
@@ -233,8 +245,8 @@ def test_decontaminating_the_collected_prose_finds_the_leaked_eval_documents(tmp
     ]
     (tmp_path / "collected").mkdir()
     collect_documents(CollectConfig(sources=sources), tmp_path / "collected")
-    collected = tmp_path / "collected" / "documents.jsonl"
-    training = {doc.id: doc.text for doc in read_documents(collected)}
+    collected = shard_paths(tmp_path / "collected")
+    training = {doc.id: doc.text for doc in read_shards(collected)}
     eval_texts = {json.loads(line)["id"]: json.loads(line)["text"] for line in HELDOUT.read_text().splitlines()}
     holders = sorted(doc_id for doc_id, text in training.items() if any(eval_texts[i] in text for i in leaked_ids))
     assert len(training) == 188  # binutils' pages (GFDL) are not collected by default
@@ -244,7 +256,7 @@ def test_decontaminating_the_collected_prose_finds_the_leaked_eval_documents(tmp
         out = tmp_path / name
         out.mkdir()
         stats = decontaminate_documents(DecontaminateConfig(**cfg), collected, [HELDOUT], out)
-        removed = [json.loads(line)["id"] for line in (out / "removed.jsonl").read_text().splitlines()]
+        removed = [record["id"] for record in records(out, "removed")]
         heldout = json.loads((out / "contamination.json").read_text())["benchmarks"]["heldout"]
         assert stats["num_removed"] == len(removed) == heldout["num_docs_contaminated"]
         assert heldout["contaminated_eval_docs"] == sorted(leaked_ids)  # the eval direction finds them always
@@ -271,7 +283,7 @@ def test_lm_eval_tasks_are_indexed_through_the_task_manager(tmp_path):
     input_file = tmp_path / "in.jsonl"
     write_documents(input_file, [Document(i, t, "prose", "prose", "GPL-3.0-or-later") for i, t in DOCS])
     (tmp_path / "out").mkdir()
-    stats = decontaminate_documents(DecontaminateConfig(), input_file, [], tmp_path / "out",
+    stats = decontaminate_documents(DecontaminateConfig(), [input_file], [], tmp_path / "out",
                                     eval_tasks=["licence_task"], task_include_path=tmp_path / "tasks")
     assert stats["removed"] == {"contaminated:licence_task": 2}
     report = json.loads((tmp_path / "out" / "contamination.json").read_text())["benchmarks"]["licence_task"]
@@ -298,7 +310,7 @@ def test_hub_tasks_offline_are_input_errors_naming_the_task(tmp_path, monkeypatc
     write_documents(input_file, [Document("d", GPL_RIGHTS, "s", "prose", "MIT")])
     (tmp_path / "out").mkdir()
     with pytest.raises(InputError, match=r"lm-eval task 'hub_arc'.*need network access"):
-        decontaminate_documents(DecontaminateConfig(), input_file, [], tmp_path / "out",
+        decontaminate_documents(DecontaminateConfig(), [input_file], [], tmp_path / "out",
                                 eval_tasks=["hub_arc"], task_include_path=tmp_path / "tasks")
 
 
@@ -309,7 +321,7 @@ def test_removal_report_counts_documents_and_bytes_by_domain(tmp_path):
     docs = [Document("quoted", f"{GPL_FREEDOM} {APACHE_DERIVATIVE}", "s", "web", "MIT"),
             Document("clean", GPL_FREEDOM, "s", "web", "MIT"), Document("rights", GPL_RIGHTS, "s", "prose", "MIT")]
     write_documents(work / "in.jsonl", docs)
-    stats = decontaminate_documents(DecontaminateConfig(), work / "in.jsonl", [evals], work / "out")
+    stats = decontaminate_documents(DecontaminateConfig(), [work / "in.jsonl"], [evals], work / "out")
     size = {d.id: len(d.text.encode()) for d in docs}
     assert stats["accounting"] == {
         "prose": {"in": {"docs": 1, "bytes": size["rights"]}, "kept": {"docs": 1, "bytes": size["rights"]},
@@ -320,3 +332,23 @@ def test_removal_report_counts_documents_and_bytes_by_domain(tmp_path):
     assert stats["accounting"] == accounting(work / "out") == json.loads((work / "out" / "removals.json").read_text())
     assert "| web | removed | contaminated | 1 |" in (work / "out" / "removals.md").read_text()
     assert (work / "out" / "removals.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_shards_scanned_in_parallel_give_what_one_shard_gives(tmp_path):
+    """The eval index is built once; each shard is scanned as a task, two at a time. The shards read in
+    order, the reports and their examples (the first ones in input order) equal one shard's."""
+    evals = _write_jsonl(tmp_path / "licence_qa.jsonl", [{"text": APACHE_DERIVATIVE}, {"text": APACHE_CONTRIBUTION}])
+    docs = [Document(f"{i}-{doc_id}", text, "s", "prose", "MIT") for i in range(4) for doc_id, text in DOCS]
+    outputs = []
+    for num_shards, workers in ((1, 1), (3, 2)):
+        out = tmp_path / f"out-{num_shards}"
+        out.mkdir()
+        inputs = shard_paths(write_stage(tmp_path / f"in-{num_shards}", docs, num_shards))
+        stats = decontaminate_documents(DecontaminateConfig(num_workers=workers), inputs, [evals], out)
+        stats.pop("shards"), stats.pop("executor_cpu_s")
+        outputs.append((stats, raw(out), raw(out, "removed"), (out / "contamination.json").read_text(),
+                        (out / "contamination_rates.json").read_text()))
+    assert outputs[0] == outputs[1]
+    assert outputs[0][0]["removed"] == {"contaminated:licence_qa": 8}
+    assert [e["doc_id"] for e in json.loads(outputs[0][3])["benchmarks"]["licence_qa"]["examples"]] == [
+        "0-quoted", "0-thirteen", "1-quoted", "1-thirteen", "2-quoted"]

@@ -21,9 +21,18 @@ from pathlib import Path
 
 import pytest
 
-from tasks.data.decontaminate import DecontaminateConfig, decontaminate_documents, ngram_positions, words
-from tasks.data.dedup import DedupConfig, dedup_documents
-from tasks.data.documents import DOCUMENTS_FILE, Document, write_documents
+from tasks.data.decontaminate import (
+    DecontaminateConfig,
+    Grams,
+    decontaminate_documents,
+    ngram_positions,
+    split_scripts,
+    words,
+)
+from tasks.data.dedup import DedupConfig
+from tasks.data.dedup_job import dedup_documents
+from tasks.data.documents import Document, write_documents
+from tasks.data.shards import shard_paths
 
 SAMPLE = Path(__file__).parents[3] / "data" / "sample"
 NUM_PROBES, NUM_WIDELY_COPIED, COPIES = 200, 25, 15
@@ -92,13 +101,13 @@ def probe_run(tmp_path_factory: pytest.TempPathFactory) -> dict:
     root = tmp_path_factory.mktemp("recall")
     write_documents(root / "corpus.jsonl", train)
     (root / "dedup").mkdir()
-    dedup_documents(DedupConfig(), root / "corpus.jsonl", root / "dedup")
+    dedup_documents(DedupConfig(), [root / "corpus.jsonl"], root / "dedup")
     (root / "probes.jsonl").write_text("".join(json.dumps(p) + "\n" for p in probes), encoding="utf-8")
 
     def run(name: str, **cfg: object) -> dict:
         out = root / name
         out.mkdir()
-        stats = decontaminate_documents(DecontaminateConfig(**cfg), root / "dedup" / DOCUMENTS_FILE,
+        stats = decontaminate_documents(DecontaminateConfig(**cfg), shard_paths(root / "dedup"),
                                         [root / "probes.jsonl"], out)
         report = json.loads((out / "contamination.json").read_text())["benchmarks"]["probes"]
         found = set(report["contaminated_eval_docs"])
@@ -137,3 +146,54 @@ def test_the_report_says_what_was_ignored_and_why_with_examples(probe_run):
         assert reason["num_ngrams"] > 0 and reason["num_training_docs"] > 0
         assert 1 <= len(reason["examples"]) <= 5 and all(len(e["ngram"].split()) == 13 for e in reason["examples"])
     assert "Ignored as boilerplate" in markdown and "mostly Kiln's known licence" in markdown
+
+
+def _cjk_passage(rng: random.Random, text: str, size: int) -> str | None:
+    """`size` characters of `text` from a point where the next `size` hold at least 60 CJK characters."""
+    for _ in range(50):
+        start = rng.randrange(max(1, len(text) - size))
+        passage = text[start : start + size]
+        if len(split_scripts(words(passage))[1]) >= 60:
+            return passage
+    return None
+
+
+def test_chinese_and_japanese_passages_pasted_into_training_documents_are_found(tmp_path):
+    """Probes from Chinese and Japanese man pages kept out of the corpus: 8 of them pasted, lower-cased
+    and with whitespace collapsed, into the corpus's documents, the others in no training document.
+    Character n-grams find every pasted one and flag no other; word n-grams alone see few of them (a
+    sentence of Chinese is one "word")."""
+    rng = random.Random(1)
+    records = [json.loads(line) for line in (SAMPLE / "multilingual/multilingual.jsonl").read_text().splitlines()]
+    cjk = [r for r in records if r["metadata"]["fasttext_lang"] in ("zh", "ja")]
+    held = [r for r in cjk if int(hashlib.sha256(r["id"].encode()).hexdigest(), 16) % 3 == 0]
+    train = [Document(r["id"], r["text"], "man", "multilingual", "GPL") for r in records if r not in held]
+    assert len(held) >= 6 and {r["metadata"]["fasttext_lang"] for r in held} == {"zh", "ja"}
+    seen = set().union(*(Grams.of(doc.text, 13, 50).hashes() for doc in train))
+    probes = []  # sharing no n-gram with the corpus or with each other
+    while len(probes) < 24:
+        passage = _cjk_passage(rng, rng.choice(held)["text"], 120)
+        if passage is None:
+            continue
+        grams = Grams.of(passage, 13, 50).hashes()
+        if not seen & grams:
+            probes.append(passage)
+            seen |= grams
+    pasted = probes[:8]
+    for passage, carrier in zip(pasted, rng.sample(range(len(train)), len(pasted))):
+        train[carrier].text += "\n\n" + " ".join(passage.lower().split())
+    write_documents(tmp_path / "train.jsonl", train)
+    evals = tmp_path / "cjk.jsonl"
+    evals.write_text("".join(json.dumps({"id": f"{'pasted' if i < 8 else 'clean'}/{i}", "text": text},
+                                        ensure_ascii=False) + "\n" for i, text in enumerate(probes)), encoding="utf-8")
+
+    def found(name: str, **cfg: object) -> set[str]:
+        (tmp_path / name).mkdir()
+        decontaminate_documents(DecontaminateConfig(**cfg), [tmp_path / "train.jsonl"], [evals], tmp_path / name)
+        report = json.loads((tmp_path / name / "contamination.json").read_text())["benchmarks"]["cjk"]
+        return set(report["contaminated_eval_docs"])
+
+    assert found("chars") == {f"pasted/{i}" for i in range(8)}
+    words_only = found("words", char_ngram_size=10_000)  # longer than any text: no character n-gram
+    print(f"word n-grams alone: {len(words_only)} of 8 pasted passages found")
+    assert len(words_only) < 8 and all(probe.startswith("pasted/") for probe in words_only)

@@ -11,11 +11,14 @@ import numpy as np
 import pytest
 
 from tasks.data import dedup, minhash
-from tasks.data.dedup import DedupConfig, dedup_against_index, dedup_documents
+from tasks.data.dedup import DedupConfig
+from tasks.data.dedup_job import dedup_documents
 from tasks.data.dedup_index import INDEX_DIR, DedupIndex
 from tasks.data.documents import Document, write_documents
 from tasks.data.inspection import accounting
+from tasks.data.shards import KINDS, shard_paths
 from tasks.errors import ConfigError
+from tests.fixtures.shards import raw, records, write_stage
 
 # Real prose: the paragraphs of the GNU GPL v3 preamble.
 GPL_PREAMBLE = [
@@ -84,17 +87,14 @@ def _write(path: Path, docs: list[Document]) -> Path:
 
 
 def _read(out: Path) -> tuple[list[dict], list[dict]]:
-    kept = [json.loads(line) for line in (out / "documents.jsonl").read_text().splitlines()]
-    removed_file = out / "removed.jsonl"
-    removed = [json.loads(line) for line in removed_file.read_text().splitlines()] if removed_file.exists() else []
-    return kept, removed
+    return records(out), records(out, "removed")
 
 
 def _run(tmp_path: Path, docs: list[Document], name: str = "run", **cfg) -> tuple[dict, list[dict], list[dict]]:
     """Dedup `docs` in `tmp_path/name`; returns the stats, kept and removed records."""
     out = tmp_path / name / "out"
     out.mkdir(parents=True)
-    stats = dedup_documents(DedupConfig(**cfg), _write(tmp_path / name / "in.jsonl", docs), out)
+    stats = dedup_documents(DedupConfig(**cfg), [_write(tmp_path / name / "in.jsonl", docs)], out)
     kept, removed = _read(out)
     assert stats["num_in"] == stats["num_kept"] + stats["num_removed"] + stats["num_quarantined"]
     assert stats["num_kept"] == len(kept) and stats["num_removed"] == len(removed)
@@ -258,6 +258,31 @@ def test_output_is_identical_with_several_workers(tmp_path, monkeypatch):
     assert index_one == (tmp_path / "two" / "out" / INDEX_DIR / "index.npz").read_bytes()
 
 
+def test_shards_and_workers_give_the_output_of_one_shard_in_one_process(tmp_path):
+    """Signatures per shard in parallel, clusters over all of them: exact and near copies across shards
+    are found, and the shards read in order equal one shard's output; so does the saved index."""
+    docs = [_doc(f"p{i}", p) for i, p in enumerate(GPL_PREAMBLE)]
+    docs += [_doc(f"p{i}-copy", p.upper(), quality_score=0.5) for i, p in enumerate(GPL_PREAMBLE[:4])]
+    docs += [_doc("p7-near", GPL_PREAMBLE[7].replace("manufacturer", "vendor")), _doc("zh", UDHR_ZH[1], "multilingual"),
+             _doc("zh-copy", UDHR_ZH[1] + "。")]
+    runs = {}
+    for name, num_shards, workers in (("one", 1, 1), ("five", 5, 2)):
+        out = tmp_path / name / "out"
+        out.mkdir(parents=True)
+        inputs = shard_paths(write_stage(tmp_path / name / "in", docs, num_shards))
+        stats = dedup_documents(DedupConfig(num_workers=workers), inputs, out)
+        assert stats.pop("executor_cpu_s") == 0
+        listing = stats.pop("shards")
+        assert sum(shard["num_records"] for shard in listing["documents"]) == stats["num_kept"]
+        runs[name] = (stats, [raw(out, kind) for kind in KINDS], (out / INDEX_DIR / "index.npz").read_bytes())
+    assert runs["one"] == runs["five"]
+    stats = runs["one"][0]
+    assert stats["removed"] == {"exact_duplicate": 5, "near_duplicate": 1}
+    # copies with a score beat the originals, the longer copy of the Chinese text wins; kept in input order
+    assert [d["id"] for d in records(tmp_path / "five" / "out")] == [
+        "p4", "p5", "p6", "p7", "p8", "p0-copy", "p1-copy", "p2-copy", "p3-copy", "zh-copy"]
+
+
 def test_worker_count_is_not_part_of_the_identity():
     assert DedupConfig(num_workers=4).identity() == DedupConfig().identity()
     with pytest.raises(ValueError):
@@ -268,7 +293,7 @@ def test_a_new_batch_is_deduplicated_against_the_saved_index_without_resigning_i
     batch_a = [_doc(f"a{i}", p) for i, p in enumerate(GPL_PREAMBLE)] + [_doc("a9-copy", GPL_PREAMBLE[0].upper())]
     out_a = tmp_path / "a"
     out_a.mkdir()
-    stats_a = dedup_documents(DedupConfig(), _write(tmp_path / "a.jsonl", batch_a), out_a)
+    stats_a = dedup_documents(DedupConfig(), [_write(tmp_path / "a.jsonl", batch_a)], out_a)
     assert stats_a["num_kept"] == len(GPL_PREAMBLE)
 
     changed_word = GPL_PREAMBLE[7].replace("manufacturer", "vendor")
@@ -285,7 +310,7 @@ def test_a_new_batch_is_deduplicated_against_the_saved_index_without_resigning_i
     monkeypatch.setattr(minhash, "signatures", lambda texts, *a, **k: signed.append(len(texts)) or real_signatures(texts, *a, **k))
     out_b = tmp_path / "b"
     out_b.mkdir()
-    stats = dedup_against_index(DedupConfig(), out_a / INDEX_DIR, _write(tmp_path / "b.jsonl", batch_b), out_b)
+    stats = dedup_documents(DedupConfig(), [_write(tmp_path / "b.jsonl", batch_b)], out_b, index_dir=out_a / INDEX_DIR)
     assert signed == [len(batch_b)]  # only the new batch is signed; a's signatures are loaded
     kept, removed = _read(out_b)
     assert [d["id"] for d in kept] == ["b-new", "b-pair1"]
@@ -303,11 +328,11 @@ def test_a_new_batch_is_deduplicated_against_the_saved_index_without_resigning_i
     a_index = DedupIndex.load(out_a / INDEX_DIR, _settings())
     assert np.array_equal(combined.signatures[: len(a_index)], a_index.signatures)
     with pytest.raises(ConfigError, match="num_perm"):
-        dedup_against_index(DedupConfig(num_perm=64), out_a / INDEX_DIR, tmp_path / "b.jsonl", tmp_path)
+        dedup_documents(DedupConfig(num_perm=64), [tmp_path / "b.jsonl"], tmp_path, index_dir=out_a / INDEX_DIR)
 
 
 def _settings() -> dict:
-    return dedup._signature_settings(DedupConfig())
+    return dedup.signature_settings(DedupConfig())
 
 
 def test_removal_report_counts_documents_and_bytes_by_domain_and_reason(tmp_path):
@@ -345,7 +370,7 @@ def test_an_exact_copy_that_survives_keeps_its_own_signature_in_the_index(tmp_pa
     _, kept, _ = _run(tmp_path, docs)
     assert [d["id"] for d in kept] == ["second", "other"]
     cfg = DedupConfig()
-    index = DedupIndex.load(tmp_path / "run" / "out" / INDEX_DIR, dedup._signature_settings(cfg))
+    index = DedupIndex.load(tmp_path / "run" / "out" / INDEX_DIR, dedup.signature_settings(cfg))
     expected = minhash.signatures([dedup.normalize(d.text, cfg) for d in docs[1:]], cfg.shingle_size, cfg.num_perm,
                                   cfg.seed)
     assert index.ids.tolist() == ["second", "other"]
@@ -382,8 +407,8 @@ def test_documents_are_written_as_to_json_and_removal_records_as_reason_log_what
     for name, input_file in (("canonical", canonical), ("odd", odd)):
         out = tmp_path / name
         out.mkdir()
-        stats = dedup_documents(DedupConfig(), input_file, out)
-        outputs.append([(out / f).read_bytes() for f in ("documents.jsonl", "removed.jsonl", "removals.json")])
+        stats = dedup_documents(DedupConfig(), [input_file], out)
+        outputs.append([raw(out), raw(out, "removed"), (out / "removals.json").read_bytes()])
         assert (stats["num_kept"], stats["removed"]) == (4, {"exact_duplicate": 3, "near_duplicate": 1})
     assert outputs[0] == outputs[1]
     by_id = {d.id: d for d in docs}

@@ -3,15 +3,17 @@ tests/tasks/data/test_executors.py)."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 
-from tasks.data.dedup import DedupConfig, dedup_documents, lsh_bands, normalize
+from tasks.data.dedup import DedupConfig, lsh_bands, normalize
 from tasks.data.dedup_datatrove import STAGES, dedup_with_datatrove, minhash_config, stage_tasks
-from tasks.data.documents import Document, write_documents
-from tasks.errors import ConfigError
+from tasks.data.dedup_job import dedup_documents
+from tasks.data.documents import Document
+from tasks.data.shards import shard_paths
+from tasks.errors import ConfigError, InputError
+from tests.fixtures.shards import records, write_stage
 
 COREUTILS = Path(__file__).parents[3] / "data" / "sample" / "prose" / "coreutils-man"
 NUM_EDITS = 3
@@ -39,10 +41,9 @@ def _corpus() -> tuple[list[Document], dict[str, str]]:
 
 
 def _removed(out: Path) -> dict[str, str]:
-    lines = (out / "removed.jsonl").read_text(encoding="utf-8").splitlines()
-    records = [json.loads(line) for line in lines]
-    assert {r["reason"] for r in records} <= {"near_duplicate", "exact_duplicate"}
-    return {r["id"]: r["metadata"]["duplicate_of"] for r in records}
+    removed = records(out, "removed")
+    assert {r["reason"] for r in removed} <= {"near_duplicate", "exact_duplicate"}
+    return {r["id"]: r["metadata"]["duplicate_of"] for r in removed}
 
 
 def _jaccard(a: str, b: str, cfg: DedupConfig) -> float:
@@ -60,16 +61,15 @@ def test_local_multi_task_datatrove_removes_what_the_single_node_dedup_removes(t
     texts = {d.id: d.text for d in docs}
     cfg = DedupConfig()
     assert min(_jaccard(texts[copy], texts[original], cfg) for copy, original in planted.items()) > 0.9
-    input_file = tmp_path / "in.jsonl"
-    write_documents(input_file, docs)
+    inputs = shard_paths(write_stage(tmp_path / "in", docs, 3))  # three shards, two tasks
     (tmp_path / "single").mkdir()
     (tmp_path / "datatrove").mkdir()
-    dedup_documents(cfg, input_file, tmp_path / "single")
-    stats = dedup_with_datatrove(cfg, input_file, tmp_path / "datatrove", tasks=2)
+    dedup_documents(cfg, inputs, tmp_path / "single")
+    stats = dedup_with_datatrove(cfg, inputs, tmp_path / "datatrove", tasks=2)
     single, distributed = _removed(tmp_path / "single"), _removed(tmp_path / "datatrove")
 
     # Kiln's format: kept documents in input order, every document accounted for.
-    kept = [json.loads(line)["id"] for line in (tmp_path / "datatrove" / "documents.jsonl").read_text().splitlines()]
+    kept = [record["id"] for record in records(tmp_path / "datatrove")]
     assert kept == [d.id for d in docs if d.id not in distributed]
     assert stats["num_in"] == 129 and stats["num_kept"] + stats["num_removed"] == 129
     assert stats["removed"] == {"near_duplicate": len(distributed)}
@@ -124,8 +124,12 @@ def test_each_stage_runs_its_own_number_of_ranks():
     assert list(stage_tasks(DedupConfig(), 3)) == list(STAGES)
 
 
-def test_bad_settings_are_config_errors(tmp_path):
+def test_bad_settings_and_input_are_errors(tmp_path):
     with pytest.raises(ConfigError, match="at least 1 task"):
-        dedup_with_datatrove(DedupConfig(), tmp_path / "in.jsonl", tmp_path, tasks=0)
+        dedup_with_datatrove(DedupConfig(), [tmp_path / "in.jsonl"], tmp_path, tasks=0)
     with pytest.raises(ConfigError, match="dedup.fuzzy is false"):
-        dedup_with_datatrove(DedupConfig(fuzzy=False), tmp_path / "in.jsonl", tmp_path)
+        dedup_with_datatrove(DedupConfig(fuzzy=False), [tmp_path / "in.jsonl"], tmp_path)
+    doc = Document("twice", " ".join(["word"] * 50), "s", "prose", "MIT")
+    (tmp_path / "out").mkdir()
+    with pytest.raises(InputError, match="document id 'twice' occurs twice"):
+        dedup_with_datatrove(DedupConfig(), shard_paths(write_stage(tmp_path / "in", [doc, doc])), tmp_path / "out")

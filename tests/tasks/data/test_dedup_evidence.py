@@ -8,13 +8,14 @@ similarity to the original is computed exactly. Claims: at least 98% of pairs wi
 
 from __future__ import annotations
 
-import json
 from collections import Counter
 
 import pytest
 
-from tasks.data.dedup import DedupConfig, dedup_documents
-from tasks.data.documents import write_documents
+from tasks.data.dedup import DedupConfig
+from tasks.data.dedup_job import dedup_documents
+from tasks.data.shards import shard_paths
+from tests.fixtures.shards import records, write_stage
 from tests.fixtures.dedup_corpus import build_corpus, clusters_from_output, score
 
 
@@ -22,10 +23,10 @@ from tests.fixtures.dedup_corpus import build_corpus, clusters_from_output, scor
 def deduped(tmp_path_factory):
     corpus = build_corpus(num_bases=120, seed=0)
     work = tmp_path_factory.mktemp("evidence")
-    write_documents(work / "in.jsonl", corpus.docs)
     out = work / "out"
     out.mkdir()
-    stats = dedup_documents(DedupConfig(), work / "in.jsonl", out)
+    # four shards, signed two at a time: the clusters span them
+    stats = dedup_documents(DedupConfig(num_workers=2), shard_paths(write_stage(work / "in", corpus.docs, 4)), out)
     return corpus, stats, out
 
 
@@ -51,7 +52,7 @@ def test_every_case_and_whitespace_copy_is_caught_as_an_exact_duplicate(deduped)
 def test_stats_report_rates_histogram_samples_and_plot(deduped):
     corpus, stats, out = deduped
     domains = Counter(d.domain for d in corpus.docs)
-    removed_by_domain = Counter(r["domain"] for r in map(json.loads, (out / "removed.jsonl").read_text().splitlines()))
+    removed_by_domain = Counter(r["domain"] for r in records(out, "removed"))
     assert stats["duplicate_rate_by_domain"] == {d: removed_by_domain[d] / n for d, n in sorted(domains.items())}
     assert sum(stats["cluster_sizes"].values()) == stats["num_clusters"]
     assert sum(int(size) * n for size, n in stats["cluster_sizes"].items()) == stats["num_removed"] + stats["num_clusters"]

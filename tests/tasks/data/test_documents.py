@@ -57,3 +57,16 @@ def test_written_documents_read_back_equal(tmp_path) -> None:
     assert list(read_documents(path)) == docs
     assert path.read_bytes() == b"".join(_expected(d) for d in docs)
     assert [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()][1]["text"] == ""
+
+
+def test_a_shard_is_the_same_lines_zstd_compressed(tmp_path) -> None:
+    import zstandard
+
+    docs = [Document(f"d{i}", f"text {i} é 中文\n" * 50, "s", "web", "MIT") for i in range(200)]
+    plain, shard = tmp_path / "documents.jsonl", tmp_path / "00000.jsonl.zst"
+    write_documents(plain, docs)
+    assert write_documents(shard, docs) == 200
+    assert zstandard.ZstdDecompressor().stream_reader(shard.read_bytes()).read() == plain.read_bytes()
+    assert list(read_documents(shard)) == docs
+    assert shard.stat().st_size < plain.stat().st_size / 4
+    assert write_documents(tmp_path / "empty.jsonl.zst", []) == 0 and list(read_documents(tmp_path / "empty.jsonl.zst")) == []

@@ -1,18 +1,24 @@
-"""Clean and dedup on the real local Slurm and Ray clusters give what the local executor gives, and a
-worker killed mid-stage loses and duplicates nothing.
+"""The data half on the real local Slurm and Ray clusters gives what the local executor gives, byte for
+byte, and a worker killed mid-stage loses and duplicates nothing.
 
 The corpus is a slice of the bundled sample (coreutils man pages, with their natural near
-duplicates, Python sources, Czech/Danish and other man pages, and one empty document), cleaned
-and deduplicated once on the local executor as the reference. Workers are killed for real, with
-SIGKILL from outside (this test's own, found through its engine: tests/processes.py): on Slurm the stage then fails naming the rank's log, and a rerun skips the
-rank that finished (datatrove's completion markers); on Ray datatrove resubmits the dead actor's
-ranks within the same run.
+duplicates, Python sources, Czech/Danish and other man pages, and one empty document) in two
+collected shards. Clean, dedup, decontaminate and tokenize run on the local executor once as the
+reference, then on each cluster: every output file equals the reference's. (The datatrove dedup
+engine's own four pipelines are tested locally, tests/tasks/data/test_dedup_datatrove.py: five more
+cluster jobs each would add minutes to CI.) Workers are
+killed for real, with SIGKILL from outside (this test's own, found through its engine:
+tests/processes.py): on Slurm the stage then fails naming the rank's log, and a rerun skips the rank
+that finished (datatrove's completion markers); on Ray datatrove resubmits
+the dead actor's ranks within the same run.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
+import subprocess
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -28,25 +34,25 @@ from datatrove.executor import (
 from loguru import logger
 
 from tasks.data.clean import CleanConfig, clean_documents
+from tasks.data.decontaminate import DecontaminateConfig, decontaminate_documents
 from tasks.data.dedup import DedupConfig
-from tasks.data.dedup_datatrove import dedup_with_datatrove
-from tasks.data.dedup_job import dedup_on_executor
-from tasks.data.documents import (
-    DOCUMENTS_FILE,
-    QUARANTINE_FILE,
-    REMOVED_FILE,
-    Document,
-    write_documents,
-)
-from tasks.data.executors import ExecutorError, ExecutorSettings, build_executor
+from tasks.data.dedup_job import dedup_documents
+from tasks.data.documents import Document
+from tasks.data.executors import ExecutorError, ExecutorSettings, build_executor, read_results, save_result
+from tasks.data.shards import shard_paths
+from tasks.data.tokenize import TokenizeConfig, tokenize_corpus
 from tasks.errors import ConfigError
 from tasks.launch.cluster import SlurmSettings
+from tests.fixtures.shards import write_stage
 from tests.processes import killing_first, ray_actors, slurm_job_steps
 
 REPO = Path(__file__).parents[3]
 SAMPLE = REPO / "data" / "sample"
+HELDOUT = REPO / "data" / "evals" / "heldout.jsonl"
 WORKERS = 2
 SLURM, RAY = ExecutorSettings("slurm"), ExecutorSettings("ray")
+# Outputs that record how a run went (datatrove's logs and timings, the executor's name), not what it made.
+RUN_RECORDS = ("datatrove.log", "datatrove_stats.json", "stats.json")
 
 
 def _slice() -> list[Document]:
@@ -63,49 +69,60 @@ def _slice() -> list[Document]:
     return docs
 
 
-def _clean(out: Path, corpus: Path, executor: ExecutorSettings) -> dict:
+def _clean(out: Path, collected: Path, executor: ExecutorSettings) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     # The default run's clean settings with the shipped quality model (one trained from references differs
     # per training).
     section = yaml.safe_load((REPO / "configs" / "default.yaml").read_text())["clean"]
     section |= {"num_workers": WORKERS, "quality_training": None, "quality_top_fraction": None}
     cfg = CleanConfig.model_validate(section)
-    return clean_documents(cfg, corpus, out, executor)
+    return clean_documents(cfg, collected, out, executor)
 
 
-def _dedup(out: Path, cleaned: Path, executor: ExecutorSettings) -> tuple[dict, dict]:
-    """(fast engine's stats, datatrove engine's stats without the executor's name)."""
-    (out / "fast").mkdir(parents=True)
-    (out / "datatrove").mkdir()
-    fast = dedup_on_executor(DedupConfig(num_workers=WORKERS), cleaned, out / "fast", executor)
-    distributed = dedup_with_datatrove(DedupConfig(), cleaned, out / "datatrove", tasks=WORKERS, executor=executor)
-    assert distributed.pop("executor") == executor.kind
-    return fast, distributed
+def _made(stats: dict) -> dict:
+    """A stage's stats without the records of how it ran (the CPU seconds of ranks outside this process)."""
+    return {key: value for key, value in stats.items() if key != "executor_cpu_s"}
+
+
+def _after_clean(root: Path, executor: ExecutorSettings) -> dict[str, dict]:
+    """Dedup, decontaminate and tokenize on `executor`, from the clean output in `root`; their stats."""
+    (root / "dedup").mkdir()
+    stats = {"dedup": _made(dedup_documents(DedupConfig(num_workers=WORKERS), shard_paths(root / "clean"),
+                                            root / "dedup", executor))}
+    (root / "decontaminate").mkdir()
+    stats["decontaminate"] = _made(decontaminate_documents(
+        DecontaminateConfig(num_workers=WORKERS), shard_paths(root / "dedup"), [HELDOUT], root / "decontaminate",
+        executor=executor))
+    (root / "tokenize").mkdir()
+    stats["tokenize"] = _made(tokenize_corpus(TokenizeConfig(vocab_size=300, num_workers=WORKERS),
+                                              root / "decontaminate", root / "tokenize", executor))
+    return stats
 
 
 @pytest.fixture(scope="module")
 def local(tmp_path_factory) -> dict:
     """The reference: every stage on the local executor."""
     root = tmp_path_factory.mktemp("local")
-    corpus = root / "corpus.jsonl"
-    write_documents(corpus, _slice())
-    clean = _clean(root / "clean", corpus, ExecutorSettings())
-    fast, distributed = _dedup(root / "dedup", root / "clean" / DOCUMENTS_FILE, ExecutorSettings())
+    collected = write_stage(root / "collect", _slice(), num_shards=2)
+    stats = {"clean": _made(_clean(root / "clean", collected, ExecutorSettings()))} | _after_clean(root, ExecutorSettings())
     # The slice exercises every count: kept, removed for several reasons, quarantined, duplicates.
+    clean = stats["clean"]
     assert clean["num_kept"] > 30 and len(clean["removed"]) >= 3 and clean["quarantined"] == {"empty_text": 1}
-    assert fast["num_removed"] > 0 and distributed["num_removed"] > 0
-    return {"root": root, "corpus": corpus, "clean": clean, "fast": fast, "datatrove": distributed}
+    assert stats["dedup"]["num_removed"] > 0 and stats["decontaminate"]["num_removed"] > 0
+    assert stats["tokenize"]["num_tokens"] > 0
+    return {"root": root, "collected": collected, "stats": stats}
 
 
-def _lines(path: Path) -> list[str]:
-    """A JSON-lines file's records, order-insensitive (none: the file is absent)."""
-    return sorted(path.read_text(encoding="utf-8").splitlines()) if path.is_file() else []
+def _files(folder: Path) -> dict[str, bytes]:
+    """Every file a stage made under `folder`, by relative path, but the records of how it ran."""
+    return {path.relative_to(folder).as_posix(): path.read_bytes() for path in sorted(folder.rglob("*"))
+            if path.is_file() and path.name not in RUN_RECORDS and "logs" not in path.relative_to(folder).parts}
 
 
 def _assert_same_files(out: Path, reference: Path) -> None:
-    for name in (DOCUMENTS_FILE, REMOVED_FILE, QUARANTINE_FILE):
-        assert _lines(out / name) == _lines(reference / name), name
-    assert _lines(out / DOCUMENTS_FILE), "no documents kept"
+    made, expected = _files(out), _files(reference)
+    assert sorted(made) == sorted(expected)
+    assert [name for name in expected if made[name] != expected[name]] == []
 
 
 @contextmanager
@@ -119,14 +136,15 @@ def _logged() -> Iterator[list[str]]:
         logger.remove(sink)
 
 
-def test_clean_on_slurm_survives_a_killed_rank_and_equals_local(local, slurm_cluster, tmp_path):
+def test_the_data_half_on_slurm_survives_a_killed_rank_and_equals_local(local, slurm_cluster, tmp_path):
+    """Clean, with a rank killed, then rerun; then dedup, decontaminate and tokenize, as the pipeline runs them."""
     out = tmp_path / "clean"
     logs = out / "_datatrove" / "logs"
     pickle = str(logs / "executor.pik")
 
     ranks = slurm_job_steps(slurm_cluster.env, argument=pickle)  # this cluster's job steps running the pickle
     with killing_first(ranks) as killed, pytest.raises(ExecutorError) as failed:
-        _clean(out, local["corpus"], SLURM)
+        _clean(out, local["collected"], SLURM)
     assert killed, "no Slurm rank was seen running"
     message = str(failed.value)
     assert "kiln_clean on the slurm executor: 1 of 2 ranks did not finish" in message
@@ -135,45 +153,37 @@ def test_clean_on_slurm_survives_a_killed_rank_and_equals_local(local, slurm_clu
     assert re.search(rf"Slurm output {re.escape(str(logs / 'slurm_logs'))}/\d+_{dead}\.out", message)
     assert (logs / "completions" / f"{1 - dead:05d}").is_file()
 
-    with _logged() as messages:
-        stats = _clean(out, local["corpus"], SLURM)  # the rerun: only the killed rank runs again
-    assert any("Launching Slurm job kiln_clean (1 tasks)" in m for m in messages), messages
-    assert stats == local["clean"]
-    _assert_same_files(out, local["root"] / "clean")
-    assert not (out / "_datatrove").exists()
-
-
-def test_dedup_on_slurm_equals_local(local, slurm_cluster, tmp_path):
     jobs = []
-    fast, distributed = _dedup(tmp_path, local["root"] / "clean" / DOCUMENTS_FILE,
-                               ExecutorSettings("slurm", on_job=jobs.append))
-    assert fast == local["fast"] and distributed == local["datatrove"]
-    for engine in ("fast", "datatrove"):
-        _assert_same_files(tmp_path / engine, local["root"] / "dedup" / engine)
-    assert not (tmp_path / "fast" / "_job").exists()
-    # each pipeline's job is recorded for the stage: the fast job and datatrove's four, each on this node
-    assert len(jobs) == 5 and len({job["job_ids"][0] for job in jobs}) == 5
-    assert {job["launcher"] for job in jobs} == {"slurm executor"}
+    recorded = ExecutorSettings("slurm", on_job=jobs.append)
+    with _logged() as messages:
+        stats = _clean(out, local["collected"], recorded)  # the rerun: only the killed rank runs again
+    assert any("Launching Slurm job kiln_clean (1 tasks)" in m for m in messages), messages
+    assert _made(stats) == local["stats"]["clean"]
+    assert stats["executor_cpu_s"] > 0  # the rank ran outside this process tree; it said what it used
+    assert not (out / "_datatrove").exists()
+    assert _after_clean(tmp_path, recorded) == {name: stats for name, stats in local["stats"].items() if name != "clean"}
+    for stage in ("clean", "dedup", "decontaminate", "tokenize"):
+        _assert_same_files(tmp_path / stage, local["root"] / stage)
+    # each stage's jobs are recorded for its manifest: the clean rerun, dedup's two, decontaminate, tokenize's
+    # (its second job encodes again the shard holding a document that a domain's empty split takes)
+    assert [job["job_name"] for job in jobs] == ["kiln_clean", "kiln_dedup_sign", "kiln_dedup_write",
+                                                 "kiln_decontaminate", "kiln_tokenize", "kiln_tokenize_moves"], jobs
+    assert len({job["job_ids"][0] for job in jobs}) == 6 and {job["launcher"] for job in jobs} == {"slurm executor"}
     assert all(job["nodes"] == slurm_cluster.node_names for job in jobs), jobs
 
 
-def test_clean_on_ray_resubmits_a_killed_worker_and_equals_local(local, ray_cluster, tmp_path):
+def test_the_data_half_on_ray_survives_a_killed_worker_and_equals_local(local, ray_cluster, tmp_path):
     # This job's RankWorker actors that have forked their rank (killed earlier, while the actor
     # starts, datatrove 0.10.1 waits forever); the rank processes carry the actor's title too.
     workers = ray_actors("RankWorker", forked=True)
     with _logged() as messages, killing_first(workers) as killed:
-        stats = _clean(tmp_path, local["corpus"], RAY)
+        stats = _clean(tmp_path / "clean", local["collected"], RAY)
     assert killed, "no Ray rank worker was seen running"
     assert any("RayActorError" in m for m in messages), messages  # datatrove saw the death and resubmitted
-    assert stats == local["clean"]
-    _assert_same_files(tmp_path, local["root"] / "clean")
-
-
-def test_dedup_on_ray_equals_local(local, ray_cluster, tmp_path):
-    fast, distributed = _dedup(tmp_path, local["root"] / "clean" / DOCUMENTS_FILE, RAY)
-    assert fast == local["fast"] and distributed == local["datatrove"]
-    for engine in ("fast", "datatrove"):
-        _assert_same_files(tmp_path / engine, local["root"] / "dedup" / engine)
+    assert _made(stats) == local["stats"]["clean"]
+    assert _after_clean(tmp_path, RAY) == {name: stats for name, stats in local["stats"].items() if name != "clean"}
+    for stage in ("clean", "dedup", "decontaminate", "tokenize"):
+        _assert_same_files(tmp_path / stage, local["root"] / stage)
 
 
 def test_executors_are_built_from_the_cluster_section(tmp_path):
@@ -220,3 +230,17 @@ def test_cluster_section_decides_the_executor():
     assert ExecutorSettings.from_cluster(ClusterConfig(executor="ray", partition="cpu")) == ExecutorSettings("ray")
     with pytest.raises(ConfigError, match="'k8s' is not one of local, slurm, ray"):
         ExecutorSettings("k8s")  # type: ignore[arg-type]
+
+
+def test_a_rank_outside_this_process_tree_reports_its_cpu_seconds(tmp_path):
+    """A rank on a Slurm node or a remote Ray cluster is no descendant of the driver: its CPU seconds come
+    back in the results (a stage's `executor_cpu_s`); one in this process tree is the runner's to measure."""
+    elsewhere = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])  # not an ancestor of ours
+    try:
+        save_result(tmp_path, 0, {"n": 1}, 2.5, driver_pid=elsewhere.pid)
+    finally:
+        elsewhere.kill()
+        elsewhere.wait()
+    save_result(tmp_path, 1, {"n": 2}, 1.5, driver_pid=os.getpid())
+    run = read_results(tmp_path, 2)
+    assert run.results == [{"n": 1}, {"n": 2}] and run.outside_cpu_s == 2.5

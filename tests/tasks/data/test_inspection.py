@@ -10,56 +10,57 @@ from flows.cli import main
 from tasks.config import load_config
 from tasks.data.clean import CleanConfig, clean_documents
 from tasks.data.datatrove_logs import LOG_FILE
-from tasks.data.documents import Document, write_documents
-from tasks.data.inspection import REPORT_JSON, REPORT_MD, REPORT_PNG, accounting, samples, write_removal_report
+from tasks.data.documents import Document
+from tasks.data.inspection import REPORT_JSON, REPORT_MD, REPORT_PNG, accounting, samples
 from tasks.runner import run_stage
+from tests.fixtures.shards import write_stage
 
 REPO = Path(__file__).resolve().parents[3]
 PROSE = (REPO / "data/sample/prose/coreutils-man/ls.1.txt").read_text()
 TOY = str(REPO / "tests/fixtures/toy.yaml")
 
 
-def _documents(path: Path) -> Path:
+def _documents(folder: Path) -> Path:
     docs = [
         Document("good", PROSE, "s", "prose", "MIT"),
         Document("short", "Too short to be a page.", "s", "prose", "MIT"),
         Document("code", "def f():\n    return 1\n" * 5, "c", "code", "MIT"),
         Document("short-web", "Home | About | Contact", "w", "web", "MIT"),
     ]
-    write_documents(path, docs)
-    return path
+    return write_stage(folder, docs, 2)
 
 
 def test_datatrove_logs_go_to_the_stage_log_file_not_the_terminal(tmp_path, capfd):
-    source = _documents(tmp_path / "in.jsonl")
+    source = _documents(tmp_path / "in")
     cfg = CleanConfig(quality_model=None, languages=["en"], num_workers=2)
-    stats = clean_documents(cfg, source, tmp_path)
+    stats = clean_documents(cfg, source, tmp_path / "out")
     terminal = capfd.readouterr()
     assert "Launching pipeline" not in terminal.err + terminal.out and "PIPELINE" not in terminal.err + terminal.out
-    log = (tmp_path / LOG_FILE).read_text()
+    log = (tmp_path / "out" / LOG_FILE).read_text()
     assert "===== task_00000.log =====" in log and "===== task_00001.log =====" in log
     assert "Launching pipeline for rank=0" in log and "Processing done for rank=1" in log
     assert stats["num_in"] == 4
 
 
 def test_accounting_counts_documents_and_bytes_by_domain_and_filter(tmp_path):
-    source = _documents(tmp_path / "in.jsonl")
-    stats = clean_documents(CleanConfig(quality_model=None, languages=["en"]), source, tmp_path)
-    table = write_removal_report(tmp_path, "clean")
-    assert table == accounting(tmp_path)
+    source = _documents(tmp_path / "in")
+    out = tmp_path / "out"
+    stats = clean_documents(CleanConfig(quality_model=None, languages=["en"]), source, out)
+    table = stats["accounting"]
+    assert table == accounting(out)  # tallied shard by shard while writing: what the shards hold
     prose, web = table["prose"], table["web"]
     assert prose["in"] == {"docs": 2, "bytes": len(PROSE.encode()) + len(b"Too short to be a page.")}
     assert prose["kept"]["docs"] + sum(c["docs"] for c in prose["removed"].values()) == 2
     assert web["kept"]["docs"] == 0 and web["removed"]["language"] == {"docs": 1, "bytes": 22}
     assert sum(c["docs"] for row in table.values() for c in row["removed"].values()) == stats["num_removed"]
-    assert "| web | removed | language | 1 |" in (tmp_path / REPORT_MD).read_text()
-    assert (tmp_path / REPORT_PNG).read_bytes()[:4] == b"\x89PNG"
-    assert json.loads((tmp_path / REPORT_JSON).read_text()) == table
+    assert "| web | removed | language | 1 |" in (out / REPORT_MD).read_text()
+    assert (out / REPORT_PNG).read_bytes()[:4] == b"\x89PNG"
+    assert json.loads((out / REPORT_JSON).read_text()) == table
 
-    removed = list(samples(tmp_path, reason="language", domain="web"))
-    assert [s["record"]["id"] for s in removed] == ["short-web"]
-    assert [s["record"]["id"] for s in samples(tmp_path, outcome="kept", domain="code")] == ["code"]
-    assert list(samples(tmp_path, reason="language", domain="code")) == []
+    removed = list(samples(out, reason="language", domain="web"))
+    assert [s["record"]["id"] for s in removed] == ["short-web"]  # in the second shard
+    assert [s["record"]["id"] for s in samples(out, outcome="kept", domain="code")] == ["code"]
+    assert list(samples(out, reason="language", domain="code")) == []
 
 
 def test_kiln_inspect_prints_samples_with_their_reasons(tmp_path, capsys, monkeypatch):

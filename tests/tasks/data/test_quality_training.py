@@ -4,6 +4,7 @@ its key (a manifest, an MLflow child run), applied to every document."""
 from __future__ import annotations
 
 import json
+import random
 from pathlib import Path
 
 import fasttext
@@ -12,21 +13,25 @@ from pydantic import ValidationError
 
 from tasks.data.clean import CleanConfig, clean_documents
 from tasks.data.collect import CollectConfig, SourceConfig, collect_documents
-from tasks.data.documents import read_documents
+from tasks.data.documents import read_shards
 from tasks.data.quality import HQ_LABEL
 from tasks.data.quality_training import (
     MODEL_FILE,
     REPORT_FILE,
     STORE_STAGE,
     QualityTraining,
+    _Lines,
+    _training_file,
     classifier_metrics,
     model_subrun,
     score_texts,
     trained_model,
 )
+from tasks.data.shards import shard_paths
 from tasks.runner import StageRecorder, SubRuns
 from tasks.store import Store
 from tasks.tracker import NullTracker
+from tests.fixtures.shards import records
 
 REPO = Path(__file__).resolve().parents[3]
 SAMPLE = REPO / "data/sample"
@@ -108,8 +113,8 @@ def test_a_model_is_a_sub_run_trained_once_per_key(collected, tmp_path):
 def test_clean_scores_every_document_and_keeps_the_top_fraction(collected, tmp_path):
     cfg = CleanConfig(quality_training=QualityTraining(references=REFERENCES), quality_top_fraction=0.5,
                       quality_model_domains=["web"], languages=["en"], pii_redaction=False)
-    stats = clean_documents(cfg, collected / "documents.jsonl", tmp_path)
-    kept = [json.loads(line) for line in (tmp_path / "documents.jsonl").read_text().splitlines()]
+    stats = clean_documents(cfg, collected, tmp_path)
+    kept = records(tmp_path)
     assert all("quality_score" in d["metadata"] for d in kept) and {d["domain"] for d in kept} >= {"code", "web"}
     report = json.loads((tmp_path / REPORT_FILE).read_text())
     assert (tmp_path / STORE_STAGE / MODEL_FILE).is_file() and report["top_fraction"] == 0.5
@@ -119,10 +124,27 @@ def test_clean_scores_every_document_and_keeps_the_top_fraction(collected, tmp_p
     # below it may all fall to earlier filters (language, Gopher) first, so how many the classifier
     # itself removes depends on the corpus, not on the fraction alone.
     model = fasttext.load_model(str(tmp_path / STORE_STAGE / MODEL_FILE))
-    web = [d.text for d in read_documents(collected / "documents.jsonl") if d.domain == "web" and d.text.strip()]
+    web = [d.text for d in read_shards(shard_paths(collected)) if d.domain == "web" and d.text.strip()]
     scores = [round(score, 4) for score in score_texts(model, web)]
     assert round(0.5 * len(scores)) <= sum(score >= report["threshold"] for score in scores) < len(scores)
     assert stats["removed_by_filter"].get("quality_classifier", 0) <= len(scores) - round(0.5 * len(scores))
+
+
+def test_training_lines_are_drawn_from_disk_as_from_a_list(tmp_path):
+    """The windows stay on disk; drawing positions with the seeded RNG picks the lines drawing from lists
+    (the form before the corpus was streamed) picked, in the same order."""
+    cfg = QualityTraining(references=REFERENCES, seed=7)
+    texts = {"hq": [f"hq line {i}" for i in range(37)], "lq": [f"lq line {i} é" for i in range(90)]}
+    lines = {label: _Lines(tmp_path / label) for label in texts}
+    for label, label_lines in texts.items():
+        for line in label_lines:
+            lines[label].add(line)
+    counts = _training_file(cfg, lines, tmp_path / "train.txt")
+    rng = random.Random(7)
+    expected = [line for label in ("hq", "lq") for line in rng.sample(texts[label], 37)]
+    rng.shuffle(expected)
+    assert (tmp_path / "train.txt").read_text(encoding="utf-8") == "".join(f"{line}\n" for line in expected)
+    assert counts == {"num_hq_windows": 37, "num_lq_windows": 90, "num_windows_per_class": 37}
 
 
 def test_training_settings_are_checked():

@@ -160,5 +160,5 @@ def test_the_standard_suite_is_in_the_decontaminate_and_evaluate_keys_and_offlin
     documents = tmp_path / "in.jsonl"
     write_documents(documents, [Document("d", "some training text", "s", "prose", "MIT")])
     with pytest.raises(InputError, match=r"\['hellaswag', 'arc_easy', .*'mmlu'\].*offline"):
-        decontaminate_documents(DecontaminateConfig(), documents, [PROSE], tmp_path,
+        decontaminate_documents(DecontaminateConfig(), [documents], [PROSE], tmp_path,
                                 eval_tasks=EvaluateConfig(standard_suite=True).online_tasks())

@@ -265,8 +265,10 @@ def test_an_unreliable_mixture_regression_falls_back_to_the_best_observed_trial(
 
 
 SHARDS = {"dtype": "uint16", "vocab_size": 500, "eos_id": 0, "domains": {
-    "web": {"train": {"path": "shards/web/train.bin", "num_tokens": 1000}, "val": {"path": "shards/web/val.bin"}},
-    "code": {"train": {"path": "shards/code/train.bin", "num_tokens": 100}, "val": {"path": "shards/code/val.bin"}},
+    "web": {"train": {"shards": [{"path": "shards/web/train/00000.bin"}, {"path": "shards/web/train/00001.bin"}],
+                      "num_tokens": 1000}, "val": {"shards": [{"path": "shards/web/val/00001.bin"}]}},
+    "code": {"train": {"shards": [{"path": "shards/code/train/00000.bin"}], "num_tokens": 100},
+             "val": {"shards": []}},
 }}
 
 
@@ -275,7 +277,8 @@ def test_mixture_manifest_budgets_and_epochs():
     web, code = manifest["domains"]["web"], manifest["domains"]["code"]
     assert (web["weight"], web["token_budget"], web["epochs"]) == (0.75, 600, 0.6)
     assert (code["weight"], code["token_budget"], code["epochs"]) == (0.25, 200, 2.0)
-    assert web["train"] == ["tokenize/k/shards/web/train.bin"]
+    assert web["train"] == ["tokenize/k/shards/web/train/00000.bin", "tokenize/k/shards/web/train/00001.bin"]
+    assert (web["val"], code["val"]) == (["tokenize/k/shards/web/val/00001.bin"], [])
 
 
 def test_mixture_refuses_too_much_repetition():

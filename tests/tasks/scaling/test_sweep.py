@@ -48,8 +48,8 @@ def shards(tmp_path_factory) -> tuple[dict, Path]:
         (root / domain).mkdir()
         rng.integers(1, 64, 4000).astype("<u2").tofile(root / domain / "train.bin")
         rng.integers(1, 64, 200).astype("<u2").tofile(root / domain / "val.bin")
-        shards["domains"][domain] = {"train": {"path": f"{domain}/train.bin", "num_tokens": 4000},
-                                     "val": {"path": f"{domain}/val.bin"}}
+        shards["domains"][domain] = {"train": {"shards": [{"path": f"{domain}/train.bin"}], "num_tokens": 4000},
+                                     "val": {"shards": [{"path": f"{domain}/val.bin"}]}}
     return shards, root
 
 

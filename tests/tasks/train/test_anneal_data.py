@@ -11,17 +11,19 @@ import numpy as np
 import pytest
 from tokenizers import Tokenizer
 
-from tasks.data.documents import Document, write_documents
-from tasks.data.tokenize import SHARDS_FILE, TOKENIZER_FILE, TokenizeConfig, assign_splits, tokenize_corpus
+from tasks.data.documents import Document
+from tasks.data.tokenize import SHARDS_FILE, TOKENIZER_FILE, TokenizeConfig, tokenize_corpus
 from tasks.errors import ConfigError
 from tasks.train.anneal import QualitySelection
 from tasks.train.anneal_data import anneal_mixture, select_by_quality, top_quality_cutoff
+from tests.fixtures.shards import write_stage
+from tests.fixtures.splits import expected_splits
 
 MAN_PAGES = sorted((Path(__file__).resolve().parents[3] / "data/sample/prose/coreutils-man").glob("*.txt"))
 # web: 6 scored (two tied at 0.8) and one unscored; prose: 4 scored, one unscored; code: never scored
 SCORES = {"web": [0.9, 0.8, 0.8, 0.7, 0.2, 0.1, None], "prose": [0.95, 0.6, 0.5, 0.05, None],
           "code": [None, None, None]}
-VAL_FRACTION = 0.01  # each domain's one validation document is the one assign_splits moves there
+VAL_FRACTION = 0.01  # each domain's one validation document is the one moved there to fill it
 
 
 def fixture_docs() -> list[Document]:
@@ -38,9 +40,10 @@ def fixture_docs() -> list[Document]:
 def tokenized(tmp_path_factory) -> tuple[dict, Path, list[Document]]:
     root = tmp_path_factory.mktemp("tokenized")
     docs = fixture_docs()
-    write_documents(root / "in.jsonl", docs)
     (root / "out").mkdir()
-    tokenize_corpus(TokenizeConfig(vocab_size=400, val_fraction=VAL_FRACTION), root / "in.jsonl", root / "out")
+    # three input shards: web and prose lie in two each, so selections read several token shards
+    tokenize_corpus(TokenizeConfig(vocab_size=400, val_fraction=VAL_FRACTION), write_stage(root / "in", docs, 3),
+                    root / "out")
     return json.loads((root / "out" / SHARDS_FILE).read_text()), root / "out", docs
 
 
@@ -57,19 +60,20 @@ def test_the_cutoff_keeps_the_top_share_and_every_tie_at_it():
 
 def test_tokenize_indexes_each_documents_tokens_and_score(tokenized):
     shards, root, docs = tokenized
-    splits = assign_splits(docs, VAL_FRACTION)
+    splits = expected_splits(docs, VAL_FRACTION)
     for domain, info in shards["domains"].items():
         for split in ("train", "val"):
-            index = np.load(root / info[split]["index"])
+            indexes = [np.load(root / shard["index"]) for shard in info[split]["shards"]]
             expected = [d.metadata.get("quality_score", math.nan) for d in splits[domain][split]]
-            np.testing.assert_array_equal(index["quality"], np.array(expected))
-            assert index["end"][-1] == info[split]["num_tokens"]
-    assert shards["format"] == 2
+            np.testing.assert_array_equal(np.concatenate([index["quality"] for index in indexes]), np.array(expected))
+            assert [index["end"][-1] for index in indexes] == [shard["num_tokens"] for shard in info[split]["shards"]]
+    assert shards["format"] == 3
+    assert [len(shards["domains"][d]["train"]["shards"]) for d in ("web", "prose", "code")] == [2, 2, 1]
 
 
 def test_a_selection_takes_the_best_train_documents_of_its_domains(tokenized, tmp_path):
     shards, root, docs = tokenized
-    splits = assign_splits(docs, VAL_FRACTION)
+    splits = expected_splits(docs, VAL_FRACTION)
     val_ids = sorted(d.id for s in splits.values() for d in s["val"])
     assert val_ids == ["code/0", "prose/0", "web/5"]  # the hash's choice: prose loses its best to validation
     # train: web 0.9 0.8 0.8 0.7 0.2 + unscored, prose 0.6 0.5 0.05 + unscored: 8 scored; top 0.25 = 2,

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tasks.config import load_config
-from tasks.data.documents import Document, write_documents
+from tasks.data.documents import Document
 from tasks.data.tokenize import SHARDS_FILE, TokenizeConfig, tokenize_corpus
 from tasks.errors import ConfigError
 from tasks.runner import StageRecorder, stage_forecast
@@ -23,6 +23,7 @@ from tasks.train.data_loader import mixture_with_weights
 from tasks.train.loop import train_model
 from tasks.train.model import load_model
 from tasks.train.planner import forecast_training
+from tests.fixtures.shards import write_stage
 
 REPO = Path(__file__).resolve().parents[3]
 MODEL = ModelConfig(d_model=16, n_layers=1, n_heads=2, max_seq_len=64)
@@ -45,8 +46,7 @@ def inputs(tmp_path_factory) -> dict[str, Path]:
     tokenize, train, decontaminate = root / "tokenize", root / "train", root / "decontaminate"
     for folder in (tokenize, train, decontaminate):
         folder.mkdir()
-    write_documents(root / "docs.jsonl", corpus())
-    tokenize_corpus(TokenizeConfig(vocab_size=300, val_fraction=0.1), root / "docs.jsonl", tokenize)
+    tokenize_corpus(TokenizeConfig(vocab_size=300, val_fraction=0.1), write_stage(root / "docs", corpus()), tokenize)
     cfg = config(root)
     mixture = mixture_with_weights(json.loads((tokenize / SHARDS_FILE).read_text()), tokenize, {"prose": 1, "web": 1}, "t")
     run = cfg.train.run.model_copy(update={"steps": 4, "checkpoint_every": 2, "keep_every": 2, "eval_batches": 1})

@@ -152,7 +152,8 @@ def test_validation_skips_short_domain_with_warning(tmp_path) -> None:
 
 
 SHARDS = {"dtype": "uint16", "vocab_size": 300, "eos_id": 0, "domains": {
-    name: {"train": {"path": f"{name}/train.bin"}, "val": {"path": f"{name}/val.bin"}} for name in RANGES}}
+    name: {"train": {"shards": [{"path": f"{name}/train.bin"}]}, "val": {"shards": [{"path": f"{name}/val.bin"}]}}
+    for name in RANGES}}
 
 
 def test_mixture_with_weights_normalises_and_zeroes_the_domains_left_out(tmp_path) -> None:
