@@ -5,6 +5,8 @@ import os
 
 # Spinning OpenMP workers make torch ~10x slower on a shared 2-core machine (see flows/cli.py).
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# The fingerprint cache (tasks/fingerprint.py) of this test session: never the user's ~/.cache/kiln.
+os.environ.setdefault("KILN_CACHE_DIR", __import__("tempfile").mkdtemp(prefix="kiln-test-cache-"))
 
 
 from contextlib import contextmanager  # noqa: E402
