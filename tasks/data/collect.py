@@ -289,7 +289,7 @@ def _sampled(doc_id: str, weight: float) -> bool:
     return weight >= 1.0 or int.from_bytes(hashlib.sha256(doc_id.encode()).digest()[:8], "big") < weight * 2**64
 
 
-_MAX_REASON_LICENCE_CHARS = 100  # a licence as written, in a reason (a stats key); in full in removed.jsonl
+_MAX_REASON_LICENCE_CHARS = 100  # a licence as written, in a reason (a stats key); in full in the removed records
 
 
 def collect_documents(cfg: CollectConfig, out_dir: Path) -> dict:

@@ -423,7 +423,7 @@ def _parse(line: bytes) -> Document:
 
 
 def _spliced_removal(line: bytes, splice: bytes, reason: str, survivor_id: str) -> bytes:
-    """The removed document's record as `ReasonLog.add(reason, vars(doc))` writes it, with
+    """The removed document's record as `ShardWriter.add(reason, vars(doc))` writes it, with
     `metadata.duplicate_of`, spliced into its canonical line instead of parsed and re-serialised."""
     # `line` is `{...fields, "metadata": {...}}` + newline (`to_json_line` writes the fields in the
     # dataclass's order, metadata last): open both braces, append, close them.

@@ -46,6 +46,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import multiprocess
+import psutil
 from datatrove.executor import (
     LocalPipelineExecutor,
     RayPipelineExecutor,
@@ -113,7 +114,6 @@ LOCAL = ExecutorSettings()
 
 def build_executor(
     pipeline: list, logging_dir: Path, *, tasks: int, jobs: int, settings: ExecutorSettings, job_name: str,
-    cpus_per_task: int = 1,
 ) -> PipelineExecutor:
     """The datatrove executor for `pipeline`: `tasks` ranks, at most `jobs` running (or submitted) at once."""
     if tasks < 1 or jobs < 1:
@@ -125,11 +125,11 @@ def build_executor(
         return LocalPipelineExecutor(pipeline, workers=jobs, **common)
     tasks_per_job = math.ceil(tasks / jobs)
     if settings.kind == "ray":
-        return _RayExecutor(pipeline, cpus_per_task=cpus_per_task, tasks_per_job=tasks_per_job, **common)
+        return _RayExecutor(pipeline, tasks_per_job=tasks_per_job, **common)
     site = settings.slurm
     return _SlurmExecutor(
         pipeline, time=settings.time_limit, partition=settings.partition or default_partition(),
-        cpus_per_task=cpus_per_task, tasks_per_job=tasks_per_job, job_name=job_name,
+        tasks_per_job=tasks_per_job, job_name=job_name,
         qos=site.qos,  # None: the partition's default; datatrove's "normal" need not exist
         sbatch_args=_sbatch_args(site), env_command=_job_environment(site), **common,
     )
@@ -137,11 +137,9 @@ def build_executor(
 
 def run_pipeline(
     pipeline: list, logging_dir: Path, *, tasks: int, jobs: int, settings: ExecutorSettings, job_name: str,
-    cpus_per_task: int = 1,
 ) -> PipelineStats:
     """Run `pipeline` to completion on `settings`' executor; its merged stats are also in `logging_dir/stats.json`."""
-    executor = build_executor(pipeline, logging_dir, tasks=tasks, jobs=jobs, settings=settings, job_name=job_name,
-                              cpus_per_task=cpus_per_task)
+    executor = build_executor(pipeline, logging_dir, tasks=tasks, jobs=jobs, settings=settings, job_name=job_name)
     if settings.kind == "ray":
         connect_ray()
     executor.run()  # local and Ray return when their ranks are over; Slurm returns once submitted
@@ -265,8 +263,6 @@ def cpu_seconds() -> float:
 
 def _in_process_tree(pid: int) -> bool:
     """Whether this process is `pid` or one of its descendants."""
-    import psutil
-
     return os.getpid() == pid or any(parent.pid == pid for parent in psutil.Process().parents())
 
 

@@ -2,7 +2,7 @@
 
 A list file is UTF-8 text, one entry per line; blank lines and lines starting with `#` are
 ignored; matching ignores case. The list's name (its file name without the extension) is the
-removal reason, so `removed.jsonl` says which list a document was on.
+removal reason, so the removed records say which list a document was on.
 - URL list: an entry without `/` is a domain and blocks that host and its subdomains
   (`example.com` blocks `www.example.com`, not `badexample.com`); an entry with `/` is a URL
   prefix, compared without the scheme (`example.com/private/` blocks everything below it).

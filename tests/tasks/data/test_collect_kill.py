@@ -34,8 +34,6 @@ LICENCES = ["PSF-2.0", "GPL-2+", "Vim", "BSD-4-Clause-UC (fortune-mod; collected
 _CHILD = """
 import sys
 from tasks.config import load_config
-from tasks.data.documents import read_documents, read_shards
-from tasks.data.shards import shard_paths
 from tasks.runner import run_stage
 from tasks.stage import Registry
 from tasks.stages import collect

@@ -187,13 +187,13 @@ def test_the_data_half_on_ray_survives_a_killed_worker_and_equals_local(local, r
 
 
 def test_executors_are_built_from_the_cluster_section(tmp_path):
-    def build(settings: ExecutorSettings, **kwargs):
-        return build_executor([], tmp_path / "logs", tasks=14, jobs=3, settings=settings, job_name="kiln_x", **kwargs)
+    def build(settings: ExecutorSettings):
+        return build_executor([], tmp_path / "logs", tasks=14, jobs=3, settings=settings, job_name="kiln_x")
 
     local = build(ExecutorSettings())
     assert isinstance(local, LocalPipelineExecutor) and (local.world_size, local.workers) == (14, 3)
-    ray = build(RAY, cpus_per_task=2)
-    assert isinstance(ray, RayPipelineExecutor) and (ray.tasks_per_job, ray.cpus_per_task) == (5, 2)
+    ray = build(RAY)
+    assert isinstance(ray, RayPipelineExecutor) and (ray.tasks_per_job, ray.cpus_per_task) == (5, 1)
 
     slurm = build(ExecutorSettings("slurm", partition="cpu", time_limit="02:00:00"))
     assert isinstance(slurm, SlurmPipelineExecutor) and slurm.tasks_per_job == 5
