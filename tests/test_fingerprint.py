@@ -1,5 +1,6 @@
 """Source fingerprints: an unchanged file costs a stat, not a read; a changed file, or a changed object
-behind the same s3:// URL (moto's S3 server on loopback), changes the key."""
+behind the same s3:// URL (moto's S3 server on loopback), changes the key (a changed local source's
+effect on the stage keys: tests/test_graph.py)."""
 
 from __future__ import annotations
 
@@ -10,13 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from tasks.config import load_config
 from tasks.data.collect import CollectConfig, SourceConfig
 from tasks.data.quality_training import QualityTraining, model_subrun
 from tasks.fingerprint import SETTLE_S, DigestCache, fingerprint_paths
-from tasks.graph import stage_keys
 
-REPO = Path(__file__).resolve().parents[1]
 
 def _settled(paths: list[Path]) -> None:
     """Age files' times past SETTLE_S: their digests may then be cached."""
@@ -60,20 +58,6 @@ def test_fingerprints_are_content_not_location_of_the_cache(tmp_path):
     assert fingerprint_paths([tmp_path / "missing"]) != fingerprint_paths([tmp_path / "a.txt"])
     unusable = DigestCache(tmp_path / "a.txt" / "cache.sqlite")  # a file where its folder should be: read, warn
     assert fingerprint_paths([tmp_path / "a.txt"], unusable) == fingerprint_paths([tmp_path / "a.txt"])
-
-
-def test_a_local_source_changed_changes_the_collect_key(tmp_path, monkeypatch):
-    monkeypatch.chdir(REPO)
-    (tmp_path / "src").mkdir()
-    (tmp_path / "src" / "a.jsonl").write_text(json.dumps({"text": "one", "licence": "MIT"}) + "\n")
-    overrides = [f"work_dir={tmp_path}",
-                 f"collect.sources=[{{name: a, path: {tmp_path / 'src'}, format: jsonl, domain: web}}]"]
-    before = stage_keys(load_config("configs/tiny.yaml", overrides))
-    assert stage_keys(load_config("configs/tiny.yaml", overrides)) == before
-    (tmp_path / "src" / "a.jsonl").write_text(json.dumps({"text": "two", "licence": "MIT"}) + "\n")
-    after = stage_keys(load_config("configs/tiny.yaml", overrides))
-    assert after["collect"] != before["collect"] and after["tokenize"] != before["tokenize"]
-    assert after["sweep"] != before["sweep"]  # everything downstream moves with it
 
 
 @pytest.fixture(scope="module")

@@ -19,6 +19,7 @@ from tasks.data.licences import normalise
 from tasks.graph import stage_keys
 from tasks.stages import REGISTRY
 from tasks.store import Store
+from tests.fixtures.shards import records
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]  # the whole pipeline: 200 s measured at load average 12
 REPO = Path(__file__).resolve().parents[2]
@@ -77,7 +78,7 @@ def test_the_whole_pipeline_on_a_corpus_of_ones_own(prefect_api, project, bucket
     assert stats["by_source"]["notes"] == 12  # plain jsonl in the bucket
     assert stats["quarantined"] == {"unknown_domain": 1}  # the record saying `blog`
     assert stats["removed"] == {"licence_unknown:Vim License": 1}  # reported, not guessed
-    docs = [json.loads(line) for line in (collect / "documents.jsonl").open(encoding="utf-8")]
+    docs = records(collect)
     by_id = {doc["id"]: doc for doc in docs}
     german = by_id["articles/man-de/man8/chgpasswd.8"]
     assert (german["domain"], german["licence"], german["metadata"]["lang"]) == ("translations", "BSD-3-Clause", "de")

@@ -13,6 +13,7 @@ import pytest
 from pydantic import ValidationError
 
 from tasks.data.collect import CollectConfig, SourceConfig, collect_documents
+from tests.fixtures import shards
 
 PROSE = (
     "The quick brown fox jumps over the lazy dog while the committee reviews the proposal in detail. "
@@ -28,9 +29,6 @@ def _collect(tmp_path: Path, *sources) -> tuple[dict, Path]:
     return stats, out
 
 
-def _lines(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text(encoding="utf-8").split("\n") if line] if path.exists() else []
-
 
 def _jsonl(records: list[dict]) -> str:
     return "".join(json.dumps(record) + "\n" for record in records)
@@ -43,7 +41,7 @@ def test_jsonl_keeps_every_other_field_in_metadata_as_parquet_does(tmp_path):
     pq.write_table(pa.Table.from_pylist([record]), tmp_path / "r.parquet")
     _, out = _collect(tmp_path, SourceConfig(name="j", path=str(tmp_path / "r.jsonl"), format="jsonl", domain="forum"),
                       SourceConfig(name="p", path=str(tmp_path / "r.parquet"), format="parquet", domain="forum"))
-    jsonl, parquet = _lines(out / "documents.jsonl")
+    jsonl, parquet = shards.records(out)
     # a field beside `metadata` wins over the same key inside it; the location is the reader's
     assert jsonl["metadata"] == {"score": 0.5, "lang": "en", "source": "forum dump 2024", "tags": ["faq", "howto"],
                                  "path": "r.jsonl", "line": 1}
@@ -69,10 +67,10 @@ def test_domain_field_gives_each_record_its_domain_with_the_source_domain_as_fal
     table = SourceConfig(name="p", path=str(tmp_path / "r.parquet"), format="parquet", domain="misc",
                          domain_field="topic", domains=["legal"])
     stats, out = _collect(tmp_path, jsonl, table)
-    assert [(d["id"], d["domain"]) for d in _lines(out / "documents.jsonl")] == [
+    assert [(d["id"], d["domain"]) for d in shards.records(out)] == [
         ("j/1", "news"), ("j/2", "legal"), ("j/3", "misc"), ("j/4", "misc"), ("p/t", "legal")]
     assert stats["by_domain"] == {"legal": 2, "misc": 2, "news": 1}
-    quarantined = _lines(out / "quarantine.jsonl")
+    quarantined = shards.records(out, "quarantine")
     assert [(q["reason"], q["line"]) for q in quarantined] == [("unknown_domain", 5), ("unknown_domain", 6)]
     assert "'sports', not one of the source's domains ['misc', 'news', 'legal']" in quarantined[0]["detail"]
     assert json.loads(quarantined[0]["raw"])["text"] == PROSE
@@ -99,7 +97,7 @@ def test_uncompressed_jsonl_in_an_s3_bucket(tmp_path, s3):
     out = tmp_path / "out"
     out.mkdir()
     stats = collect_documents(CollectConfig(sources=[source], max_doc_bytes=250), out)
-    docs = _lines(out / "documents.jsonl")
+    docs = shards.records(out)
     assert [d["id"] for d in docs] == ["posts/0", "posts/1", "posts/2"] and docs[0]["metadata"]["lang"] == "en"
     assert stats["quarantined"] == {"too_large": 1}  # the line limit holds on a remote file too
 
@@ -131,8 +129,8 @@ def test_a_warc_response_is_html_when_its_http_content_type_says_so(tmp_path):
     ]))
     source = SourceConfig(name="crawl", path=str(tmp_path / "c"), format="warc", domain="pages", licence="CC-BY-4.0")
     stats, out = _collect(tmp_path, source)
-    docs = _lines(out / "documents.jsonl")
+    docs = shards.records(out)
     assert [d["metadata"]["url"] for d in docs] == ["https://example.org/notes", "https://example.org/mislabelled"]
     assert "Release notes" in docs[0]["text"]
-    assert [(q["reason"], q["detail"]) for q in _lines(out / "quarantine.jsonl")] == [
+    assert [(q["reason"], q["detail"]) for q in shards.records(out, "quarantine")] == [
         ("not_html", "payload text/plain (or an undecodable charset)")]
