@@ -119,7 +119,7 @@ class CleanConfig(Section):
     # Not code by default: datatrove's IP pattern also matches version and section numbers
     # ("7.1.4.34", "8.2.4.44" in CPython's stdlib), and rewriting those corrupts source files.
     pii_domains: list[str] = names_field("domain", ["web", "prose", "multilingual"])
-    num_workers: int = runtime_field(1, ge=1)  # datatrove tasks and workers; output is identical for any value
+    num_workers: int = runtime_field(1, ge=1)  # shards filtered at once on cluster.executor; the output is the same
 
 
 def lid_model_path() -> Path:

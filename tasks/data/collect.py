@@ -3,12 +3,13 @@
 A source is a typed config entry: its `format` (jsonl — also .gz and .zst —, txt, html, parquet,
 warc, code, hf) decides which other fields it takes; every source has a `domain`, a `licence`
 (optional where records or files carry their own) and an optional `weight`. Every input record
-ends up in exactly one place: `documents/` (kept), `removed/` (licence not allowed or
-unknown; sampled out by the source's weight; a vendored, generated or binary file of a code tree)
-or `quarantine/` (unreadable or unusable input, with the file and line, row or WARC offset at
-fault), each cut into shards of `shard_bytes` (`tasks.data.shards`); no input, however broken, raises (`tasks.data.readers`, `tasks.data.code_tree`). Licences
-are normalised to SPDX expressions and judged by `tasks.data.licences`; a compliance report per
-source records which licences were seen, as written and normalised, and whether each is allowed.
+ends up in exactly one place: `documents/` (kept), `removed/` (licence not allowed or unknown;
+sampled out by the source's weight; a vendored, generated or binary file of a code tree) or
+`quarantine/` (unreadable or unusable input, with the file and line, row or WARC offset at fault),
+each cut into shards of `shard_bytes` (`tasks.data.shards`); no input, however broken, raises
+(`tasks.data.readers`, `tasks.data.code_tree`). Licences are normalised to SPDX expressions and
+judged by `tasks.data.licences`; a compliance report per source records which licences were seen,
+as written and normalised, and whether each is allowed.
 """
 
 from __future__ import annotations

@@ -78,7 +78,7 @@ class DedupConfig(Section):
     # Slurm or Ray). Their normalisation differs (see tasks/data/dedup_datatrove.py), so the engine is
     # part of the key.
     engine: Literal["fast", "datatrove"] = "fast"
-    num_workers: int = runtime_field(1, ge=1)
+    num_workers: int = runtime_field(1, ge=1)  # shards signed and written at once (datatrove engine: its tasks)
 
 
 def lsh_bands(cfg: DedupConfig) -> tuple[int, int]:
