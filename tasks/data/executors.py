@@ -155,7 +155,8 @@ def run_pipeline(
 
 
 def connect_ray() -> None:
-    """Join the Ray cluster at RAY_ADDRESS, else start a local one; once per process (ray.init is global)."""
+    """Join the Ray cluster at RAY_ADDRESS, else start a local one of this process's own; once per
+    process (ray.init is global)."""
     import ray
 
     if ray.is_initialized():
@@ -163,7 +164,8 @@ def connect_ray() -> None:
     if os.environ.get("RAY_ADDRESS"):
         ray.init()  # reads RAY_ADDRESS
     else:
-        ray.init(include_dashboard=False)
+        # not a bare ray.init(): it joins any `ray start` cluster on this machine (another user's, say)
+        ray.init(address="local", include_dashboard=False)
 
 
 def default_partition() -> str:
