@@ -1,10 +1,13 @@
 """A sweep on the real single-node Slurm cluster: its 16 trials run as Slurm jobs, at most `max_parallel`
-at once; `scancel` of a running job reruns only the trial it was training (resumed from its folder);
+at once; a job whose program is killed mid-trial (a lost node, preemption) reruns only the trial it was
+training (resumed from its folder);
 and the fit's inputs are the in-process sweep's, number for number. A job Slurm refuses is not retried."""
 
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import threading
 import time
@@ -15,6 +18,7 @@ import numpy as np
 import pytest
 
 from tasks.errors import is_retryable
+from tests.processes import argv
 from tasks.launch.cluster import ClusterSpec
 from tasks.launch.launchers import LaunchError
 from tasks.launch.local_slurm import free_port
@@ -57,7 +61,7 @@ def shards(tmp_path_factory) -> tuple[dict, Path]:
 
 def sweep_config() -> SweepConfig:
     """16 trials: 3 budgets x 4 widths, a mixture trial, then LR x 2 at each budget's best width. A
-    checkpoint every 10 steps, so a cancelled trial resumes mid-way."""
+    checkpoint every 10 steps, so a killed trial resumes mid-way."""
     return SweepConfig(
         model=ModelConfig(d_model=8, n_layers=1, n_heads=2, max_seq_len=16), lr=3e-3,
         isoflop=[IsoFlopBudget(flops=f, widths=[4, 8, 12, 16]) for f in (1e7, 2e7, 4e7)],
@@ -75,9 +79,10 @@ def subruns(out: Path) -> SubRuns:
     return SubRuns(StageRecorder(NullTracker(), "run", "sweep", "k"), out)
 
 
-def cancel_a_running_trial(out: Path, cancelled: list[tuple[str, str]], stop: threading.Event) -> None:
+def kill_a_running_trial(out: Path, killed: list[tuple[str, str]], stop: threading.Event) -> None:
     """Once a trial of a first-phase job has trained some steps (a complete checkpoint in its folder, no
-    result yet), scancel that job; record (job id, trial)."""
+    result yet), SIGKILL that job's program, as a lost node or a preemption would end it (a user's
+    `scancel` stops the sweep instead: issue 25); record (job id, trial)."""
     trials = out / TRIALS_DIR
     deadline = time.monotonic() + WATCH_S
     while not stop.is_set() and time.monotonic() < deadline:
@@ -88,12 +93,20 @@ def cancel_a_running_trial(out: Path, cancelled: list[tuple[str, str]], stop: th
                                         capture_output=True, text=True).stdout.splitlines()
                 share = _share_of(out, trial)
                 job = next((line.split()[0] for line in queued if line.endswith(f"kiln-sweep-phase1-{share}")), None)
-                if job is None:
+                program = _job_program(job) if job else None
+                if program is None:
                     continue
-                subprocess.run(["scancel", job], check=True)
-                cancelled.append((job, trial))
+                os.kill(program, signal.SIGKILL)
+                killed.append((job, trial))
                 return
         time.sleep(0.05)
+
+
+def _job_program(job: str) -> int | None:
+    """The pid of the trial runner inside Slurm job `job` (its step's Python program, not srun or the shell)."""
+    listed = subprocess.run(["scontrol", "listpids", job], capture_output=True, text=True).stdout.splitlines()[1:]
+    pids = [int(line.split()[0]) for line in listed if line.split() and int(line.split()[0]) > 0]
+    return next((pid for pid in pids if "tasks.scaling.trial_runs" in argv(pid)), None)
 
 
 def _share_of(out: Path, trial: str) -> int | None:
@@ -119,16 +132,16 @@ def concurrent_jobs(jobcomp: Path) -> int:
     return most
 
 
-def test_a_slurm_sweep_runs_max_parallel_jobs_reruns_only_a_cancelled_trial_and_fits_the_same(
+def test_a_slurm_sweep_runs_max_parallel_jobs_reruns_only_a_killed_trial_and_fits_the_same(
         shards, slurm_cluster, tmp_path):
     local = tmp_path / "local"
     results = run_sweep(sweep_config(), *shards, subruns(local), where=PoolTrials(MAX_PARALLEL))
     assert len(results) == 16 and all(r.ok for r in results)
 
     out = tmp_path / "slurm"
-    cancelled: list[tuple[str, str]] = []
+    killed: list[tuple[str, str]] = []
     stop = threading.Event()
-    watcher = threading.Thread(target=cancel_a_running_trial, args=(out, cancelled, stop), daemon=True)
+    watcher = threading.Thread(target=kill_a_running_trial, args=(out, killed, stop), daemon=True)
     watcher.start()
     where = JobTrials("slurm", ClusterSpec(rdzv_port=free_port(), max_restarts=1), MAX_PARALLEL, out / JOBS_DIR)
     try:
@@ -136,17 +149,17 @@ def test_a_slurm_sweep_runs_max_parallel_jobs_reruns_only_a_cancelled_trial_and_
     finally:
         stop.set()
         watcher.join()
-    assert cancelled, "no trial was seen training inside a Slurm job"
-    job, trial = cancelled[0]
+    assert killed, "no trial was seen training inside a Slurm job"
+    job, trial = killed[0]
 
-    # the fit reads the same numbers, the cancelled trial's (resumed from a checkpoint) included
+    # the fit reads the same numbers, the killed trial's (resumed from a checkpoint) included
     assert fit_inputs(out / TRIALS_FILE) == fit_inputs(local / TRIALS_FILE)
     assert json.loads((out / TRIALS_DIR / trial / "metrics.json").read_text())["resumed_from_step"] >= 10
     store = Store(out)
     launches = {r.name: store.manifest(TRIALS_DIR, r.name)["launch"] for r in results}
     assert {launch["launcher"] for launch in launches.values()} == {"slurm"}
     jobs = {name: [a["job_id"] for a in launch["attempts"]] for name, launch in launches.items()}
-    # only the cancelled trial was trained twice: in the cancelled job, then in its share's resubmission
+    # only the killed trial was trained twice: in the killed job, then in its share's resubmission
     assert {name: ids for name, ids in jobs.items() if len(ids) > 1} == {trial: [job, jobs[trial][1]]}
     # every trial trained in a Slurm job, at most MAX_PARALLEL at once: 2 shares a phase, plus the resubmission
     assert len({i for ids in jobs.values() for i in ids}) == 5
