@@ -11,6 +11,7 @@ from mlflow.tracking import MlflowClient
 
 from flows.stages import flow_for
 from tasks.config import load_config
+from tasks.data.shards import shard_paths
 from tasks.graph import stage_keys
 from tasks.runner import run_stage
 from tasks.store import Store
@@ -26,10 +27,13 @@ def test_a_clean_stage_whose_slurm_rank_is_killed_is_retried_by_its_task_and_res
         prefect_api, slurm_cluster, in_repo, tmp_path):
     overrides = [f"work_dir={tmp_path}", "cluster.executor=slurm", "orchestration.retries=1",
                  "orchestration.retry_delay_seconds=0", "clean.num_workers=2", "clean.quality_training=null",
-                 "clean.quality_top_fraction=null", "collect.max_docs_per_source=4"]
+                 "clean.quality_top_fraction=null", "collect.max_docs_per_source=4",
+                 "collect.shard_bytes=250000"]  # two shards: clean runs a rank per shard
     cfg = load_config(TINY, overrides)
     store, keys = Store(cfg.store_root), stage_keys(cfg)
     run_stage("collect", cfg, store=store, keys=keys)
+    num_shards = len(shard_paths(store.path("collect", keys["collect"])))
+    assert num_shards == 2
     # a rank of this cluster's clean job: its Python runs the executor's pickle in clean's partial folder
     pickle = store.partial_path("clean", keys["clean"]).resolve() / "_datatrove" / "logs" / "executor.pik"
     ranks = slurm_job_steps(slurm_cluster.env, argument=str(pickle))
@@ -43,5 +47,5 @@ def test_a_clean_stage_whose_slurm_rank_is_killed_is_retried_by_its_task_and_res
         [MlflowClient(cfg.tracking_uri).get_experiment_by_name("kiln").experiment_id],
         filter_string="tags.`kiln.stage` = 'clean'", order_by=["attributes.start_time ASC"])
     assert [(r.data.tags["kiln.status"], r.info.status) for r in runs] == [("failed", "FAILED"), ("ran", "FINISHED")]
-    assert "1 of 2 ranks did not finish" in runs[0].data.tags["kiln.error"]
+    assert f"1 of {num_shards} ranks did not finish" in runs[0].data.tags["kiln.error"]
     assert store.manifest("clean", keys["clean"])["stats"]["num_kept"] > 0
