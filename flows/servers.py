@@ -103,6 +103,15 @@ def _spawn(server: Server) -> Server:
     return Server(**{**asdict(server), "pid": process.pid})
 
 
+def _log_tail(path: str | Path, lines: int = 12) -> str:
+    """The last lines of a server's log, indented: why it exited is usually there."""
+    try:
+        text = Path(path).read_text(errors="replace").splitlines()[-lines:]
+    except OSError as error:
+        return f"  (unreadable: {error})"
+    return "\n".join(f"  {line}" for line in text) or "  (empty)"
+
+
 def _wait_healthy(work_dir: str | Path, servers: list[Server], timeout_s: float) -> None:
     folder = servers_dir(work_dir)
     deadline = time.monotonic() + timeout_s
@@ -110,7 +119,8 @@ def _wait_healthy(work_dir: str | Path, servers: list[Server], timeout_s: float)
         while not _healthy(server, folder):
             if not _alive(server.pid):
                 stop_servers(work_dir)
-                raise KilnError(f"the {server.name} server exited while starting; its log: {server.log}")
+                raise KilnError(f"the {server.name} server exited while starting; the end of its log "
+                                f"({server.log}):\n{_log_tail(server.log)}")
             if time.monotonic() > deadline:
                 stop_servers(work_dir)
                 raise KilnError(f"the {server.name} server was not healthy after {timeout_s:.0f}s; its log: {server.log}")

@@ -1,17 +1,19 @@
 """`kiln up --database postgres` refuses what it cannot do before it starts anything: a database URL
 given beside it, and (as root, where PostgreSQL runs as its own account) a work dir that account
-cannot enter. The real cluster is started in tests/flows/test_servers.py and benchmarks/load.py."""
+cannot enter; a server that dies while starting is reported with the end of its log. The real cluster is started in tests/flows/test_servers.py and benchmarks/load.py."""
 
 from __future__ import annotations
 
 import os
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 
 import pytest
 
 from flows.cli import main
+from tasks.errors import KilnError
 
 
 def test_the_database_and_urls_are_one_or_the_other(tmp_path, capsys, monkeypatch):
@@ -37,3 +39,16 @@ def test_as_root_a_work_dir_postgres_cannot_reach_is_refused_naming_the_folder(t
         assert not (private / "ops" / "servers" / "postgres").exists()  # nothing half-made left behind
     finally:
         shutil.rmtree(root)
+
+
+def test_a_server_that_exits_while_starting_is_reported_with_the_end_of_its_log(tmp_path):
+    from flows.servers import Server, _spawn, _wait_healthy, servers_dir
+
+    servers_dir(tmp_path).mkdir(parents=True)
+    log = servers_dir(tmp_path) / "mlflow.log"
+    dying = _spawn(Server("mlflow", 0, "http://127.0.0.1:9", "", "http://127.0.0.1:9/health", str(log),
+                          [sys.executable, "-c", "print('FATAL: could not bind to 127.0.0.1:9'); raise SystemExit(1)"]))
+    with pytest.raises(KilnError) as raised:
+        _wait_healthy(tmp_path, [dying], timeout_s=60)
+    assert str(raised.value) == (f"the mlflow server exited while starting; the end of its log ({log}):\n"
+                                 "  FATAL: could not bind to 127.0.0.1:9")
