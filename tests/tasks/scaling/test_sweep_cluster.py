@@ -154,15 +154,19 @@ def test_a_slurm_sweep_runs_max_parallel_jobs_reruns_only_a_killed_trial_and_fit
 
     # the fit reads the same numbers, the killed trial's (resumed from a checkpoint) included
     assert fit_inputs(out / TRIALS_FILE) == fit_inputs(local / TRIALS_FILE)
-    assert json.loads((out / TRIALS_DIR / trial / "metrics.json").read_text())["resumed_from_step"] >= 10
     store = Store(out)
     launches = {r.name: store.manifest(TRIALS_DIR, r.name)["launch"] for r in results}
     assert {launch["launcher"] for launch in launches.values()} == {"slurm"}
     jobs = {name: [a["job_id"] for a in launch["attempts"]] for name, launch in launches.items()}
-    # only the killed trial was trained twice: in the killed job, then in its share's resubmission
-    assert {name: ids for name, ids in jobs.items() if len(ids) > 1} == {trial: [job, jobs[trial][1]]}
-    # every trial trained in a Slurm job, at most MAX_PARALLEL at once: 2 shares a phase, plus the resubmission
-    assert len({i for ids in jobs.values() for i in ids}) == 5
+    retrained = {name: ids for name, ids in jobs.items() if len(ids) > 1}
+    # only a trial begun in the killed job trained again, in its share's resubmission; the one seen
+    # mid-way with a checkpoint resumed from it (the kill can also land as a trial commits, between two)
+    assert len(retrained) <= 1 and all(ids[0] == job for ids in retrained.values())
+    if trial in retrained:
+        assert json.loads((out / TRIALS_DIR / trial / "metrics.json").read_text())["resumed_from_step"] >= 10
+    # every trial trained in a Slurm job, at most MAX_PARALLEL at once: 2 shares a phase, plus the
+    # resubmission when the killed job still had a trial to finish
+    assert len({i for ids in jobs.values() for i in ids}) == 4 + bool(retrained)
     assert concurrent_jobs(slurm_cluster.folder / "log" / "jobcomp.txt") <= MAX_PARALLEL
 
 
