@@ -82,11 +82,6 @@ def test_deploy_worker_failure_alert_and_retry_on_each_database(database, reacha
         if database == "postgres":
             assert not (ops / "servers" / "mlflow.db").exists() and not (ops / "servers" / "prefect" / "prefect.db").exists()
             assert count_rows(ops, "mlflow", "runs") == 5 and count_rows(ops, "prefect", "flow_run") == 1
-            os.killpg(servers["postgres"].pid, signal.SIGKILL)  # the database dies under its servers
-            project.kiln("up", "--work-dir", "ops", *up)  # starts it again, on its port, with its records
-            assert read_servers(ops)[-1].pid != servers["postgres"].pid
-            assert count_rows(ops, "mlflow", "runs") == 5
-            assert project.api.call("GET", f"/flow_runs/{flow_run_id}")["state_type"] == "COMPLETED"
     finally:
         if project.worker is not None and project.worker.poll() is None:
             os.killpg(project.worker.pid, signal.SIGTERM)
