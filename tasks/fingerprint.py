@@ -25,10 +25,11 @@ import time
 from collections.abc import Iterable
 from pathlib import Path
 
+from tasks.store import file_sha256
+
 CACHE_ENV = "KILN_CACHE_DIR"
 CACHE_FILE = "fingerprints.sqlite"
 SETTLE_S = 2.0
-_CHUNK = 1 << 20
 
 log = logging.getLogger(__name__)
 
@@ -38,14 +39,6 @@ def cache_dir() -> Path:
     if configured:
         return Path(configured)
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kiln"
-
-
-def file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        while chunk := handle.read(_CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 class DigestCache:
