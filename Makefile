@@ -11,11 +11,15 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
 # torch is installed first and exactly: a looser request lets pip resolve a multi-GB CUDA build.
-$(STAMP): $(BIN)/python pyproject.toml infra/system-packages.sh
+# What pip and the build print goes to $(INSTALL_LOG), its end to the terminal only when a step fails.
+INSTALL_LOG := $(VENV)/install.log
+PIP := $(BIN)/python -m pip install --quiet
+
+$(STAMP): $(BIN)/python pyproject.toml setup.py infra/system-packages.sh
 	bash infra/system-packages.sh
-	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet torch==2.13.0
-	$(BIN)/python -m pip install --quiet -e ".[dev]"
+	@echo "installing Kiln and its dependencies into $(VENV) (log: $(INSTALL_LOG))"
+	@{ $(PIP) --upgrade pip && $(PIP) torch==2.13.0 && $(PIP) -e ".[dev]"; } > $(INSTALL_LOG) 2>&1 \
+		|| { tail -n 40 $(INSTALL_LOG); echo "install failed: see $(INSTALL_LOG)"; exit 1; }
 	touch $(STAMP)
 
 setup: $(STAMP)

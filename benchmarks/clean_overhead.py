@@ -43,13 +43,13 @@ sys.path.insert(0, str(REPO))  # run as a script from anywhere
 from datatrove.executor import LocalPipelineExecutor  # noqa: E402
 from datatrove.pipeline.readers import JsonlReader  # noqa: E402
 
-from tasks.data.clean import CleanConfig, _blocklists, _pipeline, clean_documents, lid_model_path  # noqa: E402
+from kiln.tasks.data.clean import CleanConfig, _blocklists, _pipeline, clean_documents, lid_model_path  # noqa: E402
 from datatrove.pipeline.writers import JsonlWriter  # noqa: E402
 
-from tasks.data.collect import CollectConfig, collect_documents  # noqa: E402
-from tasks.data.documents import read_shards  # noqa: E402
-from tasks.data.quality import check_quality_model  # noqa: E402
-from tasks.data.shards import shard_paths  # noqa: E402
+from kiln.tasks.data.collect import CollectConfig, collect_documents  # noqa: E402
+from kiln.tasks.data.documents import read_shards  # noqa: E402
+from kiln.tasks.data.quality import check_quality_model  # noqa: E402
+from kiln.tasks.data.shards import shard_paths  # noqa: E402
 
 
 def configs(workers: int) -> tuple[CollectConfig, CleanConfig]:

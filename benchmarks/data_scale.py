@@ -38,18 +38,18 @@ import yaml
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # run as a script from anywhere
 
-from tasks.data.collect import CollectConfig, collect_documents  # noqa: E402
-from tasks.data.documents import read_shards  # noqa: E402
-from tasks.data.shards import shard_paths  # noqa: E402
+from kiln.tasks.data.collect import CollectConfig, collect_documents  # noqa: E402
+from kiln.tasks.data.documents import read_shards  # noqa: E402
+from kiln.tasks.data.shards import shard_paths  # noqa: E402
 
 SIZES = (1, 4, 16)
 NEAR, NEW = 0.01, 0.15  # shares of words replaced: a near duplicate, new text
 DATA_STAGES_WITH_WORKERS = ("clean", "dedup", "decontaminate", "tokenize")
 _RUN = """
 import json, sys, time
-from tasks.config import load_config
-from tasks.runner import run_pipeline
-from tasks.store import Store
+from kiln.tasks.config import load_config
+from kiln.tasks.runner import run_pipeline
+from kiln.tasks.store import Store
 cfg = load_config(sys.argv[1])
 started = time.perf_counter()
 outcomes = run_pipeline(cfg, until="tokenize")

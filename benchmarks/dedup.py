@@ -47,11 +47,11 @@ sys.path.insert(0, str(REPO))  # run as a script: the cluster reader lives under
 import numpy as np  # noqa: E402
 from datasketch import MinHash, MinHashLSH  # noqa: E402
 
-from tasks.data import minhash  # noqa: E402
-from tasks.data.dedup import DedupConfig, normalize, shingles  # noqa: E402
-from tasks.data.dedup_job import dedup_documents  # noqa: E402
-from tasks.data.documents import Document, read_documents, write_documents  # noqa: E402
-from tasks.data.html_text import extract_html  # noqa: E402
+from kiln.tasks.data import minhash  # noqa: E402
+from kiln.tasks.data.dedup import DedupConfig, normalize, shingles  # noqa: E402
+from kiln.tasks.data.dedup_job import dedup_documents  # noqa: E402
+from kiln.tasks.data.documents import Document, read_documents, write_documents  # noqa: E402
+from kiln.tasks.data.html_text import extract_html  # noqa: E402
 from tests.fixtures.dedup_corpus import clusters_from_output  # noqa: E402
 
 SAMPLE = REPO / "data" / "sample"
@@ -200,7 +200,7 @@ def run_datasketch(cfg: DedupConfig, input_file: Path, out_dir: Path) -> Callabl
 def run_datatrove(cfg: DedupConfig, input_file: Path, out_dir: Path) -> Callable[[], dict[str, str]]:
     from loguru import logger
 
-    from tasks.data.dedup_datatrove import dedup_with_datatrove
+    from kiln.tasks.data.dedup_datatrove import dedup_with_datatrove
 
     logger.remove()  # datatrove logs every stage's stats; the table below is the report
     dedup_with_datatrove(cfg, [input_file], out_dir, tasks=1)

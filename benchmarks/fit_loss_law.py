@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import numpy as np  # noqa: E402
 
-from tasks.scaling.laws import fit_loss_law  # noqa: E402
+from kiln.tasks.scaling.laws import fit_loss_law  # noqa: E402
 
 BESIROGLU = {"E": 1.82, "A": 482.0, "B": 2085.0, "alpha": 0.348, "beta": 0.366}
 HOFFMANN = {"E": 1.69, "A": 406.4, "B": 410.7, "alpha": 0.34, "beta": 0.28}  # as published in 2022

@@ -42,7 +42,7 @@ import urllib.request
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-KILN = [sys.executable, "-m", "flows.cli"]
+KILN = [sys.executable, "-m", "kiln.flows.cli"]
 FINAL = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
 EXPERIMENT = "kiln"
 
@@ -114,8 +114,8 @@ def write_records(count: int, store: Path, out: Path, tag: str) -> None:
     from prefect.artifacts import create_table_artifact
     from prefect.task_runners import ThreadPoolTaskRunner
 
-    from tasks.tracking import MlflowTracker
-    from tasks.tracking_spool import spool_dir
+    from kiln.tasks.tracking import MlflowTracker
+    from kiln.tasks.tracking_spool import spool_dir
 
     tracker = MlflowTracker(os.environ["MLFLOW_TRACKING_URI"], EXPERIMENT, spool=spool_dir(store))
     timings: dict[str, list[float]] = {}
@@ -158,7 +158,7 @@ def run_backend(database: str, args: argparse.Namespace) -> dict:
     root = Path(tempfile.mkdtemp(prefix=f"kiln-load-{database}-", dir=args.tmp))
     os.chmod(root, 0o711)  # as root, PostgreSQL runs as its own account and must reach servers/
     ops = root / "ops"
-    from flows.environment import PROCESS_SETTINGS
+    from kiln.flows.environment import PROCESS_SETTINGS
 
     # every process here is a Kiln process, the records' included: Kiln's settings, as deploy gives them
     env = {**PROCESS_SETTINGS,
@@ -240,11 +240,11 @@ def count(database: str, root: Path, api: Api, run_ids: list[str], args: argpars
     """What made it, once the next run's tracker has replayed what Kiln kept in the spools."""
     from mlflow.tracking import MlflowClient
 
-    from tasks.config import load_config
-    from tasks.graph import stage_keys
-    from tasks.store import Store
-    from tasks.tracking import MlflowTracker
-    from tasks.tracking_spool import spool_dir
+    from kiln.tasks.config import load_config
+    from kiln.tasks.graph import stage_keys
+    from kiln.tasks.store import Store
+    from kiln.tasks.tracking import MlflowTracker
+    from kiln.tasks.tracking_spool import spool_dir
 
     uri = os.environ["MLFLOW_TRACKING_URI"] = (root / "ops" / "servers" / "env").read_text().split(
         "MLFLOW_TRACKING_URI=")[1].split()[0]

@@ -33,7 +33,7 @@ from datetime import datetime
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-KILN = [sys.executable, "-m", "flows.cli"]
+KILN = [sys.executable, "-m", "kiln.flows.cli"]
 
 
 def timed_run(config: str, work_dir: Path) -> float:

@@ -22,8 +22,8 @@ from __future__ import annotations
 import argparse
 import time
 
-from tasks.train.planner import plan_presets, render_plan_report
-from tasks.train.verify import render_verification, verify_plan
+from kiln.tasks.train.planner import plan_presets, render_plan_report
+from kiln.tasks.train.verify import render_verification, verify_plan
 
 CLUSTERS = {"8b": "h100-1node", "70b": "h100-8nodes", "405b": "h100-64nodes"}
 

@@ -40,15 +40,15 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # run as a script from anywhere
 
 from benchmarks.data_scale import grow  # noqa: E402
-from tasks.data.clean import CleanConfig, clean_documents  # noqa: E402
-from tasks.data.collect import CollectConfig, collect_documents  # noqa: E402
-from tasks.data.decontaminate import DecontaminateConfig, decontaminate_documents  # noqa: E402
-from tasks.data.dedup import DedupConfig  # noqa: E402
-from tasks.data.dedup_job import dedup_documents  # noqa: E402
-from tasks.data.executors import ExecutorSettings, connect_ray, map_shards  # noqa: E402
-from tasks.data.shards import KINDS, shard_paths  # noqa: E402
-from tasks.data.tokenize import TokenizeConfig, tokenize_corpus  # noqa: E402
-from tasks.launch.local_slurm import LocalSlurmCluster  # noqa: E402
+from kiln.tasks.data.clean import CleanConfig, clean_documents  # noqa: E402
+from kiln.tasks.data.collect import CollectConfig, collect_documents  # noqa: E402
+from kiln.tasks.data.decontaminate import DecontaminateConfig, decontaminate_documents  # noqa: E402
+from kiln.tasks.data.dedup import DedupConfig  # noqa: E402
+from kiln.tasks.data.dedup_job import dedup_documents  # noqa: E402
+from kiln.tasks.data.executors import ExecutorSettings, connect_ray, map_shards  # noqa: E402
+from kiln.tasks.data.shards import KINDS, shard_paths  # noqa: E402
+from kiln.tasks.data.tokenize import TokenizeConfig, tokenize_corpus  # noqa: E402
+from kiln.tasks.launch.local_slurm import LocalSlurmCluster  # noqa: E402
 
 EXECUTORS = ("local", "slurm", "ray")
 STAGES = ("clean", "dedup", "decontaminate", "tokenize")

@@ -33,15 +33,15 @@ sys.path.insert(0, str(REPO))  # run as a script from anywhere
 # trial processes several times, which would be measured as the in-process sweep's cost
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from tasks.config import load_config  # noqa: E402
-from tasks.data.tokenize import SHARDS_FILE  # noqa: E402
-from tasks.graph import stage_keys  # noqa: E402
-from tasks.launch.local_slurm import LocalSlurmCluster, free_port  # noqa: E402
-from tasks.runner import StageRecorder, SubRuns  # noqa: E402
-from tasks.scaling.sweep import TrialResult, run_sweep  # noqa: E402
-from tasks.scaling.trial_runs import JOBS_DIR, JobTrials, PoolTrials  # noqa: E402
-from tasks.store import Store  # noqa: E402
-from tasks.tracker import NullTracker  # noqa: E402
+from kiln.tasks.config import load_config  # noqa: E402
+from kiln.tasks.data.tokenize import SHARDS_FILE  # noqa: E402
+from kiln.tasks.graph import stage_keys  # noqa: E402
+from kiln.tasks.launch.local_slurm import LocalSlurmCluster, free_port  # noqa: E402
+from kiln.tasks.runner import StageRecorder, SubRuns  # noqa: E402
+from kiln.tasks.scaling.sweep import TrialResult, run_sweep  # noqa: E402
+from kiln.tasks.scaling.trial_runs import JOBS_DIR, JobTrials, PoolTrials  # noqa: E402
+from kiln.tasks.store import Store  # noqa: E402
+from kiln.tasks.tracker import NullTracker  # noqa: E402
 
 
 def fit_inputs(results: list[TrialResult]) -> list[dict]:

@@ -48,9 +48,9 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
-from tasks.train.config import ModelConfig, OptimConfig, ParallelDims, TrainRunConfig  # noqa: E402
-from tasks.train.distributed import Layout, clip_grad_norm, make_optimizer  # noqa: E402
-from tasks.train.model import count_parameters, seeded_weights  # noqa: E402
+from kiln.tasks.train.config import ModelConfig, OptimConfig, ParallelDims, TrainRunConfig  # noqa: E402
+from kiln.tasks.train.distributed import Layout, clip_grad_norm, make_optimizer  # noqa: E402
+from kiln.tasks.train.model import count_parameters, seeded_weights  # noqa: E402
 
 GRAD_CLIP = 1.0  # nanoGPT's train.py default, and Kiln's optim.grad_clip default
 

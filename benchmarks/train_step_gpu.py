@@ -53,13 +53,13 @@ if "PYTORCH_ALLOC_CONF" not in os.environ and "PYTORCH_CUDA_ALLOC_CONF" not in o
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from tasks.train.config import ModelConfig, OptimConfig, ParallelDims, TrainRunConfig  # noqa: E402
+from kiln.tasks.train.config import ModelConfig, OptimConfig, ParallelDims, TrainRunConfig  # noqa: E402
 # the loop's own layout and step, so that this measures what production training runs
-from tasks.train.distributed import Layout, make_optimizer  # noqa: E402
-from tasks.train.loop import train_step  # noqa: E402
-from tasks.train.model import count_parameters, flops_per_token, seeded_weights  # noqa: E402
-from tasks.train.parallel import build_mesh  # noqa: E402
-from tasks.train.planner import load_preset  # noqa: E402
+from kiln.tasks.train.distributed import Layout, make_optimizer  # noqa: E402
+from kiln.tasks.train.loop import train_step  # noqa: E402
+from kiln.tasks.train.model import count_parameters, flops_per_token, seeded_weights  # noqa: E402
+from kiln.tasks.train.parallel import build_mesh  # noqa: E402
+from kiln.tasks.train.planner import load_preset  # noqa: E402
 
 # Dense (no sparsity) bf16 tensor-core peaks in TFLOP/s from NVIDIA's data sheets, matched as
 # substrings of the device name in this order: the more specific names first.

@@ -28,7 +28,7 @@ from collections.abc import Mapping
 from datetime import timedelta
 from typing import Any
 
-from tasks.evals.ecg import CLEARED_EVENT, REGRESSION_EVENT, RegressionEvent
+from kiln.tasks.evals.ecg import CLEARED_EVENT, REGRESSION_EVENT, RegressionEvent
 
 ALERTS = {  # automation name -> (event, subject)
     "kiln-stage-failed": ("kiln.stage.failed", "Kiln: a stage failed"),

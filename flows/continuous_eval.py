@@ -39,10 +39,10 @@ from prefect.context import FlowRunContext
 from prefect.events import emit_event
 from prefect.runtime import flow_run
 
-from flows.alerts import TEXT, regression_text
-from flows.environment import apply_run_settings
-from tasks.config import KilnConfig, load_config
-from tasks.evals.continuous import (
+from kiln.flows.alerts import TEXT, regression_text
+from kiln.flows.environment import apply_run_settings
+from kiln.tasks.config import KilnConfig, load_config
+from kiln.tasks.evals.continuous import (
     EvalTarget,
     current_rows,
     evaluate_checkpoint,
@@ -53,10 +53,10 @@ from tasks.evals.continuous import (
     series_lock,
     suite_versions,
 )
-from tasks.evals.continuous_state import WATCHED, anneal_offset, ecg_path, eval_targets, watched_complete
-from tasks.evals.ecg import RegressionEvent, all_events, curves, open_regressions, plot_ecg
-from tasks.graph import stage_keys
-from tasks.tracking import MlflowTracker
+from kiln.tasks.evals.continuous_state import WATCHED, anneal_offset, ecg_path, eval_targets, watched_complete
+from kiln.tasks.evals.ecg import RegressionEvent, all_events, curves, open_regressions, plot_ecg
+from kiln.tasks.graph import stage_keys
+from kiln.tasks.tracking import MlflowTracker
 
 RUN_STAGE = "continuous-eval"
 

@@ -34,8 +34,8 @@ from prefect.client.schemas.objects import FlowRun, StateType
 from prefect.runtime import flow_run as current_flow_run
 from prefect.states import Crashed
 
-from tasks.crashes import reap_tracked
-from tasks.tracker import Tracker
+from kiln.tasks.crashes import reap_tracked
+from kiln.tasks.tracker import Tracker
 
 ENDED = [StateType.COMPLETED, StateType.FAILED, StateType.CRASHED, StateType.CANCELLED]
 RUNNING = [StateType.RUNNING]

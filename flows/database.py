@@ -22,7 +22,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from tasks.errors import KilnError
+from kiln.tasks.errors import KilnError
 
 HOST = "127.0.0.1"
 ROLE = "kiln"

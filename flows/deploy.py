@@ -31,13 +31,13 @@ from pathlib import Path
 
 import yaml
 
-from flows.environment import PROCESS_SETTINGS
-from tasks.config import load_config
-from tasks.errors import KilnError
+from kiln.flows.environment import PROCESS_SETTINGS
+from kiln.tasks.bundled import shipped
+from kiln.tasks.config import load_config
+from kiln.tasks.errors import KilnError
 
-KILN_ROOT = Path(__file__).resolve().parents[1]  # Kiln's own files (infra/), not the user's project
-PREFECT_FILE = KILN_ROOT / "infra" / "prefect.yaml"
-WORK_POOL_TEMPLATES = KILN_ROOT / "infra" / "work-pools"  # {type}.json: a pool's base job template (none: Prefect's)
+PREFECT_FILE = shipped("infra") / "prefect.yaml"  # Kiln's own files, not the user's project
+WORK_POOL_TEMPLATES = shipped("infra") / "work-pools"  # {type}.json: a pool's base job template (none: Prefect's)
 PROJECT_DIR_VARIABLE = "KILN_PROJECT_DIR"  # the pull step's working directory, resolved by `prefect deploy`
 WORK_POOL_TYPES = ("process", "kubernetes")
 POOL = "kiln-process"
@@ -170,7 +170,7 @@ def deploy(continuous_eval_config: str | None = None, overrides: list[str] | Non
     missing = sorted(set(wanted) - asyncio.run(_deployment_names(name)))
     if missing:
         raise KilnError(f"`prefect deploy` did not register {', '.join(missing)} on {name}:\n{output[-3000:]}")
-    stages = sum(d["entrypoint"].startswith("flows.stages:") for d in spec["deployments"])
+    stages = sum(d["entrypoint"].startswith("kiln.flows.stages:") for d in spec["deployments"])
     summary = [f"{len(wanted)} deployments on work pool {name}: kiln-pipeline/pipeline, kiln-<stage>/<stage> for "
                f"each of {stages} stages, {CONTINUOUS_EVAL}" + (f" (image {image})" if image else ""),
                f"flows run in {project}: config paths, data paths and work_dir resolve there"]
@@ -179,7 +179,7 @@ def deploy(continuous_eval_config: str | None = None, overrides: list[str] | Non
     else:
         summary.append("continuous eval has no schedule (kiln deploy --continuous-eval CONFIG [--every 60s] "
                        "gives it one)")
-    from flows.alerts import UNRESPONSIVE, create_alerts, create_crash_detector
+    from kiln.flows.alerts import UNRESPONSIVE, create_alerts, create_crash_detector
 
     window = create_crash_detector()
     summary.append(f"crashed runs: {UNRESPONSIVE} marks a deployment run Crashed after {duration(window.total_seconds())} "
@@ -233,9 +233,9 @@ def run_worker() -> None:
     Its flow runs start in the project directory each deployment names (see `deploy`), not in this
     process's folder."""
     _require_server()
-    from flows.crashes import reap_crashed
-    from tasks.config import TrackingConfig
-    from tasks.tracking import MlflowTracker
+    from kiln.flows.crashes import reap_crashed
+    from kiln.tasks.config import TrackingConfig
+    from kiln.tasks.tracking import MlflowTracker
 
     uri = os.environ.get("MLFLOW_TRACKING_URI")  # the default experiment: a worker has no config of its own
     reap_crashed(MlflowTracker(uri, TrackingConfig().experiment) if uri else None)
@@ -251,9 +251,9 @@ def serve(continuous_eval_config: str | None = None, overrides: list[str] | None
         raise KilnError("--every sets the continuous-eval schedule's interval: give --continuous-eval CONFIG.yaml too")
     from prefect import serve as prefect_serve
 
-    from flows.continuous_eval import continuous_eval
-    from flows.pipeline import pipeline
-    from flows.stages import STAGE_FLOWS
+    from kiln.flows.continuous_eval import continuous_eval
+    from kiln.flows.pipeline import pipeline
+    from kiln.flows.stages import STAGE_FLOWS
 
     deployments = [pipeline.to_deployment("pipeline")]
     deployments += [stage_flow.to_deployment(name) for name, stage_flow in STAGE_FLOWS.items()]

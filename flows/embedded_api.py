@@ -22,7 +22,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from tasks.errors import KilnError
+from kiln.tasks.errors import KilnError
 
 _SERVER: subprocess.Popen | None = None
 _URL: str | None = None

@@ -14,8 +14,8 @@ import os
 import sys
 from pathlib import Path
 
-from flows import embedded_api
-from tasks.config import KilnConfig
+from kiln.flows import embedded_api
+from kiln.tasks.config import KilnConfig
 
 
 # Every Kiln process gets these, whoever starts it (the CLI, a worker's flow-run process, `kiln serve`).

@@ -19,16 +19,16 @@ from prefect import flow
 from prefect.artifacts import create_markdown_artifact
 from prefect.runtime import flow_run
 
-from flows.crashes import reap_crashed
-from flows.environment import apply_run_settings
-from flows.stages import execute
-from tasks.config import KilnConfig, load_config
-from tasks.crashes import CRASH_TAGS, OWNER_TAG, process_owner
-from tasks.graph import stage_keys
-from tasks.provenance import provenance
-from tasks.runner import StageOutcome, stages_until
-from tasks.stages import REGISTRY
-from tasks.tracking import MlflowTracker
+from kiln.flows.crashes import reap_crashed
+from kiln.flows.environment import apply_run_settings
+from kiln.flows.stages import execute
+from kiln.tasks.config import KilnConfig, load_config
+from kiln.tasks.crashes import CRASH_TAGS, OWNER_TAG, process_owner
+from kiln.tasks.graph import stage_keys
+from kiln.tasks.provenance import provenance
+from kiln.tasks.runner import StageOutcome, stages_until
+from kiln.tasks.stages import REGISTRY
+from kiln.tasks.tracking import MlflowTracker
 
 
 def describe(outcome: StageOutcome) -> str:
@@ -84,8 +84,8 @@ def _score_checkpoints(cfg: KilnConfig, keys: dict[str, str], config_path: str |
     state files say the pass would change nothing (a cached rerun), no subflow is started. It runs
     outside the continuous-eval deployment's one-run-at-a-time limit, beside a scheduled run perhaps:
     each checkpoint's scoring locks (`tasks.evals.continuous`) keep both from scoring one step twice."""
-    from flows.continuous_eval import continuous_eval
-    from tasks.evals.continuous_state import ecg_path, up_to_date
+    from kiln.flows.continuous_eval import continuous_eval
+    from kiln.tasks.evals.continuous_state import ecg_path, up_to_date
 
     if up_to_date(cfg, keys):
         print(f"[ ecg ] every kept checkpoint is scored; ECG {ecg_path(cfg, keys)}", file=sys.stderr, flush=True)

@@ -34,9 +34,9 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from flows import database
-from tasks.errors import KilnError
-from tasks.keylock import pid_alive
+from kiln.flows import database
+from kiln.tasks.errors import KilnError
+from kiln.tasks.keylock import pid_alive
 
 HOST = "127.0.0.1"
 STATE_FILE = "servers.json"

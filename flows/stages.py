@@ -25,18 +25,18 @@ from prefect.cache_policies import CacheKeyFnPolicy
 from prefect.events import emit_event
 from prefect.runtime import flow_run
 
-from flows.alerts import TEXT, stage_event_text
-from flows.crashes import reap_crashed
-from flows.environment import apply_run_settings
-from tasks.config import KilnConfig, load_config
-from tasks.errors import is_retryable
-from tasks.graph import stage_keys
-from tasks.launch.cluster import where_it_ran
-from tasks.runner import StageOutcome, run_stage
-from tasks.stages import REGISTRY
-from tasks.store import MANIFEST_FILE, Store
-from tasks.tracking import MlflowTracker
-from tasks.train.health import TrainingDivergedError
+from kiln.flows.alerts import TEXT, stage_event_text
+from kiln.flows.crashes import reap_crashed
+from kiln.flows.environment import apply_run_settings
+from kiln.tasks.config import KilnConfig, load_config
+from kiln.tasks.errors import is_retryable
+from kiln.tasks.graph import stage_keys
+from kiln.tasks.launch.cluster import where_it_ran
+from kiln.tasks.runner import StageOutcome, run_stage
+from kiln.tasks.stages import REGISTRY
+from kiln.tasks.store import MANIFEST_FILE, Store
+from kiln.tasks.tracking import MlflowTracker
+from kiln.tasks.train.health import TrainingDivergedError
 
 PREFECT_CACHE_DIR = ".prefect-cache"  # under the store root
 

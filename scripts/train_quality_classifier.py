@@ -39,12 +39,12 @@ import fasttext
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from tasks.config import load_config  # noqa: E402
-from tasks.data.clean import clean_documents  # noqa: E402
-from tasks.data.collect import collect_documents  # noqa: E402
-from tasks.data.documents import read_shards  # noqa: E402
-from tasks.data.quality import SHIPPED_MODEL, fasttext_text  # noqa: E402
-from tasks.data.shards import REMOVED, shard_paths  # noqa: E402
+from kiln.tasks.config import load_config  # noqa: E402
+from kiln.tasks.data.clean import clean_documents  # noqa: E402
+from kiln.tasks.data.collect import collect_documents  # noqa: E402
+from kiln.tasks.data.documents import read_shards  # noqa: E402
+from kiln.tasks.data.quality import SHIPPED_MODEL, fasttext_text  # noqa: E402
+from kiln.tasks.data.shards import REMOVED, shard_paths  # noqa: E402
 
 WINDOW = 64
 MIN_WORDS = 16

@@ -19,11 +19,11 @@ from typing import Any, Literal
 import yaml
 from pydantic import Field, ValidationError, create_model
 
-from tasks.configbase import Reference, Section, read_yaml, runtime_field
-from tasks.errors import ConfigError
-from tasks.evals.continuous import ContinuousEvalConfig
-from tasks.launch.cluster import ClusterSpec
-from tasks.stage import Registry
+from kiln.tasks.configbase import Reference, Section, read_yaml, runtime_field
+from kiln.tasks.errors import ConfigError
+from kiln.tasks.evals.continuous import ContinuousEvalConfig
+from kiln.tasks.launch.cluster import ClusterSpec
+from kiln.tasks.stage import Registry
 
 
 class StoreConfig(Section):
@@ -101,7 +101,7 @@ class KilnConfig(Section):
 def config_model(registry: Registry | None = None) -> type[KilnConfig]:
     """`KilnConfig` with one section per stage of `registry` (default: Kiln's stages) that declares one."""
     if registry is None:
-        from tasks.stages import REGISTRY as registry
+        from kiln.tasks.stages import REGISTRY as registry
     return _config_model(tuple((s.config_field, s.config_name, s.config) for s in registry if s.config is not None))
 
 
@@ -192,7 +192,7 @@ def check_kept_steps(cfg: KilnConfig, origins: dict[str, str] | None = None) -> 
     policy (`train.run`'s checkpoint_every, keep_checkpoints, keep_every) will not leave on disk:
     `anneal.from_step`, `anneal_ablation.from_step`, `continuous_eval.every`. Found when the stage
     starts, such a mistake costs the whole training before it."""
-    from tasks.train.checkpoint import kept_steps
+    from kiln.tasks.train.checkpoint import kept_steps
 
     train = getattr(cfg, "train", None)
     if train is None:

@@ -20,7 +20,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.fields import FieldInfo
 
-from tasks.errors import ConfigError
+from kiln.tasks.errors import ConfigError
 
 _RUNTIME = "kiln_runtime"
 _NAMES = "kiln_names"

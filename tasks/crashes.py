@@ -15,8 +15,8 @@ import os
 import socket
 from collections.abc import Callable, Mapping
 
-from tasks.keylock import pid_alive
-from tasks.tracker import Tracker
+from kiln.tasks.keylock import pid_alive
+from kiln.tasks.tracker import Tracker
 
 OWNER_TAG = "kiln.owner"
 FLOW_RUN_TAG = "kiln.prefect_flow_run_id"

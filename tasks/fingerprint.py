@@ -25,7 +25,7 @@ import time
 from collections.abc import Iterable
 from pathlib import Path
 
-from tasks.store import file_sha256
+from kiln.tasks.store import file_sha256
 
 CACHE_ENV = "KILN_CACHE_DIR"
 CACHE_FILE = "fingerprints.sqlite"

@@ -10,16 +10,16 @@ from __future__ import annotations
 
 from typing import Any
 
-from tasks.config import KilnConfig
-from tasks.configbase import Section
-from tasks.fingerprint import fingerprint_paths
-from tasks.stage import Registry
-from tasks.store import stage_key
+from kiln.tasks.config import KilnConfig
+from kiln.tasks.configbase import Section
+from kiln.tasks.fingerprint import fingerprint_paths
+from kiln.tasks.stage import Registry
+from kiln.tasks.store import stage_key
 
 
 def _registry(registry: Registry | None) -> Registry:
     if registry is None:
-        from tasks.stages import REGISTRY
+        from kiln.tasks.stages import REGISTRY
 
         return REGISTRY
     return registry

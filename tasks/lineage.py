@@ -14,8 +14,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tasks.errors import KilnError
-from tasks.store import MANIFEST_FILE, Store
+from kiln.tasks.errors import KilnError
+from kiln.tasks.store import MANIFEST_FILE, Store
 
 COMPLIANCE_FILE = "compliance.json"  # collect's licence report
 

@@ -18,6 +18,8 @@ _NVIDIA_PROC = Path("/proc/driver/nvidia/gpus")
 
 
 def _git(*args: str) -> str | None:
+    if not (_REPO / ".git").exists():  # an installed Kiln: not whatever repository its venv sits in
+        return None
     try:
         result = subprocess.run(["git", *args], cwd=_REPO, capture_output=True, text=True, timeout=10)
     except (OSError, subprocess.TimeoutExpired):

@@ -30,15 +30,15 @@ from typing import Any
 import psutil
 from pydantic import BaseModel
 
-from tasks.config import KilnConfig
-from tasks.configbase import Section, is_runtime
-from tasks.crashes import OWNER_TAG, process_owner
-from tasks.errors import KilnError, is_retryable
-from tasks.graph import config_value, stage_identity, stage_keys
-from tasks.provenance import code_version, provenance
-from tasks.stage import STATS_FILE, Registry, Stage, StageContext, SubRun
-from tasks.store import MANIFEST_FILE, Store, stage_key
-from tasks.tracker import NullTracker, Tracker
+from kiln.tasks.config import KilnConfig
+from kiln.tasks.configbase import Section, is_runtime
+from kiln.tasks.crashes import OWNER_TAG, process_owner
+from kiln.tasks.errors import KilnError, is_retryable
+from kiln.tasks.graph import config_value, stage_identity, stage_keys
+from kiln.tasks.provenance import code_version, provenance
+from kiln.tasks.stage import STATS_FILE, Registry, Stage, StageContext, SubRun
+from kiln.tasks.store import MANIFEST_FILE, Store, stage_key
+from kiln.tasks.tracker import NullTracker, Tracker
 
 _SMALL_ARTIFACT_SUFFIXES = (".json", ".md", ".png")
 _SMALL_ARTIFACT_BYTES = 5_000_000
@@ -381,7 +381,7 @@ def run_stage(stage: Stage | str, cfg: KilnConfig, *, store: Store | None = None
     of that flow run this is: a retry is attempt 2) are tagged and name the tracked run;
     `on_event(name, payload)` receives training health events."""
     if registry is None:
-        from tasks.stages import REGISTRY as registry
+        from kiln.tasks.stages import REGISTRY as registry
     stage = registry[stage] if isinstance(stage, str) else stage
     store = store or Store(cfg.store_root)
     tracker = tracker or NullTracker()
@@ -478,7 +478,7 @@ def run_pipeline(cfg: KilnConfig, *, until: str | None = None, registry: Registr
                  parent_run_id: str | None = None) -> list[StageOutcome]:
     """Every pipeline stage in order (up to `until`), without an orchestrator: for notebooks and jobs."""
     if registry is None:
-        from tasks.stages import REGISTRY as registry
+        from kiln.tasks.stages import REGISTRY as registry
     keys = stage_keys(cfg, registry)
     return [run_stage(name, cfg, store=store, tracker=tracker, registry=registry, keys=keys,
                       parent_run_id=parent_run_id) for name in stages_until(until, registry)]

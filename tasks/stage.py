@@ -23,12 +23,12 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel
 
-from tasks.configbase import Section
-from tasks.store import Store
+from kiln.tasks.configbase import Section
+from kiln.tasks.store import Store
 
 if TYPE_CHECKING:
-    from tasks.config import KilnConfig
-    from tasks.runner import StageRecorder, SubRuns
+    from kiln.tasks.config import KilnConfig
+    from kiln.tasks.runner import StageRecorder, SubRuns
 
 Stats = dict[str, Any]
 STATS_FILE = "stats.json"  # a committed stage's stats (headline included), beside its outputs

@@ -18,7 +18,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from tasks.keylock import KeyLock
+from kiln.tasks.keylock import KeyLock
 
 MANIFEST_FILE = "_kiln_manifest.json"
 FAILURE_FILE = "_kiln_failed.json"  # in a partial folder: why its attempt failed (`kiln status` shows it)

@@ -38,10 +38,10 @@ from mlflow.entities import DatasetInput, InputTag, Metric, Param, RunTag
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
-from tasks.tracking_spool import LOCAL_PREFIX, Refused, Replayed, Spool, local_run_id, spool_dir
+from kiln.tasks.tracking_spool import LOCAL_PREFIX, Refused, Replayed, Spool, local_run_id, spool_dir
 
 if TYPE_CHECKING:
-    from tasks.config import KilnConfig
+    from kiln.tasks.config import KilnConfig
 
 _MAX_PARAM_VALUE = 6000
 _BATCH = 1000

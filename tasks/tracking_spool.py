@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tasks.crashes import owner_alive, process_owner
+from kiln.tasks.crashes import owner_alive, process_owner
 
 SPOOL_DIR = ".tracking-spool"  # under the store root
 LOCAL_PREFIX = "spooled-"

@@ -34,7 +34,7 @@ def running_slurm(folder, **kwargs):
     """A real local Slurm cluster, its SLURM_CONF set for this process's clients and restored after.
 
     It fails (never skips) when Slurm is missing: `make setup` installs it."""
-    from tasks.launch.local_slurm import LocalSlurmCluster
+    from kiln.tasks.launch.local_slurm import LocalSlurmCluster
 
     cluster = LocalSlurmCluster(folder, **kwargs).start()
     previous = os.environ.get("SLURM_CONF")

@@ -20,13 +20,13 @@ REPO = Path(__file__).resolve().parent.parent
 TASKS = REPO / "tasks"
 # top to bottom: each imports only its own layer and those below (ARCHITECTURE.md, "six layers")
 LAYERS = ("flows", "orchestration", "config", "stages", "work", "foundation")
-ORCHESTRATION = {"tasks.runner", "tasks.graph"}
-CONFIG = {"tasks.config", "tasks.tracking"}
+ORCHESTRATION = {"kiln.tasks.runner", "kiln.tasks.graph"}
+CONFIG = {"kiln.tasks.config", "kiln.tasks.tracking"}
 WORK = ("data", "scaling", "train", "launch", "evals")
 
 
 def layer(module: str) -> str:
-    parts = module.split(".")
+    parts = module.removeprefix("kiln.").split(".")
     if parts[0] == "flows":
         return "flows"
     if module in ORCHESTRATION:
@@ -41,7 +41,7 @@ def layer(module: str) -> str:
 
 
 def module_name(path: Path) -> str:
-    return ".".join(path.relative_to(REPO).with_suffix("").parts).removesuffix(".__init__")
+    return "kiln." + ".".join(path.relative_to(REPO).with_suffix("").parts).removesuffix(".__init__")
 
 
 def _type_checking(node: ast.AST) -> bool:
@@ -72,7 +72,7 @@ def runtime_imports(path: Path) -> list[tuple[str, bool]]:
 
 
 def _is_module(name: str) -> bool:
-    base = REPO.joinpath(*name.split("."))
+    base = REPO.joinpath(*name.removeprefix("kiln.").split("."))
     return base.with_suffix(".py").is_file() or (base / "__init__.py").is_file()
 
 
@@ -83,7 +83,7 @@ def sources() -> list[Path]:
 def test_tasks_never_import_prefect_and_mlflow_only_in_tracking():
     offenders = []
     for path in sorted(TASKS.rglob("*.py")):
-        roots = {name.split(".")[0] for name, _ in runtime_imports(path)}
+        roots = {name.removeprefix("kiln.").split(".")[0] for name, _ in runtime_imports(path)}
         if "prefect" in roots:
             offenders.append(f"{path.relative_to(TASKS)} imports prefect")
         if "mlflow" in roots and path.name != "tracking.py":
@@ -99,14 +99,13 @@ def test_each_layer_imports_only_itself_and_the_layers_below():
         module = module_name(path)
         mine = LAYERS.index(layer(module))
         for imported, _ in runtime_imports(path):
-            if imported.split(".")[0] in ("tasks", "flows") and LAYERS.index(layer(imported)) < mine:
+            if imported.startswith(("kiln.tasks", "kiln.flows")) and LAYERS.index(layer(imported)) < mine:
                 offenders.append(f"{module} ({layer(module)}) imports {imported} ({layer(imported)})")
     assert offenders == []
 
 
 def test_no_module_level_import_cycle():
-    graph = {module_name(path): {name for name, top in runtime_imports(path) if top and name.split(".")[0] in
-                                 ("tasks", "flows")} for path in sources()}
+    graph = {module_name(path): {name for name, top in runtime_imports(path) if top and name.startswith(("kiln.tasks", "kiln.flows"))} for path in sources()}
     cycles, done, stack = [], set(), []
 
     def visit(module: str) -> None:
@@ -128,18 +127,18 @@ def test_no_module_level_import_cycle():
 
 def test_the_layering_is_checked_against_real_modules():
     """The rules above bite: the runner is above the stages it runs, a stage module below it."""
-    assert layer("tasks.runner") == "orchestration" and layer("tasks.stages.anneal_ablation") == "stages"
+    assert layer("kiln.tasks.runner") == "orchestration" and layer("kiln.tasks.stages.anneal_ablation") == "stages"
     assert LAYERS.index("orchestration") < LAYERS.index("stages") < LAYERS.index("work") < LAYERS.index("foundation")
-    assert ("tasks.runner", True) not in runtime_imports(TASKS / "stages" / "anneal_ablation.py")
-    assert ("tasks.stage", True) in runtime_imports(TASKS / "stages" / "anneal_ablation.py")
+    assert ("kiln.tasks.runner", True) not in runtime_imports(TASKS / "stages" / "anneal_ablation.py")
+    assert ("kiln.tasks.stage", True) in runtime_imports(TASKS / "stages" / "anneal_ablation.py")
     # an import for type checking only does not count: stage.py names the runner's types that way
-    assert all(name != "tasks.runner" for name, _ in runtime_imports(TASKS / "stage.py"))
-    assert "tasks.runner" in (TASKS / "stage.py").read_text()
+    assert all(name != "kiln.tasks.runner" for name, _ in runtime_imports(TASKS / "stage.py"))
+    assert "kiln.tasks.runner" in (TASKS / "stage.py").read_text()
 
 
 def test_config_keys_and_the_cli_load_no_torch():
     """A cached rerun, `kiln status` and `kiln --help` never pay torch's import: stage bodies import it."""
-    probe = ("import sys, flows.cli, tasks.graph, tasks.runner, flows.pipeline; flows.cli.build_parser(); "
+    probe = ("import sys, kiln.flows.cli, kiln.tasks.graph, kiln.tasks.runner, kiln.flows.pipeline; kiln.flows.cli.build_parser(); "
              "print(sorted(m for m in ('torch', 'transformers', 'datasets') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", probe], cwd=TASKS.parent, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"

@@ -4,8 +4,8 @@ from pathlib import Path
 
 import pytest
 
-from tasks.config import load_config
-from tasks.errors import ConfigError
+from kiln.tasks.config import load_config
+from kiln.tasks.errors import ConfigError
 
 
 def write(path: Path, text: str) -> Path:

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from tasks.config import load_config
-from tasks.errors import ConfigError
+from kiln.tasks.config import load_config
+from kiln.tasks.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT = REPO / "configs/default.yaml"

@@ -4,8 +4,8 @@ from pathlib import Path
 
 import pytest
 
-from flows.cli import main
-from tasks.config import load_config
+from kiln.flows.cli import main
+from kiln.tasks.config import load_config
 
 REPO = Path(__file__).resolve().parents[1]
 BUNDLED = sorted(str(p.relative_to(REPO)) for p in [*REPO.glob("configs/*.yaml"), *REPO.glob("configs/examples/*.yaml")])

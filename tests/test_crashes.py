@@ -10,8 +10,8 @@ import sys
 
 from mlflow.tracking import MlflowClient
 
-from tasks.crashes import FLOW_RUN_TAG, OWNER_TAG, process_owner, reap_tracked
-from tasks.tracking import MlflowTracker
+from kiln.tasks.crashes import FLOW_RUN_TAG, OWNER_TAG, process_owner, reap_tracked
+from kiln.tasks.tracking import MlflowTracker
 
 
 def dead_pid() -> int:

@@ -1,8 +1,8 @@
 """Which failures an orchestrator retries: infrastructure and the unforeseen, never the user's config or data."""
 
-from tasks.data.executors import ExecutorError
-from tasks.errors import ConfigError, InfrastructureError, InputError, KilnError, is_retryable
-from tasks.launch.launchers import LaunchCancelled, LaunchError
+from kiln.tasks.data.executors import ExecutorError
+from kiln.tasks.errors import ConfigError, InfrastructureError, InputError, KilnError, is_retryable
+from kiln.tasks.launch.launchers import LaunchCancelled, LaunchError
 
 
 def test_config_and_data_errors_are_not_retried():

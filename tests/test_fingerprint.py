@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from tasks.data.collect import CollectConfig, SourceConfig
-from tasks.data.quality_training import QualityTraining, model_subrun
-from tasks.fingerprint import SETTLE_S, DigestCache, fingerprint_paths
+from kiln.tasks.data.collect import CollectConfig, SourceConfig
+from kiln.tasks.data.quality_training import QualityTraining, model_subrun
+from kiln.tasks.fingerprint import SETTLE_S, DigestCache, fingerprint_paths
 
 
 def _settled(paths: list[Path]) -> None:

@@ -2,10 +2,10 @@
 
 import pytest
 
-from tasks.config import load_config
-from tasks.errors import ConfigError
-from tasks.graph import downstream_of, stage_keys
-from tasks.stages import REGISTRY
+from kiln.tasks.config import load_config
+from kiln.tasks.errors import ConfigError
+from kiln.tasks.graph import downstream_of, stage_keys
+from kiln.tasks.stages import REGISTRY
 
 STAGE_NAMES = REGISTRY.pipeline()
 

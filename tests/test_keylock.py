@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from tasks.keylock import KeyLock, LockTimeout
+from kiln.tasks.keylock import KeyLock, LockTimeout
 
 
 def hold(path: str, seconds: float, started) -> None:

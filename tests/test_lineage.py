@@ -6,13 +6,13 @@ from pathlib import Path
 
 import pytest
 
-from tasks.config import load_config
-from tasks.errors import KilnError
-from tasks.lineage import as_json, lineage, locate, render_table
-from tasks.runner import run_pipeline
-from tasks.stage import Registry
-from tasks.stages import collect as collect_stage
-from tasks.store import Store
+from kiln.tasks.config import load_config
+from kiln.tasks.errors import KilnError
+from kiln.tasks.lineage import as_json, lineage, locate, render_table
+from kiln.tasks.runner import run_pipeline
+from kiln.tasks.stage import Registry
+from kiln.tasks.stages import collect as collect_stage
+from kiln.tasks.store import Store
 from tests.fixtures import toy_stage
 
 REPO = Path(__file__).resolve().parents[1]

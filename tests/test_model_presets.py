@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from tasks.train.config import ModelConfig
-from tasks.train.model import count_parameters
-from tasks.train.planner import load_preset, preset_vocab_size
+from kiln.tasks.train.config import ModelConfig
+from kiln.tasks.train.model import count_parameters
+from kiln.tasks.train.planner import load_preset, preset_vocab_size
 
 MODELS = Path(__file__).resolve().parent.parent / "configs" / "models"
 NOMINAL = {"125m": 125e6, "350m": 350e6, "1b": 1e9, "7b": 7e9, "13b": 13e9, "8b": 8e9, "70b": 70e9, "405b": 405e9}

@@ -22,7 +22,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tasks.launch.local_slurm import LocalSlurmCluster
+from kiln.tasks.launch.local_slurm import LocalSlurmCluster
 from tests.processes import kill_tree, killing_first, ray_actors, slurm_job_steps, tree
 
 
@@ -180,7 +180,7 @@ def test_a_slurm_job_step_is_killed_and_another_clusters_is_not(slurm_cluster, t
 
 def test_a_worker_tree_is_killed_and_a_process_titled_like_it_is_not():
     """`kiln worker` and the flow run it started, killed as tests/flows/test_operate.py kills its own."""
-    title = [sys.executable, "-c", FORK + "fork_a_child()\nimport time\ntime.sleep(600)\n", "-m", "flows.cli", "worker"]
+    title = [sys.executable, "-c", FORK + "fork_a_child()\nimport time\ntime.sleep(600)\n", "-m", "kiln.flows.cli", "worker"]
     ours = subprocess.Popen(title, start_new_session=True)
     other = subprocess.Popen(title, start_new_session=True)
     try:

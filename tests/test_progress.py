@@ -8,8 +8,8 @@ import threading
 
 import pytest
 
-import tasks.progress
-from tasks.progress import CountFiles, Progress, watching
+import kiln.tasks.progress
+from kiln.tasks.progress import CountFiles, Progress, watching
 
 
 class Clock:
@@ -44,7 +44,7 @@ def test_a_terminal_gets_one_line_updated_in_place_with_rate_and_eta():
 
 
 def test_a_log_gets_a_plain_line_every_interval_and_a_last_one(monkeypatch):
-    monkeypatch.setattr(tasks.progress, "LOG_EVERY_S", 30.0)
+    monkeypatch.setattr(kiln.tasks.progress, "LOG_EVERY_S", 30.0)
     clock, out = Clock(), io.StringIO()
     with Progress("sweep", 12, "trials", done=2, stream=out, clock=clock) as progress:
         for _ in range(10):
@@ -98,4 +98,4 @@ def test_counts_written_by_other_workers_are_followed(tmp_path):
 
 @pytest.mark.parametrize(("seconds", "shown"), [(59.4, "59s"), (61, "1m01s"), (3 * 3600 + 120, "3h02m")])
 def test_durations(seconds, shown):
-    assert tasks.progress._duration(seconds) == shown
+    assert kiln.tasks.progress._duration(seconds) == shown

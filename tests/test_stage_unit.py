@@ -9,14 +9,14 @@ from pathlib import Path
 
 import pytest
 
-from tasks.config import load_config
-from tasks.errors import ConfigError
-from tasks.graph import stage_keys
-from tasks.runner import run_pipeline, run_stage
-from tasks.stage import Registry
-from tasks.stages import REGISTRY
-from tasks.stages import collect as collect_stage
-from tasks.store import MANIFEST_FILE, Store, file_sha256
+from kiln.tasks.config import load_config
+from kiln.tasks.errors import ConfigError
+from kiln.tasks.graph import stage_keys
+from kiln.tasks.runner import run_pipeline, run_stage
+from kiln.tasks.stage import Registry
+from kiln.tasks.stages import REGISTRY
+from kiln.tasks.stages import collect as collect_stage
+from kiln.tasks.store import MANIFEST_FILE, Store, file_sha256
 from tests.fixtures import busy_stage, toy_stage
 
 REPO = Path(__file__).resolve().parents[1]
@@ -100,9 +100,9 @@ def test_where_a_stage_ran_is_in_its_manifest_cost_and_mlflow_tags(toy_registry,
 
     from mlflow.tracking import MlflowClient
 
-    from tasks.launch.cluster import launch_record
-    from tasks.stage import SubRun
-    from tasks.tracking import MlflowTracker
+    from kiln.tasks.launch.cluster import launch_record
+    from kiln.tasks.stage import SubRun
+    from kiln.tasks.tracking import MlflowTracker
 
     job = launch_record("slurm", "kiln-toy-count-abc", [
         {"attempt": 1, "job_id": "41", "nodes": ["n1"], "failed": "Slurm job 41 ended FAILED", "failed_hosts": ["n1"]},
@@ -135,11 +135,11 @@ def test_where_a_stage_ran_is_in_its_manifest_cost_and_mlflow_tags(toy_registry,
 
 
 def test_a_training_job_is_named_after_its_stage_key_and_sub_run(tmp_path):
-    from tasks.config import KilnConfig
-    from tasks.runner import StageRecorder
-    from tasks.stage import StageContext
-    from tasks.stages._training import job_name
-    from tasks.tracker import NullTracker
+    from kiln.tasks.config import KilnConfig
+    from kiln.tasks.runner import StageRecorder
+    from kiln.tasks.stage import StageContext
+    from kiln.tasks.stages._training import job_name
+    from kiln.tasks.tracker import NullTracker
 
     stage = StageRecorder(NullTracker(), "run", "anneal-ablation", "0123456789abcdef0123")
     branch = StageRecorder(NullTracker(), "child", "anneal-ablation", "0123456789abcdef0123", parent=stage,

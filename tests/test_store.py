@@ -2,7 +2,7 @@
 
 import json
 
-from tasks.store import MANIFEST_FILE, Store, stage_key
+from kiln.tasks.store import MANIFEST_FILE, Store, stage_key
 
 
 def test_commit_is_atomic_and_manifest_last(tmp_path):

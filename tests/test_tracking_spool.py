@@ -20,13 +20,13 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
-from tasks.config import load_config
-from tasks.runner import run_pipeline
-from tasks.stage import Registry
-from tasks.stages import collect as collect_stage
-from tasks.store import Store
-from tasks.tracking import MlflowTracker
-from tasks.tracking_spool import LOCAL_PREFIX, spool_dir
+from kiln.tasks.config import load_config
+from kiln.tasks.runner import run_pipeline
+from kiln.tasks.stage import Registry
+from kiln.tasks.stages import collect as collect_stage
+from kiln.tasks.store import Store
+from kiln.tasks.tracking import MlflowTracker
+from kiln.tasks.tracking_spool import LOCAL_PREFIX, spool_dir
 from tests.fixtures import toy_stage
 
 REPO = Path(__file__).resolve().parents[1]
@@ -165,7 +165,7 @@ def test_writes_while_the_server_is_down_go_in_when_it_is_back(tmp_path, monkeyp
         assert child.startswith(LOCAL_PREFIX) and len(list(spool_dir(tmp_path / "store").glob("*.jsonl"))) == 2
 
         server = start_mlflow(tmp_path, port)
-        monkeypatch.setattr("tasks.tracking._DOWN_FOR_S", 0.0)  # look again at once, not after 15 s
+        monkeypatch.setattr("kiln.tasks.tracking._DOWN_FOR_S", 0.0)  # look again at once, not after 15 s
         tracker._down_until = 0.0
         tracker.log_metrics(run_id, {"loss": 1.0}, step=2)  # MLflow answers: the journals go in first
         tracker.end_run(run_id)

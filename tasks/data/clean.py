@@ -36,10 +36,10 @@ from datatrove.utils.lid import FT176LID
 from datatrove.utils.typeshelper import StatHints
 from pydantic import Field
 
-from tasks.accounting import DocCounts
-from tasks.configbase import Section, names_field, runtime_field
-from tasks.data.documents import Document, read_documents
-from tasks.data.executors import (
+from kiln.tasks.accounting import DocCounts
+from kiln.tasks.configbase import Section, names_field, runtime_field
+from kiln.tasks.data.documents import Document, read_documents
+from kiln.tasks.data.executors import (
     LOCAL,
     ExecutorSettings,
     cpu_seconds,
@@ -49,18 +49,18 @@ from tasks.data.executors import (
     save_result,
     shard_plan,
 )
-from tasks.data.filters.blocklists import URLBlocklistFilter, WordBlocklistFilter, read_blocklist
-from tasks.data.filters.code_rules import CodeRules, CodeRulesFilter
-from tasks.data.filters.pii import PII_KINDS, PII_METADATA, PIIKind, PIIRedactor
-from tasks.data.filters.prose_rules import C4Judge, C4Rules, FineWebRules, fineweb_filter
-from tasks.data.progress_step import CountDocuments
-from tasks.data.quality import SHIPPED_MODEL, QualityClassifierFilter, check_quality_model
-from tasks.data.quality_training import QualityTraining, resolve_quality_model
-from tasks.data.datatrove_logs import LOG_FILE, collect_task_logs  # importing it keeps datatrove off the terminal
-from tasks.data.inspection import RemovalTally, text_bytes, write_removal_report
-from tasks.data.shards import DOCUMENTS, KINDS, RankShards, read_listing, shard_paths, write_listing
-from tasks.errors import ConfigError, InputError
-from tasks.progress import CountFiles, Progress, watching
+from kiln.tasks.data.filters.blocklists import URLBlocklistFilter, WordBlocklistFilter, read_blocklist
+from kiln.tasks.data.filters.code_rules import CodeRules, CodeRulesFilter
+from kiln.tasks.data.filters.pii import PII_KINDS, PII_METADATA, PIIKind, PIIRedactor
+from kiln.tasks.data.filters.prose_rules import C4Judge, C4Rules, FineWebRules, fineweb_filter
+from kiln.tasks.data.progress_step import CountDocuments
+from kiln.tasks.data.quality import SHIPPED_MODEL, QualityClassifierFilter, check_quality_model
+from kiln.tasks.data.quality_training import QualityTraining, resolve_quality_model
+from kiln.tasks.data.datatrove_logs import LOG_FILE, collect_task_logs  # importing it keeps datatrove off the terminal
+from kiln.tasks.data.inspection import RemovalTally, text_bytes, write_removal_report
+from kiln.tasks.data.shards import DOCUMENTS, KINDS, RankShards, read_listing, shard_paths, write_listing
+from kiln.tasks.errors import ConfigError, InputError
+from kiln.tasks.progress import CountFiles, Progress, watching
 
 STATS_FILE = "datatrove_stats.json"
 PROGRESS_DIR = "progress"  # in WORK_DIR: each rank's running count, for the stage's progress line

@@ -27,11 +27,11 @@ from typing import TYPE_CHECKING
 
 from identify import identify
 
-from tasks.data.readers import RAW_PREFIX_CHARS, Candidate, _too_large
-from tasks.data.source_files import SourceFile
+from kiln.tasks.data.readers import RAW_PREFIX_CHARS, Candidate, _too_large
+from kiln.tasks.data.source_files import SourceFile
 
 if TYPE_CHECKING:
-    from tasks.data.collect import Source
+    from kiln.tasks.data.collect import Source
 
 VCS_DIRS = frozenset({".git", ".hg", ".svn", ".bzr"})
 VENDORED_DIRS = frozenset({

@@ -24,17 +24,17 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, TypeAdapter, field_validator, model_validator
 
-from tasks.accounting import DocCounts
-from tasks.configbase import Section, runtime_field
-from tasks.data.code_tree import read_code_tree
-from tasks.data.compliance import SourceReport, compliance_markdown, compliance_report
-from tasks.data.documents import Document
-from tasks.data.inspection import RemovalTally, text_bytes, write_removal_report
-from tasks.data.licences import LicencePolicy, LicenceVerdict, normalise
-from tasks.data.readers import READERS, Candidate, read_dataset
-from tasks.data.shards import DOCUMENTS, QUARANTINE, REMOVED, RotatingShards, write_listing
-from tasks.data.source_files import is_remote, list_files, local_path, remote_fingerprint
-from tasks.errors import ConfigError, InputError
+from kiln.tasks.accounting import DocCounts
+from kiln.tasks.configbase import Section, runtime_field
+from kiln.tasks.data.code_tree import read_code_tree
+from kiln.tasks.data.compliance import SourceReport, compliance_markdown, compliance_report
+from kiln.tasks.data.documents import Document
+from kiln.tasks.data.inspection import RemovalTally, text_bytes, write_removal_report
+from kiln.tasks.data.licences import LicencePolicy, LicenceVerdict, normalise
+from kiln.tasks.data.readers import READERS, Candidate, read_dataset
+from kiln.tasks.data.shards import DOCUMENTS, QUARANTINE, REMOVED, RotatingShards, write_listing
+from kiln.tasks.data.source_files import is_remote, list_files, local_path, remote_fingerprint
+from kiln.tasks.errors import ConfigError, InputError
 
 DEFAULT_GLOBS = {
     "jsonl": ("**/*.jsonl", "**/*.jsonl.gz", "**/*.jsonl.zst"), "txt": ("**/*.txt",), "html": ("**/*.html",),

@@ -12,7 +12,7 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
-from tasks.data.licences import LicenceVerdict
+from kiln.tasks.data.licences import LicenceVerdict
 
 
 @dataclass

@@ -46,17 +46,17 @@ from typing import Any, Literal
 import numpy as np
 from pydantic import Field
 
-from tasks.accounting import DocCounts
-from tasks.configbase import Section, runtime_field
-from tasks.data.decontam_boilerplate import KNOWN_BOILERPLATE
-from tasks.data.dedup import strip_punctuation
-from tasks.data.documents import read_documents
-from tasks.data.executors import LOCAL, ExecutorSettings, map_shards, shard_plan
-from tasks.data.inspection import RemovalTally, text_bytes, write_removal_report
-from tasks.data.shards import KINDS, RankShards, write_listing
-from tasks.errors import InputError
-from tasks.evals.evaluate import Contamination, require_hub
-from tasks.evals.heldout_task import read_eval_records, task_name_for
+from kiln.tasks.accounting import DocCounts
+from kiln.tasks.configbase import Section, runtime_field
+from kiln.tasks.data.decontam_boilerplate import KNOWN_BOILERPLATE
+from kiln.tasks.data.dedup import strip_punctuation
+from kiln.tasks.data.documents import read_documents
+from kiln.tasks.data.executors import LOCAL, ExecutorSettings, map_shards, shard_plan
+from kiln.tasks.data.inspection import RemovalTally, text_bytes, write_removal_report
+from kiln.tasks.data.shards import KINDS, RankShards, write_listing
+from kiln.tasks.errors import InputError
+from kiln.tasks.evals.evaluate import Contamination, require_hub
+from kiln.tasks.evals.heldout_task import read_eval_records, task_name_for
 
 CONTAMINATION_FILE = "contamination.json"
 CONTAMINATION_REPORT = "contamination.md"

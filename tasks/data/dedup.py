@@ -38,13 +38,13 @@ from typing import Any, Literal
 import numpy as np
 from pydantic import Field
 
-from tasks.accounting import DocCounts
-from tasks.configbase import Section, runtime_field
-from tasks.data import minhash
-from tasks.data.dedup_index import DIGEST_BYTES, SNIPPET_CHARS, DedupIndex, digest_array
-from tasks.data.documents import Document, open_lines, read_documents
-from tasks.data.inspection import RemovalTally, text_bytes
-from tasks.data.shards import RankShards
+from kiln.tasks.accounting import DocCounts
+from kiln.tasks.configbase import Section, runtime_field
+from kiln.tasks.data import minhash
+from kiln.tasks.data.dedup_index import DIGEST_BYTES, SNIPPET_CHARS, DedupIndex, digest_array
+from kiln.tasks.data.documents import Document, open_lines, read_documents
+from kiln.tasks.data.inspection import RemovalTally, text_bytes
+from kiln.tasks.data.shards import RankShards
 
 _BATCH = 1000  # documents per signature batch: amortises numpy calls, bounds memory per worker
 _BATCH_CHARS = 8_000_000  # ...or fewer, once a batch holds this much text (enormous documents)

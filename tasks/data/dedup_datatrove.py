@@ -50,11 +50,11 @@ from datatrove.pipeline.writers import JsonlWriter
 from datatrove.utils.hashing import HashConfig
 from datatrove.utils.text import TextNormConfig
 
-from tasks.data.dedup import DedupConfig, lsh_bands, quality_score, survivor_rank
-from tasks.data.dedup_job import WriteDecisions, write_decisions
-from tasks.data.documents import Document
-from tasks.data.executors import LOCAL, PLAN_FILE, ExecutorSettings, reset_unless, run_pipeline, shard_plan
-from tasks.errors import ConfigError, InputError
+from kiln.tasks.data.dedup import DedupConfig, lsh_bands, quality_score, survivor_rank
+from kiln.tasks.data.dedup_job import WriteDecisions, write_decisions
+from kiln.tasks.data.documents import Document
+from kiln.tasks.data.executors import LOCAL, PLAN_FILE, ExecutorSettings, reset_unless, run_pipeline, shard_plan
+from kiln.tasks.errors import ConfigError, InputError
 
 WORK_DIR = "datatrove"  # intermediates under out_dir; only its `logs/` (stats per stage) is kept
 _INPUTS = "inputs.txt"  # in WORK_DIR: the input shards' names, for datatrove's readers

@@ -15,8 +15,8 @@ from typing import Any
 
 import numpy as np
 
-from tasks.data import minhash
-from tasks.errors import ConfigError
+from kiln.tasks.data import minhash
+from kiln.tasks.errors import ConfigError
 
 INDEX_DIR = "lsh_index"
 _ARRAYS = "index.npz"

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tasks.accounting import DocCounts
-from tasks.data.dedup import (
+from kiln.tasks.accounting import DocCounts
+from kiln.tasks.data.dedup import (
     PLOT_FILE,
     DedupConfig,
     SignedShard,
@@ -30,10 +30,10 @@ from tasks.data.dedup import (
     signature_settings,
     write_shard,
 )
-from tasks.data.dedup_index import INDEX_DIR, DedupIndex
-from tasks.data.executors import LOCAL, ExecutorSettings, ShardRun, map_shards, shard_plan
-from tasks.data.inspection import RemovalTally, write_removal_report
-from tasks.data.shards import KINDS, RankShards, write_listing
+from kiln.tasks.data.dedup_index import INDEX_DIR, DedupIndex
+from kiln.tasks.data.executors import LOCAL, ExecutorSettings, ShardRun, map_shards, shard_plan
+from kiln.tasks.data.inspection import RemovalTally, write_removal_report
+from kiln.tasks.data.shards import KINDS, RankShards, write_listing
 
 WORK_DIR = "_dedup"  # the jobs' logs, markers, signatures and decisions, while the stage runs
 _SIGNED = "signed"

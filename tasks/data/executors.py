@@ -56,12 +56,12 @@ from datatrove.executor.base import PipelineExecutor
 from datatrove.pipeline.base import PipelineStep
 from datatrove.utils.stats import PipelineStats
 
-from tasks.data import datatrove_logs  # noqa: F401  (importing it keeps datatrove's rank logs off the terminal)
-from tasks.errors import ConfigError, InfrastructureError
-from tasks.launch.cluster import SlurmSettings, launch_record
+from kiln.tasks.data import datatrove_logs  # noqa: F401  (importing it keeps datatrove's rank logs off the terminal)
+from kiln.tasks.errors import ConfigError, InfrastructureError
+from kiln.tasks.launch.cluster import SlurmSettings, launch_record
 
 if TYPE_CHECKING:
-    from tasks.config import ClusterConfig
+    from kiln.tasks.config import ClusterConfig
 
 Kind = Literal["local", "slurm", "ray"]
 KINDS: tuple[Kind, ...] = ("local", "slurm", "ray")
@@ -77,8 +77,8 @@ _POLL_FRACTION = 0.1
 # What the local executor's worker processes run, imported once by datatrove's forkserver (which forks
 # every worker from it): without it each pool's workers imported datatrove and the stage's modules
 # afresh, seconds per job on a busy machine. `__main__` is the forkserver's own default.
-_FORKSERVER_PRELOAD = ["__main__", "tasks.data.clean", "tasks.data.dedup_job", "tasks.data.decontaminate",
-                       "tasks.data.tokenize"]
+_FORKSERVER_PRELOAD = ["__main__", "kiln.tasks.data.clean", "kiln.tasks.data.dedup_job", "kiln.tasks.data.decontaminate",
+                       "kiln.tasks.data.tokenize"]
 
 
 class ExecutorError(InfrastructureError):

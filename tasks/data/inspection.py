@@ -21,8 +21,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from tasks.data.documents import open_lines
-from tasks.data.shards import DOCUMENTS, QUARANTINE, REMOVED, shard_paths
+from kiln.tasks.data.documents import open_lines
+from kiln.tasks.data.shards import DOCUMENTS, QUARANTINE, REMOVED, shard_paths
 
 REPORT_JSON, REPORT_MD, REPORT_PNG = "removals.json", "removals.md", "removals.png"
 OUTCOMES = {"kept": DOCUMENTS, "removed": REMOVED, "quarantined": QUARANTINE}  # outcome -> shard kind

@@ -14,7 +14,7 @@ from pathlib import Path
 from datatrove.data import Document
 from datatrove.pipeline.base import PipelineStep
 
-from tasks.progress import CountFiles
+from kiln.tasks.progress import CountFiles
 
 
 class CountDocuments(PipelineStep):

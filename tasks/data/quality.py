@@ -17,8 +17,8 @@ from datatrove.data import Document as DtDocument
 from datatrove.pipeline.filters.base_filter import BaseFilter
 from datatrove.pipeline.writers import JsonlWriter
 
-from tasks.bundled import locate
-from tasks.errors import ConfigError
+from kiln.tasks.bundled import locate
+from kiln.tasks.errors import ConfigError
 
 SHIPPED_MODEL = "data/models/quality_classifier.ftz"
 HQ_LABEL = "__label__hq"

@@ -43,16 +43,16 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import Field, field_validator
 
-from tasks.configbase import Section, names_field
-from tasks.data.collect import Source, _candidates, remote_identity
-from tasks.data.compliance import SourceReport
-from tasks.data.documents import read_shards
-from tasks.data.quality import HQ_LABEL, fasttext_text
-from tasks.data.shards import shard_paths
-from tasks.stage import SubRun
+from kiln.tasks.configbase import Section, names_field
+from kiln.tasks.data.collect import Source, _candidates, remote_identity
+from kiln.tasks.data.compliance import SourceReport
+from kiln.tasks.data.documents import read_shards
+from kiln.tasks.data.quality import HQ_LABEL, fasttext_text
+from kiln.tasks.data.shards import shard_paths
+from kiln.tasks.stage import SubRun
 
 if TYPE_CHECKING:
-    from tasks.runner import SubRuns
+    from kiln.tasks.runner import SubRuns
 
 STORE_STAGE = "quality_model"  # the store folder of trained models
 MODEL_FILE = "quality_classifier.bin"
@@ -107,7 +107,7 @@ class QualityTraining(Section):
 
 def reference_paths(cfg: QualityTraining | None) -> list[Path]:
     """The references' local files, whose content enters the clean stage's key."""
-    from tasks.data.source_files import local_path
+    from kiln.tasks.data.source_files import local_path
 
     if cfg is None:
         return []
@@ -257,8 +257,8 @@ def score_texts(model: Any, texts: list[str]) -> list[float]:
 def model_subrun(cfg: QualityTraining, collect_key: str) -> SubRun:
     """The model as a sub-run stored at `quality_model/<key>`: its name is its key, which hashes the
     training settings, the references' content and the collect output (not the clean stage's key)."""
-    from tasks.fingerprint import fingerprint_paths
-    from tasks.store import stage_key
+    from kiln.tasks.fingerprint import fingerprint_paths
+    from kiln.tasks.store import stage_key
 
     identity = {"training": cfg.identity(), "references_sha256": fingerprint_paths(reference_paths(cfg))}
     inputs = {"collect": collect_key}

@@ -23,9 +23,9 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from tasks.data.html_text import UnreadableHtml, extract_html
-from tasks.data.source_files import SourceFile, compression_of, decompressed
-from tasks.data.untrusted import (
+from kiln.tasks.data.html_text import UnreadableHtml, extract_html
+from kiln.tasks.data.source_files import SourceFile, compression_of, decompressed
+from kiln.tasks.data.untrusted import (
     RAW_PREFIX_CHARS,
     Line,
     has_surrogates,
@@ -36,7 +36,7 @@ from tasks.data.untrusted import (
 )
 
 if TYPE_CHECKING:
-    from tasks.data.collect import Source
+    from kiln.tasks.data.collect import Source
 
 _BOM = b"\xef\xbb\xbf"  # some editors start a UTF-8 file with it; JSON parsers refuse it
 _RECORD_FIELDS = frozenset(("text", "id", "licence", "license", "metadata"))  # a record's own; the rest is metadata

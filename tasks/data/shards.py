@@ -25,8 +25,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from tasks.data.documents import SHARD_SUFFIX, ShardWriter
-from tasks.errors import InputError
+from kiln.tasks.data.documents import SHARD_SUFFIX, ShardWriter
+from kiln.tasks.errors import InputError
 
 LISTING_FILE = "document_shards.json"
 DOCUMENTS, REMOVED, QUARANTINE = "documents", "removed", "quarantine"

@@ -26,7 +26,7 @@ from fsspec import AbstractFileSystem
 from fsspec.spec import AbstractBufferedFile
 from fsspec.core import url_to_fs
 
-from tasks.errors import InputError
+from kiln.tasks.errors import InputError
 
 COMPRESSIONS = {".gz": "gzip", ".zst": "zstd"}
 

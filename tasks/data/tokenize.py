@@ -31,12 +31,12 @@ import numpy as np
 from pydantic import Field
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from tasks.accounting import DocCounts
-from tasks.configbase import Section, runtime_field
-from tasks.data.dedup import quality_score
-from tasks.data.documents import Document, read_documents
-from tasks.data.executors import LOCAL, ExecutorSettings, map_shards, shard_plan
-from tasks.data.shards import KINDS, QUARANTINE, RankShards, ShardInfo, read_listing, write_listing
+from kiln.tasks.accounting import DocCounts
+from kiln.tasks.configbase import Section, runtime_field
+from kiln.tasks.data.dedup import quality_score
+from kiln.tasks.data.documents import Document, read_documents
+from kiln.tasks.data.executors import LOCAL, ExecutorSettings, map_shards, shard_plan
+from kiln.tasks.data.shards import KINDS, QUARANTINE, RankShards, ShardInfo, read_listing, write_listing
 
 EOS_TOKEN = "<|endoftext|>"
 TOKENIZER_FILE = "tokenizer.json"

@@ -49,7 +49,7 @@ class KilnLM(LM):
     def from_dirs(cls, model_dir: Path, tokenizer_path: Path, batch_size: int = 8) -> KilnLM:
         """Load a trained model directory and a `tokenizer.json` file."""
         # Imported here so the adapter (and its tests) do not depend on the training code.
-        from tasks.train.model import load_model
+        from kiln.tasks.train.model import load_model
 
         model, config = load_model(Path(model_dir))
         tokenizer = Tokenizer.from_file(str(tokenizer_path))

@@ -41,15 +41,15 @@ from typing import Annotated, Any
 
 from pydantic import BeforeValidator, Field
 
-from tasks.configbase import Section, runtime_field
-from tasks.errors import InputError
-from tasks.evals.evaluate import RESULTS_FILE, EvaluateConfig, eval_paths_of, evaluate_model
-from tasks.evals.suite import build_local_suite, online_task_versions
-from tasks.keylock import KeyLock
-from tasks.library_output import LIBRARY_LOG
-from tasks.store import Store, stage_key
-from tasks.train.checkpoint import MARKER, checkpoint_dir, sha256_file, steps_on_disk
-from tasks.train.config import ModelConfig
+from kiln.tasks.configbase import Section, runtime_field
+from kiln.tasks.errors import InputError
+from kiln.tasks.evals.evaluate import RESULTS_FILE, EvaluateConfig, eval_paths_of, evaluate_model
+from kiln.tasks.evals.suite import build_local_suite, online_task_versions
+from kiln.tasks.keylock import KeyLock
+from kiln.tasks.library_output import LIBRARY_LOG
+from kiln.tasks.store import Store, stage_key
+from kiln.tasks.train.checkpoint import MARKER, checkpoint_dir, sha256_file, steps_on_disk
+from kiln.tasks.train.config import ModelConfig
 
 log = logging.getLogger(__name__)
 
@@ -307,8 +307,8 @@ def _score(target: EvalTarget, step: int, tasks: Sequence[str]) -> CheckpointOut
     # Imported here: torch.distributed.checkpoint takes a second to import and the config loads this module.
     from torch.distributed.checkpoint.api import CheckpointException
 
-    from tasks.train.dcp import load_model_weights, read_train_state
-    from tasks.train.model import Transformer, save_model  # torch: only where a checkpoint is scored
+    from kiln.tasks.train.dcp import load_model_weights, read_train_state
+    from kiln.tasks.train.model import Transformer, save_model  # torch: only where a checkpoint is scored
 
     started = time.perf_counter()
 
@@ -373,7 +373,7 @@ def current_rows(recorded: Mapping[tuple[int, str], dict[str, Any]],
 def scores_table(recorded: Mapping[tuple[int, str], dict[str, Any]], versions: Mapping[str, str],
                  outcomes: Sequence[CheckpointOutcome], missed: Sequence[int]) -> list[dict[str, Any]]:
     """One row per step, oldest first: each task's main score (the curve so far) and this run's skips."""
-    from tasks.evals.suite import primary_metric
+    from kiln.tasks.evals.suite import primary_metric
 
     new = {o.step for o in outcomes if o.evaluated}
     by_step: dict[int, dict[str, Any]] = {}

@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from tasks.errors import KilnError
-from tasks.evals.continuous import (
+from kiln.tasks.errors import KilnError
+from kiln.tasks.evals.continuous import (
     EvalTarget,
     current_rows,
     eval_target,
@@ -20,19 +20,19 @@ from tasks.evals.continuous import (
     recorded_steps,
     suite_versions,
 )
-from tasks.evals.ecg import ECG_FILE, RegressionEvent, all_events, curves, open_regressions
-from tasks.store import Store
+from kiln.tasks.evals.ecg import ECG_FILE, RegressionEvent, all_events, curves, open_regressions
+from kiln.tasks.store import Store
 
 if TYPE_CHECKING:
-    from tasks.config import KilnConfig
+    from kiln.tasks.config import KilnConfig
 
 WATCHED = ("train", "anneal")  # the stages whose checkpoints continuous eval scores, in curve order
 
 
 def eval_targets(cfg: KilnConfig, keys: dict[str, str]) -> list[EvalTarget]:
     """One target per training stage of `cfg`, located in the store by its key."""
-    from tasks.data.tokenize import TOKENIZER_FILE
-    from tasks.train.anneal import anneal_checkpointing
+    from kiln.tasks.data.tokenize import TOKENIZER_FILE
+    from kiln.tasks.train.anneal import anneal_checkpointing
 
     store = Store(cfg.store_root)
     tokenizer = store.path("tokenize", keys["tokenize"]) / TOKENIZER_FILE

@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from tasks.evals.suite import PRIMARY_METRICS, primary_metric
+from kiln.tasks.evals.suite import PRIMARY_METRICS, primary_metric
 
 ECG_FILE = "ecg.png"
 REGRESSION_EVENT = "kiln.eval.regression"

@@ -26,12 +26,12 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import Field
 
-from tasks.bundled import locate
-from tasks.configbase import Section, runtime_field
-from tasks.errors import ConfigError, InputError
-from tasks.evals.heldout_task import HF_CACHE_DIR, task_name_for
-from tasks.evals.suite import STANDARD_SUITE, ChoiceTaskConfig, LinesTaskConfig, LocalTask, build_local_suite
-from tasks.library_output import LIBRARY_LOG, library_output_to
+from kiln.tasks.bundled import locate
+from kiln.tasks.configbase import Section, runtime_field
+from kiln.tasks.errors import ConfigError, InputError
+from kiln.tasks.evals.heldout_task import HF_CACHE_DIR, task_name_for
+from kiln.tasks.evals.suite import STANDARD_SUITE, ChoiceTaskConfig, LinesTaskConfig, LocalTask, build_local_suite
+from kiln.tasks.library_output import LIBRARY_LOG, library_output_to
 
 if TYPE_CHECKING:
     from lm_eval.api.model import LM
@@ -119,7 +119,7 @@ def evaluate_model(
     `"<task>/contamination_rate"` (and under `contamination_rates` in results.json). `tasks`
     evaluates only the named tasks of the suite.
     """
-    from tasks.evals.adapter import KilnLM
+    from kiln.tasks.evals.adapter import KilnLM
 
     # Check the inputs before paying for loading the model.
     eval_paths = eval_paths_of(cfg)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import yaml
 
-from tasks.errors import InputError
+from kiln.tasks.errors import InputError
 
 DOCS_FILE_SUFFIX = ".docs.jsonl"
 HF_CACHE_DIR = "hf_cache"

@@ -34,9 +34,9 @@ from typing import Any
 import yaml
 from pydantic import Field
 
-from tasks.configbase import Section
-from tasks.errors import ConfigError
-from tasks.evals.heldout_task import (
+from kiln.tasks.configbase import Section
+from kiln.tasks.errors import ConfigError
+from kiln.tasks.evals.heldout_task import (
     BITS_PER_BYTE_VERSION,
     DOCS_FILE_SUFFIX,
     HF_CACHE_DIR,

@@ -13,7 +13,7 @@ from typing import Any
 
 from pydantic import field_validator
 
-from tasks.configbase import Section, runtime_field
+from kiln.tasks.configbase import Section, runtime_field
 
 DEFAULT_RDZV_PORT = 29500  # torchrun's; where each job has its own network (a Kubernetes pod)
 _WORD = re.compile(r"^[^\s'\"\\]+$")  # one shell word, nothing to quote or escape

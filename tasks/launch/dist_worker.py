@@ -1,4 +1,4 @@
-"""The per-process entry point torchrun runs: `python -m tasks.launch.dist_worker --config C --out O`.
+"""The per-process entry point torchrun runs: `python -m kiln.tasks.launch.dist_worker --config C --out O`.
 
 The config is one JSON object: `model`, `optim`, `train` and `parallel` sections (their fields
 as in `ModelConfig`, `OptimConfig`, `TrainRunConfig`, `ParallelDims`), plus `manifest` (a mix
@@ -27,12 +27,12 @@ from pathlib import Path
 import torch.distributed as dist
 from pydantic import ValidationError
 
-from tasks.errors import ConfigError
-from tasks.launch.rank_hosts import REGISTRY_DIR, node_name, register_rank
-from tasks.train.callbacks import CallbackSpec
-from tasks.train.config import ModelConfig, OptimConfig, ParallelDims, TrainRunConfig
-from tasks.train.data_loader import Mixture
-from tasks.train.loop import train_model, write_result
+from kiln.tasks.errors import ConfigError
+from kiln.tasks.launch.rank_hosts import REGISTRY_DIR, node_name, register_rank
+from kiln.tasks.train.callbacks import CallbackSpec
+from kiln.tasks.train.config import ModelConfig, OptimConfig, ParallelDims, TrainRunConfig
+from kiln.tasks.train.data_loader import Mixture
+from kiln.tasks.train.loop import train_model, write_result
 
 SECTIONS = {"model": ModelConfig, "optim": OptimConfig, "train": TrainRunConfig, "parallel": ParallelDims}
 OPTIONS = {"stop_after", "callbacks", "init_model_dir"}

@@ -33,9 +33,9 @@ import subprocess
 import time
 from pathlib import Path
 
-from tasks.errors import ConfigError
-from tasks.launch.cluster import DEFAULT_RDZV_PORT
-from tasks.launch.launchers import (
+from kiln.tasks.errors import ConfigError
+from kiln.tasks.launch.cluster import DEFAULT_RDZV_PORT
+from kiln.tasks.launch.launchers import (
     INFRA_DIR,
     Launcher,
     LaunchError,

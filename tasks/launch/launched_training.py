@@ -21,11 +21,11 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from tasks.errors import ConfigError
-from tasks.launch.cluster import ClusterSpec, launch_record
-from tasks.launch.dist_worker import WORKER_CPU_DIR, worker_cpu_s
-from tasks.launch.launchers import Launcher, LaunchError, make_launcher, record_failed_hosts
-from tasks.launch.rank_hosts import (
+from kiln.tasks.errors import ConfigError
+from kiln.tasks.launch.cluster import ClusterSpec, launch_record
+from kiln.tasks.launch.dist_worker import WORKER_CPU_DIR, worker_cpu_s
+from kiln.tasks.launch.launchers import Launcher, LaunchError, make_launcher, record_failed_hosts
+from kiln.tasks.launch.rank_hosts import (
     REGISTRY_DIR,
     failed_ranks,
     first_failure_unix,
@@ -33,9 +33,9 @@ from tasks.launch.rank_hosts import (
     read_registry,
     reset_registry,
 )
-from tasks.train.callbacks import METRICS_LOG, CallbackSpec
-from tasks.train.config import ModelConfig, OptimConfig, ParallelDims, TrainRunConfig
-from tasks.train.loop import TrainResult, read_result, write_metrics
+from kiln.tasks.train.callbacks import METRICS_LOG, CallbackSpec
+from kiln.tasks.train.config import ModelConfig, OptimConfig, ParallelDims, TrainRunConfig
+from kiln.tasks.train.loop import TrainResult, read_result, write_metrics
 
 logger = logging.getLogger("kiln.launch.training")
 
@@ -81,7 +81,7 @@ def train_with_launcher(model_cfg: ModelConfig, optim_cfg: OptimConfig, run_cfg:
     failures_file = out_dir / FAILED_HOSTS_FILE
     job = make_launcher(launcher, cluster, out_dir, job_name=job_name, nproc_per_node=dims.world_size // cluster.nodes,
                         env={"OMP_NUM_THREADS": "1"}, failed_hosts_file=failures_file, timeout_s=timeout_s)
-    command = ["-m", "tasks.launch.dist_worker", "--config", str((out_dir / WORKER_CONFIG).resolve()),
+    command = ["-m", "kiln.tasks.launch.dist_worker", "--config", str((out_dir / WORKER_CONFIG).resolve()),
                "--out", str((out_dir / WORKER_RESULT).resolve())]
     registry = out_dir / REGISTRY_DIR
     shutil.rmtree(out_dir / WORKER_CPU_DIR, ignore_errors=True)  # this attempt's cost: an earlier one's was its own

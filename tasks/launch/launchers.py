@@ -37,10 +37,11 @@ from typing import ClassVar
 
 import jinja2
 
-from tasks.errors import ConfigError, InfrastructureError, KilnError
-from tasks.launch.cluster import DEFAULT_RDZV_PORT, ClusterSpec
+from kiln.tasks.bundled import shipped
+from kiln.tasks.errors import ConfigError, InfrastructureError, KilnError
+from kiln.tasks.launch.cluster import DEFAULT_RDZV_PORT, ClusterSpec
 
-INFRA_DIR = Path(__file__).resolve().parents[2] / "infra"
+INFRA_DIR = shipped("infra")
 KILL_GRACE_S = 10.0  # after SIGTERM, how long a timed-out job gets to exit before SIGKILL
 LOG_TAIL_CHARS = 2000
 
@@ -306,8 +307,8 @@ def _templates(template_dir: Path) -> jinja2.Environment:
 
 def launchers() -> dict[str, type[Launcher]]:
     """Every launcher by its `cluster.launcher` name (the cluster ones import lazily: they are leaf modules)."""
-    from tasks.launch.kubernetes import KubernetesLauncher
-    from tasks.launch.slurm import SlurmLauncher
+    from kiln.tasks.launch.kubernetes import KubernetesLauncher
+    from kiln.tasks.launch.slurm import SlurmLauncher
 
     return {cls.name: cls for cls in (LocalLauncher, TorchrunLauncher, SlurmLauncher, KubernetesLauncher)}
 

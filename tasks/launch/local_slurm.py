@@ -25,7 +25,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from tasks.errors import KilnError
+from kiln.tasks.errors import KilnError
 
 DAEMONS = ("slurmctld", "slurmd")
 START_TIMEOUT_S = 30.0

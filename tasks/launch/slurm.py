@@ -36,7 +36,7 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from tasks.launch.launchers import (
+from kiln.tasks.launch.launchers import (
     INFRA_DIR,
     LOG_TAIL_CHARS,
     Launcher,

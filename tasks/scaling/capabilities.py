@@ -26,8 +26,8 @@ from typing import Any
 import numpy as np
 from pydantic import Field
 
-from tasks.configbase import Section
-from tasks.evals.suite import PRIMARY_METRICS, primary_metric
+from kiln.tasks.configbase import Section
+from kiln.tasks.evals.suite import PRIMARY_METRICS, primary_metric
 
 
 class CapabilityConfig(Section):

@@ -26,12 +26,12 @@ from typing import TYPE_CHECKING, Any, Literal
 import numpy as np
 from pydantic import Field
 
-from tasks.configbase import Reference, Section
-from tasks.errors import KilnError
-from tasks.scaling.sweep import SweepConfig, TrialResult, best_isoflop_trials, normalised, succeeded
+from kiln.tasks.configbase import Reference, Section
+from kiln.tasks.errors import KilnError
+from kiln.tasks.scaling.sweep import SweepConfig, TrialResult, best_isoflop_trials, normalised, succeeded
 
 if TYPE_CHECKING:  # scipy-backed: loaded where a fit runs, so that the config tree and CLI stay light
-    from tasks.scaling.laws import HyperparameterLaws, LossLawFit
+    from kiln.tasks.scaling.laws import HyperparameterLaws, LossLawFit
 
 PLAN_FILE = "plan.json"
 REPORT_FILE = "report.md"
@@ -86,7 +86,7 @@ def law_points(trials: Sequence[TrialResult], reference: str) -> list[dict[str, 
 def fit_laws(cfg: FitConfig, sweep: SweepConfig, trials: Sequence[TrialResult]) -> dict[str, Any]:
     """Every law the trials support; `refused[name]` says why one is missing. Raises
     NotEnoughTrialsError only when no trial on the reference mixture finished."""
-    from tasks.scaling.laws import fit_hyperparameter_laws, fit_isoflop_minima, fit_loss_law
+    from kiln.tasks.scaling.laws import fit_hyperparameter_laws, fit_isoflop_minima, fit_loss_law
 
     reference = sweep.reference
     points = law_points(trials, reference)
@@ -129,7 +129,7 @@ def hyper_grid(sweep: SweepConfig, trials: Sequence[TrialResult]) -> list[TrialR
 def fit_mixture(cfg: FitConfig, sweep: SweepConfig, trials: Sequence[TrialResult]) -> dict[str, Any]:
     """The mixture regression(s), the chosen model and its recommendation; or the best observed
     mixture with the reason the regression was not used."""
-    from tasks.scaling.mixture_regression import fit_mixture_regression, recommend_mixture
+    from kiln.tasks.scaling.mixture_regression import fit_mixture_regression, recommend_mixture
 
     runs = [t for t in succeeded(trials) if t.kind == "mixture"]
     reference = normalised(sweep.mixtures[sweep.reference])
@@ -245,7 +245,7 @@ def _law_interval(law: Any, x: float) -> tuple[float, float]:
 
 def loss_law_from_dict(data: dict[str, Any]) -> LossLawFit:
     """A `LossLawFit` read back from the plan (with its bootstrap), for `kiln plan --budget`."""
-    from tasks.scaling.laws import DroppedPoint, LossLawFit
+    from kiln.tasks.scaling.laws import DroppedPoint, LossLawFit
 
     fields = {k: v for k, v in data.items() if k != "bootstrap_params"}
     fields["intervals"] = {k: tuple(v) for k, v in fields["intervals"].items()}
@@ -265,7 +265,7 @@ def excluded(trials: Sequence[TrialResult]) -> dict[str, dict[str, Any]]:
 
 def laws_from_plan(plan: dict[str, Any]) -> tuple[LossLawFit | None, Any, HyperparameterLaws | None]:
     """The loss law, IsoFLOP fit and hyper-parameter laws a plan holds, as objects again."""
-    from tasks.scaling.laws import (
+    from kiln.tasks.scaling.laws import (
         BudgetBest,
         HyperparameterLaws,
         IsoFlopFit,

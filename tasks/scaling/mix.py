@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from tasks.configbase import Section
-from tasks.errors import ConfigError
+from kiln.tasks.configbase import Section
+from kiln.tasks.errors import ConfigError
 
 MIXTURE_FILE = "mixture.json"
 

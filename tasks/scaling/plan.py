@@ -28,12 +28,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from tasks.scaling.fit import hyper_at
-from tasks.scaling.sweep import SweepConfig, TrialResult, model_at_width
-from tasks.train.config import ModelConfig
+from kiln.tasks.scaling.fit import hyper_at
+from kiln.tasks.scaling.sweep import SweepConfig, TrialResult, model_at_width
+from kiln.tasks.train.config import ModelConfig
 
 if TYPE_CHECKING:
-    from tasks.scaling.laws import HyperparameterLaws, IsoFlopFit, LossLawFit
+    from kiln.tasks.scaling.laws import HyperparameterLaws, IsoFlopFit, LossLawFit
 
 MAX_WIDTH_HEADS = 512  # the family's widths considered: 1..512 heads of the proxy head size
 R_STAR_D = 15.4  # Muennighoff et al. 2023: repetitions after which repeated data's value has decayed by 1/e
@@ -87,7 +87,7 @@ def data_use(tokens: float, data: DataBudget) -> dict[str, Any]:
 
 def parameters(model: ModelConfig, vocab_size: int) -> int:
     """The law's N: every parameter, the embedding included (see `sweep.params_at_width`)."""
-    from tasks.train.model import count_parameters
+    from kiln.tasks.train.model import count_parameters
 
     return count_parameters(model, vocab_size)
 
@@ -252,9 +252,9 @@ def describe(run: dict[str, Any], name: str) -> str:
 def budget_report(sweep: SweepConfig, compute: float, fit_dir: Path, sweep_dir: Path) -> tuple[str, dict[str, Any]]:
     """`kiln plan CONFIG --budget`: the compute-optimal and the data-feasible run for `compute` FLOPs
     from a completed fit (and its sweep); the report and the runs as a dict."""
-    from tasks.errors import KilnError
-    from tasks.scaling.fit import PLAN_FILE, laws_from_plan
-    from tasks.scaling.sweep import TRIALS_FILE, load_trials
+    from kiln.tasks.errors import KilnError
+    from kiln.tasks.scaling.fit import PLAN_FILE, laws_from_plan
+    from kiln.tasks.scaling.sweep import TRIALS_FILE, load_trials
 
     plan = json.loads((fit_dir / PLAN_FILE).read_text())
     trials = load_trials(sweep_dir / TRIALS_FILE)

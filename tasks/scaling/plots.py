@@ -21,8 +21,8 @@ from typing import Any
 
 import numpy as np
 
-from tasks.scaling.laws import HyperparameterLaws, IsoFlopFit, LossLawFit
-from tasks.scaling.sweep import TrialResult
+from kiln.tasks.scaling.laws import HyperparameterLaws, IsoFlopFit, LossLawFit
+from kiln.tasks.scaling.sweep import TrialResult
 
 ISOFLOP_PLOT, LAW_PLOT, HYPER_PLOT, MIXTURE_PLOT = "isoflop.png", "law.png", "hyperparameters.png", "mixture.png"
 CAPABILITIES_PLOT = "capabilities.png"
@@ -103,7 +103,7 @@ def plot_law(points: Sequence[dict[str, Any]], law: LossLawFit | None, runs: dic
         boot = law.bootstrap_params
         band = None
         if len(boot):
-            from tasks.scaling.laws import compute_optimal_allocation
+            from kiln.tasks.scaling.laws import compute_optimal_allocation
 
             bn, bd = compute_optimal_allocation(cs[None, :], boot[:, 1:2], boot[:, 2:3], boot[:, 3:4], boot[:, 4:5])
             curves = boot[:, 0:1] + boot[:, 1:2] / bn ** boot[:, 3:4] + boot[:, 2:3] / bd ** boot[:, 4:5]

@@ -47,16 +47,16 @@ from typing import TYPE_CHECKING, Literal
 import numpy as np
 from pydantic import Field, SerializerFunctionWrapHandler, model_serializer, model_validator
 
-from tasks.configbase import Reference, Section, runtime_field
-from tasks.errors import ConfigError, KilnError
-from tasks.progress import Progress
-from tasks.stage import SubRun
-from tasks.train.config import ModelConfig, OptimConfig, TrainRunConfig
+from kiln.tasks.configbase import Reference, Section, runtime_field
+from kiln.tasks.errors import ConfigError, KilnError
+from kiln.tasks.progress import Progress
+from kiln.tasks.stage import SubRun
+from kiln.tasks.train.config import ModelConfig, OptimConfig, TrainRunConfig
 
 if TYPE_CHECKING:  # torch-backed: imported where trials run, so that the config tree stays light
-    from tasks.runner import StageRecorder, SubRuns
-    from tasks.scaling.trial_runs import TrialLauncher
-    from tasks.train.data_loader import Mixture
+    from kiln.tasks.runner import StageRecorder, SubRuns
+    from kiln.tasks.scaling.trial_runs import TrialLauncher
+    from kiln.tasks.train.data_loader import Mixture
 
 TRIALS_FILE = "trials.json"  # every trial in design order: the fit's input
 TRIALS_DIR = "trials"  # trials/<name>/: a trial's sub-run (its training run and RESULT_FILE)
@@ -261,7 +261,7 @@ def params_at_width(base: ModelConfig, width: int, vocab_size: int) -> int:
     At proxy sizes the V x d embedding is most of the model, and its output projection most of
     a step's FLOPs, so leaving it out (Kaplan et al.'s N) would misstate both size and compute.
     """
-    from tasks.train.model import count_parameters
+    from kiln.tasks.train.model import count_parameters
 
     return count_parameters(model_at_width(base, width), vocab_size)
 
@@ -300,7 +300,7 @@ def num_samples_needed(cfg: SweepConfig, num_named: int, mixture_folds: int) -> 
     """`mixture_design.num_samples`, raised so that the named and sampled mixture trials reach the mixture
     regression's minimum for the reference's domains and `mixture_folds` folds (0 stays 0: no regression
     is wanted then)."""
-    from tasks.scaling.mixture_regression import minimum_trials
+    from kiln.tasks.scaling.mixture_regression import minimum_trials
 
     asked = cfg.mixture_design.num_samples
     if asked == 0:
@@ -366,10 +366,10 @@ def run_trial(cfg: SweepConfig, trial: Trial, mixture: Mixture, out_dir: Path) -
     for every trial) is raised."""
     import torch
 
-    from tasks.train.callbacks import TrainerHandle
-    from tasks.train.health import TrainingDivergedError
-    from tasks.train.loop import train_model
-    from tasks.train.model import count_parameters
+    from kiln.tasks.train.callbacks import TrainerHandle
+    from kiln.tasks.train.health import TrainingDivergedError
+    from kiln.tasks.train.loop import train_model
+    from kiln.tasks.train.model import count_parameters
 
     torch.set_num_threads(1)  # results must not depend on how many trials share the machine
     model = model_at_width(cfg.model, trial.width)
@@ -437,7 +437,7 @@ def load_result(folder: Path) -> TrialResult | None:
 
 def worker_died(cfg: SweepConfig, trial: Trial, vocab_size: int, reason: str) -> TrialResult:
     """The result of a trial whose process never returned one (killed, its job failed)."""
-    from tasks.train.model import count_parameters
+    from kiln.tasks.train.model import count_parameters
 
     model = model_at_width(cfg.model, trial.width)
     return TrialResult(trial.name, trial.width, trial.lr, trial.mixture, trial.batch_size,
@@ -473,7 +473,7 @@ def run_sweep(cfg: SweepConfig, shards: dict, shards_root: Path, subruns: SubRun
     retried on its own by `where`; if it still fails it is recorded and left uncommitted, so the next
     attempt of the stage runs it again. `on_trial(result, resumed)` is called once per trial, as it
     is reused (resumed=True) or finishes. Raises `SweepFailedError` when no trial succeeded."""
-    from tasks.scaling.trial_runs import PoolTrials
+    from kiln.tasks.scaling.trial_runs import PoolTrials
 
     where = where or PoolTrials(cfg.max_parallel)
     out_dir = subruns.store.root

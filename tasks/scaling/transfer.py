@@ -22,7 +22,7 @@ from collections.abc import Mapping, Sequence
 from pydantic import Field, model_validator
 from scipy import stats
 
-from tasks.configbase import Section
+from kiln.tasks.configbase import Section
 
 
 class MixtureTransferConfig(Section):

@@ -12,7 +12,7 @@ for every trial) stops the sweep.
   retries run alone in a fresh process (a trial that kills its process then takes no other with it).
 - `JobTrials` (torchrun, slurm, kubernetes): the pending trials, longest first, are dealt into
   `sweep.max_parallel` shares, and each share is one job that trains its trials one after another in
-  one process (`python -m tasks.scaling.trial_runs`). Python and torch start once per job, not once
+  one process (`python -m kiln.tasks.scaling.trial_runs`). Python and torch start once per job, not once
   per trial: on this project's CPU machine a proxy trial trains in seconds, less than a job's start.
   torchrun and Slurm run one job per share (at most `max_parallel` at once: a share's next job is
   submitted only after its last one ended); a failed job is resubmitted for the share's unfinished
@@ -38,8 +38,8 @@ from multiprocessing import get_context
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from tasks.errors import ConfigError, KilnError
-from tasks.scaling.sweep import (
+from kiln.tasks.errors import ConfigError, KilnError
+from kiln.tasks.scaling.sweep import (
     FINAL_STATUSES,
     SweepConfig,
     Trial,
@@ -53,14 +53,14 @@ from tasks.scaling.sweep import (
 )
 
 if TYPE_CHECKING:
-    from tasks.launch.cluster import ClusterSpec
-    from tasks.launch.launchers import Launcher
-    from tasks.train.data_loader import Mixture
+    from kiln.tasks.launch.cluster import ClusterSpec
+    from kiln.tasks.launch.launchers import Launcher
+    from kiln.tasks.train.data_loader import Mixture
 
 logger = logging.getLogger("kiln.sweep")
 
 JOBS_DIR = "jobs"
-JOB_FILE = "job.json"  # a launched job's trials: what `python -m tasks.scaling.trial_runs` reads
+JOB_FILE = "job.json"  # a launched job's trials: what `python -m kiln.tasks.scaling.trial_runs` reads
 ERROR_FILE = "error.json"  # in a trial's folder: the KilnError that stopped it (not a retryable failure)
 FAILED_HOSTS_FILE = "failed_hosts.json"  # hosts whose jobs failed: later jobs keep off them
 POLL_S = 0.5  # how often finished trials are looked for while jobs run
@@ -77,7 +77,7 @@ class TrialLauncher(Protocol):
 
 
 def _mixture(shards: dict, shards_root: Path, trial: Trial) -> Mixture:
-    from tasks.train.data_loader import mixture_with_weights
+    from kiln.tasks.train.data_loader import mixture_with_weights
 
     return mixture_with_weights(shards, shards_root, trial.weights, f"sweep.mixtures.{trial.mixture}")
 
@@ -166,7 +166,7 @@ class JobTrials:
 
     def run(self, cfg: SweepConfig, shards: dict, shards_root: Path, pending: Pending,
             label: str = "trials") -> Iterator[Finished]:
-        from tasks.launch.launchers import sigterm_raises
+        from kiln.tasks.launch.launchers import sigterm_raises
 
         if not pending:
             return
@@ -204,7 +204,7 @@ class JobTrials:
     def _unit(self, cfg: SweepConfig, shards: dict, shards_root: Path, unit: list[Pending], name: str,
               state: _JobState) -> None:
         """One job (a share; for Kubernetes every share, one index each), resubmitted while trials remain."""
-        from tasks.launch.launchers import LaunchError
+        from kiln.tasks.launch.launchers import LaunchError
 
         folder = self.jobs_dir / name
         folder.mkdir(parents=True, exist_ok=True)
@@ -243,12 +243,12 @@ class JobTrials:
                 return
 
     def _launcher(self, folder: Path, name: str, shares: int) -> Launcher:
-        from tasks.launch.launchers import make_launcher
+        from kiln.tasks.launch.launchers import make_launcher
 
         options = {"job_name": f"kiln-sweep-{name}".lower(), "nproc_per_node": 1, "env": {"OMP_NUM_THREADS": "1"},
                    "failed_hosts_file": self.jobs_dir / FAILED_HOSTS_FILE, **self.launcher_options}
         if self.launcher == "kubernetes":
-            from tasks.launch.kubernetes import KubernetesIndexedLauncher
+            from kiln.tasks.launch.kubernetes import KubernetesIndexedLauncher
 
             return KubernetesIndexedLauncher(self.cluster, folder, completions=shares,
                                              parallelism=min(self.max_parallel, shares),
@@ -258,7 +258,7 @@ class JobTrials:
         return make_launcher(self.launcher, self.cluster, folder, **options)
 
     def _command(self, folder: Path) -> list[str]:
-        command = ["-m", "tasks.scaling.trial_runs", str((folder / JOB_FILE).resolve())]
+        command = ["-m", "kiln.tasks.scaling.trial_runs", str((folder / JOB_FILE).resolve())]
         if self.launcher == "kubernetes":  # each index of the Job takes its share
             return [*command, "--share-env", "JOB_COMPLETION_INDEX"]
         return [*command, "--share", "0"]

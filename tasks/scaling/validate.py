@@ -20,11 +20,11 @@ from typing import Any
 
 from pydantic import Field
 
-from tasks.configbase import Section
-from tasks.errors import KilnError
-from tasks.scaling.capabilities import CapabilityConfig, CapabilityRow
-from tasks.scaling.transfer import MixtureTransferConfig
-from tasks.train.config import ModelConfig, TrainRunConfig
+from kiln.tasks.configbase import Section
+from kiln.tasks.errors import KilnError
+from kiln.tasks.scaling.capabilities import CapabilityConfig, CapabilityRow
+from kiln.tasks.scaling.transfer import MixtureTransferConfig
+from kiln.tasks.train.config import ModelConfig, TrainRunConfig
 
 REPORT_FILE = "gate.json"
 

@@ -3,7 +3,7 @@ its name in `STAGE_MODULES` (after the stages it reads)."""
 
 from importlib import import_module
 
-from tasks.stage import Registry
+from kiln.tasks.stage import Registry
 
 STAGE_MODULES = (
     "collect", "clean", "dedup", "decontaminate", "tokenize", "sweep", "fit", "mix", "validate", "train", "anneal",
@@ -11,4 +11,4 @@ STAGE_MODULES = (
     "dedup_batch",
 )
 
-REGISTRY = Registry([import_module(f"tasks.stages.{name}").STAGE for name in STAGE_MODULES])
+REGISTRY = Registry([import_module(f"kiln.tasks.stages.{name}").STAGE for name in STAGE_MODULES])

@@ -5,11 +5,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from tasks.bundled import locate
-from tasks.errors import InputError
+from kiln.tasks.bundled import locate
+from kiln.tasks.errors import InputError
 
 if TYPE_CHECKING:
-    from tasks.config import KilnConfig
+    from kiln.tasks.config import KilnConfig
 
 
 def document_headline(stats: dict[str, Any]) -> dict[str, Any]:

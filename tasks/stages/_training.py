@@ -9,15 +9,15 @@ import socket
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from tasks.scaling.fit import PLAN_FILE
-from tasks.scaling.mix import MIXTURE_FILE
-from tasks.stage import StageContext
+from kiln.tasks.scaling.fit import PLAN_FILE
+from kiln.tasks.scaling.mix import MIXTURE_FILE
+from kiln.tasks.stage import StageContext
 
 if TYPE_CHECKING:  # torch-backed: stage modules import training code in their bodies, so that the
     # config tree, keys and cached reruns never load torch
-    from tasks.train.config import ModelConfig, OptimConfig, TrainRunConfig
-    from tasks.train.data_loader import Mixture
-    from tasks.train.loop import TrainResult
+    from kiln.tasks.train.config import ModelConfig, OptimConfig, TrainRunConfig
+    from kiln.tasks.train.data_loader import Mixture
+    from kiln.tasks.train.loop import TrainResult
 
 LAUNCHED_MIXTURE_FILE = "launched_mixture.json"  # what a launched job's workers read (paths relative to the store)
 
@@ -29,7 +29,7 @@ def planned_lr(ctx: StageContext) -> float:
 
 
 def plan_mixture(ctx: StageContext) -> Mixture:
-    from tasks.train.data_loader import Mixture
+    from kiln.tasks.train.data_loader import Mixture
 
     return Mixture.from_manifest(ctx.inputs["mix"] / MIXTURE_FILE, ctx.store.root)
 
@@ -44,7 +44,7 @@ def run_training(ctx: StageContext, model_cfg: ModelConfig, optim: OptimConfig, 
     stage's forecast, set beside its cost, is the sum over the training runs it records. So do the
     settings it trains with (`used.*` params of the recorder's run: the plan's LR and shape where the
     config says `plan`, the resolved layout)."""
-    from tasks.train.planner import checked_layout, forecast_record
+    from kiln.tasks.train.planner import checked_layout, forecast_record
 
     ctx.recorder.record_forecast(forecast_record(model_cfg, mixture.vocab_size, run_cfg, ctx.cfg.train.parallel,
                                                  ctx.cfg.cluster))
@@ -54,16 +54,16 @@ def run_training(ctx: StageContext, model_cfg: ModelConfig, optim: OptimConfig, 
     out_dir, on_metrics = ctx.out_dir, ctx.recorder.metrics
     launcher = ctx.cfg.cluster.launcher
     if dims.world_size == 1 and launcher == "local":
-        from tasks.launch.cluster import launch_record
-        from tasks.train.loop import train_model
+        from kiln.tasks.launch.cluster import launch_record
+        from kiln.tasks.train.loop import train_model
 
         result = train_model(model_cfg, optim, run_cfg, mixture, out_dir, init_model_dir=init_model_dir,
                              on_metrics=on_metrics, on_event=ctx.recorder.event)
         ctx.recorder.launched(launch_record("in-process", None, [{"attempt": 1, "job_id": None,
                                                                   "nodes": [socket.gethostname()]}], 0.0))
         return result
-    from tasks.launch.launched_training import train_with_launcher
-    from tasks.train.data_loader import write_manifest
+    from kiln.tasks.launch.launched_training import train_with_launcher
+    from kiln.tasks.train.data_loader import write_manifest
 
     manifest = write_manifest(mixture, out_dir / LAUNCHED_MIXTURE_FILE, ctx.store.root)
     return train_with_launcher(model_cfg, optim, run_cfg, dims, ctx.cfg.cluster, manifest, ctx.store.root,

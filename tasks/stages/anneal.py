@@ -9,13 +9,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tasks.data.tokenize import SHARDS_FILE
-from tasks.errors import ConfigError
-from tasks.stage import Stage, StageContext
-from tasks.stages._training import planned_lr, run_training, train_headline, train_stats
-from tasks.stages.train import planned_run, trained_model_config  # the plan may have chosen them (train.model: plan)
-from tasks.train.anneal import AnnealConfig, anneal_settings
-from tasks.train.checkpoint import MARKER, checkpoint_dir, steps_on_disk
+from kiln.tasks.data.tokenize import SHARDS_FILE
+from kiln.tasks.errors import ConfigError
+from kiln.tasks.stage import Stage, StageContext
+from kiln.tasks.stages._training import planned_lr, run_training, train_headline, train_stats
+from kiln.tasks.stages.train import planned_run, trained_model_config  # the plan may have chosen them (train.model: plan)
+from kiln.tasks.train.anneal import AnnealConfig, anneal_settings
+from kiln.tasks.train.checkpoint import MARKER, checkpoint_dir, steps_on_disk
 
 START_MODEL_DIR = "start_model"  # a train checkpoint's weights as a model folder (anneal.from_step)
 
@@ -45,8 +45,8 @@ def start_model(ctx: StageContext, from_step: int | None, where: str) -> StartMo
     if from_step not in kept:
         raise ConfigError(f"{where}={from_step}: the train run kept no checkpoint of step {from_step}; it kept steps "
                           f"{kept} (train.run.keep_every keeps more), or null for its final model")
-    from tasks.train.dcp import load_model_weights
-    from tasks.train.model import Transformer, save_model
+    from kiln.tasks.train.dcp import load_model_weights
+    from kiln.tasks.train.model import Transformer, save_model
 
     model_cfg = trained_model_config(ctx)
     vocab_size = ctx.read_json("tokenize", SHARDS_FILE)["vocab_size"]
@@ -59,7 +59,7 @@ def start_model(ctx: StageContext, from_step: int | None, where: str) -> StartMo
 
 def anneal_into(ctx: StageContext, cfg: AnnealConfig, start: StartModel, where: str) -> dict[str, Any]:
     """Anneal `start` with `cfg` into `ctx.out_dir` (its `model/`, checkpoints and metrics); its stats."""
-    from tasks.train.anneal_data import anneal_mixture
+    from kiln.tasks.train.anneal_data import anneal_mixture
 
     # what train trained: under train.model: plan, the plan's context and batch
     train_run = planned_run(ctx)[1] if ctx.cfg.train.model == "plan" else ctx.cfg.train.run

@@ -5,16 +5,16 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from tasks.bundled import locate
-from tasks.data.clean import CleanConfig, clean_documents
-from tasks.data.datatrove_logs import LOG_FILE
-from tasks.data.executors import ExecutorSettings
-from tasks.data.quality_training import REPORT_FILE, classifier_metrics, reference_paths, resolve_quality_model
-from tasks.stage import Stage, StageContext
-from tasks.stages._common import document_headline
+from kiln.tasks.bundled import locate
+from kiln.tasks.data.clean import CleanConfig, clean_documents
+from kiln.tasks.data.datatrove_logs import LOG_FILE
+from kiln.tasks.data.executors import ExecutorSettings
+from kiln.tasks.data.quality_training import REPORT_FILE, classifier_metrics, reference_paths, resolve_quality_model
+from kiln.tasks.stage import Stage, StageContext
+from kiln.tasks.stages._common import document_headline
 
 if TYPE_CHECKING:
-    from tasks.config import KilnConfig
+    from kiln.tasks.config import KilnConfig
 
 
 def run(ctx: StageContext) -> dict:

@@ -3,9 +3,9 @@ documents, check licences, write a compliance report."""
 
 from __future__ import annotations
 
-from tasks.data.collect import CollectConfig, collect_documents, source_paths
-from tasks.stage import Stage, StageContext
-from tasks.stages._common import document_headline
+from kiln.tasks.data.collect import CollectConfig, collect_documents, source_paths
+from kiln.tasks.stage import Stage, StageContext
+from kiln.tasks.stages._common import document_headline
 
 
 def run(ctx: StageContext) -> dict:

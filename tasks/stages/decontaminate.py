@@ -5,14 +5,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from tasks.data.decontaminate import DecontaminateConfig, decontaminate_documents
-from tasks.data.executors import ExecutorSettings
-from tasks.data.shards import shard_paths
-from tasks.stage import Stage, StageContext
-from tasks.stages._common import configured_eval_files, document_headline, eval_file_paths
+from kiln.tasks.data.decontaminate import DecontaminateConfig, decontaminate_documents
+from kiln.tasks.data.executors import ExecutorSettings
+from kiln.tasks.data.shards import shard_paths
+from kiln.tasks.stage import Stage, StageContext
+from kiln.tasks.stages._common import configured_eval_files, document_headline, eval_file_paths
 
 if TYPE_CHECKING:
-    from tasks.config import KilnConfig
+    from kiln.tasks.config import KilnConfig
 
 
 def run(ctx: StageContext) -> dict:

@@ -5,14 +5,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tasks.configbase import Section
-from tasks.data.dedup_index import INDEX_DIR
-from tasks.data.dedup_job import dedup_documents
-from tasks.data.executors import ExecutorSettings
-from tasks.data.shards import document_files
-from tasks.errors import ConfigError, InputError
-from tasks.stage import Stage, StageContext
-from tasks.stages._common import document_headline
+from kiln.tasks.configbase import Section
+from kiln.tasks.data.dedup_index import INDEX_DIR
+from kiln.tasks.data.dedup_job import dedup_documents
+from kiln.tasks.data.executors import ExecutorSettings
+from kiln.tasks.data.shards import document_files
+from kiln.tasks.errors import ConfigError, InputError
+from kiln.tasks.stage import Stage, StageContext
+from kiln.tasks.stages._common import document_headline
 
 
 class DedupBatchConfig(Section):

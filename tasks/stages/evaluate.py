@@ -6,20 +6,20 @@ from __future__ import annotations
 
 import json
 
-from tasks.data.tokenize import TOKENIZER_FILE
-from tasks.evals.evaluate import RESULTS_FILE, EvaluateConfig
-from tasks.evals.report import REPORT_FILE, mlflow_table_tag, write_report
-from tasks.evals.suite import primary_metric
-from tasks.stage import Stage, StageContext
-from tasks.stages._common import configured_eval_files, eval_file_paths
-from tasks.stages.anneal_ablation import ablation_results
+from kiln.tasks.data.tokenize import TOKENIZER_FILE
+from kiln.tasks.evals.evaluate import RESULTS_FILE, EvaluateConfig
+from kiln.tasks.evals.report import REPORT_FILE, mlflow_table_tag, write_report
+from kiln.tasks.evals.suite import primary_metric
+from kiln.tasks.stage import Stage, StageContext
+from kiln.tasks.stages._common import configured_eval_files, eval_file_paths
+from kiln.tasks.stages.anneal_ablation import ablation_results
 
 BASELINE = "train"  # the report's changes are each model's score minus the trained model's
 
 
 def run(ctx: StageContext) -> dict:
-    from tasks.data.decontaminate import read_contamination
-    from tasks.evals.evaluate import evaluate_model  # lm-eval takes seconds to import
+    from kiln.tasks.data.decontaminate import read_contamination
+    from kiln.tasks.evals.evaluate import evaluate_model  # lm-eval takes seconds to import
 
     eval_file_paths(ctx.cfg)
     tokenizer = ctx.inputs["tokenize"] / TOKENIZER_FILE

@@ -6,11 +6,11 @@ from typing import Literal
 
 from pydantic import Field
 
-from tasks.configbase import Section
-from tasks.data.tokenize import TOKENIZER_FILE
-from tasks.evals.model_card import render_model_card
-from tasks.lineage import COMPLIANCE_FILE, lineage_manifests
-from tasks.stage import Stage, StageContext
+from kiln.tasks.configbase import Section
+from kiln.tasks.data.tokenize import TOKENIZER_FILE
+from kiln.tasks.evals.model_card import render_model_card
+from kiln.tasks.lineage import COMPLIANCE_FILE, lineage_manifests
+from kiln.tasks.stage import Stage, StageContext
 
 HF_DIR = "hf"  # the folder to hand over: `from_pretrained(...)` and `lm_eval --model hf` read it
 
@@ -25,8 +25,8 @@ class ExportConfig(Section):
 
 
 def run(ctx: StageContext) -> dict:
-    from tasks.evals.export_hf import export_hf
-    from tasks.train.model import load_model
+    from kiln.tasks.evals.export_hf import export_hf
+    from kiln.tasks.train.model import load_model
 
     model, model_cfg = load_model(ctx.inputs["anneal"] / "model")
     anneal_key = ctx.inputs["anneal"].name

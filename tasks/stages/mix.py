@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import json
 
-from tasks.data.tokenize import SHARDS_FILE
-from tasks.scaling.fit import PLAN_FILE
-from tasks.scaling.mix import MIXTURE_FILE, MixConfig, build_mixture_manifest
-from tasks.stage import Stage, StageContext
+from kiln.tasks.data.tokenize import SHARDS_FILE
+from kiln.tasks.scaling.fit import PLAN_FILE
+from kiln.tasks.scaling.mix import MIXTURE_FILE, MixConfig, build_mixture_manifest
+from kiln.tasks.stage import Stage, StageContext
 
 
 def run(ctx: StageContext) -> dict:
-    from tasks.stages.train import planned_run
+    from kiln.tasks.stages.train import planned_run
 
     tokenized = ctx.inputs["tokenize"]
     plan = ctx.read_json("fit", PLAN_FILE)

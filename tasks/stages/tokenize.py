@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from tasks.data.executors import ExecutorSettings
-from tasks.data.tokenize import TokenizeConfig, tokenize_corpus
-from tasks.stage import Stage, StageContext
+from kiln.tasks.data.executors import ExecutorSettings
+from kiln.tasks.data.tokenize import TokenizeConfig, tokenize_corpus
+from kiln.tasks.stage import Stage, StageContext
 
 
 def run(ctx: StageContext) -> dict:

@@ -17,14 +17,14 @@ from typing import Any, Literal
 
 from pydantic import PositiveFloat, SerializerFunctionWrapHandler, model_serializer, model_validator
 
-from tasks.configbase import Section, runtime_field
-from tasks.errors import ConfigError
-from tasks.scaling.fit import PLAN_FILE
-from tasks.scaling.validate import REPORT_FILE as GATE_FILE
-from tasks.scaling.validate import ValidationGateError
-from tasks.stage import STATS_FILE, Stage, StageContext
-from tasks.stages._training import plan_mixture, planned_lr, run_training, train_headline, train_stats
-from tasks.train.config import ModelConfig, OptimConfig, ParallelDims, TrainRunConfig
+from kiln.tasks.configbase import Section, runtime_field
+from kiln.tasks.errors import ConfigError
+from kiln.tasks.scaling.fit import PLAN_FILE
+from kiln.tasks.scaling.validate import REPORT_FILE as GATE_FILE
+from kiln.tasks.scaling.validate import ValidationGateError
+from kiln.tasks.stage import STATS_FILE, Stage, StageContext
+from kiln.tasks.stages._training import plan_mixture, planned_lr, run_training, train_headline, train_stats
+from kiln.tasks.train.config import ModelConfig, OptimConfig, ParallelDims, TrainRunConfig
 
 TRAINED_MODEL_CONFIG = "model/model_config.json"  # the shape train trained, for the stages after it
 PLANNED_RUN_FIELDS = {"steps", "batch_size", "seq_len"}  # under `model: plan`, the plan's unless train.run sets them
@@ -169,9 +169,9 @@ def law_prediction(plan: dict[str, Any], model: ModelConfig, run: TrainRunConfig
     loss per token, so the number is a guide there, not a check (`prediction_comparable` says which)."""
     if not plan["loss_law"]:
         return {}
-    from tasks.scaling.fit import loss_law_from_dict
-    from tasks.scaling.plan import DataBudget, predicted
-    from tasks.train.model import count_parameters
+    from kiln.tasks.scaling.fit import loss_law_from_dict
+    from kiln.tasks.scaling.plan import DataBudget, predicted
+    from kiln.tasks.train.model import count_parameters
 
     law = loss_law_from_dict(plan["loss_law"])
     data = DataBudget(**{k: v for k, v in plan["data"].items() if k != "r_star"}) if plan.get("data") else None

@@ -13,12 +13,12 @@ import json
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-from tasks.data.tokenize import SHARDS_FILE, TOKENIZER_FILE
-from tasks.scaling.fit import PLAN_FILE, loss_law_from_dict
-from tasks.scaling.validate import REPORT_FILE, ValidateConfig, check_gate
-from tasks.stage import Stage, StageContext, SubRun
-from tasks.stages._common import configured_eval_files
-from tasks.stages._training import (
+from kiln.tasks.data.tokenize import SHARDS_FILE, TOKENIZER_FILE
+from kiln.tasks.scaling.fit import PLAN_FILE, loss_law_from_dict
+from kiln.tasks.scaling.validate import REPORT_FILE, ValidateConfig, check_gate
+from kiln.tasks.stage import Stage, StageContext, SubRun
+from kiln.tasks.stages._common import configured_eval_files
+from kiln.tasks.stages._training import (
     plan_mixture,
     run_training,
     train_headline,
@@ -26,17 +26,17 @@ from tasks.stages._training import (
 )
 
 if TYPE_CHECKING:
-    from tasks.config import KilnConfig
-    from tasks.evals.evaluate import EvaluateConfig
-    from tasks.scaling.capabilities import CapabilityRow
-    from tasks.train.config import OptimConfig, TrainRunConfig
+    from kiln.tasks.config import KilnConfig
+    from kiln.tasks.evals.evaluate import EvaluateConfig
+    from kiln.tasks.scaling.capabilities import CapabilityRow
+    from kiln.tasks.train.config import OptimConfig, TrainRunConfig
 
 CAPABILITIES_DIR = "capabilities"  # capabilities/<model>/results.json: each scored model's eval results
 TRANSFER_DIR = "transfer"  # transfer/<mixture>/: each transfer run
 
 
 def run(ctx: StageContext) -> dict:
-    from tasks.scaling import plots
+    from kiln.tasks.scaling import plots
 
     cfg = ctx.cfg
     if cfg.validate_.capabilities.enabled and cfg.validate_.capabilities.tasks:
@@ -90,7 +90,7 @@ def capabilities_eval_config(cfg: KilnConfig) -> EvaluateConfig:
 def check_capability_tasks(cfg: KilnConfig) -> None:
     """`validate.capabilities.tasks` not in the suite is a ConfigError before the validate run trains,
     not after it, when the capabilities are scored."""
-    from tasks.evals.evaluate import check_wanted_tasks, suite_task_names
+    from kiln.tasks.evals.evaluate import check_wanted_tasks, suite_task_names
 
     check_wanted_tasks(cfg.validate_.capabilities.tasks, suite_task_names(capabilities_eval_config(cfg)))
 
@@ -101,9 +101,9 @@ def score_capabilities(ctx: StageContext, midscale_compute: float, reference_run
     IsoFLOP budget and on the mid-scale model trained on their mixture (`reference_run`, a folder of
     this stage, or the validate run itself when None), and the trend check; the validate run, on
     the plan's other mixture, is scored beside it."""
-    from tasks.evals.evaluate import evaluate_model  # lm-eval takes seconds to import
-    from tasks.scaling.capabilities import ScoredModel, capability_trend
-    from tasks.scaling.sweep import TRIALS_DIR, TRIALS_FILE, best_isoflop_trials, load_trials
+    from kiln.tasks.evals.evaluate import evaluate_model  # lm-eval takes seconds to import
+    from kiln.tasks.scaling.capabilities import ScoredModel, capability_trend
+    from kiln.tasks.scaling.sweep import TRIALS_DIR, TRIALS_FILE, best_isoflop_trials, load_trials
 
     caps = ctx.cfg.validate_.capabilities
     eval_cfg = capabilities_eval_config(ctx.cfg)
@@ -129,7 +129,7 @@ def mixture_transfer(ctx: StageContext, plan: dict[str, Any], optim: OptimConfig
     """Train `validate.mixture_transfer.num_mixtures` of the fit's predicted mixtures at the validate
     model's size; their predicted and observed losses and the rank correlation between them. At the
     validate run's length the validate run itself is the plan mixture's run (not trained twice)."""
-    from tasks.scaling.transfer import choose_transfer_mixtures, transfer_spearman
+    from kiln.tasks.scaling.transfer import choose_transfer_mixtures, transfer_spearman
 
     cfg = ctx.cfg.validate_
     regression = plan["mixture_regression"]
@@ -173,8 +173,8 @@ def transfer_run(ctx: StageContext, shards: dict, weights: dict[str, float], whe
                  run_cfg: TrainRunConfig) -> dict[str, Any]:
     """One transfer run (into ctx.out_dir, its sub-run folder), where the validate run trains: this process,
     or through cluster.launcher. A divergence is its result, recorded and not run again."""
-    from tasks.train.data_loader import mixture_with_weights
-    from tasks.train.health import TrainingDivergedError
+    from kiln.tasks.train.data_loader import mixture_with_weights
+    from kiln.tasks.train.health import TrainingDivergedError
 
     mixture = mixture_with_weights(shards, ctx.inputs["tokenize"], weights, where)
     try:

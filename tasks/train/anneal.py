@@ -12,8 +12,8 @@ from typing import Literal
 
 from pydantic import Field, field_validator
 
-from tasks.configbase import Reference, Section, runtime_field
-from tasks.train.config import OptimConfig, TrainRunConfig
+from kiln.tasks.configbase import Reference, Section, runtime_field
+from kiln.tasks.train.config import OptimConfig, TrainRunConfig
 
 
 class QualitySelection(Section):

@@ -16,9 +16,9 @@ from typing import Any
 
 import numpy as np
 
-from tasks.errors import ConfigError
-from tasks.train.anneal import AnnealMixture, QualitySelection
-from tasks.train.data_loader import Mixture, mixture_with_weights
+from kiln.tasks.errors import ConfigError
+from kiln.tasks.train.anneal import AnnealMixture, QualitySelection
+from kiln.tasks.train.data_loader import Mixture, mixture_with_weights
 
 SELECTIONS_DIR = "quality_selections"
 

@@ -32,12 +32,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from tasks.errors import ConfigError
-from tasks.progress import Progress
-from tasks.train.model import flops_per_token
+from kiln.tasks.errors import ConfigError
+from kiln.tasks.progress import Progress
+from kiln.tasks.train.model import flops_per_token
 
 if TYPE_CHECKING:
-    from tasks.train.loop import Batch, StepOutput, Trainer, TrainResult
+    from kiln.tasks.train.loop import Batch, StepOutput, Trainer, TrainResult
 
 METRICS_LOG = "train_metrics.jsonl"  # every on_metrics call, for runs whose caller is another process
 HOOKS = ("on_start", "pre_step", "check_step", "post_step", "on_checkpoint", "on_end", "on_error")

@@ -11,7 +11,7 @@ from typing import Literal, TypeVar
 
 from pydantic import Field, model_validator
 
-from tasks.configbase import Section, runtime_field
+from kiln.tasks.configbase import Section, runtime_field
 
 FFN_MULTIPLE = 32  # SwiGLU hidden width is rounded up to this, for matmul-friendly shapes
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from tasks.errors import ConfigError, InputError
+from kiln.tasks.errors import ConfigError, InputError
 
 MANIFEST_FORMAT = 1
 WEIGHT_TOLERANCE = 1e-6

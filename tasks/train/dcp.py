@@ -29,8 +29,8 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
-from tasks.errors import InputError
-from tasks.train.checkpoint import (
+from kiln.tasks.errors import InputError
+from kiln.tasks.train.checkpoint import (
     MARKER,
     TMP_PREFIX,
     checkpoint_dir,

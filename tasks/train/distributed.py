@@ -32,10 +32,10 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 from torch.distributed.tensor import DTensor
 
-from tasks.train.config import ModelConfig, OptimConfig, ParallelDims, TrainRunConfig
-from tasks.train.data_loader import Mixture, batch_for_step
-from tasks.train.model import Transformer, WeightSource, fill_weights, materialize, model_from_state
-from tasks.train.parallel import (
+from kiln.tasks.train.config import ModelConfig, OptimConfig, ParallelDims, TrainRunConfig
+from kiln.tasks.train.data_loader import Mixture, batch_for_step
+from kiln.tasks.train.model import Transformer, WeightSource, fill_weights, materialize, model_from_state
+from kiln.tasks.train.parallel import (
     TransformerStage,
     apply_activation_checkpointing,
     build_mesh,

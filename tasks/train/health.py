@@ -25,7 +25,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from tasks.train.config import HealthConfig
+from kiln.tasks.train.config import HealthConfig
 
 EVENTS_FILE = "health_events.jsonl"
 MAD_TO_SIGMA = 1.4826  # MAD of a normal distribution times this is its standard deviation

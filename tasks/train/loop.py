@@ -32,14 +32,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tasks.errors import InputError
-from tasks.train.callbacks import Checkpointer, Hooks, MetricsLogger, ProgressBar, TrainCallback
-from tasks.train.config import ModelConfig, OptimConfig, ParallelDims, TrainRunConfig, revalidated
-from tasks.train.data_loader import Mixture, validation_batches
-from tasks.train.dcp import latest_intact_dcp, load_dcp, read_train_state, save_dcp
-from tasks.train.distributed import Layout, clip_grad_norm, make_optimizer
-from tasks.train.health import EVENTS_FILE, SkipWindow, data_index, lr_factor, read_events, windows_from_events
-from tasks.train.model import (
+from kiln.tasks.errors import InputError
+from kiln.tasks.train.callbacks import Checkpointer, Hooks, MetricsLogger, ProgressBar, TrainCallback
+from kiln.tasks.train.config import ModelConfig, OptimConfig, ParallelDims, TrainRunConfig, revalidated
+from kiln.tasks.train.data_loader import Mixture, validation_batches
+from kiln.tasks.train.dcp import latest_intact_dcp, load_dcp, read_train_state, save_dcp
+from kiln.tasks.train.distributed import Layout, clip_grad_norm, make_optimizer
+from kiln.tasks.train.health import EVENTS_FILE, SkipWindow, data_index, lr_factor, read_events, windows_from_events
+from kiln.tasks.train.model import (
     WeightSource,
     count_parameters,
     read_model_config,
@@ -47,9 +47,9 @@ from tasks.train.model import (
     saved_weights,
     seeded_weights,
 )
-from tasks.train.plots import LOSS_PLOT, plot_loss_curve
-from tasks.train.rollback import HealthMonitor
-from tasks.train.schedule import lr_at
+from kiln.tasks.train.plots import LOSS_PLOT, plot_loss_curve
+from kiln.tasks.train.rollback import HealthMonitor
+from kiln.tasks.train.schedule import lr_at
 
 FINAL_LOSS_WINDOW = 10
 CURVES = ("loss", "lr", "grad_norm", "batch_checksum")

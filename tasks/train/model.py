@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tasks.train.config import ModelConfig, revalidated
+from kiln.tasks.train.config import ModelConfig, revalidated
 
 Device = torch.device | str | None
 INIT_STD = 0.02

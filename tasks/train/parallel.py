@@ -74,8 +74,8 @@ from torch.distributed.tensor.parallel import (
 )
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-from tasks.train.config import Checkpointing, ModelConfig, ParallelDims, Precision
-from tasks.train.model import Transformer, WeightSource, fill_weights, materialize
+from kiln.tasks.train.config import Checkpointing, ModelConfig, ParallelDims, Precision
+from kiln.tasks.train.model import Transformer, WeightSource, fill_weights, materialize
 
 _aten = torch.ops.aten
 

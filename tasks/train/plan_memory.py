@@ -32,7 +32,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from tasks.train.config import Checkpointing, ModelConfig, PipelineSchedule, Precision
+from kiln.tasks.train.config import Checkpointing, ModelConfig, PipelineSchedule, Precision
 
 STAT_BYTES = 4  # RMSNorm's 1/rms and attention's log-sum-exp stay fp32 under bf16
 TOKEN_ID_BYTES = 8  # int64 ids, kept by the embedding and the loss

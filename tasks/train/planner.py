@@ -30,10 +30,11 @@ from typing import Any, Literal, TypeVar
 
 from pydantic import ValidationError
 
-from tasks.configbase import Section, read_yaml
-from tasks.errors import ConfigError
-from tasks.launch.cluster import ClusterSpec
-from tasks.train.config import (
+from kiln.tasks.bundled import shipped
+from kiln.tasks.configbase import Section, read_yaml
+from kiln.tasks.errors import ConfigError
+from kiln.tasks.launch.cluster import ClusterSpec
+from kiln.tasks.train.config import (
     Checkpointing,
     ModelConfig,
     ParallelDims,
@@ -42,8 +43,8 @@ from tasks.train.config import (
     TrainRunConfig,
     schedule_problem,
 )
-from tasks.train.model import count_parameters, flops_per_token
-from tasks.train.plan_memory import (
+from kiln.tasks.train.model import count_parameters, flops_per_token
+from kiln.tasks.train.plan_memory import (
     CandidateLayout,
     MemoryEstimate,
     estimate_memory,
@@ -63,7 +64,7 @@ SHOWN_SHAPES = 10
 
 
 S = TypeVar("S", bound=Section)
-PRESETS_DIR = Path(__file__).resolve().parents[2] / "configs"
+PRESETS_DIR = shipped("configs")
 PRESET_FOLDERS = {"ModelConfig": "models", "ClusterSpec": "clusters"}
 
 

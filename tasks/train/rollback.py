@@ -17,12 +17,12 @@ from collections.abc import Callable
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
-from tasks.train.callbacks import TrainCallback
-from tasks.train.checkpoint import delete_checkpoints_after
-from tasks.train.config import TrainRunConfig
-from tasks.train.data_loader import Mixture, batch_sources
-from tasks.train.dcp import latest_intact_dcp, read_train_state
-from tasks.train.health import (
+from kiln.tasks.train.callbacks import TrainCallback
+from kiln.tasks.train.checkpoint import delete_checkpoints_after
+from kiln.tasks.train.config import TrainRunConfig
+from kiln.tasks.train.data_loader import Mixture, batch_sources
+from kiln.tasks.train.dcp import latest_intact_dcp, read_train_state
+from kiln.tasks.train.health import (
     EVENTS_FILE,
     Anomaly,
     SkipWindow,
@@ -34,12 +34,12 @@ from tasks.train.health import (
     json_float,
     rollback_bound,
 )
-from tasks.train.plots import LOSS_PLOT, plot_loss_curve
+from kiln.tasks.train.plots import LOSS_PLOT, plot_loss_curve
 
 if TYPE_CHECKING:
     from pathlib import Path
 
-    from tasks.train.loop import StepOutput, Trainer
+    from kiln.tasks.train.loop import StepOutput, Trainer
 
 
 class HealthMonitor(TrainCallback):

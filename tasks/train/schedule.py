@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 
-from tasks.train.config import OptimConfig
+from kiln.tasks.train.config import OptimConfig
 
 
 def _progress(step: int, begin: int, last: int) -> float:

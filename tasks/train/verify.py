@@ -43,12 +43,12 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from tasks.train.config import ModelConfig, OptimConfig, ParallelDims, TrainRunConfig
-from tasks.train.distributed import Layout, make_optimizer, objective
-from tasks.train.model import materialize
-from tasks.train.parallel import TransformerStage, build_mesh
-from tasks.train.plan_memory import rank_memory, rank_parameters, stage_layers
-from tasks.train.planner import Plan, PlanSearch
+from kiln.tasks.train.config import ModelConfig, OptimConfig, ParallelDims, TrainRunConfig
+from kiln.tasks.train.distributed import Layout, make_optimizer, objective
+from kiln.tasks.train.model import materialize
+from kiln.tasks.train.parallel import TransformerStage, build_mesh
+from kiln.tasks.train.plan_memory import rank_memory, rank_parameters, stage_layers
+from kiln.tasks.train.planner import Plan, PlanSearch
 
 DEVICE = torch.device("cpu")  # fake tensors carry a device but use none; CUDA is not needed
 

@@ -12,8 +12,8 @@ from prefect.server.schemas.core import Flow, FlowRun
 from prefect.server.schemas.states import State, StateType
 from prefect.server.utilities.user_templates import render_user_template_sync
 
-from flows.alerts import KILN_BODY, crashed_body, regression_text, stage_event_text
-from tasks.evals.ecg import RegressionEvent
+from kiln.flows.alerts import KILN_BODY, crashed_body, regression_text, stage_event_text
+from kiln.tasks.evals.ecg import RegressionEvent
 
 
 def event(name: str, payload: dict, resource: str = "kiln.decontaminate.fbcc57f35cde") -> ReceivedEvent:

@@ -2,8 +2,8 @@
 
 import pytest
 
-from flows.cli import main
-from tasks.stages import REGISTRY
+from kiln.flows.cli import main
+from kiln.tasks.stages import REGISTRY
 
 
 def test_help_explains_every_command(capsys):
@@ -34,11 +34,11 @@ def test_status_lists_every_stage_as_missing_in_a_fresh_work_dir(in_repo, tmp_pa
 
 def test_status_rows_are_aligned_cut_to_the_terminal_and_say_why_a_stage_failed(in_repo, tmp_path, capsys,
                                                                                 monkeypatch):
-    from tasks.config import load_config
-    from tasks.errors import InputError
-    from tasks.graph import stage_keys
-    from tasks.runner import run_stage
-    from tasks.store import Store
+    from kiln.tasks.config import load_config
+    from kiln.tasks.errors import InputError
+    from kiln.tasks.graph import stage_keys
+    from kiln.tasks.runner import run_stage
+    from kiln.tasks.store import Store
 
     monkeypatch.setenv("COLUMNS", "120")
     missing_eval = "evaluate.eval_files=[nowhere/eval.jsonl]"
@@ -82,10 +82,10 @@ def test_overrides_and_options_come_in_any_order(in_repo, tmp_path, capsys):
 
 
 def test_status_says_where_each_training_run_ran(in_repo, tmp_path, capsys):
-    from tasks.config import load_config
-    from tasks.graph import stage_keys
-    from tasks.launch.cluster import launch_record
-    from tasks.store import Store
+    from kiln.tasks.config import load_config
+    from kiln.tasks.graph import stage_keys
+    from kiln.tasks.launch.cluster import launch_record
+    from kiln.tasks.store import Store
 
     cfg = load_config("configs/tiny.yaml", [f"work_dir={tmp_path}"])
     store, keys = Store(cfg.store_root), stage_keys(cfg)
@@ -123,8 +123,8 @@ def test_plan_explains_when_nothing_fits(in_repo, capsys):
 
 
 def test_status_lists_abandoned_partial_folders_and_prune_removes_them(in_repo, tmp_path, capsys):
-    from tasks.config import load_config
-    from tasks.store import Store
+    from kiln.tasks.config import load_config
+    from kiln.tasks.store import Store
 
     store = Store(load_config("configs/tiny.yaml", [f"work_dir={tmp_path}"]).store_root)
     (store.begin("decontaminate", "0ld0ld0ld0ld") / "document_shards.json").write_text("{}\n")
@@ -137,9 +137,9 @@ def test_status_lists_abandoned_partial_folders_and_prune_removes_them(in_repo, 
 
 
 def test_status_totals_the_cost_recorded_in_the_manifests(in_repo, tmp_path, capsys):
-    from tasks.config import load_config
-    from tasks.graph import stage_keys
-    from tasks.store import Store
+    from kiln.tasks.config import load_config
+    from kiln.tasks.graph import stage_keys
+    from kiln.tasks.store import Store
 
     cfg = load_config("configs/tiny.yaml", [f"work_dir={tmp_path}"])
     store, keys = Store(cfg.store_root), stage_keys(cfg)
@@ -167,8 +167,8 @@ def test_status_totals_the_cost_recorded_in_the_manifests(in_repo, tmp_path, cap
 def test_a_run_failing_on_a_kiln_error_is_echoed_once_by_main_not_by_prefects_console():
     import logging
 
-    from flows.cli import _KilnErrorEcho
-    from tasks.scaling.validate import ValidationGateError
+    from kiln.flows.cli import _KilnErrorEcho
+    from kiln.tasks.scaling.validate import ValidationGateError
 
     def record(name: str, message: str, error: BaseException | None = None, level: int = logging.ERROR):
         exc_info = (type(error), error, None) if error is not None else None
@@ -184,7 +184,7 @@ def test_a_run_failing_on_a_kiln_error_is_echoed_once_by_main_not_by_prefects_co
     assert echo.filter(record("prefect.task_runs", "Task run failed with exception", RuntimeError("bug")))
     assert echo.filter(record("prefect.task_runs", "Finished in state Failed('Task run encountered an exception "
                               "RuntimeError: bug')"))
-    assert echo.filter(record("tasks.train.loop", "a warning of Kiln's own", gate))
+    assert echo.filter(record("kiln.tasks.train.loop", "a warning of Kiln's own", gate))
     assert echo.filter(record("prefect.flow_runs", "Finished in state Failed('Flow run encountered an exception: "
                               "ValidationGateError: x')", level=logging.INFO))
 
@@ -214,12 +214,12 @@ def test_status_shows_continuous_eval_per_series(in_repo, tmp_path, capsys):
     state files (no scoring here: tests/flows/test_continuous_eval.py scores real checkpoints)."""
     import json
 
-    from tasks.config import load_config
-    from tasks.evals.continuous import suite_versions
-    from tasks.evals.continuous_state import ecg_path, eval_targets
-    from tasks.graph import stage_keys
-    from tasks.store import Store
-    from tasks.train.checkpoint import checkpoint_dir
+    from kiln.tasks.config import load_config
+    from kiln.tasks.evals.continuous import suite_versions
+    from kiln.tasks.evals.continuous_state import ecg_path, eval_targets
+    from kiln.tasks.graph import stage_keys
+    from kiln.tasks.store import Store
+    from kiln.tasks.train.checkpoint import checkpoint_dir
 
     args = ["status", "configs/tiny.yaml", f"work_dir={tmp_path}"]
     cfg = load_config("configs/tiny.yaml", args[2:])

@@ -3,8 +3,8 @@
 import logging
 import sys
 
-import tasks.stages.collect
-from flows.cli import main
+import kiln.tasks.stages.collect
+from kiln.flows.cli import main
 from prefect.logging.handlers import PrefectConsoleHandler
 
 
@@ -22,7 +22,7 @@ def test_an_unexpected_error_prints_one_traceback(prefect_api, in_repo, tmp_path
     def broken(cfg, out_dir):
         raise TypeError("AbstractBufferedFile.readline() takes 1 positional argument but 2 were given")
 
-    monkeypatch.setattr(tasks.stages.collect, "collect_documents", broken)
+    monkeypatch.setattr(kiln.tasks.stages.collect, "collect_documents", broken)
     _prefect_console_to_this_tests_stderr(monkeypatch)
     # retried once (an unexpected error may be infrastructure's), so two attempts fail with it
     code = main(["run", "configs/tiny.yaml", f"work_dir={tmp_path}", "orchestration.retries=1",

@@ -9,8 +9,8 @@ import os
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["HF_DATASETS_OFFLINE"] = "1"
 
-from flows.cli import main  # noqa: E402
-from tasks.evals.heldout_task import task_name_for, write_heldout_task  # noqa: E402
+from kiln.flows.cli import main  # noqa: E402
+from kiln.tasks.evals.heldout_task import task_name_for, write_heldout_task  # noqa: E402
 from tests.fixtures.export_store import KEYS, REPO, build_store  # noqa: E402
 
 

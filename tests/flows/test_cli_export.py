@@ -8,7 +8,7 @@ import pytest
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 
-from flows.cli import main  # noqa: E402
+from kiln.flows.cli import main  # noqa: E402
 from tests.fixtures.export_store import KEYS, build_store  # noqa: E402
 
 TINY = "configs/tiny.yaml"

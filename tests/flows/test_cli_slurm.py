@@ -8,8 +8,8 @@ import subprocess
 
 import pytest
 
-from flows.cli import main
-from tasks.launch.local_slurm import LocalSlurmCluster
+from kiln.flows.cli import main
+from kiln.tasks.launch.local_slurm import LocalSlurmCluster
 
 pytestmark = pytest.mark.cluster
 

@@ -11,9 +11,9 @@ from collections import Counter
 import pytest
 from mlflow.tracking import MlflowClient
 
-from tasks.config import load_config
-from tasks.graph import stage_keys
-from tasks.store import Store
+from kiln.tasks.config import load_config
+from kiln.tasks.graph import stage_keys
+from kiln.tasks.store import Store
 
 # each `kiln run` starts its own Prefect API server; three runs to tokenize, each allowed 600 s
 pytestmark = [pytest.mark.slow, pytest.mark.cluster, pytest.mark.timeout(900)]
@@ -24,7 +24,7 @@ STAGES = ("collect", "clean", "dedup", "decontaminate", "tokenize")
 def test_two_runs_of_one_config_at_once_compute_each_stage_once(in_repo, tmp_path):
     work = tmp_path / "work"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "MLFLOW_"))}
-    command = [sys.executable, "-m", "flows.cli", "run", "configs/tiny.yaml", f"work_dir={work}", "--until", UNTIL]
+    command = [sys.executable, "-m", "kiln.flows.cli", "run", "configs/tiny.yaml", f"work_dir={work}", "--until", UNTIL]
     runs = [subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
             for _ in range(2)]
     outputs = [run.communicate(timeout=600)[0] for run in runs]

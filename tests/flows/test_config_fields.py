@@ -15,12 +15,12 @@ from typing import Any
 import pytest
 from pydantic import BaseModel
 
-import tasks.config
-import tasks.graph
-from flows.cli import main
-from flows.continuous_eval import continuous_eval
-from tasks.config import load_config
-from tasks.configbase import Section
+import kiln.tasks.config
+import kiln.tasks.graph
+from kiln.flows.cli import main
+from kiln.flows.continuous_eval import continuous_eval
+from kiln.tasks.config import load_config
+from kiln.tasks.configbase import Section
 
 pytestmark = pytest.mark.slow
 TINY = "configs/tiny.yaml"
@@ -108,11 +108,11 @@ def test_every_config_field_is_read_by_the_pipeline(prefect_api, in_repo, tmp_pa
 
     monkeypatch.setattr(Section, "__getattribute__", recording_getattribute)
     monkeypatch.setattr(Section, "identity", _unrecorded(Section.identity))
-    monkeypatch.setattr(tasks.graph, "stage_identity", _unrecorded(tasks.graph.stage_identity))
+    monkeypatch.setattr(kiln.tasks.graph, "stage_identity", _unrecorded(kiln.tasks.graph.stage_identity))
     # validators read fields to check them, which is not using them; so do the checks of the names a config uses
     # and of the checkpoints it needs kept
-    monkeypatch.setattr(tasks.config, "check_references", _unrecorded(tasks.config.check_references))
-    monkeypatch.setattr(tasks.config, "check_kept_steps", _unrecorded(tasks.config.check_kept_steps))
+    monkeypatch.setattr(kiln.tasks.config, "check_references", _unrecorded(kiln.tasks.config.check_references))
+    monkeypatch.setattr(kiln.tasks.config, "check_kept_steps", _unrecorded(kiln.tasks.config.check_kept_steps))
     monkeypatch.setattr(Section, "__init__", _unrecorded(Section.__init__))
     validate = BaseModel.model_validate.__func__
     monkeypatch.setattr(BaseModel, "model_validate", classmethod(_unrecorded(validate)))

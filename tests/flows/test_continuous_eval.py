@@ -14,15 +14,15 @@ import time
 
 from mlflow.tracking import MlflowClient
 
-from flows.cli import main
-from flows.continuous_eval import continuous_eval
-from tasks.config import load_config
-from tasks.data.tokenize import TOKENIZER_FILE
-from tasks.evals.continuous import read_recorded
-from tasks.evals.continuous_state import ecg_path, eval_targets, up_to_date
-from tasks.graph import stage_keys
-from tasks.store import Store
-from tasks.train.loop import train_model
+from kiln.flows.cli import main
+from kiln.flows.continuous_eval import continuous_eval
+from kiln.tasks.config import load_config
+from kiln.tasks.data.tokenize import TOKENIZER_FILE
+from kiln.tasks.evals.continuous import read_recorded
+from kiln.tasks.evals.continuous_state import ecg_path, eval_targets, up_to_date
+from kiln.tasks.graph import stage_keys
+from kiln.tasks.store import Store
+from kiln.tasks.train.loop import train_model
 from tests.fixtures.continuous_eval import (
     MODEL,
     RISING_OPTIM,
@@ -116,7 +116,7 @@ def test_checkpoints_are_scored_in_mlflow_at_their_steps_once(prefect_api, in_re
     assert not up_to_date(cfg, keys)
     env = {**{k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "MLFLOW_"))},
            "PREFECT_API_URL": PREFECT_API_URL.value(), "PYTHONPATH": str(in_repo)}
-    command = [sys.executable, "-m", "flows.cli", "continuous-eval", TINY, *overrides]
+    command = [sys.executable, "-m", "kiln.flows.cli", "continuous-eval", TINY, *overrides]
     scorers = [subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
                for _ in range(2)]
     outputs = [scorer.communicate(timeout=600)[0] for scorer in scorers]

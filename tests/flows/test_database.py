@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from flows.cli import main
-from tasks.errors import KilnError
+from kiln.flows.cli import main
+from kiln.tasks.errors import KilnError
 
 
 def test_the_database_and_urls_are_one_or_the_other(tmp_path, capsys, monkeypatch):
@@ -42,7 +42,7 @@ def test_as_root_a_work_dir_postgres_cannot_reach_is_refused_naming_the_folder(t
 
 
 def test_a_server_that_exits_while_starting_is_reported_with_the_end_of_its_log(tmp_path):
-    from flows.servers import Server, _spawn, _wait_healthy, servers_dir
+    from kiln.flows.servers import Server, _spawn, _wait_healthy, servers_dir
 
     servers_dir(tmp_path).mkdir(parents=True)
     log = servers_dir(tmp_path) / "mlflow.log"

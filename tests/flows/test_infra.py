@@ -12,8 +12,8 @@ import pytest
 import yaml
 from prefect import Flow
 
-from tasks.errors import KilnError
-from tasks.stages import REGISTRY
+from kiln.tasks.errors import KilnError
+from kiln.tasks.stages import REGISTRY
 
 INFRA = Path(__file__).resolve().parents[2] / "infra"
 
@@ -23,7 +23,7 @@ def test_every_registered_stage_the_pipeline_and_continuous_eval_are_deployable(
     deployments = {d["name"]: d for d in spec["deployments"]}
     assert set(deployments) == {"pipeline", "continuous-eval", *REGISTRY.names()}
     for stage in REGISTRY:
-        assert deployments[stage.name]["entrypoint"] == f"flows.stages:{stage.name.replace('-', '_')}"
+        assert deployments[stage.name]["entrypoint"] == f"kiln.flows.stages:{stage.name.replace('-', '_')}"
     for name, deployment in deployments.items():
         module, attr = deployment["entrypoint"].split(":")  # a module of the installed package, not a file
         target = getattr(importlib.import_module(module), attr)
@@ -113,8 +113,8 @@ def test_every_deployment_heartbeats_at_the_cadence_the_crash_alert_assumes():
 
     from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, get_current_settings, temporary_settings
 
-    from flows.alerts import unresponsive_after
-    from flows.deploy import prefect_file_for, work_pool
+    from kiln.flows.alerts import unresponsive_after
+    from kiln.flows.deploy import prefect_file_for, work_pool
 
     for kind in ("process", "kubernetes"):
         with temporary_settings({PREFECT_FLOWS_HEARTBEAT_FREQUENCY: 45}):
@@ -150,7 +150,7 @@ def test_kiln_deploy_on_the_kubernetes_pool_gives_a_valid_job_manifest(api_url):
     from prefect.workers.process import ProcessWorker
     from prefect_kubernetes.worker import KubernetesWorkerJobConfiguration
 
-    from flows.deploy import deploy, ensure_work_pool
+    from kiln.flows.deploy import deploy, ensure_work_pool
 
     with pytest.raises(KilnError, match="--image"):
         deploy(pool="kubernetes")
@@ -205,8 +205,8 @@ def test_kiln_deploy_gives_process_pool_runs_the_alerts_heartbeat(api_url, tmp_p
     from prefect.settings import get_current_settings
     from prefect.workers.process import ProcessJobConfiguration
 
-    from flows.alerts import UNRESPONSIVE
-    from flows.deploy import CONTINUOUS_EVAL, deploy
+    from kiln.flows.alerts import UNRESPONSIVE
+    from kiln.flows.deploy import CONTINUOUS_EVAL, deploy
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "mine.yaml").write_text("continuous_eval: {interval: 10m}\n")  # a project's config, relative to it
@@ -237,7 +237,7 @@ def test_kiln_deploy_gives_process_pool_runs_the_alerts_heartbeat(api_url, tmp_p
     assert not watching.paused
     heartbeat = str(get_current_settings().flows.heartbeat_frequency)
     assert config.env["PREFECT_FLOWS_HEARTBEAT_FREQUENCY"] == heartbeat
-    assert deployment.entrypoint == "flows.pipeline:pipeline"  # from the installed package, wherever it is
+    assert deployment.entrypoint == "kiln.flows.pipeline:pipeline"  # from the installed package, wherever it is
     assert deployment.pull_steps == [{"prefect.deployments.steps.set_working_directory": {"directory": str(tmp_path)}}]
     assert config.env["OMP_WAIT_POLICY"] == "PASSIVE"
 

@@ -30,9 +30,9 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
-from flows.cli import main
-from flows.servers import servers_dir
-from tasks.scaling.plots import LAW_PLOT
+from kiln.flows.cli import main
+from kiln.flows.servers import servers_dir
+from kiln.tasks.scaling.plots import LAW_PLOT
 from tests.processes import kill_tree
 
 # `kiln up` starts Prefect and MLflow servers; the first test also pays for the module's servers, deployments
@@ -161,12 +161,12 @@ class Operated:
         self.timings: dict[str, float] = {}
 
     def kiln(self, *args: str, timeout_s: float = 300) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "flows.cli", *args], env=self.env, cwd=REPO,
+        return subprocess.run([sys.executable, "-m", "kiln.flows.cli", *args], env=self.env, cwd=REPO,
                               capture_output=True, text=True, timeout=timeout_s)
 
     def start_worker(self) -> None:
         log = open(self.root / "worker.log", "a")
-        self.worker = subprocess.Popen([sys.executable, "-m", "flows.cli", "worker"], env=self.env, cwd=REPO,
+        self.worker = subprocess.Popen([sys.executable, "-m", "kiln.flows.cli", "worker"], env=self.env, cwd=REPO,
                                        start_new_session=True, stdout=log, stderr=subprocess.STDOUT)
 
     def kill_worker(self) -> None:
@@ -363,9 +363,9 @@ def test_retry_button_in_the_prefect_ui_then_the_run_in_the_mlflow_ui(ops, in_re
 def test_concurrent_deployment_runs_share_one_store_safely(ops, in_repo):
     """Three pipeline deployment runs at once on a fresh store through the worker: two of one config,
     one whose tokenizer differs. Every key is computed once; the configs' outputs stay apart."""
-    from tasks.config import load_config
-    from tasks.graph import stage_keys
-    from tasks.store import Store
+    from kiln.tasks.config import load_config
+    from kiln.tasks.graph import stage_keys
+    from kiln.tasks.store import Store
 
     same = ops.parameters("shared")
     other = ops.parameters("shared", extra=("tokenize.vocab_size=384",))
@@ -408,7 +408,7 @@ def test_an_event_without_its_sentence_still_reaches_the_webhook(ops):
 
 SCHEDULE = """
 import sys
-from flows.deploy import continuous_eval_parameters, schedule_continuous_eval
+from kiln.flows.deploy import continuous_eval_parameters, schedule_continuous_eval
 config, every, overrides = sys.argv[1], sys.argv[2], sys.argv[3:]
 print(schedule_continuous_eval(config, *continuous_eval_parameters(config, overrides, every)))
 """
@@ -429,13 +429,13 @@ def test_continuous_eval_on_a_5s_schedule_scores_a_training_run_as_it_writes_che
     is scored once; a real regression (training goes on, at a high learning rate, on other text) reaches
     the webhook once, as a sentence with the run's page; once train and anneal are complete and scored,
     the schedule pauses itself and the runs Prefect had scheduled ahead are gone."""
-    from tasks.config import load_config
-    from tasks.data.tokenize import TOKENIZER_FILE
-    from tasks.evals.continuous import read_recorded
-    from tasks.evals.continuous_state import eval_targets
-    from tasks.graph import stage_keys
-    from tasks.store import Store
-    from tasks.train.loop import train_model
+    from kiln.tasks.config import load_config
+    from kiln.tasks.data.tokenize import TOKENIZER_FILE
+    from kiln.tasks.evals.continuous import read_recorded
+    from kiln.tasks.evals.continuous_state import eval_targets
+    from kiln.tasks.graph import stage_keys
+    from kiln.tasks.store import Store
+    from kiln.tasks.train.loop import train_model
     from tests.fixtures.continuous_eval import (MODEL, RISING_OPTIM, RUN, other_mixture, write_eval_file,
                                                 write_mixture, write_tokenizer)
 

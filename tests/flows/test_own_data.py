@@ -13,12 +13,12 @@ from pathlib import Path
 import fsspec.config
 import pytest
 
-from flows.cli import main
-from tasks.config import load_config
-from tasks.data.licences import normalise
-from tasks.graph import stage_keys
-from tasks.stages import REGISTRY
-from tasks.store import Store
+from kiln.flows.cli import main
+from kiln.tasks.config import load_config
+from kiln.tasks.data.licences import normalise
+from kiln.tasks.graph import stage_keys
+from kiln.tasks.stages import REGISTRY
+from kiln.tasks.store import Store
 from tests.fixtures.shards import records
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]  # the whole pipeline: 200 s measured at load average 12

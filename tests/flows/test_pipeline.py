@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
-from flows.cli import main
-from tasks.config import load_config
-from tasks.graph import stage_keys
-from tasks.stages import REGISTRY
-from tasks.store import MANIFEST_FILE, Store
+from kiln.flows.cli import main
+from kiln.tasks.config import load_config
+from kiln.tasks.graph import stage_keys
+from kiln.tasks.stages import REGISTRY
+from kiln.tasks.store import MANIFEST_FILE, Store
 from tests.fixtures import toy_stage
 from tests.processes import kill_tree
 
@@ -41,7 +41,7 @@ def stop_train_after_checkpoint(partial: Path, step: int, args: list[str]) -> in
     """Run `kiln stage train ARGS` in a subprocess and SIGKILL it, torchrun and its workers included,
     as soon as the checkpoint of `step` is complete in the stage's partial folder (as a lost node
     would); returns the newest complete checkpoint's step."""
-    proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "stage", "train", *args], cwd=REPO,
+    proc = subprocess.Popen([sys.executable, "-m", "kiln.flows.cli", "stage", "train", *args], cwd=REPO,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
     marker = partial / "checkpoints" / f"step_{step:07d}" / "COMPLETE"
     deadline = time.monotonic() + 300

@@ -46,7 +46,7 @@ class Project:
         self.worker: subprocess.Popen | None = None
 
     def kiln(self, *args: str, cwd: Path | None = None, timeout_s: float = 300) -> subprocess.CompletedProcess:
-        done = subprocess.run([sys.executable, "-m", "flows.cli", *args], env=self.env, cwd=cwd or self.folder,
+        done = subprocess.run([sys.executable, "-m", "kiln.flows.cli", *args], env=self.env, cwd=cwd or self.folder,
                               capture_output=True, text=True, timeout=timeout_s)
         assert done.returncode == 0, f"kiln {' '.join(args)}: {done.stdout[-2000:]}{done.stderr[-3000:]}"
         return done
@@ -61,7 +61,7 @@ class Project:
     def start_worker(self) -> None:
         """`kiln worker`, started from another folder: the deployments say where flow runs start."""
         log = open(self.root / "worker.log", "a")
-        self.worker = subprocess.Popen([sys.executable, "-m", "flows.cli", "worker"], env=self.env,
+        self.worker = subprocess.Popen([sys.executable, "-m", "kiln.flows.cli", "worker"], env=self.env,
                                        cwd=self.elsewhere, start_new_session=True, stdout=log, stderr=subprocess.STDOUT)
 
     def kill_worker(self) -> None:

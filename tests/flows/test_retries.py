@@ -11,14 +11,14 @@ from pathlib import Path
 from mlflow.tracking import MlflowClient
 from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 
-import flows.pipeline
-import flows.stages
-import tasks.stages
-from tasks.config import load_config
-from tasks.configbase import Section
-from tasks.errors import ConfigError, KilnError
-from tasks.stage import Registry, Stage, StageContext
-from tasks.stages import collect
+import kiln.flows.pipeline
+import kiln.flows.stages
+import kiln.tasks.stages
+from kiln.tasks.config import load_config
+from kiln.tasks.configbase import Section
+from kiln.tasks.errors import ConfigError, KilnError
+from kiln.tasks.stage import Registry, Stage, StageContext
+from kiln.tasks.stages import collect
 
 TOY = "tests/fixtures/toy.yaml"
 
@@ -39,11 +39,11 @@ def flaky_stage(failures: int) -> Stage:
 
 def test_a_retried_flow_run_reuses_upstream_and_keeps_one_mlflow_parent(prefect_api, in_repo, tmp_path, monkeypatch):
     registry = Registry([collect.STAGE, flaky_stage(failures=1)])
-    for module in (tasks.stages, flows.pipeline, flows.stages):
+    for module in (kiln.tasks.stages, kiln.flows.pipeline, kiln.flows.stages):
         monkeypatch.setattr(module, "REGISTRY", registry)
     overrides = [f"work_dir={tmp_path}"]
 
-    outcomes = flows.pipeline.pipeline.with_options(retries=1)(TOY, overrides)
+    outcomes = kiln.flows.pipeline.pipeline.with_options(retries=1)(TOY, overrides)
 
     assert [(o["stage"], o["status"]) for o in outcomes] == [("collect", "cached"), ("flaky", "ran")]
     cfg = load_config(TOY, overrides)
@@ -84,12 +84,12 @@ def test_a_retry_after_a_config_fix_renames_the_parent_and_names_each_attempts_s
     broken = f"extends: {Path(TOY).resolve()}\npicky: {{ready: false}}\n"
     config.write_text(broken)
     registry = Registry([collect.STAGE, picky_stage(config, broken.replace("false", "true"))])
-    for module in (tasks.stages, flows.pipeline, flows.stages):
+    for module in (kiln.tasks.stages, kiln.flows.pipeline, kiln.flows.stages):
         monkeypatch.setattr(module, "REGISTRY", registry)
     overrides = [f"work_dir={tmp_path / 'work'}"]
     first = load_config(str(config), overrides, registry)
 
-    outcomes = flows.pipeline.pipeline.with_options(retries=1)(str(config), overrides)
+    outcomes = kiln.flows.pipeline.pipeline.with_options(retries=1)(str(config), overrides)
 
     assert [(o["stage"], o["status"]) for o in outcomes] == [("collect", "cached"), ("picky", "ran")]
     fixed = load_config(str(config), overrides, registry)
@@ -123,11 +123,11 @@ def test_a_stage_the_runner_committed_outside_prefect_shows_cached_and_a_failed_
     from prefect.client.orchestration import get_client
     from prefect.settings import get_current_settings
 
-    from flows.environment import results_dir
-    from tasks.runner import run_stage
+    from kiln.flows.environment import results_dir
+    from kiln.tasks.runner import run_stage
 
     registry = Registry([collect.STAGE, flaky_stage(failures=1)])
-    for module in (tasks.stages, flows.pipeline, flows.stages):
+    for module in (kiln.tasks.stages, kiln.flows.pipeline, kiln.flows.stages):
         monkeypatch.setattr(module, "REGISTRY", registry)
     overrides = [f"work_dir={tmp_path / 'work'}"]
     cfg = load_config(TOY, overrides, registry)
@@ -135,7 +135,7 @@ def test_a_stage_the_runner_committed_outside_prefect_shows_cached_and_a_failed_
     default_storage = Path(get_current_settings().results.local_storage_path)
     before = set(default_storage.glob("*"))
 
-    state = flows.pipeline.pipeline(TOY, overrides, return_state=True)
+    state = kiln.flows.pipeline.pipeline(TOY, overrides, return_state=True)
 
     assert state.is_failed()
     with get_client(sync_client=True) as client:

@@ -22,8 +22,8 @@ from pathlib import Path
 import psycopg
 import pytest
 
-from flows.database import SECRETS_FILE
-from flows.servers import read_servers
+from kiln.flows.database import SECRETS_FILE
+from kiln.flows.servers import read_servers
 from tests.flows.test_operate import FINAL, WebhookReceiver, free_port
 from tests.flows.test_project import BLOCKLIST, CONFIG, WRONG_BLOCKLIST, Project, write_project
 

@@ -9,12 +9,12 @@ from __future__ import annotations
 import pytest
 from mlflow.tracking import MlflowClient
 
-from flows.stages import flow_for
-from tasks.config import load_config
-from tasks.data.shards import shard_paths
-from tasks.graph import stage_keys
-from tasks.runner import run_stage
-from tasks.store import Store
+from kiln.flows.stages import flow_for
+from kiln.tasks.config import load_config
+from kiln.tasks.data.shards import shard_paths
+from kiln.tasks.graph import stage_keys
+from kiln.tasks.runner import run_stage
+from kiln.tasks.store import Store
 from tests.processes import killing_first, slurm_job_steps
 from tests.tasks.data.test_executors import _logged
 

@@ -6,10 +6,10 @@ from prefect import flow
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
 
-from flows.stages import _publish
-from tasks.launch.cluster import launch_record
-from tasks.runner import StageOutcome
-from tasks.store import MANIFEST_FILE
+from kiln.flows.stages import _publish
+from kiln.tasks.launch.cluster import launch_record
+from kiln.tasks.runner import StageOutcome
+from kiln.tasks.store import MANIFEST_FILE
 
 
 def _latest(key: str):

@@ -22,7 +22,7 @@ from urllib.parse import urlsplit
 from datatrove.data import Document as DtDocument
 from datatrove.pipeline.filters.base_filter import BaseFilter
 
-from tasks.errors import ConfigError
+from kiln.tasks.errors import ConfigError
 
 
 def read_blocklist(path: str, setting: str) -> tuple[str, list[str]]:

@@ -15,7 +15,7 @@ from datatrove.data import Document as DtDocument
 from datatrove.pipeline.filters import C4QualityFilter, FineWebQualityFilter
 from pydantic import Field
 
-from tasks.configbase import Section, names_field
+from kiln.tasks.configbase import Section, names_field
 
 
 class C4Rules(Section):

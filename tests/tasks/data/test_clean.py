@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from tasks.data.clean import STATS_FILE, CleanConfig, clean_documents
-from tasks.data.documents import Document, read_shards
-from tasks.data.inspection import accounting
-from tasks.data.shards import KINDS, LISTING_FILE, shard_paths
-from tasks.errors import ConfigError, InputError
+from kiln.tasks.data.clean import STATS_FILE, CleanConfig, clean_documents
+from kiln.tasks.data.documents import Document, read_shards
+from kiln.tasks.data.inspection import accounting
+from kiln.tasks.data.shards import KINDS, LISTING_FILE, shard_paths
+from kiln.tasks.errors import ConfigError, InputError
 from tests.fixtures.shards import raw, records, write_stage
 
 EN = (

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from tasks.data.collect import CollectConfig, SourceConfig, collect_documents, source_paths
-from tasks.errors import ConfigError, InputError
+from kiln.tasks.data.collect import CollectConfig, SourceConfig, collect_documents, source_paths
+from kiln.tasks.errors import ConfigError, InputError
 from tests.fixtures import shards
 
 # Real text: the MIT licence and paragraphs of the GNU GPL v3 preamble.

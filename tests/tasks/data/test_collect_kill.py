@@ -17,14 +17,14 @@ from pathlib import Path
 
 import pytest
 
-from tasks.config import load_config
-from tasks.data.documents import read_documents, read_shards
-from tasks.data.shards import shard_paths
-from tasks.graph import stage_keys
-from tasks.runner import run_stage
-from tasks.stage import Registry
-from tasks.stages import collect as collect_stage
-from tasks.store import Store
+from kiln.tasks.config import load_config
+from kiln.tasks.data.documents import read_documents, read_shards
+from kiln.tasks.data.shards import shard_paths
+from kiln.tasks.graph import stage_keys
+from kiln.tasks.runner import run_stage
+from kiln.tasks.stage import Registry
+from kiln.tasks.stages import collect as collect_stage
+from kiln.tasks.store import Store
 from tests.fixtures import toy_stage
 
 REPO = Path(__file__).resolve().parents[3]
@@ -33,10 +33,10 @@ LICENCES = ["PSF-2.0", "GPL-2+", "Vim", "BSD-4-Clause-UC (fortune-mod; collected
 
 _CHILD = """
 import sys
-from tasks.config import load_config
-from tasks.runner import run_stage
-from tasks.stage import Registry
-from tasks.stages import collect
+from kiln.tasks.config import load_config
+from kiln.tasks.runner import run_stage
+from kiln.tasks.stage import Registry
+from kiln.tasks.stages import collect
 from tests.fixtures import toy_stage
 registry = Registry([collect.STAGE, toy_stage.STAGE])
 run_stage("collect", load_config(sys.argv[1], sys.argv[2:], registry=registry), registry=registry)

@@ -21,12 +21,12 @@ import zstandard
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tasks.data.clean import CleanConfig, clean_documents
-from tasks.data.collect import CollectConfig, SourceConfig, collect_documents
-from tasks.data.dedup import DedupConfig
-from tasks.data.dedup_job import dedup_documents
-from tasks.data.inspection import accounting
-from tasks.data.shards import KINDS, shard_paths
+from kiln.tasks.data.clean import CleanConfig, clean_documents
+from kiln.tasks.data.collect import CollectConfig, SourceConfig, collect_documents
+from kiln.tasks.data.dedup import DedupConfig
+from kiln.tasks.data.dedup_job import dedup_documents
+from kiln.tasks.data.inspection import accounting
+from kiln.tasks.data.shards import KINDS, shard_paths
 from tests.fixtures import shards
 
 REPO = Path(__file__).resolve().parents[3]

@@ -12,7 +12,7 @@ import pyarrow.parquet as pq
 import pytest
 from pydantic import ValidationError
 
-from tasks.data.collect import CollectConfig, SourceConfig, collect_documents
+from kiln.tasks.data.collect import CollectConfig, SourceConfig, collect_documents
 from tests.fixtures import shards
 
 PROSE = (

@@ -16,9 +16,9 @@ import zstandard
 from identify.vendor.licenses import LICENSES
 from pydantic import ValidationError
 
-from tasks.data.code_tree import language_of, licence_id, skip_reason, spdx_header
-from tasks.data.collect import CollectConfig, SourceConfig, collect_documents, source_paths
-from tasks.errors import ConfigError
+from kiln.tasks.data.code_tree import language_of, licence_id, skip_reason, spdx_header
+from kiln.tasks.data.collect import CollectConfig, SourceConfig, collect_documents, source_paths
+from kiln.tasks.errors import ConfigError
 from tests.fixtures import shards
 
 REPO = Path(__file__).resolve().parents[3]

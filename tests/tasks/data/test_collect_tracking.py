@@ -14,11 +14,11 @@ from hypothesis import strategies as st
 from mlflow.tracking import MlflowClient
 from mlflow.utils.validation import _validate_metric_name, _validate_param_name
 
-from tasks.config import load_config
-from tasks.runner import run_stage
-from tasks.stage import Registry
-from tasks.stages import collect as collect_stage
-from tasks.tracking import METRIC_NAMES_ARTIFACT, MlflowTracker, metric_name
+from kiln.tasks.config import load_config
+from kiln.tasks.runner import run_stage
+from kiln.tasks.stage import Registry
+from kiln.tasks.stages import collect as collect_stage
+from kiln.tasks.tracking import METRIC_NAMES_ARTIFACT, MlflowTracker, metric_name
 from tests.fixtures import toy_stage
 
 REPO = Path(__file__).resolve().parents[3]

@@ -7,13 +7,13 @@ from pathlib import Path
 
 import pytest
 
-from tasks.data.collect import CollectConfig, SourceConfig, collect_documents
-from tasks.data.decontaminate import DecontaminateConfig, Grams, decontaminate_documents, split_scripts, words
-from tasks.data.documents import Document, read_shards, write_documents
-from tasks.data.inspection import accounting
-from tasks.data.shards import shard_paths
-from tasks.errors import InputError
-from tasks.evals.heldout_task import write_heldout_task
+from kiln.tasks.data.collect import CollectConfig, SourceConfig, collect_documents
+from kiln.tasks.data.decontaminate import DecontaminateConfig, Grams, decontaminate_documents, split_scripts, words
+from kiln.tasks.data.documents import Document, read_shards, write_documents
+from kiln.tasks.data.inspection import accounting
+from kiln.tasks.data.shards import shard_paths
+from kiln.tasks.errors import InputError
+from kiln.tasks.evals.heldout_task import write_heldout_task
 from tests.fixtures.shards import raw, records, write_stage
 
 SAMPLE = Path(__file__).parents[3] / "data" / "sample"

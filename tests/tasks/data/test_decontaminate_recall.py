@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from tasks.data.decontaminate import (
+from kiln.tasks.data.decontaminate import (
     DecontaminateConfig,
     Grams,
     decontaminate_documents,
@@ -29,10 +29,10 @@ from tasks.data.decontaminate import (
     split_scripts,
     words,
 )
-from tasks.data.dedup import DedupConfig
-from tasks.data.dedup_job import dedup_documents
-from tasks.data.documents import Document, write_documents
-from tasks.data.shards import shard_paths
+from kiln.tasks.data.dedup import DedupConfig
+from kiln.tasks.data.dedup_job import dedup_documents
+from kiln.tasks.data.documents import Document, write_documents
+from kiln.tasks.data.shards import shard_paths
 
 SAMPLE = Path(__file__).parents[3] / "data" / "sample"
 NUM_PROBES, NUM_WIDELY_COPIED, COPIES = 200, 25, 15

@@ -10,14 +10,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tasks.data import dedup, minhash
-from tasks.data.dedup import DedupConfig
-from tasks.data.dedup_job import dedup_documents
-from tasks.data.dedup_index import INDEX_DIR, DedupIndex
-from tasks.data.documents import Document, write_documents
-from tasks.data.inspection import accounting
-from tasks.data.shards import KINDS, shard_paths
-from tasks.errors import ConfigError
+from kiln.tasks.data import dedup, minhash
+from kiln.tasks.data.dedup import DedupConfig
+from kiln.tasks.data.dedup_job import dedup_documents
+from kiln.tasks.data.dedup_index import INDEX_DIR, DedupIndex
+from kiln.tasks.data.documents import Document, write_documents
+from kiln.tasks.data.inspection import accounting
+from kiln.tasks.data.shards import KINDS, shard_paths
+from kiln.tasks.errors import ConfigError
 from tests.fixtures.shards import raw, records, write_stage
 
 # Real prose: the paragraphs of the GNU GPL v3 preamble.

@@ -7,12 +7,12 @@ from pathlib import Path
 
 import pytest
 
-from tasks.data.dedup import DedupConfig, lsh_bands, normalize
-from tasks.data.dedup_datatrove import STAGES, dedup_with_datatrove, minhash_config, stage_tasks
-from tasks.data.dedup_job import dedup_documents
-from tasks.data.documents import Document
-from tasks.data.shards import shard_paths
-from tasks.errors import ConfigError, InputError
+from kiln.tasks.data.dedup import DedupConfig, lsh_bands, normalize
+from kiln.tasks.data.dedup_datatrove import STAGES, dedup_with_datatrove, minhash_config, stage_tasks
+from kiln.tasks.data.dedup_job import dedup_documents
+from kiln.tasks.data.documents import Document
+from kiln.tasks.data.shards import shard_paths
+from kiln.tasks.errors import ConfigError, InputError
 from tests.fixtures.shards import records, write_stage
 
 COREUTILS = Path(__file__).parents[3] / "data" / "sample" / "prose" / "coreutils-man"

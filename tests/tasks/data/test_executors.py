@@ -33,16 +33,16 @@ from datatrove.executor import (
 )
 from loguru import logger
 
-from tasks.data.clean import CleanConfig, clean_documents
-from tasks.data.decontaminate import DecontaminateConfig, decontaminate_documents
-from tasks.data.dedup import DedupConfig
-from tasks.data.dedup_job import dedup_documents
-from tasks.data.documents import Document
-from tasks.data.executors import ExecutorError, ExecutorSettings, build_executor, read_results, save_result
-from tasks.data.shards import shard_paths
-from tasks.data.tokenize import TokenizeConfig, tokenize_corpus
-from tasks.errors import ConfigError
-from tasks.launch.cluster import SlurmSettings
+from kiln.tasks.data.clean import CleanConfig, clean_documents
+from kiln.tasks.data.decontaminate import DecontaminateConfig, decontaminate_documents
+from kiln.tasks.data.dedup import DedupConfig
+from kiln.tasks.data.dedup_job import dedup_documents
+from kiln.tasks.data.documents import Document
+from kiln.tasks.data.executors import ExecutorError, ExecutorSettings, build_executor, read_results, save_result
+from kiln.tasks.data.shards import shard_paths
+from kiln.tasks.data.tokenize import TokenizeConfig, tokenize_corpus
+from kiln.tasks.errors import ConfigError
+from kiln.tasks.launch.cluster import SlurmSettings
 from tests.fixtures.shards import write_stage
 from tests.processes import killing_first, ray_actors, slurm_job_steps
 
@@ -220,7 +220,7 @@ def test_executors_are_built_from_the_cluster_section(tmp_path):
 
 
 def test_cluster_section_decides_the_executor():
-    from tasks.config import ClusterConfig
+    from kiln.tasks.config import ClusterConfig
 
     assert ExecutorSettings.from_cluster(ClusterConfig()) == ExecutorSettings("local")
     slurm = ClusterConfig(executor="slurm", partition="cpu", time_limit="01:00:00")

@@ -6,13 +6,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from flows.cli import main
-from tasks.config import load_config
-from tasks.data.clean import CleanConfig, clean_documents
-from tasks.data.datatrove_logs import LOG_FILE
-from tasks.data.documents import Document
-from tasks.data.inspection import REPORT_JSON, REPORT_MD, REPORT_PNG, accounting, samples
-from tasks.runner import run_stage
+from kiln.flows.cli import main
+from kiln.tasks.config import load_config
+from kiln.tasks.data.clean import CleanConfig, clean_documents
+from kiln.tasks.data.datatrove_logs import LOG_FILE
+from kiln.tasks.data.documents import Document
+from kiln.tasks.data.inspection import REPORT_JSON, REPORT_MD, REPORT_PNG, accounting, samples
+from kiln.tasks.runner import run_stage
 from tests.fixtures.shards import write_stage
 
 REPO = Path(__file__).resolve().parents[3]

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from tasks.data.licences import LicencePolicy, normalise
+from kiln.tasks.data.licences import LicencePolicy, normalise
 
 POLICY = LicencePolicy(["MIT", "Apache-2.0", "GPL-2.0-or-later", "GPL-3.0-or-later", "CC-BY-SA-3.0", "public-domain"])
 

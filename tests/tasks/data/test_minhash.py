@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 from datasketch import LeanMinHash, MinHash, MinHashLSH
 
-from tasks.data import minhash
-from tasks.data.dedup import DedupConfig, normalize, shingles
+from kiln.tasks.data import minhash
+from kiln.tasks.data.dedup import DedupConfig, normalize, shingles
 
 SAMPLE = Path(__file__).resolve().parents[3] / "data" / "sample"
 

@@ -11,11 +11,11 @@ import fasttext
 import pytest
 from pydantic import ValidationError
 
-from tasks.data.clean import CleanConfig, clean_documents
-from tasks.data.collect import CollectConfig, SourceConfig, collect_documents
-from tasks.data.documents import read_shards
-from tasks.data.quality import HQ_LABEL
-from tasks.data.quality_training import (
+from kiln.tasks.data.clean import CleanConfig, clean_documents
+from kiln.tasks.data.collect import CollectConfig, SourceConfig, collect_documents
+from kiln.tasks.data.documents import read_shards
+from kiln.tasks.data.quality import HQ_LABEL
+from kiln.tasks.data.quality_training import (
     MODEL_FILE,
     REPORT_FILE,
     STORE_STAGE,
@@ -27,10 +27,10 @@ from tasks.data.quality_training import (
     score_texts,
     trained_model,
 )
-from tasks.data.shards import shard_paths
-from tasks.runner import StageRecorder, SubRuns
-from tasks.store import Store
-from tasks.tracker import NullTracker
+from kiln.tasks.data.shards import shard_paths
+from kiln.tasks.runner import StageRecorder, SubRuns
+from kiln.tasks.store import Store
+from kiln.tasks.tracker import NullTracker
 from tests.fixtures.shards import records
 
 REPO = Path(__file__).resolve().parents[3]

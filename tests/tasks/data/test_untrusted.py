@@ -5,7 +5,7 @@ from __future__ import annotations
 import io
 import json
 
-from tasks.data.untrusted import MAX_DEPTH, has_surrogates, parse_json, read_lines, repair_surrogates
+from kiln.tasks.data.untrusted import MAX_DEPTH, has_surrogates, parse_json, read_lines, repair_surrogates
 
 
 def test_a_number_past_pythons_digit_limit_is_a_reason_not_a_valueerror():

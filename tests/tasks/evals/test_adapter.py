@@ -9,7 +9,7 @@ from lm_eval.api.instance import Instance
 from lm_eval.api.registry import get_model
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from tasks.evals.adapter import KilnLM
+from kiln.tasks.evals.adapter import KilnLM
 
 SENTENCES = [
     "The cat sat on the mat and looked at the door.",

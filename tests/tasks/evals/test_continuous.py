@@ -16,25 +16,25 @@ import pytest
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
-import tasks.train.dcp as dcp_module
-from tasks.config import load_config
-from tasks.errors import ConfigError, InputError
-from tasks.evals.continuous import (
+import kiln.tasks.train.dcp as dcp_module
+from kiln.tasks.config import load_config
+from kiln.tasks.errors import ConfigError, InputError
+from kiln.tasks.evals.continuous import (
     STATE_FILE,
     EvalTarget,
     evaluate_checkpoint,
     plan_evaluations,
     read_recorded,
 )
-from tasks.evals.continuous_state import eval_targets
-from tasks.evals.evaluate import EvaluateConfig, evaluate_model
-from tasks.graph import stage_keys
-from tasks.library_output import LIBRARY_LOG
-from tasks.store import Store
-from tasks.train.checkpoint import MARKER, checkpoint_dir, sha256_file
-from tasks.train.dcp import load_model_weights
-from tasks.train.loop import train_model
-from tasks.train.model import Transformer, load_model
+from kiln.tasks.evals.continuous_state import eval_targets
+from kiln.tasks.evals.evaluate import EvaluateConfig, evaluate_model
+from kiln.tasks.graph import stage_keys
+from kiln.tasks.library_output import LIBRARY_LOG
+from kiln.tasks.store import Store
+from kiln.tasks.train.checkpoint import MARKER, checkpoint_dir, sha256_file
+from kiln.tasks.train.dcp import load_model_weights
+from kiln.tasks.train.loop import train_model
+from kiln.tasks.train.model import Transformer, load_model
 from tests.fixtures.continuous_eval import MODEL, OPTIM, RUN, TEXTS, write_eval_file, write_mixture, write_tokenizer
 
 REPO = Path(__file__).resolve().parents[3]
@@ -251,9 +251,9 @@ def test_target_resolves_the_train_run_and_eval_settings_from_the_config(monkeyp
 SCORER = """
 import json, sys, time
 from pathlib import Path
-from tasks.evals.continuous import EvalTarget, evaluate_checkpoint, plan_evaluations
-from tasks.evals.evaluate import EvaluateConfig
-from tasks.store import Store
+from kiln.tasks.evals.continuous import EvalTarget, evaluate_checkpoint, plan_evaluations
+from kiln.tasks.evals.evaluate import EvaluateConfig
+from kiln.tasks.store import Store
 
 root, me, eval_file, tokenizer = Path(sys.argv[1]), sys.argv[2], sys.argv[3], Path(sys.argv[4])
 target = EvalTarget(stage="train", stage_key="train0", eval_key="eval0", every=5,

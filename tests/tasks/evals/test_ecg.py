@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from tasks.evals.ecg import Curve, RegressionEvent, Score, all_events, curves, noise, open_regressions, plot_ecg
+from kiln.tasks.evals.ecg import Curve, RegressionEvent, Score, all_events, curves, noise, open_regressions, plot_ecg
 
 
 def rows(task: str, values: dict[int, dict[str, float]]) -> dict[tuple[int, str], dict]:

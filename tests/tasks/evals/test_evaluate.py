@@ -16,12 +16,12 @@ import torch.nn.functional as F
 from tokenizers import Tokenizer
 from lm_eval.api.instance import Instance
 
-from tasks.errors import ConfigError, InputError
-from tasks.evals.adapter import KilnLM
-from tasks.evals.evaluate import EvaluateConfig, evaluate_model
-from tasks.library_output import library_output_to
-from tasks.train.config import ModelConfig
-from tasks.train.model import build_model, save_model
+from kiln.tasks.errors import ConfigError, InputError
+from kiln.tasks.evals.adapter import KilnLM
+from kiln.tasks.evals.evaluate import EvaluateConfig, evaluate_model
+from kiln.tasks.library_output import library_output_to
+from kiln.tasks.train.config import ModelConfig
+from kiln.tasks.train.model import build_model, save_model
 from tests.fixtures.continuous_eval import EOS, TEXTS, write_eval_file, write_tokenizer
 
 MODEL = ModelConfig(d_model=32, n_layers=1, n_heads=2, max_seq_len=16)

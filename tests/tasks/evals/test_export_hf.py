@@ -19,12 +19,12 @@ os.environ["HF_DATASETS_OFFLINE"] = "1"
 
 import transformers  # noqa: E402
 
-from tasks.data.tokenize import EOS_TOKEN, TokenizeConfig, train_tokenizer  # noqa: E402
-from tasks.errors import InputError  # noqa: E402
-from tasks.evals.export_hf import export_hf, hf_state_dict, load_kiln_model  # noqa: E402
-from tasks.evals.heldout_task import task_name_for, write_heldout_task  # noqa: E402
-from tasks.train.config import ModelConfig  # noqa: E402
-from tasks.train.model import Transformer, save_model  # noqa: E402
+from kiln.tasks.data.tokenize import EOS_TOKEN, TokenizeConfig, train_tokenizer  # noqa: E402
+from kiln.tasks.errors import InputError  # noqa: E402
+from kiln.tasks.evals.export_hf import export_hf, hf_state_dict, load_kiln_model  # noqa: E402
+from kiln.tasks.evals.heldout_task import task_name_for, write_heldout_task  # noqa: E402
+from kiln.tasks.train.config import ModelConfig  # noqa: E402
+from kiln.tasks.train.model import Transformer, save_model  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[3]
 SAMPLE = REPO / "data" / "sample" / "prose" / "coreutils-man"
@@ -154,7 +154,7 @@ def test_load_kiln_model_reads_a_model_folder_and_a_stage_output(tmp_path):
 
 
 def test_load_kiln_model_reads_a_training_checkpoint(tmp_path):
-    from tasks.train.dcp import save_dcp
+    from kiln.tasks.train.dcp import save_dcp
 
     model = sharp_model(TINY, 300)
     optimizer = torch.optim.AdamW(model.parameters())
@@ -167,8 +167,8 @@ def test_load_kiln_model_reads_a_training_checkpoint(tmp_path):
 
 def test_lm_eval_cli_scores_the_export_as_kilns_adapter_scores_kilns_model(tokenizer_path, tmp_path):
     """`lm_eval --model hf --model_args pretrained=DIR` on Kiln's local held-out task, offline."""
-    from tasks.evals.adapter import KilnLM
-    from tasks.evals.evaluate import EvaluateConfig, evaluate_lm
+    from kiln.tasks.evals.adapter import KilnLM
+    from kiln.tasks.evals.evaluate import EvaluateConfig, evaluate_lm
 
     model = sharp_model(TINY, 512, seed=3)
     out = export(model, tokenizer_path, tmp_path / "hf")

@@ -10,10 +10,10 @@ import torch
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 
-from tasks.config import load_config  # noqa: E402
-from tasks.runner import run_stage  # noqa: E402
-from tasks.stages import REGISTRY  # noqa: E402
-from tasks.stages.export import HF_DIR  # noqa: E402
+from kiln.tasks.config import load_config  # noqa: E402
+from kiln.tasks.runner import run_stage  # noqa: E402
+from kiln.tasks.stages import REGISTRY  # noqa: E402
+from kiln.tasks.stages.export import HF_DIR  # noqa: E402
 from tests.fixtures.export_store import ANNEAL_MIXTURE, KEYS, REPO, build_store  # noqa: E402
 
 

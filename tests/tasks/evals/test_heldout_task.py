@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tasks.errors import InputError
-from tasks.evals.heldout_task import read_eval_records, task_name_for, write_heldout_task
+from kiln.tasks.errors import InputError
+from kiln.tasks.evals.heldout_task import read_eval_records, task_name_for, write_heldout_task
 
 
 def test_task_name_derives_from_file_stem() -> None:

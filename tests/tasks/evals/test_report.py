@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from tasks.evals.report import REPORT_FILE, TABLE_FILE, mlflow_table_tag, write_report
+from kiln.tasks.evals.report import REPORT_FILE, TABLE_FILE, mlflow_table_tag, write_report
 
 
 def results(bpb: float, acc: float, acc_norm: float, *, skipped: dict | None = None) -> dict:

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tasks.evals.evaluate import Contamination, EvaluateConfig, require_hub
-from tasks.evals.heldout_task import EvalDoc, read_eval_docs
-from tasks.evals.suite import (
+from kiln.tasks.evals.evaluate import Contamination, EvaluateConfig, require_hub
+from kiln.tasks.evals.heldout_task import EvalDoc, read_eval_docs
+from kiln.tasks.evals.suite import (
     STANDARD_SUITE,
     ChoiceTaskConfig,
     LinesTaskConfig,
@@ -19,7 +19,7 @@ from tasks.evals.suite import (
     lines_items,
     primary_metric,
 )
-from tasks.errors import InputError
+from kiln.tasks.errors import InputError
 
 REPO = Path(__file__).resolve().parents[3]
 PROSE = REPO / "data" / "evals" / "heldout.jsonl"
@@ -146,10 +146,10 @@ def test_the_standard_suite_is_in_the_decontaminate_and_evaluate_keys_and_offlin
         monkeypatch, tmp_path):
     from huggingface_hub import constants
 
-    from tasks.config import load_config
-    from tasks.data.decontaminate import DecontaminateConfig, decontaminate_documents
-    from tasks.data.documents import Document, write_documents
-    from tasks.graph import stage_keys
+    from kiln.tasks.config import load_config
+    from kiln.tasks.data.decontaminate import DecontaminateConfig, decontaminate_documents
+    from kiln.tasks.data.documents import Document, write_documents
+    from kiln.tasks.graph import stage_keys
 
     monkeypatch.chdir(REPO)
     base = stage_keys(load_config("configs/tiny.yaml"))

@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from tasks.launch.cluster import ClusterSpec
-from tasks.launch.launched_training import train_with_launcher
-from tasks.train.config import ModelConfig, OptimConfig, ParallelDims, TrainRunConfig
-from tasks.train.data_loader import Mixture
-from tasks.train.loop import train_model
+from kiln.tasks.launch.cluster import ClusterSpec
+from kiln.tasks.launch.launched_training import train_with_launcher
+from kiln.tasks.train.config import ModelConfig, OptimConfig, ParallelDims, TrainRunConfig
+from kiln.tasks.train.data_loader import Mixture
+from kiln.tasks.train.loop import train_model
 from tests.tasks.launch.test_torchrun_stage import write_tiny_corpus
 
 MODEL = ModelConfig(d_model=32, n_layers=2, n_heads=2, max_seq_len=32)

@@ -25,11 +25,11 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from tasks.errors import ConfigError
-from tasks.launch.cluster import ClusterSpec
-from tasks.launch.kubernetes import KubernetesJobFailed, KubernetesLauncher, first_failed_nodes
-from tasks.launch.launchers import LaunchError, read_failed_hosts, record_failed_hosts
-from tasks.launch.rank_hosts import failed_ranks
+from kiln.tasks.errors import ConfigError
+from kiln.tasks.launch.cluster import ClusterSpec
+from kiln.tasks.launch.kubernetes import KubernetesJobFailed, KubernetesLauncher, first_failed_nodes
+from kiln.tasks.launch.launchers import LaunchError, read_failed_hosts, record_failed_hosts
+from kiln.tasks.launch.rank_hosts import failed_ranks
 from tests.fixtures.kubectl.make_recordings import CLUSTER, COMMAND, LAUNCH, UIDS, applied_job
 
 REPO = Path(__file__).resolve().parents[3]
@@ -197,8 +197,8 @@ def test_failed_job_is_relaunched_off_the_node_that_failed(tmp_path: Path, monke
 CANCEL_SCRIPT = """
 import signal, sys
 from pathlib import Path
-from tasks.launch.kubernetes import KubernetesLauncher
-from tasks.launch.launchers import LaunchCancelled
+from kiln.tasks.launch.kubernetes import KubernetesLauncher
+from kiln.tasks.launch.launchers import LaunchCancelled
 from tests.fixtures.kubectl.make_recordings import CLUSTER, COMMAND, LAUNCH
 
 signal.signal(signal.SIGINT, signal.default_int_handler)  # even where the test runner ignores SIGINT

@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tasks.errors import ConfigError
-from tasks.launch.cluster import ClusterSpec
-from tasks.launch.kubernetes import KubernetesLauncher
-from tasks.launch.launchers import (
+from kiln.tasks.errors import ConfigError
+from kiln.tasks.launch.cluster import ClusterSpec
+from kiln.tasks.launch.kubernetes import KubernetesLauncher
+from kiln.tasks.launch.launchers import (
     LaunchError,
     LocalLauncher,
     TorchrunLauncher,
@@ -23,7 +23,7 @@ from tasks.launch.launchers import (
     read_failed_hosts,
     record_failed_hosts,
 )
-from tasks.launch.slurm import SlurmLauncher
+from kiln.tasks.launch.slurm import SlurmLauncher
 
 SLURM = ClusterSpec(nodes=4, gpus_per_node=8, partition="gpu", time_limit="12:00:00", rdzv_port=29400,
                     exclude_hosts=("node-bad",))

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
-from tasks.launch.cluster import ClusterSpec
-from tasks.launch.launchers import LaunchError, TorchrunLauncher
-from tasks.launch.rank_hosts import (
+from kiln.tasks.launch.cluster import ClusterSpec
+from kiln.tasks.launch.launchers import LaunchError, TorchrunLauncher
+from kiln.tasks.launch.rank_hosts import (
     RankFailure,
     failed_ranks,
     failed_ranks_and_hosts,
@@ -134,7 +134,7 @@ WORKER = """
 import os, signal, sys, time
 from pathlib import Path
 import torch.distributed as dist
-from tasks.launch.rank_hosts import register_rank
+from kiln.tasks.launch.rank_hosts import register_rank
 
 dist.init_process_group("gloo")
 register_rank(Path(sys.argv[1]), dist.get_rank(), int(os.environ["LOCAL_RANK"]))

@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from tasks.launch.cluster import ClusterSpec
-from tasks.launch.launchers import record_failed_hosts
-from tasks.launch.local_slurm import free_port
-from tasks.launch.slurm import Exclusion, SlurmJobFailed, SlurmLauncher, plan_exclusion
+from kiln.tasks.launch.cluster import ClusterSpec
+from kiln.tasks.launch.launchers import record_failed_hosts
+from kiln.tasks.launch.local_slurm import free_port
+from kiln.tasks.launch.slurm import Exclusion, SlurmJobFailed, SlurmLauncher, plan_exclusion
 
 REPO = Path(__file__).resolve().parents[3]
 # each rank says where it runs; rank 1 fails when asked to
@@ -29,8 +29,8 @@ sys.exit(3 if sys.argv[1:] == ["fail"] and os.environ["RANK"] == "1" else 0)
 WAIT_ON_A_JOB = """
 import sys
 from pathlib import Path
-from tasks.launch.cluster import ClusterSpec
-from tasks.launch.slurm import SlurmLauncher
+from kiln.tasks.launch.cluster import ClusterSpec
+from kiln.tasks.launch.slurm import SlurmLauncher
 SlurmLauncher(ClusterSpec(rdzv_port=int(sys.argv[2])), Path(sys.argv[1]), job_name="kiln-cancel").launch([sys.argv[3]])
 """
 

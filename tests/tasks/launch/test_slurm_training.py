@@ -9,13 +9,13 @@ from pathlib import Path
 
 import pytest
 
-from tasks.launch.cluster import ClusterSpec
-from tasks.launch.launched_training import LAUNCH_FILE, train_with_launcher
-from tasks.launch.local_slurm import free_port
-from tasks.launch.rank_hosts import REGISTRY_DIR, read_registry
-from tasks.train.callbacks import CallbackSpec
-from tasks.train.config import ModelConfig, OptimConfig, ParallelDims, TrainRunConfig
-from tasks.train.testing_faults import FAULT_MARKER, FaultInjection
+from kiln.tasks.launch.cluster import ClusterSpec
+from kiln.tasks.launch.launched_training import LAUNCH_FILE, train_with_launcher
+from kiln.tasks.launch.local_slurm import free_port
+from kiln.tasks.launch.rank_hosts import REGISTRY_DIR, read_registry
+from kiln.tasks.train.callbacks import CallbackSpec
+from kiln.tasks.train.config import ModelConfig, OptimConfig, ParallelDims, TrainRunConfig
+from kiln.tasks.train.testing_faults import FAULT_MARKER, FaultInjection
 from tests.tasks.launch.test_torchrun_stage import write_tiny_corpus
 
 MODEL = ModelConfig(d_model=32, n_layers=2, n_heads=2, max_seq_len=32)

@@ -6,12 +6,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tasks.launch.cluster import ClusterSpec
-from tasks.launch.launched_training import train_with_launcher
-from tasks.train.callbacks import CallbackSpec
-from tasks.train.config import ModelConfig, OptimConfig, ParallelDims, TrainRunConfig
-from tasks.train.loop import train_model
-from tasks.train.testing_faults import FaultInjection
+from kiln.tasks.launch.cluster import ClusterSpec
+from kiln.tasks.launch.launched_training import train_with_launcher
+from kiln.tasks.train.callbacks import CallbackSpec
+from kiln.tasks.train.config import ModelConfig, OptimConfig, ParallelDims, TrainRunConfig
+from kiln.tasks.train.loop import train_model
+from kiln.tasks.train.testing_faults import FaultInjection
 
 
 @pytest.mark.slow

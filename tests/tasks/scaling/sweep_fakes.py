@@ -5,8 +5,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from tasks.scaling.sweep import SweepConfig, Trial, TrialResult
-from tasks.train.data_loader import Mixture
+from kiln.tasks.scaling.sweep import SweepConfig, Trial, TrialResult
+from kiln.tasks.train.data_loader import Mixture
 
 POISON_LR = 66.0  # a trial at this lr kills its worker process, as the OOM killer would
 

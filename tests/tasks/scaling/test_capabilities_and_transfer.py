@@ -10,22 +10,22 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from tasks.config import load_config
-from tasks.errors import ConfigError
-from tasks.runner import run_stage
-from tasks.scaling.capabilities import (
+from kiln.tasks.config import load_config
+from kiln.tasks.errors import ConfigError
+from kiln.tasks.runner import run_stage
+from kiln.tasks.scaling.capabilities import (
     CapabilityConfig,
     ScoredModel,
     capability_trend,
     primary_metrics,
 )
-from tasks.scaling.transfer import (
+from kiln.tasks.scaling.transfer import (
     MixtureTransferConfig,
     choose_transfer_mixtures,
     transfer_spearman,
 )
-from tasks.scaling.validate import ValidateConfig, check_gate
-from tasks.store import FAILURE_FILE, Store
+from kiln.tasks.scaling.validate import ValidateConfig, check_gate
+from kiln.tasks.store import FAILURE_FILE, Store
 from tests.fixtures.validate_inputs import KEYS, commit_validate_inputs
 
 REPO = Path(__file__).resolve().parents[3]

@@ -12,11 +12,11 @@ import math
 import numpy as np
 import pytest
 
-from tasks.errors import ConfigError
-from tasks.scaling.fit import FitConfig, chosen_mixture, fit_laws, fit_mixture, hyper_at, laws_from_plan, loss_law_to_dict
-from tasks.scaling.laws import compute_optimal_allocation
-from tasks.scaling.mix import MixConfig, build_mixture_manifest
-from tasks.scaling.plan import (
+from kiln.tasks.errors import ConfigError
+from kiln.tasks.scaling.fit import FitConfig, chosen_mixture, fit_laws, fit_mixture, hyper_at, laws_from_plan, loss_law_to_dict
+from kiln.tasks.scaling.laws import compute_optimal_allocation
+from kiln.tasks.scaling.mix import MixConfig, build_mixture_manifest
+from kiln.tasks.scaling.plan import (
     R_STAR_D,
     DataBudget,
     budget_from_accelerators,
@@ -27,10 +27,10 @@ from tasks.scaling.plan import (
     plan_for_compute,
     plan_for_model,
 )
-from tasks.scaling.sweep import IsoFlopBudget, MixtureDesign, SweepConfig, TrialResult
-from tasks.scaling.transfer import transfer_spearman
-from tasks.scaling.validate import ValidateConfig, check_gate
-from tasks.train.config import ModelConfig, TrainRunConfig
+from kiln.tasks.scaling.sweep import IsoFlopBudget, MixtureDesign, SweepConfig, TrialResult
+from kiln.tasks.scaling.transfer import transfer_spearman
+from kiln.tasks.scaling.validate import ValidateConfig, check_gate
+from kiln.tasks.train.config import ModelConfig, TrainRunConfig
 
 TRUTH = {"E": 2.0, "A": 400.0, "B": 600.0, "alpha": 0.35, "beta": 0.3}
 BUDGETS = (1e13, 3e13, 1e14, 3e14, 1e15)

@@ -8,14 +8,14 @@ from pathlib import Path
 
 import pytest
 
-from tasks.config import load_config
-from tasks.errors import ConfigError
-from tasks.runner import StageRecorder
-from tasks.scaling.fit import PLAN_FILE
-from tasks.scaling.validate import REPORT_FILE, ValidationGateError, check_gate
-from tasks.stage import StageContext
-from tasks.stages.train import check_gate_passed, planned_run
-from tasks.store import Store
+from kiln.tasks.config import load_config
+from kiln.tasks.errors import ConfigError
+from kiln.tasks.runner import StageRecorder
+from kiln.tasks.scaling.fit import PLAN_FILE
+from kiln.tasks.scaling.validate import REPORT_FILE, ValidationGateError, check_gate
+from kiln.tasks.stage import StageContext
+from kiln.tasks.stages.train import check_gate_passed, planned_run
+from kiln.tasks.store import Store
 from tests.tasks.scaling.test_sweep import RecordingTracker
 
 PRODUCTION = {"model": {"d_model": 24, "n_layers": 2, "n_heads": 12, "max_seq_len": 64}, "tokens": 1_024_000,
@@ -94,7 +94,7 @@ def test_train_model_plan_without_a_production_plan_says_what_is_missing(tmp_pat
 
 
 def test_train_says_where_it_landed_and_in_words_why_it_is_not_below_validate():
-    from tasks.stages.train import against_validate, headline, landed
+    from kiln.tasks.stages.train import against_validate, headline, landed
 
     stats = {"steps": 3289, "tokens_seen": 1_683_968, "num_params": 118_750, "final_train_loss": 5.0,
              "val_loss": 5.3, "predicted_val_loss": 5.16, "predicted_interval": [4.91, 5.62], "num_rollbacks": 0,

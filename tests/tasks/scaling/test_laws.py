@@ -15,7 +15,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from tasks.scaling.laws import (
+from kiln.tasks.scaling.laws import (
     compute_optimal_allocation,
     fit_hyperparameter_laws,
     fit_isoflop_minima,

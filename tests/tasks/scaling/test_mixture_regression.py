@@ -11,7 +11,7 @@ import json
 import numpy as np
 import pytest
 
-from tasks.scaling.mixture_regression import fit_mixture_regression, minimum_trials, recommend_mixture
+from kiln.tasks.scaling.mixture_regression import fit_mixture_regression, minimum_trials, recommend_mixture
 
 OPTIMUM = np.array([0.4, 0.3, 0.2, 0.1])
 DOMAINS = ("web", "code", "books", "math")

@@ -10,11 +10,11 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from tasks.data.tokenize import SHARDS_FILE
-from tasks.runner import StageRecorder, SubRuns
-from tasks.scaling.fit import excluded, law_points
-from tasks.scaling.mixture_regression import minimum_trials
-from tasks.scaling.sweep import (
+from kiln.tasks.data.tokenize import SHARDS_FILE
+from kiln.tasks.runner import StageRecorder, SubRuns
+from kiln.tasks.scaling.fit import excluded, law_points
+from kiln.tasks.scaling.mixture_regression import minimum_trials
+from kiln.tasks.scaling.sweep import (
     RESULT_FILE,
     TRIALS_DIR,
     TRIALS_FILE,
@@ -30,12 +30,12 @@ from tasks.scaling.sweep import (
     sampled_mixtures,
     save_result,
 )
-from tasks.scaling.trial_runs import PoolTrials
-from tasks.stage import StageContext
-from tasks.stages import sweep as sweep_stage
-from tasks.store import Store
-from tasks.tracker import NullTracker
-from tasks.train.config import ModelConfig, TrainRunConfig
+from kiln.tasks.scaling.trial_runs import PoolTrials
+from kiln.tasks.stage import StageContext
+from kiln.tasks.stages import sweep as sweep_stage
+from kiln.tasks.store import Store
+from kiln.tasks.tracker import NullTracker
+from kiln.tasks.train.config import ModelConfig, TrainRunConfig
 from tests.tasks.scaling.sweep_fakes import POISON_LR, fake_trial
 
 @pytest.fixture(scope="module")

@@ -17,13 +17,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tasks.errors import is_retryable
+from kiln.tasks.errors import is_retryable
 from tests.processes import argv
-from tasks.launch.cluster import ClusterSpec
-from tasks.launch.launchers import LaunchError
-from tasks.launch.local_slurm import free_port
-from tasks.runner import StageRecorder, SubRuns
-from tasks.scaling.sweep import (
+from kiln.tasks.launch.cluster import ClusterSpec
+from kiln.tasks.launch.launchers import LaunchError
+from kiln.tasks.launch.local_slurm import free_port
+from kiln.tasks.runner import StageRecorder, SubRuns
+from kiln.tasks.scaling.sweep import (
     RESULT_FILE,
     TRIALS_DIR,
     TRIALS_FILE,
@@ -33,10 +33,10 @@ from tasks.scaling.sweep import (
     load_trials,
     run_sweep,
 )
-from tasks.scaling.trial_runs import JOBS_DIR, JobTrials, PoolTrials
-from tasks.store import Store
-from tasks.tracker import NullTracker
-from tasks.train.config import ModelConfig, TrainRunConfig
+from kiln.tasks.scaling.trial_runs import JOBS_DIR, JobTrials, PoolTrials
+from kiln.tasks.store import Store
+from kiln.tasks.tracker import NullTracker
+from kiln.tasks.train.config import ModelConfig, TrainRunConfig
 
 MAX_PARALLEL = 2
 # how long the watcher waits for a trial to be training inside a job before it gives up (a slow machine)
@@ -106,7 +106,7 @@ def _job_program(job: str) -> int | None:
     """The pid of the trial runner inside Slurm job `job` (its step's Python program, not srun or the shell)."""
     listed = subprocess.run(["scontrol", "listpids", job], capture_output=True, text=True).stdout.splitlines()[1:]
     pids = [int(line.split()[0]) for line in listed if line.split() and int(line.split()[0]) > 0]
-    return next((pid for pid in pids if "tasks.scaling.trial_runs" in argv(pid)), None)
+    return next((pid for pid in pids if "kiln.tasks.scaling.trial_runs" in argv(pid)), None)
 
 
 def _share_of(out: Path, trial: str) -> int | None:

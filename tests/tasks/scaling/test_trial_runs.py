@@ -12,12 +12,12 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from tasks.errors import ConfigError
-from tasks.launch.cluster import ClusterSpec
-from tasks.launch.kubernetes import KubernetesIndexedLauncher
-from tasks.scaling.sweep import TRIALS_DIR, Trial, run_sweep
-from tasks.scaling.trial_runs import JOBS_DIR, JobTrials, deal
-from tasks.store import Store
+from kiln.tasks.errors import ConfigError
+from kiln.tasks.launch.cluster import ClusterSpec
+from kiln.tasks.launch.kubernetes import KubernetesIndexedLauncher
+from kiln.tasks.scaling.sweep import TRIALS_DIR, Trial, run_sweep
+from kiln.tasks.scaling.trial_runs import JOBS_DIR, JobTrials, deal
+from kiln.tasks.store import Store
 from tests.tasks.scaling.test_sweep import shards, subruns, tiny  # noqa: F401 (shards is a fixture)
 
 
@@ -46,7 +46,7 @@ def test_the_kubernetes_job_of_trial_shares_is_a_valid_indexed_job(version, tmp_
         "Indexed", 5, 3, 2)
     container = spec["template"]["spec"]["containers"][0]
     assert container["resources"]["limits"] == {"nvidia.com/gpu": 1}  # one process, one GPU: not the node's 8
-    assert container["args"][0].startswith("exec python -m tasks.scaling.trial_runs ")
+    assert container["args"][0].startswith("exec python -m kiln.tasks.scaling.trial_runs ")
     assert container["args"][0].endswith(" --share-env JOB_COMPLETION_INDEX")
     affinity = spec["template"]["spec"]["affinity"]["nodeAffinity"]
     assert affinity["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"][0]["matchExpressions"][0][

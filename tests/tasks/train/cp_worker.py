@@ -21,10 +21,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
-from tasks.train.config import ModelConfig, OptimConfig, ParallelDims
-from tasks.train.distributed import clip_grad_norm, init_distributed, make_optimizer
-from tasks.train.model import Transformer
-from tasks.train.parallel import (
+from kiln.tasks.train.config import ModelConfig, OptimConfig, ParallelDims
+from kiln.tasks.train.distributed import clip_grad_norm, init_distributed, make_optimizer
+from kiln.tasks.train.model import Transformer
+from kiln.tasks.train.parallel import (
     build_mesh,
     check_context_split,
     check_divisible,

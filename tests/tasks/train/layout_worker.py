@@ -18,11 +18,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from tasks.launch import dist_worker
-from tasks.train.config import ModelConfig, ParallelDims
-from tasks.train.distributed import init_distributed
-from tasks.train.model import seeded_weights
-from tasks.train.parallel import build_mesh, build_parallel
+from kiln.tasks.launch import dist_worker
+from kiln.tasks.train.config import ModelConfig, ParallelDims
+from kiln.tasks.train.distributed import init_distributed
+from kiln.tasks.train.model import seeded_weights
+from kiln.tasks.train.parallel import build_mesh, build_parallel
 
 SEED = 0
 VOCAB = 64

@@ -25,11 +25,11 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
 from torch.distributed.tensor import DTensor
 
-from tasks.train.config import ModelConfig, OptimConfig, ParallelDims
-from tasks.train.dcp import load_latest_dcp, save_dcp
-from tasks.train.distributed import init_distributed, make_optimizer
-from tasks.train.model import seeded_weights
-from tasks.train.parallel import build_mesh, build_parallel
+from kiln.tasks.train.config import ModelConfig, OptimConfig, ParallelDims
+from kiln.tasks.train.dcp import load_latest_dcp, save_dcp
+from kiln.tasks.train.distributed import init_distributed, make_optimizer
+from kiln.tasks.train.model import seeded_weights
+from kiln.tasks.train.parallel import build_mesh, build_parallel
 
 SEED, LOAD_SEED = 0, 99
 STEPS, BATCH, SEQ = 2, 4, 8

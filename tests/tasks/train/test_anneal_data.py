@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 from tokenizers import Tokenizer
 
-from tasks.data.documents import Document
-from tasks.data.tokenize import SHARDS_FILE, TOKENIZER_FILE, TokenizeConfig, tokenize_corpus
-from tasks.errors import ConfigError
-from tasks.train.anneal import QualitySelection
-from tasks.train.anneal_data import anneal_mixture, select_by_quality, top_quality_cutoff
+from kiln.tasks.data.documents import Document
+from kiln.tasks.data.tokenize import SHARDS_FILE, TOKENIZER_FILE, TokenizeConfig, tokenize_corpus
+from kiln.tasks.errors import ConfigError
+from kiln.tasks.train.anneal import QualitySelection
+from kiln.tasks.train.anneal_data import anneal_mixture, select_by_quality, top_quality_cutoff
 from tests.fixtures.shards import write_stage
 from tests.fixtures.splits import expected_splits
 

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from tasks.train.anneal import AnnealConfig, anneal_checkpointing, anneal_settings
-from tasks.train.config import OptimConfig, TrainRunConfig
+from kiln.tasks.train.anneal import AnnealConfig, anneal_checkpointing, anneal_settings
+from kiln.tasks.train.config import OptimConfig, TrainRunConfig
 
 
 def test_the_anneal_checkpoints_on_its_own_cadence_or_the_train_runs():

@@ -9,20 +9,20 @@ from pathlib import Path
 import pytest
 import torch
 
-from tasks.config import load_config
-from tasks.data.documents import Document
-from tasks.data.tokenize import SHARDS_FILE, TokenizeConfig, tokenize_corpus
-from tasks.errors import ConfigError
-from tasks.runner import StageRecorder, stage_forecast
-from tasks.stage import StageContext
-from tasks.stages import anneal, anneal_ablation
-from tasks.store import Store
-from tasks.tracker import NullTracker
-from tasks.train.config import ModelConfig, OptimConfig, TrainRunConfig
-from tasks.train.data_loader import mixture_with_weights
-from tasks.train.loop import train_model
-from tasks.train.model import load_model
-from tasks.train.planner import forecast_training
+from kiln.tasks.config import load_config
+from kiln.tasks.data.documents import Document
+from kiln.tasks.data.tokenize import SHARDS_FILE, TokenizeConfig, tokenize_corpus
+from kiln.tasks.errors import ConfigError
+from kiln.tasks.runner import StageRecorder, stage_forecast
+from kiln.tasks.stage import StageContext
+from kiln.tasks.stages import anneal, anneal_ablation
+from kiln.tasks.store import Store
+from kiln.tasks.tracker import NullTracker
+from kiln.tasks.train.config import ModelConfig, OptimConfig, TrainRunConfig
+from kiln.tasks.train.data_loader import mixture_with_weights
+from kiln.tasks.train.loop import train_model
+from kiln.tasks.train.model import load_model
+from kiln.tasks.train.planner import forecast_training
 from tests.fixtures.shards import write_stage
 
 REPO = Path(__file__).resolve().parents[3]

@@ -28,10 +28,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tasks.train.config import ModelConfig, OptimConfig, ParallelDims
-from tasks.train.distributed import clip_grad_norm, make_optimizer
-from tasks.train.model import Transformer, build_model, causal_attention
-from tasks.train.parallel import check_context_split, context_chunk, offset_causal_attention
+from kiln.tasks.train.config import ModelConfig, OptimConfig, ParallelDims
+from kiln.tasks.train.distributed import clip_grad_norm, make_optimizer
+from kiln.tasks.train.model import Transformer, build_model, causal_attention
+from kiln.tasks.train.parallel import check_context_split, context_chunk, offset_causal_attention
 
 REPO = Path(__file__).resolve().parents[3]
 TORCHRUN = Path(sys.executable).parent / "torchrun"

@@ -27,12 +27,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tasks.train.config import ModelConfig, OptimConfig, TrainRunConfig
-from tasks.train.data_loader import Mixture, batch_for_step, batch_sources
-from tasks.train.dcp import load_latest_dcp, save_dcp
-from tasks.train.distributed import batch_checksum, make_optimizer
-from tasks.train.model import build_model, count_parameters, load_model
-from tasks.train.parallel import ParallelDims
+from kiln.tasks.train.config import ModelConfig, OptimConfig, TrainRunConfig
+from kiln.tasks.train.data_loader import Mixture, batch_for_step, batch_sources
+from kiln.tasks.train.dcp import load_latest_dcp, save_dcp
+from kiln.tasks.train.distributed import batch_checksum, make_optimizer
+from kiln.tasks.train.model import build_model, count_parameters, load_model
+from kiln.tasks.train.parallel import ParallelDims
 
 REPO = Path(__file__).resolve().parents[3]
 TORCHRUN = Path(sys.executable).parent / "torchrun"
@@ -87,7 +87,7 @@ def run_worker(launcher: list[str], configs: dict[str, dict], work: Path) -> dic
     for name, cfg in configs.items():
         (work / f"{name}.config.json").write_text(json.dumps(cfg))
         args += ["--config", str(work / f"{name}.config.json"), "--out", str(work / f"{name}.json")]
-    cmd = [*launcher, "-m", "tasks.launch.dist_worker", *args]
+    cmd = [*launcher, "-m", "kiln.tasks.launch.dist_worker", *args]
     proc = subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return {name: json.loads((work / f"{name}.json").read_text()) for name in configs}

@@ -34,11 +34,11 @@ import numpy as np
 import pytest
 import torch
 
-from tasks.train.config import ModelConfig, OptimConfig, TrainRunConfig
-from tasks.train.data_loader import Mixture
-from tasks.train.loop import train_model
-from tasks.train.model import build_model, count_parameters, load_model
-from tasks.train.parallel import ParallelDims, check_divisible
+from kiln.tasks.train.config import ModelConfig, OptimConfig, TrainRunConfig
+from kiln.tasks.train.data_loader import Mixture
+from kiln.tasks.train.loop import train_model
+from kiln.tasks.train.model import build_model, count_parameters, load_model
+from kiln.tasks.train.parallel import ParallelDims, check_divisible
 
 REPO = Path(__file__).resolve().parents[3]
 TORCHRUN = Path(sys.executable).parent / "torchrun"

@@ -35,11 +35,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from tasks.train.config import ModelConfig, ParallelDims
-from tasks.train.dcp import load_latest_dcp, save_dcp
-from tasks.train.distributed import make_optimizer
-from tasks.train.model import Transformer, build_model
-from tasks.train.parallel import pipeline_parts
+from kiln.tasks.train.config import ModelConfig, ParallelDims
+from kiln.tasks.train.dcp import load_latest_dcp, save_dcp
+from kiln.tasks.train.distributed import make_optimizer
+from kiln.tasks.train.model import Transformer, build_model
+from kiln.tasks.train.parallel import pipeline_parts
 from tests.tasks.train.parallel_ckpt_worker import LOAD_SEED, OPTIM, SEED, STEPS, full_state, train
 
 REPO = Path(__file__).resolve().parents[3]

@@ -13,19 +13,19 @@ import pytest
 import torch
 from torch.distributed._tools.mem_tracker import MemTracker
 
-from tasks.errors import ConfigError
-from tasks.launch.cluster import ClusterSpec
-from tasks.train.config import ModelConfig, ParallelDims, TrainRunConfig
-from tasks.train.distributed import make_optimizer, objective
-from tasks.train.model import build_model, count_parameters, flops_per_token
-from tasks.train.parallel import apply_activation_checkpointing
-from tasks.train.plan_memory import (
+from kiln.tasks.errors import ConfigError
+from kiln.tasks.launch.cluster import ClusterSpec
+from kiln.tasks.train.config import ModelConfig, ParallelDims, TrainRunConfig
+from kiln.tasks.train.distributed import make_optimizer, objective
+from kiln.tasks.train.model import build_model, count_parameters, flops_per_token
+from kiln.tasks.train.parallel import apply_activation_checkpointing
+from kiln.tasks.train.plan_memory import (
     activation_bytes_per_layer,
     head_activation_bytes,
     rank_memory,
     rank_parameters,
 )
-from tasks.train.planner import (
+from kiln.tasks.train.planner import (
     CandidateLayout,
     checked_layout,
     estimate_memory,
@@ -64,7 +64,7 @@ ONE_DEVICE = CandidateLayout(1, 1, 1, 1, 2, "none")
 @pytest.mark.parametrize("cfg", SMALL)
 def test_model_states_match_a_real_adamw_step(cfg: ModelConfig) -> None:
     model = build_model(cfg, V, seed=0)
-    opt = make_optimizer(model, __import__("tasks.train.config", fromlist=["OptimConfig"]).OptimConfig(),
+    opt = make_optimizer(model, __import__("kiln.tasks.train.config", fromlist=["OptimConfig"]).OptimConfig(),
                          torch.device("cpu"))
     idx = torch.randint(0, V, (2, 16))
     objective(model(idx), idx, 0.0)[1].backward()

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-import tasks.progress
-from tasks.errors import ConfigError
-from tasks.train.callbacks import CallbackSpec, Hooks, TrainCallback
-from tasks.train.data_loader import Mixture
-from tasks.train.loop import train_model
-from tasks.train.testing_faults import FaultInjection
+import kiln.tasks.progress
+from kiln.tasks.errors import ConfigError
+from kiln.tasks.train.callbacks import CallbackSpec, Hooks, TrainCallback
+from kiln.tasks.train.data_loader import Mixture
+from kiln.tasks.train.loop import train_model
+from kiln.tasks.train.testing_faults import FaultInjection
 from tests.tasks.train.test_train_loop import MODEL, OPTIM, RUN, write_mixture
 
 
@@ -59,7 +59,7 @@ def test_hooks_are_called_at_fixed_points(mixture, tmp_path) -> None:
 
 
 def test_training_reports_its_steps_as_plain_lines_in_a_log(mixture, tmp_path, capsys, monkeypatch) -> None:
-    monkeypatch.setattr(tasks.progress, "LOG_EVERY_S", 0.0)  # a line per step, as every 30 s in a long run
+    monkeypatch.setattr(kiln.tasks.progress, "LOG_EVERY_S", 0.0)  # a line per step, as every 30 s in a long run
     run = RUN.model_copy(update={"steps": 4, "log_every": 2})
     train_model(MODEL, OPTIM, run, mixture, tmp_path)
     lines = [line.split(", ") for line in capsys.readouterr().err.splitlines() if line.startswith("train: ")]
@@ -95,16 +95,16 @@ def test_hooks_dispatch_only_to_overriding_callbacks() -> None:
 
 def test_callback_spec_round_trips_through_json() -> None:
     spec = CallbackSpec.of(FaultInjection, lr_multiplier={"3": 2.0}, kill_rank_at_step=[1, 6])
-    assert spec.target == "tasks.train.testing_faults.FaultInjection"
+    assert spec.target == "kiln.tasks.train.testing_faults.FaultInjection"
     built = CallbackSpec.from_json(spec.to_json()).build()
     assert isinstance(built, FaultInjection)
     assert built.lr_multiplier == {3: 2.0} and built.kill_rank_at_step == (1, 6)
 
 
 @pytest.mark.parametrize("raw, error", [
-    ({"target": "tasks.train.nowhere.Callback"}, "not found"),
-    ({"target": "tasks.train.loop.train_model"}, "not a TrainCallback"),
-    ({"target": "tasks.train.testing_faults.FaultInjection", "kwargs": {"flip_bits": 1}}, "flip_bits"),
+    ({"target": "kiln.tasks.train.nowhere.Callback"}, "not found"),
+    ({"target": "kiln.tasks.train.loop.train_model"}, "not a TrainCallback"),
+    ({"target": "kiln.tasks.train.testing_faults.FaultInjection", "kwargs": {"flip_bits": 1}}, "flip_bits"),
     ({"class": "x"}, "a callback spec is"),
 ])
 def test_bad_callback_specs_are_config_errors(raw, error) -> None:

@@ -8,8 +8,8 @@ import pytest
 import torch
 from torch import nn
 
-from tasks.train.checkpoint import MARKER, checkpoint_dir, delete_checkpoints_after, kept_steps, steps_on_disk
-from tasks.train.dcp import latest_intact_dcp, load_dcp, load_latest_dcp, save_dcp
+from kiln.tasks.train.checkpoint import MARKER, checkpoint_dir, delete_checkpoints_after, kept_steps, steps_on_disk
+from kiln.tasks.train.dcp import latest_intact_dcp, load_dcp, load_latest_dcp, save_dcp
 
 SHARD = "__0_0.distcp"
 

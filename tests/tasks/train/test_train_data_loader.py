@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from tasks.errors import ConfigError, InputError
-from tasks.train.data_loader import Mixture, batch_for_step, mixture_with_weights, validation_batches
+from kiln.tasks.errors import ConfigError, InputError
+from kiln.tasks.train.data_loader import Mixture, batch_for_step, mixture_with_weights, validation_batches
 
 # each domain's tokens live in its own id range, so a token tells which domain it came from
 RANGES = {"web": (0, 100), "code": (100, 200), "books": (200, 300)}

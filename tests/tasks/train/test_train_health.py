@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 import torch
 
-from tasks.errors import ConfigError
-from tasks.train.callbacks import CallbackSpec
-from tasks.train.config import HealthConfig, TrainRunConfig
-from tasks.train.data_loader import Mixture, batch_for_step, batch_sources
-from tasks.train.health import (
+from kiln.tasks.errors import ConfigError
+from kiln.tasks.train.callbacks import CallbackSpec
+from kiln.tasks.train.config import HealthConfig, TrainRunConfig
+from kiln.tasks.train.data_loader import Mixture, batch_for_step, batch_sources
+from kiln.tasks.train.health import (
     EVENTS_FILE,
     Anomaly,
     SkipWindow,
@@ -26,8 +26,8 @@ from tasks.train.health import (
     rollback_bound,
     windows_from_events,
 )
-from tasks.train.loop import train_model
-from tasks.train.testing_faults import FaultInjection
+from kiln.tasks.train.loop import train_model
+from kiln.tasks.train.testing_faults import FaultInjection
 from tests.tasks.train.test_train_loop import MODEL, OPTIM, RUN, write_mixture
 
 CFG = HealthConfig(spike_zscore=6.0, spike_window=5, min_steps_before_check=3)
@@ -331,7 +331,7 @@ def test_unknown_fault_is_rejected() -> None:
 def test_compile_with_activation_checkpointing_is_refused_clearly():
     import pytest
 
-    from tasks.train.config import TrainRunConfig
+    from kiln.tasks.train.config import TrainRunConfig
 
     with pytest.raises(ValueError, match="activation_checkpointing='selective' cannot be combined with run.compile"):
         TrainRunConfig(activation_checkpointing="selective", compile=True)

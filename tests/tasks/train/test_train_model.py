@@ -6,8 +6,8 @@ import pydantic
 import pytest
 import torch
 
-from tasks.train.config import ModelConfig, TrainRunConfig
-from tasks.train.model import build_model, count_parameters, flops_per_token, load_model, save_model
+from kiln.tasks.train.config import ModelConfig, TrainRunConfig
+from kiln.tasks.train.model import build_model, count_parameters, flops_per_token, load_model, save_model
 
 V = 97
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from tasks.train.config import OptimConfig
-from tasks.train.schedule import lr_at
+from kiln.tasks.train.config import OptimConfig
+from kiln.tasks.train.schedule import lr_at
 
 
 def curve(cfg: OptimConfig, total: int) -> list[float]:

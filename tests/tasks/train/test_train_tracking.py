@@ -9,12 +9,12 @@ from pathlib import Path
 
 from mlflow.tracking import MlflowClient
 
-from tasks.config import load_config
-from tasks.runner import run_stage
-from tasks.scaling.fit import PLAN_FILE
-from tasks.scaling.validate import REPORT_FILE
-from tasks.store import Store
-from tasks.tracking import MlflowTracker
+from kiln.tasks.config import load_config
+from kiln.tasks.runner import run_stage
+from kiln.tasks.scaling.fit import PLAN_FILE
+from kiln.tasks.scaling.validate import REPORT_FILE
+from kiln.tasks.store import Store
+from kiln.tasks.tracking import MlflowTracker
 from tests.fixtures.validate_inputs import KEYS, VALIDATE_STATS, commit, commit_mix
 
 REPO = Path(__file__).resolve().parents[3]

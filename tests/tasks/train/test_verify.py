@@ -28,13 +28,13 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from flows.cli import main
-from tasks.train.config import ModelConfig, ParallelDims, TrainRunConfig
-from tasks.train.distributed import Layout
-from tasks.train.parallel import build_mesh
-from tasks.train.plan_memory import CandidateLayout, in_flight, rank_memory
-from tasks.train.planner import plan_presets
-from tasks.train.verify import PEAK_TOLERANCE, measure_rank, scaled_step, schedule_order, verify_plan
+from kiln.flows.cli import main
+from kiln.tasks.train.config import ModelConfig, ParallelDims, TrainRunConfig
+from kiln.tasks.train.distributed import Layout
+from kiln.tasks.train.parallel import build_mesh
+from kiln.tasks.train.plan_memory import CandidateLayout, in_flight, rank_memory
+from kiln.tasks.train.planner import plan_presets
+from kiln.tasks.train.verify import PEAK_TOLERANCE, measure_rank, scaled_step, schedule_order, verify_plan
 
 V = 4096
 SMALL = ModelConfig(d_model=256, n_layers=4, n_heads=8, n_kv_heads=2, max_seq_len=512, tie_embeddings=False)

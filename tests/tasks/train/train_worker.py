@@ -4,9 +4,9 @@ import json
 import sys
 from pathlib import Path
 
-from tasks.train.config import ModelConfig, OptimConfig, TrainRunConfig
-from tasks.train.data_loader import Mixture
-from tasks.train.loop import train_model
+from kiln.tasks.train.config import ModelConfig, OptimConfig, TrainRunConfig
+from kiln.tasks.train.data_loader import Mixture
+from kiln.tasks.train.loop import train_model
 
 spec = json.loads(Path(sys.argv[1]).read_text())
 train_model(ModelConfig(**spec["model"]), OptimConfig(**spec["optim"]), TrainRunConfig(**spec["run"]),
