@@ -34,10 +34,10 @@ sys.path.insert(0, str(REPO))  # run as a script from anywhere
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from kiln.tasks.config import load_config  # noqa: E402
-from kiln.tasks.data.tokenize import SHARDS_FILE  # noqa: E402
+from kiln.tasks.constants import SHARDS_FILE  # noqa: E402
 from kiln.tasks.graph import stage_keys  # noqa: E402
 from kiln.tasks.launch.local_slurm import LocalSlurmCluster, free_port  # noqa: E402
-from kiln.tasks.runner import StageRecorder, SubRuns  # noqa: E402
+from kiln.tasks.ledger import StageRecorder, SubRuns  # noqa: E402
 from kiln.tasks.scaling.sweep import TrialResult, run_sweep  # noqa: E402
 from kiln.tasks.scaling.trial_runs import JOBS_DIR, JobTrials, PoolTrials  # noqa: E402
 from kiln.tasks.store import Store  # noqa: E402

@@ -23,9 +23,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as `kiln` sets it (flows/cli.py) before torch loads
 
 from kiln.tasks.config import load_config  # noqa: E402
-from kiln.tasks.data.tokenize import SHARDS_FILE  # noqa: E402
+from kiln.tasks.constants import SHARDS_FILE  # noqa: E402
 from kiln.tasks.graph import stage_keys  # noqa: E402
-from kiln.tasks.runner import StageRecorder, SubRuns  # noqa: E402
+from kiln.tasks.ledger import StageRecorder, SubRuns  # noqa: E402
 from kiln.tasks.scaling.sweep import run_sweep  # noqa: E402
 from kiln.tasks.scaling.trial_runs import PoolTrials  # noqa: E402
 from kiln.tasks.store import Store  # noqa: E402

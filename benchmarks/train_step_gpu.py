@@ -56,7 +56,7 @@ import torch.distributed as dist  # noqa: E402
 from kiln.tasks.train.config import ModelConfig, OptimConfig, ParallelDims, TrainRunConfig  # noqa: E402
 # the loop's own layout and step, so that this measures what production training runs
 from kiln.tasks.train.distributed import Layout, make_optimizer  # noqa: E402
-from kiln.tasks.train.loop import train_step  # noqa: E402
+from kiln.tasks.train.trainer import train_step  # noqa: E402
 from kiln.tasks.train.model import count_parameters, flops_per_token, seeded_weights  # noqa: E402
 from kiln.tasks.train.parallel import build_mesh  # noqa: E402
 from kiln.tasks.train.planner import load_preset  # noqa: E402

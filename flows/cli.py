@@ -26,8 +26,25 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import yaml  # noqa: E402
 
-from kiln.tasks.config import KilnConfig, load_config  # noqa: E402
+from kiln.flows import embedded_api
+from kiln.flows.database import SECRETS_FILE as DATABASE_SECRETS
+from kiln.flows.deploy import deploy, run_worker, serve, work_pool
+from kiln.flows.environment import prepare_environment
+from kiln.flows.servers import ENV_FILE, read_servers, running_work_dirs, servers_dir, start_servers, stop_servers
+from kiln.tasks.config import load_config  # noqa: E402
+from kiln.tasks.continuous_state import status_lines
+from kiln.tasks.data.inspection import REPORT_JSON, render_sample, samples
 from kiln.tasks.errors import KilnError  # noqa: E402
+from kiln.tasks.graph import stage_keys
+from kiln.tasks.launch.cluster import ClusterSpec, where_it_ran
+from kiln.tasks.launch.local_slurm import LocalSlurmCluster
+from kiln.tasks.lineage import as_json, lineage, locate, render_table
+from kiln.tasks.runner import StageOutcome
+from kiln.tasks.scaling.plan import budget_from_accelerators, budget_report
+from kiln.tasks.settings import KilnConfig, open_tracker
+from kiln.tasks.stages import REGISTRY
+from kiln.tasks.store import Store
+from kiln.tasks.train.config import ModelConfig
 
 if TYPE_CHECKING:
     from kiln.tasks.stage import Stage
@@ -129,7 +146,6 @@ _ECHO = _KilnErrorEcho()  # one per process: `main` asks it whether a traceback 
 def _prefect_quiet() -> Iterator[None]:
     from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
 
-    from kiln.flows import embedded_api
 
     embedded_api.wait_until_ready()  # started by prepare_environment, while the CLI imported the rest
     echo = _ECHO
@@ -146,7 +162,6 @@ def _prefect_quiet() -> Iterator[None]:
 
 
 def _ui_hint(cfg: KilnConfig) -> str:
-    from kiln.flows.servers import read_servers
 
     work = Path(cfg.work_dir).resolve()
     servers = {s.name: s.ui for s in read_servers(work)}
@@ -165,16 +180,13 @@ def _ui_hint(cfg: KilnConfig) -> str:
 
 def cmd_run(ns: argparse.Namespace) -> int:
     cfg, config_path, overrides = _load(ns)
-    from kiln.flows.environment import prepare_environment
 
     prepare_environment(cfg)
-    from kiln.flows.pipeline import pipeline, summary_table
-    from kiln.tasks.runner import StageOutcome
-    from kiln.tasks.tracking import MlflowTracker
+    from kiln.flows.pipeline import pipeline, summary_table  # defers prefect
 
     started = time.perf_counter()
     print(f"kiln: running {config_path or 'defaults'} in {Path(cfg.work_dir).resolve()}", file=sys.stderr)
-    MlflowTracker.for_config(cfg)  # opened (the flow reuses it) while the Prefect API may still be starting
+    open_tracker(cfg)  # opened (the flow reuses it) while the Prefect API may still be starting
     with _prefect_quiet():
         outcomes = [StageOutcome(**o) for o in pipeline(config_path, overrides, ns.until)]
     print(summary_table(outcomes))
@@ -187,13 +199,10 @@ def cmd_run(ns: argparse.Namespace) -> int:
 def _run_one_stage(name: str, ns: argparse.Namespace, extra_overrides: tuple[str, ...] = ()):
     cfg, config_path, overrides = _load(ns)
     overrides += extra_overrides
-    from kiln.flows.environment import prepare_environment
 
     prepare_environment(cfg)
-    from kiln.flows.pipeline import summary_table
-    from kiln.flows.stages import flow_for
-    from kiln.tasks.runner import StageOutcome
-    from kiln.tasks.stages import REGISTRY
+    from kiln.flows.pipeline import summary_table  # defers prefect
+    from kiln.flows.stages import flow_for  # defers prefect
 
     if name not in REGISTRY:
         raise KilnError(f"unknown stage {name!r}; stages are: {', '.join(REGISTRY.names())}")
@@ -212,7 +221,6 @@ def cmd_config(ns: argparse.Namespace) -> int:
     cfg, _, _ = _load(ns)
     print(yaml.safe_dump(cfg.to_dict(), sort_keys=False, allow_unicode=True), end="")
     if ns.keys:
-        from kiln.tasks.graph import stage_keys
 
         print("\n# stage keys")
         print(yaml.safe_dump(stage_keys(cfg), sort_keys=False), end="")
@@ -259,10 +267,6 @@ def _cut(text: str, room: int) -> str:
 
 def cmd_status(ns: argparse.Namespace) -> int:
     cfg, _, _ = _load(ns)
-    from kiln.tasks.graph import stage_keys
-    from kiln.tasks.launch.cluster import where_it_ran
-    from kiln.tasks.stages import REGISTRY
-    from kiln.tasks.store import Store
 
     store = Store(cfg.store_root)
     keys = stage_keys(cfg)
@@ -291,7 +295,6 @@ def cmd_status(ns: argparse.Namespace) -> int:
         print(f"cost of this pipeline's complete stages: {totals.get('wall_s', 0):.0f} s wall, "
               f"{totals.get('cpu_s', 0):.0f} s CPU, {totals.get('accelerator_s', 0) / 3600:.2f} accelerator-hours"
               f"{forecast}, peak memory {totals.get('peak_rss_mb', 0):.0f} MiB")
-    from kiln.tasks.evals.continuous_state import status_lines
 
     print("\n".join(status_lines(cfg, keys)))
     abandoned = store.abandoned_partials(keys)
@@ -305,8 +308,6 @@ def cmd_status(ns: argparse.Namespace) -> int:
 
 def cmd_lineage(ns: argparse.Namespace) -> int:
     cfg, _, _ = _load(ns)
-    from kiln.tasks.lineage import as_json, lineage, locate, render_table
-    from kiln.tasks.store import Store
 
     store = Store(cfg.store_root)
     links = lineage(store, *locate(store, ns.ref))
@@ -316,9 +317,6 @@ def cmd_lineage(ns: argparse.Namespace) -> int:
 
 def cmd_inspect(ns: argparse.Namespace) -> int:
     cfg, _, _ = _load(ns)
-    from kiln.tasks.data.inspection import REPORT_JSON, render_sample, samples
-    from kiln.tasks.graph import stage_keys
-    from kiln.tasks.store import Store
 
     keys = stage_keys(cfg)
     if ns.name not in keys:
@@ -340,8 +338,6 @@ def cmd_inspect(ns: argparse.Namespace) -> int:
 
 def cmd_prune(ns: argparse.Namespace) -> int:
     cfg, _, _ = _load(ns)
-    from kiln.tasks.graph import stage_keys
-    from kiln.tasks.store import Store
 
     store = Store(cfg.store_root)
     folders = store.abandoned_partials(None if ns.all else stage_keys(cfg))
@@ -363,9 +359,7 @@ def cmd_dedup_batch(ns: argparse.Namespace) -> int:
 def cmd_export(ns: argparse.Namespace) -> int:
     """Write a Kiln model as a Hugging Face folder (transformers, lm-eval's `hf` model) with its model card."""
     cfg, _, _ = _load(ns)
-    from kiln.tasks.evals.export_hf import export_source
-    from kiln.tasks.graph import stage_keys
-    from kiln.tasks.store import Store
+    from kiln.tasks.evals.export_hf import export_source  # defers torch
 
     written = export_source(Store(cfg.store_root), ns.source, Path(ns.out), keys=stage_keys(cfg),
                             tokenizer=Path(ns.tokenizer) if ns.tokenizer else None, dtype=ns.dtype)
@@ -377,8 +371,9 @@ def cmd_export(ns: argparse.Namespace) -> int:
 
 def cmd_eval(ns: argparse.Namespace) -> int:
     """lm-eval's own command line (every flag of `lm_eval run`), with Kiln's adapter registered as `--model kiln`."""
-    import kiln.tasks.evals.adapter  # noqa: F401  (registering the model is the import's effect)
     from lm_eval.__main__ import cli_evaluate
+
+    import kiln.tasks.evals.adapter  # noqa: F401  (registering the model is the import's effect); defers torch
 
     argv = sys.argv
     sys.argv = ["lm_eval", *ns.lm_eval_args]  # lm-eval's parser reads sys.argv itself
@@ -392,10 +387,9 @@ def cmd_eval(ns: argparse.Namespace) -> int:
 def cmd_continuous_eval(ns: argparse.Namespace) -> int:
     """Evaluate the train and anneal checkpoints that are due and not yet evaluated, once (the deployment repeats it)."""
     cfg, config_path, overrides = _load(ns)
-    from kiln.flows.environment import prepare_environment
 
     prepare_environment(cfg)
-    from kiln.flows.continuous_eval import continuous_eval
+    from kiln.flows.continuous_eval import continuous_eval  # defers prefect
 
     with _prefect_quiet():
         summaries = continuous_eval(config_path, overrides)
@@ -424,8 +418,6 @@ def cmd_ui(ns: argparse.Namespace) -> int:
 
 def cmd_up(ns: argparse.Namespace) -> int:
     cfg, _, _ = _load(ns)
-    from kiln.flows.database import SECRETS_FILE as DATABASE_SECRETS
-    from kiln.flows.servers import ENV_FILE, servers_dir, start_servers
 
     servers = start_servers(cfg.work_dir, prefect_port=ns.prefect_port, mlflow_port=ns.mlflow_port,
                             prefect_database=ns.prefect_database, mlflow_database=ns.mlflow_database,
@@ -440,7 +432,6 @@ def cmd_up(ns: argparse.Namespace) -> int:
 
 def cmd_down(ns: argparse.Namespace) -> int:
     cfg, _, _ = _load(ns)
-    from kiln.flows.servers import running_work_dirs, stop_servers
 
     work = Path(cfg.work_dir).resolve()
     named = bool(ns.work_dir) or any(a.startswith("work_dir=") or a.endswith((".yaml", ".yml")) for a in ns.args)
@@ -462,7 +453,6 @@ def cmd_slurm(ns: argparse.Namespace) -> int:
     if ns.action not in ("up", "down", "status"):
         raise KilnError(f"kiln slurm {ns.action}: the actions are up, down and status")
     cfg, _, _ = _load(ns)
-    from kiln.tasks.launch.local_slurm import LocalSlurmCluster
 
     folder = Path(cfg.work_dir).resolve() / "slurm"
     existing = LocalSlurmCluster.in_folder(folder)
@@ -500,7 +490,6 @@ def cmd_slurm(ns: argparse.Namespace) -> int:
 
 
 def cmd_deploy(ns: argparse.Namespace) -> int:
-    from kiln.flows.deploy import deploy, work_pool
 
     print(deploy(ns.continuous_eval, ns.overrides, ns.alert_webhook, ns.work_pool, ns.image, ns.every))
     pool = work_pool(ns.work_pool)["name"]
@@ -513,28 +502,27 @@ def cmd_deploy(ns: argparse.Namespace) -> int:
 
 
 def cmd_worker(ns: argparse.Namespace) -> int:
-    from kiln.flows.deploy import run_worker
 
     run_worker()
     return 0
 
 
 def cmd_serve(ns: argparse.Namespace) -> int:
-    from kiln.flows.deploy import serve
 
     serve(ns.continuous_eval, ns.overrides, ns.every)
     return 0
 
 
 def cmd_plan(ns: argparse.Namespace) -> int:
-    from kiln.tasks.launch.cluster import ClusterSpec
-    from kiln.tasks.train.config import ModelConfig
-    from kiln.tasks.train.planner import load_preset, plan_parallelism, plan_presets, render_plan_report, resolve_parallel
+    from kiln.tasks.train.planner import (  # defers torch
+        load_preset,
+        plan_parallelism,
+        plan_presets,
+        render_plan_report,
+        resolve_parallel,
+    )
 
     if ns.budget is not None or ns.hours is not None:  # the compute-optimal run from the config's fit
-        from kiln.tasks.graph import stage_keys
-        from kiln.tasks.scaling.plan import budget_from_accelerators, budget_report
-        from kiln.tasks.store import Store
 
         cfg = load_config(ns.config or DEFAULT_CONFIG, ns.overrides)
         cluster = load_preset(ns.cluster, ClusterSpec) if ns.cluster else cfg.cluster
@@ -574,7 +562,7 @@ def cmd_plan(ns: argparse.Namespace) -> int:
                               ns.global_batch_tokens, ns.precision)
     verification = None
     if ns.verify and search.best is not None:
-        from kiln.tasks.train.verify import render_verification, verify_plan
+        from kiln.tasks.train.verify import render_verification, verify_plan  # defers torch
 
         verification = verify_plan(search)
     if ns.json:
@@ -586,7 +574,6 @@ def cmd_plan(ns: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from kiln.tasks.stages import REGISTRY
 
     parser = argparse.ArgumentParser(
         prog="kiln", formatter_class=argparse.RawDescriptionHelpFormatter, epilog=_EPILOG,

@@ -41,7 +41,8 @@ from prefect.runtime import flow_run
 
 from kiln.flows.alerts import TEXT, regression_text
 from kiln.flows.environment import apply_run_settings
-from kiln.tasks.config import KilnConfig, load_config
+from kiln.tasks.config import load_config
+from kiln.tasks.continuous_state import WATCHED, anneal_offset, ecg_path, eval_targets, watched_complete
 from kiln.tasks.evals.continuous import (
     EvalTarget,
     current_rows,
@@ -53,10 +54,9 @@ from kiln.tasks.evals.continuous import (
     series_lock,
     suite_versions,
 )
-from kiln.tasks.evals.continuous_state import WATCHED, anneal_offset, ecg_path, eval_targets, watched_complete
 from kiln.tasks.evals.ecg import RegressionEvent, all_events, curves, open_regressions, plot_ecg
 from kiln.tasks.graph import stage_keys
-from kiln.tasks.tracking import MlflowTracker
+from kiln.tasks.settings import KilnConfig, open_tracker
 
 RUN_STAGE = "continuous-eval"
 
@@ -83,7 +83,7 @@ def _mirror_to_mlflow(cfg: KilnConfig, target: EvalTarget, rows: dict[tuple[int,
     series waits (`series_lock`), so neither the run nor a step is logged twice."""
     if not rows:
         return None, []
-    tracker = MlflowTracker.for_config(cfg)
+    tracker = open_tracker(cfg)
     tags = {"kiln.stage": RUN_STAGE, "kiln.evaluated_stage": target.stage, "kiln.key": target.stage_key,
             "kiln.eval_key": target.eval_key, "kiln.suite_digest": _suite_digest(versions)}
     with series_lock(target):
@@ -160,7 +160,7 @@ def continuous_eval(config_path: str | None = "configs/default.yaml",
     drawn = None
     if any(series.values()) and (any(s["evaluated"] for s in summaries.values()) or not path.is_file()):
         drawn = plot_ecg(series, {"anneal": anneal_offset(cfg)}, path, events)
-        tracker = MlflowTracker.for_config(cfg)
+        tracker = open_tracker(cfg)
         for summary in summaries.values():
             if summary["mlflow_run_id"]:
                 tracker.log_artifact(summary["mlflow_run_id"], drawn)

@@ -31,10 +31,13 @@ from pathlib import Path
 
 import yaml
 
+from kiln.flows.alerts import UNRESPONSIVE, create_alerts, create_crash_detector
 from kiln.flows.environment import PROCESS_SETTINGS
 from kiln.tasks.bundled import shipped
 from kiln.tasks.config import load_config
 from kiln.tasks.errors import KilnError
+from kiln.tasks.settings import TrackingConfig
+from kiln.tasks.tracking import MlflowTracker
 
 PREFECT_FILE = shipped("infra") / "prefect.yaml"  # Kiln's own files, not the user's project
 WORK_POOL_TEMPLATES = shipped("infra") / "work-pools"  # {type}.json: a pool's base job template (none: Prefect's)
@@ -179,7 +182,6 @@ def deploy(continuous_eval_config: str | None = None, overrides: list[str] | Non
     else:
         summary.append("continuous eval has no schedule (kiln deploy --continuous-eval CONFIG [--every 60s] "
                        "gives it one)")
-    from kiln.flows.alerts import UNRESPONSIVE, create_alerts, create_crash_detector
 
     window = create_crash_detector()
     summary.append(f"crashed runs: {UNRESPONSIVE} marks a deployment run Crashed after {duration(window.total_seconds())} "
@@ -233,9 +235,7 @@ def run_worker() -> None:
     Its flow runs start in the project directory each deployment names (see `deploy`), not in this
     process's folder."""
     _require_server()
-    from kiln.flows.crashes import reap_crashed
-    from kiln.tasks.config import TrackingConfig
-    from kiln.tasks.tracking import MlflowTracker
+    from kiln.flows.crashes import reap_crashed  # defers prefect
 
     uri = os.environ.get("MLFLOW_TRACKING_URI")  # the default experiment: a worker has no config of its own
     reap_crashed(MlflowTracker(uri, TrackingConfig().experiment) if uri else None)
@@ -251,9 +251,9 @@ def serve(continuous_eval_config: str | None = None, overrides: list[str] | None
         raise KilnError("--every sets the continuous-eval schedule's interval: give --continuous-eval CONFIG.yaml too")
     from prefect import serve as prefect_serve
 
-    from kiln.flows.continuous_eval import continuous_eval
-    from kiln.flows.pipeline import pipeline
-    from kiln.flows.stages import STAGE_FLOWS
+    from kiln.flows.continuous_eval import continuous_eval  # defers prefect
+    from kiln.flows.pipeline import pipeline  # defers prefect
+    from kiln.flows.stages import STAGE_FLOWS  # defers prefect
 
     deployments = [pipeline.to_deployment("pipeline")]
     deployments += [stage_flow.to_deployment(name) for name, stage_flow in STAGE_FLOWS.items()]

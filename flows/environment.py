@@ -15,8 +15,7 @@ import sys
 from pathlib import Path
 
 from kiln.flows import embedded_api
-from kiln.tasks.config import KilnConfig
-
+from kiln.tasks.settings import KilnConfig
 
 # Every Kiln process gets these, whoever starts it (the CLI, a worker's flow-run process, `kiln serve`).
 PROCESS_SETTINGS = {

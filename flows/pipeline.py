@@ -19,14 +19,17 @@ from prefect import flow
 from prefect.artifacts import create_markdown_artifact
 from prefect.runtime import flow_run
 
+from kiln.flows.continuous_eval import continuous_eval
 from kiln.flows.crashes import reap_crashed
 from kiln.flows.environment import apply_run_settings
 from kiln.flows.stages import execute
-from kiln.tasks.config import KilnConfig, load_config
+from kiln.tasks.config import load_config
+from kiln.tasks.continuous_state import ecg_path, up_to_date
 from kiln.tasks.crashes import CRASH_TAGS, OWNER_TAG, process_owner
 from kiln.tasks.graph import stage_keys
 from kiln.tasks.provenance import provenance
 from kiln.tasks.runner import StageOutcome, stages_until
+from kiln.tasks.settings import KilnConfig, open_tracker
 from kiln.tasks.stages import REGISTRY
 from kiln.tasks.tracking import MlflowTracker
 
@@ -84,8 +87,6 @@ def _score_checkpoints(cfg: KilnConfig, keys: dict[str, str], config_path: str |
     state files say the pass would change nothing (a cached rerun), no subflow is started. It runs
     outside the continuous-eval deployment's one-run-at-a-time limit, beside a scheduled run perhaps:
     each checkpoint's scoring locks (`tasks.evals.continuous`) keep both from scoring one step twice."""
-    from kiln.flows.continuous_eval import continuous_eval
-    from kiln.tasks.evals.continuous_state import ecg_path, up_to_date
 
     if up_to_date(cfg, keys):
         print(f"[ ecg ] every kept checkpoint is scored; ECG {ecg_path(cfg, keys)}", file=sys.stderr, flush=True)
@@ -109,7 +110,7 @@ def pipeline(config_path: str | None = "configs/default.yaml", overrides: list[s
     apply_run_settings(cfg)  # a worker's flow-run process gets what the CLI sets
     names = stages_until(until, REGISTRY)
     keys = stage_keys(cfg)
-    tracker = MlflowTracker.for_config(cfg)
+    tracker = open_tracker(cfg)
     parent = _parent_run(tracker, cfg, config_path, overrides, until)
     reap_crashed(tracker)  # what a crash left running: an earlier attempt's stage, another run's
     outcomes: list[StageOutcome] = []

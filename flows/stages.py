@@ -28,15 +28,14 @@ from prefect.runtime import flow_run
 from kiln.flows.alerts import TEXT, stage_event_text
 from kiln.flows.crashes import reap_crashed
 from kiln.flows.environment import apply_run_settings
-from kiln.tasks.config import KilnConfig, load_config
+from kiln.tasks.config import load_config
 from kiln.tasks.errors import is_retryable
 from kiln.tasks.graph import stage_keys
 from kiln.tasks.launch.cluster import where_it_ran
 from kiln.tasks.runner import StageOutcome, run_stage
+from kiln.tasks.settings import KilnConfig, open_tracker
 from kiln.tasks.stages import REGISTRY
 from kiln.tasks.store import MANIFEST_FILE, Store
-from kiln.tasks.tracking import MlflowTracker
-from kiln.tasks.train.health import TrainingDivergedError
 
 PREFECT_CACHE_DIR = ".prefect-cache"  # under the store root
 
@@ -50,7 +49,7 @@ def _retry_if_it_can_help(task: Any, task_run: Any, state: Any) -> bool:
     """Retry infrastructure failures and unexpected errors; never a config or data error, nor a diverged
     run (the user must change the config, the data or the plan)."""
     error = state.data
-    return not isinstance(error, TrainingDivergedError) and is_retryable(error)
+    return is_retryable(error)
 
 
 def _flow_run_id() -> str | None:
@@ -76,7 +75,7 @@ def _emit(name: str, key: str):
       task_run_name="{name}-{key}", retry_condition_fn=_retry_if_it_can_help)
 def stage_task(name: str, key: str, cfg: KilnConfig, keys: dict[str, str], parent_run_id: str | None) -> dict[str, Any]:
     """Run (or reuse) one stage through the runner; the result is its outcome."""
-    outcome = run_stage(name, cfg, tracker=MlflowTracker.for_config(cfg), keys=keys, parent_run_id=parent_run_id,
+    outcome = run_stage(name, cfg, tracker=open_tracker(cfg), keys=keys, parent_run_id=parent_run_id,
                         flow_run_id=_flow_run_id(), attempt=_attempt(), on_event=_emit(name, key))
     get_run_logger().info("stage %s %s: %s", name, outcome.status, outcome.path)
     return outcome.as_dict()
@@ -101,7 +100,7 @@ def execute(name: str, cfg: KilnConfig, keys: dict[str, str], parent_run_id: str
     if state.name == "Cached":
         # Prefect returned the stored result without running the body: record the reuse through the
         # runner (it finds the key complete), so MLflow shows this run's cached stage too
-        outcome = run_stage(name, cfg, tracker=MlflowTracker.for_config(cfg), keys=keys,
+        outcome = run_stage(name, cfg, tracker=open_tracker(cfg), keys=keys,
                             parent_run_id=parent_run_id, flow_run_id=_flow_run_id(), attempt=_attempt())
     else:
         outcome = StageOutcome(**state.result())
@@ -149,7 +148,7 @@ def _make_stage_flow(name: str):
     def run_one(config_path: str | None = "configs/default.yaml", overrides: list[str] | None = None) -> dict[str, Any]:
         cfg = load_config(config_path, list(overrides or []))
         apply_run_settings(cfg)  # a worker's flow-run process gets what the CLI sets
-        reap_crashed(MlflowTracker.for_config(cfg))
+        reap_crashed(open_tracker(cfg))
         return execute(name, cfg, stage_keys(cfg)).as_dict()
 
     run_one.__name__ = name.replace("-", "_")

@@ -11,97 +11,24 @@ is checked against collect's sources, with the same file and key.
 
 from __future__ import annotations
 
-import os
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import yaml
 from pydantic import Field, ValidationError, create_model
 
-from kiln.tasks.configbase import Reference, Section, read_yaml, runtime_field
+from kiln.tasks.configbase import Section, read_yaml
 from kiln.tasks.errors import ConfigError
-from kiln.tasks.evals.continuous import ContinuousEvalConfig
-from kiln.tasks.launch.cluster import ClusterSpec
+from kiln.tasks.settings import KilnConfig
 from kiln.tasks.stage import Registry
-
-
-class StoreConfig(Section):
-    """Where stage outputs live: `{root}/{stage}/{key}/`. Default: `{work_dir}/store`."""
-
-    root: str | None = runtime_field(None)
-
-
-class TrackingConfig(Section):
-    """MLflow. Default URI: an SQLite file in the working directory (never the library default)."""
-
-    uri: str | None = runtime_field(None)
-    experiment: str = runtime_field("kiln")
-    # how long a write that hit a database lock (SQLite's `database is locked`) is retried before it is
-    # kept in the store's spool (<store>/.tracking-spool) and written when MLflow can take it
-    write_retry_s: float = runtime_field(60.0, gt=0)
-
-
-class OrchestrationConfig(Section):
-    """How Prefect runs each stage task. Retries apply to unexpected failures only (a crashed worker,
-    a lost filesystem); a user error (bad config or input, a failed gate) fails at once."""
-
-    retries: int = runtime_field(1, ge=0)
-    retry_delay_seconds: float = runtime_field(10.0, ge=0)
-    lock_timeout_s: float | None = runtime_field(None, gt=0)  # None: wait for another run's same key forever
-
-
-class ClusterConfig(ClusterSpec):
-    """How and where work is launched; never part of a key (it changes where work runs, not its result).
-
-    `launcher` runs the training stages (train, validate, anneal): `local` trains in this process
-    when the layout is one process and under local torchrun otherwise; `torchrun` always goes through
-    torchrun; `slurm` submits an sbatch job (torchrun under srun) and follows it; `kubernetes` applies
-    an indexed Job with kubectl. `executor` runs the data stages (clean, dedup) on datatrove's local,
-    Slurm or Ray executor. The hardware fields describe the cluster to the parallelism planner
-    (`train.parallel: auto`, `kiln plan`).
-    """
-
-    executor: Literal["local", "slurm", "ray"] = runtime_field("local")
-    launcher: Literal["local", "torchrun", "slurm", "kubernetes"] = runtime_field("local")
-
-
-class KilnConfig(Section):
-    """The settings of a whole run. Each registered stage adds its own section (see `config_model`)."""
-
-    work_dir: str = runtime_field("kiln-work")
-    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = runtime_field("WARNING")
-    store: StoreConfig = StoreConfig()
-    tracking: TrackingConfig = TrackingConfig()
-    orchestration: OrchestrationConfig = OrchestrationConfig()
-    cluster: ClusterConfig = ClusterConfig()
-    continuous_eval: ContinuousEvalConfig = ContinuousEvalConfig()
-
-    model_config = Section.model_config | {"populate_by_name": True}
-
-    @property
-    def store_root(self) -> Path:
-        return Path(self.store.root or Path(self.work_dir) / "store")
-
-    @property
-    def tracking_uri(self) -> str:
-        """`tracking.uri`, else $MLFLOW_TRACKING_URI (how `kiln up`'s server is found), else SQLite in work_dir."""
-        return (self.tracking.uri or os.environ.get("MLFLOW_TRACKING_URI")
-                or f"sqlite:///{(Path(self.work_dir) / 'mlflow.db').resolve()}")
-
-    def section(self, name: str) -> Section:
-        """The section at the config key `name` (`validate` lives in the attribute `validate_`)."""
-        field = next((f for f, info in type(self).model_fields.items() if (info.alias or f) == name), name)
-        return getattr(self, field)
-
-    def to_dict(self) -> dict[str, Any]:
-        return self.model_dump(mode="json", by_alias=True)
+from kiln.tasks.stages import REGISTRY
+from kiln.tasks.train.checkpoint import kept_steps
 
 
 def config_model(registry: Registry | None = None) -> type[KilnConfig]:
     """`KilnConfig` with one section per stage of `registry` (default: Kiln's stages) that declares one."""
-    if registry is None:
-        from kiln.tasks.stages import REGISTRY as registry
+    registry = REGISTRY if registry is None else registry
     return _config_model(tuple((s.config_field, s.config_name, s.config) for s in registry if s.config is not None))
 
 
@@ -192,8 +119,6 @@ def check_kept_steps(cfg: KilnConfig, origins: dict[str, str] | None = None) -> 
     policy (`train.run`'s checkpoint_every, keep_checkpoints, keep_every) will not leave on disk:
     `anneal.from_step`, `anneal_ablation.from_step`, `continuous_eval.every`. Found when the stage
     starts, such a mistake costs the whole training before it."""
-    from kiln.tasks.train.checkpoint import kept_steps
-
     train = getattr(cfg, "train", None)
     if train is None:
         return

@@ -8,6 +8,10 @@ outside the config and the data: a lost node, a preempted or timed-out job, a ra
 partial state; every other `KilnError` stops at once, since a retry would fail the same way.
 """
 
+from __future__ import annotations
+
+from typing import Any
+
 
 class KilnError(Exception):
     """A user-facing error whose message alone tells the user what to do."""
@@ -31,9 +35,22 @@ class InfrastructureError(KilnError):
     retryable = True
 
 
+class TrainingDivergedError(RuntimeError):
+    """The loss stayed bad after `max_rollbacks` rollbacks; `events` holds the whole history. Not a user
+    error (the config may be fine: a sweep records it as a diverged trial), but a retry diverges again:
+    same seed, same data."""
+
+    def __init__(self, message: str, events: list[dict[str, Any]]) -> None:
+        super().__init__(message)
+        self.events = events
+
+
 def is_retryable(error: BaseException) -> bool:
     """Whether an orchestrator should retry work that raised `error`: Kiln's infrastructure errors and
-    unexpected exceptions (a bug or a fault Kiln did not foresee) yes, every other `KilnError` no."""
+    unexpected exceptions (a bug or a fault Kiln did not foresee) yes, every other `KilnError` and a
+    diverged training no."""
+    if isinstance(error, TrainingDivergedError):
+        return False
     if isinstance(error, KilnError):
         return error.retryable
     return isinstance(error, Exception)

@@ -10,19 +10,16 @@ from __future__ import annotations
 
 from typing import Any
 
-from kiln.tasks.config import KilnConfig
 from kiln.tasks.configbase import Section
 from kiln.tasks.fingerprint import fingerprint_paths
+from kiln.tasks.settings import KilnConfig
 from kiln.tasks.stage import Registry
+from kiln.tasks.stages import REGISTRY
 from kiln.tasks.store import stage_key
 
 
 def _registry(registry: Registry | None) -> Registry:
-    if registry is None:
-        from kiln.tasks.stages import REGISTRY
-
-        return REGISTRY
-    return registry
+    return REGISTRY if registry is None else registry
 
 
 def config_value(cfg: KilnConfig, dotted: str) -> Any:

@@ -16,7 +16,7 @@ this module, never the runner.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -24,11 +24,11 @@ from typing import TYPE_CHECKING, Any
 from pydantic import BaseModel
 
 from kiln.tasks.configbase import Section
+from kiln.tasks.ledger import StageRecorder, SubRuns
 from kiln.tasks.store import Store
 
 if TYPE_CHECKING:
-    from kiln.tasks.config import KilnConfig
-    from kiln.tasks.runner import StageRecorder, SubRuns
+    from kiln.tasks.settings import KilnConfig
 
 Stats = dict[str, Any]
 STATS_FILE = "stats.json"  # a committed stage's stats (headline included), beside its outputs
@@ -66,21 +66,6 @@ class Stage:
         """Every config section its key hashes: its own first."""
         own = (self.config_name,) if self.config is not None else ()
         return own + self.reads
-
-
-@dataclass(frozen=True)
-class SubRun:
-    """One run a stage fans out to, declared: where it lives (`{kind}/{name}` under its stage's folder),
-    what its key hashes (`identity`, `inputs` — by default its stage's key —, `version`) and what its
-    MLflow child run shows (`params`). Named for a person (a trial by its hyper-parameters); keyed by
-    its content, so a sub-run whose declaration changed is not reused under its old name."""
-
-    kind: str  # "trials", "transfer", "branches", "quality_model": its folder
-    name: str  # a plain file name, unique within its kind
-    identity: Mapping[str, Any]
-    params: Mapping[str, Any] = field(default_factory=dict)
-    inputs: Mapping[str, str] | None = None  # the keys it depends on; None: its stage's key
-    version: int = 1
 
 
 @dataclass

@@ -29,7 +29,7 @@ import warnings
 from collections.abc import Callable, Mapping
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import requests
 from mlflow.data.dataset_source_registry import resolve_dataset_source
@@ -39,9 +39,6 @@ from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
 from kiln.tasks.tracking_spool import LOCAL_PREFIX, Refused, Replayed, Spool, local_run_id, spool_dir
-
-if TYPE_CHECKING:
-    from kiln.tasks.config import KilnConfig
 
 _MAX_PARAM_VALUE = 6000
 _BATCH = 1000
@@ -156,17 +153,17 @@ class MlflowTracker:
         self._down_until = 0.0  # until then, writes are journaled without trying MLflow
 
     @classmethod
-    def for_config(cls, cfg: KilnConfig) -> MlflowTracker:
-        """The tracker of `cfg`'s store and experiment, made once per process (a client costs ~0.1 s); when
+    def shared(cls, uri: str, experiment: str, *, work_dir: Path, store_root: Path,
+               write_retry_s: float = 60.0) -> MlflowTracker:
+        """The tracker of this store and experiment, made once per process (a client costs ~0.1 s); when
         made, it writes what earlier runs kept in the store's spool because MLflow could not take it."""
-        uri = cfg.tracking_uri
         # a tracking server keeps artifacts where it was told to (`kiln up`: work_dir/servers/mlartifacts)
         local = not uri.startswith(("http://", "https://"))
-        artifact_root = (Path(cfg.work_dir) / "mlartifacts").resolve() if local else None
-        spool = spool_dir(cfg.store_root).resolve()
-        key = (uri, cfg.tracking.experiment, artifact_root, spool, cfg.tracking.write_retry_s)
+        artifact_root = (work_dir / "mlartifacts").resolve() if local else None
+        spool = spool_dir(store_root).resolve()
+        key = (uri, experiment, artifact_root, spool, write_retry_s)
         if key not in _TRACKERS:
-            _TRACKERS[key] = cls(uri, cfg.tracking.experiment, artifact_root, spool, cfg.tracking.write_retry_s)
+            _TRACKERS[key] = cls(uri, experiment, artifact_root, spool, write_retry_s)
             _TRACKERS[key].replay()
         return _TRACKERS[key]
 

@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from kiln.tasks.data.collect import CollectConfig, SourceConfig
+from kiln.tasks.data.collect import CollectConfig
 from kiln.tasks.data.quality_training import QualityTraining, model_subrun
+from kiln.tasks.data.sources import SourceConfig
 from kiln.tasks.fingerprint import SETTLE_S, DigestCache, fingerprint_paths
 
 

@@ -101,7 +101,7 @@ def test_where_a_stage_ran_is_in_its_manifest_cost_and_mlflow_tags(toy_registry,
     from mlflow.tracking import MlflowClient
 
     from kiln.tasks.launch.cluster import launch_record
-    from kiln.tasks.stage import SubRun
+    from kiln.tasks.ledger import SubRun
     from kiln.tasks.tracking import MlflowTracker
 
     job = launch_record("slurm", "kiln-toy-count-abc", [
@@ -135,8 +135,8 @@ def test_where_a_stage_ran_is_in_its_manifest_cost_and_mlflow_tags(toy_registry,
 
 
 def test_a_training_job_is_named_after_its_stage_key_and_sub_run(tmp_path):
-    from kiln.tasks.config import KilnConfig
-    from kiln.tasks.runner import StageRecorder
+    from kiln.tasks.ledger import StageRecorder
+    from kiln.tasks.settings import KilnConfig
     from kiln.tasks.stage import StageContext
     from kiln.tasks.stages._training import job_name
     from kiln.tasks.tracker import NullTracker

@@ -22,7 +22,6 @@ it changed and its replacements by kind are counted.
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import shutil
 from collections import Counter
@@ -38,6 +37,7 @@ from pydantic import Field
 
 from kiln.tasks.accounting import DocCounts
 from kiln.tasks.configbase import Section, names_field, runtime_field
+from kiln.tasks.data.datatrove_logs import LOG_FILE, collect_task_logs  # importing it keeps datatrove off the terminal
 from kiln.tasks.data.documents import Document, read_documents
 from kiln.tasks.data.executors import (
     LOCAL,
@@ -53,11 +53,10 @@ from kiln.tasks.data.filters.blocklists import URLBlocklistFilter, WordBlocklist
 from kiln.tasks.data.filters.code_rules import CodeRules, CodeRulesFilter
 from kiln.tasks.data.filters.pii import PII_KINDS, PII_METADATA, PIIKind, PIIRedactor
 from kiln.tasks.data.filters.prose_rules import C4Judge, C4Rules, FineWebRules, fineweb_filter
+from kiln.tasks.data.inspection import RemovalTally, text_bytes, write_removal_report
 from kiln.tasks.data.progress_step import CountDocuments
 from kiln.tasks.data.quality import SHIPPED_MODEL, QualityClassifierFilter, check_quality_model
 from kiln.tasks.data.quality_training import QualityTraining, resolve_quality_model
-from kiln.tasks.data.datatrove_logs import LOG_FILE, collect_task_logs  # importing it keeps datatrove off the terminal
-from kiln.tasks.data.inspection import RemovalTally, text_bytes, write_removal_report
 from kiln.tasks.data.shards import DOCUMENTS, KINDS, RankShards, read_listing, shard_paths, write_listing
 from kiln.tasks.errors import ConfigError, InputError
 from kiln.tasks.progress import CountFiles, Progress, watching

@@ -27,11 +27,12 @@ from typing import TYPE_CHECKING
 
 from identify import identify
 
-from kiln.tasks.data.readers import RAW_PREFIX_CHARS, Candidate, _too_large
+from kiln.tasks.data.readers import Candidate, too_large
 from kiln.tasks.data.source_files import SourceFile
+from kiln.tasks.data.untrusted import RAW_PREFIX_CHARS
 
 if TYPE_CHECKING:
-    from kiln.tasks.data.collect import Source
+    from kiln.tasks.data.sources import Source
 
 VCS_DIRS = frozenset({".git", ".hg", ".svn", ".bzr"})
 VENDORED_DIRS = frozenset({
@@ -206,7 +207,7 @@ def read_code_tree(files: list[SourceFile], source: Source, max_bytes: int) -> I
             continue
         if file.size > max_bytes:
             with file.open() as handle:
-                yield _too_large(location, file.size, max_bytes, handle.read(RAW_PREFIX_CHARS))
+                yield too_large(location, file.size, max_bytes, handle.read(RAW_PREFIX_CHARS))
             continue
         with file.open() as handle:
             data = handle.read(max_bytes + 1)

@@ -43,7 +43,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 import multiprocess
 import psutil
@@ -59,9 +59,6 @@ from datatrove.utils.stats import PipelineStats
 from kiln.tasks.data import datatrove_logs  # noqa: F401  (importing it keeps datatrove's rank logs off the terminal)
 from kiln.tasks.errors import ConfigError, InfrastructureError
 from kiln.tasks.launch.cluster import SlurmSettings, launch_record
-
-if TYPE_CHECKING:
-    from kiln.tasks.config import ClusterConfig
 
 Kind = Literal["local", "slurm", "ray"]
 KINDS: tuple[Kind, ...] = ("local", "slurm", "ray")
@@ -100,13 +97,6 @@ class ExecutorSettings:
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ConfigError(f"cluster.executor: {self.kind!r} is not one of {', '.join(KINDS)}")
-
-    @classmethod
-    def from_cluster(cls, cluster: ClusterConfig,
-                     on_job: Callable[[dict[str, Any]], None] | None = None) -> ExecutorSettings:
-        if cluster.executor != "slurm":  # the Slurm fields mean nothing to the other executors
-            return cls(cluster.executor, on_job=on_job)
-        return cls("slurm", cluster.partition, cluster.time_limit, cluster.slurm, on_job)
 
 
 LOCAL = ExecutorSettings()

@@ -25,8 +25,7 @@ from dataclasses import dataclass
 from functools import cache
 from typing import Literal
 
-from license_expression import AND, OR, LicenseSymbol, LicenseWithExceptionSymbol, Licensing
-from license_expression import get_spdx_licensing
+from license_expression import AND, OR, LicenseSymbol, LicenseWithExceptionSymbol, Licensing, get_spdx_licensing
 
 Status = Literal["allowed", "not_allowed", "unknown"]
 

@@ -39,20 +39,21 @@ from collections import Counter
 from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from pydantic import Field, field_validator
 
 from kiln.tasks.configbase import Section, names_field
-from kiln.tasks.data.collect import Source, _candidates, remote_identity
+from kiln.tasks.data.collect import read_candidates
 from kiln.tasks.data.compliance import SourceReport
 from kiln.tasks.data.documents import read_shards
 from kiln.tasks.data.quality import HQ_LABEL, fasttext_text
 from kiln.tasks.data.shards import shard_paths
-from kiln.tasks.stage import SubRun
-
-if TYPE_CHECKING:
-    from kiln.tasks.runner import SubRuns
+from kiln.tasks.data.source_files import local_path
+from kiln.tasks.data.sources import Source, remote_identity
+from kiln.tasks.fingerprint import fingerprint_paths
+from kiln.tasks.ledger import SubRun, SubRuns
+from kiln.tasks.store import stage_key
 
 STORE_STAGE = "quality_model"  # the store folder of trained models
 MODEL_FILE = "quality_classifier.bin"
@@ -107,7 +108,6 @@ class QualityTraining(Section):
 
 def reference_paths(cfg: QualityTraining | None) -> list[Path]:
     """The references' local files, whose content enters the clean stage's key."""
-    from kiln.tasks.data.source_files import local_path
 
     if cfg is None:
         return []
@@ -118,7 +118,7 @@ def _reference_texts(cfg: QualityTraining) -> Iterator[tuple[str, str]]:
     """(id, text) of every readable reference document; unreadable records are skipped (counted)."""
     for source in cfg.references:
         report = SourceReport(source.name, source.path, source.format, source.domain, source.licence)
-        for candidate in _candidates(source, 10_000_000, report):
+        for candidate in read_candidates(source, 10_000_000, report):
             if candidate.problem is None and candidate.skip is None and candidate.text and candidate.text.strip():
                 position = candidate.location.get("line", candidate.location.get("row", candidate.location.get("offset")))
                 yield f"{source.name}/{candidate.id or candidate.location['path']}:{position}", candidate.text
@@ -257,8 +257,6 @@ def score_texts(model: Any, texts: list[str]) -> list[float]:
 def model_subrun(cfg: QualityTraining, collect_key: str) -> SubRun:
     """The model as a sub-run stored at `quality_model/<key>`: its name is its key, which hashes the
     training settings, the references' content and the collect output (not the clean stage's key)."""
-    from kiln.tasks.fingerprint import fingerprint_paths
-    from kiln.tasks.store import stage_key
 
     identity = {"training": cfg.identity(), "references_sha256": fingerprint_paths(reference_paths(cfg))}
     inputs = {"collect": collect_key}

@@ -36,7 +36,7 @@ from kiln.tasks.data.untrusted import (
 )
 
 if TYPE_CHECKING:
-    from kiln.tasks.data.collect import Source
+    from kiln.tasks.data.sources import Source
 
 _BOM = b"\xef\xbb\xbf"  # some editors start a UTF-8 file with it; JSON parsers refuse it
 _RECORD_FIELDS = frozenset(("text", "id", "licence", "license", "metadata"))  # a record's own; the rest is metadata
@@ -59,7 +59,8 @@ class Candidate:
     num_repaired: int = 0  # strings whose lone surrogates were replaced
 
 
-def _too_large(location: dict[str, Any], size: int, max_bytes: int, prefix: bytes = b"") -> Candidate:
+def too_large(location: dict[str, Any], size: int, max_bytes: int, prefix: bytes = b"") -> Candidate:
+    """An input over collect.max_doc_bytes, quarantined unread but for its first bytes."""
     return Candidate(
         location, problem="too_large", detail=f"{size} bytes; the limit is collect.max_doc_bytes={max_bytes}",
         raw_prefix=prefix.decode("utf-8", errors="backslashreplace") if prefix else None,
@@ -96,7 +97,7 @@ def read_jsonl(file: SourceFile, source: Source, max_bytes: int) -> Iterator[Can
 def _jsonl_line(line: Line, rel: str, max_bytes: int) -> Iterator[Candidate]:
     location = {"path": rel, "line": line.number}
     if line.data is None:
-        yield _too_large(location, line.size, max_bytes, line.prefix)
+        yield too_large(location, line.size, max_bytes, line.prefix)
         return
     data = line.data.removeprefix(_BOM) if line.number == 1 else line.data
     if is_blank(data):
@@ -169,10 +170,10 @@ def _read_whole(file: SourceFile, max_bytes: int) -> tuple[str | None, Candidate
     location = {"path": file.rel}
     with file.open() as handle:
         if file.size > max_bytes:
-            return None, _too_large(location, file.size, max_bytes, handle.read(RAW_PREFIX_CHARS))
+            return None, too_large(location, file.size, max_bytes, handle.read(RAW_PREFIX_CHARS))
         data = handle.read(max_bytes + 1)
     if len(data) > max_bytes:  # the listing's size was stale
-        return None, _too_large(location, len(data), max_bytes, data[:RAW_PREFIX_CHARS])
+        return None, too_large(location, len(data), max_bytes, data[:RAW_PREFIX_CHARS])
     try:
         return data.decode("utf-8"), None
     except UnicodeDecodeError as err:
@@ -243,7 +244,7 @@ def _from_row(row: dict[str, Any], location: dict[str, Any], source: Source, max
         return Candidate(location, problem="json_too_deep", detail="a value nested too deep to serialise")
     size = len(text.encode("utf-8", errors="surrogatepass"))
     if size > max_bytes:
-        return _too_large(location, size, max_bytes, text[:RAW_PREFIX_CHARS].encode("utf-8", errors="surrogatepass"))
+        return too_large(location, size, max_bytes, text[:RAW_PREFIX_CHARS].encode("utf-8", errors="surrogatepass"))
     return _from_json_text(text, location)
 
 
@@ -385,7 +386,7 @@ def _declare_payload_type(record: Any) -> None:
 def _warc_candidate(record: Any, process_record: Callable, location: dict[str, Any], max_bytes: int) -> Candidate:
     length = record.rec_headers.get_header("Content-Length")
     if length is not None and length.strip().isdigit() and int(length) > max_bytes:
-        return _too_large(location, int(length), max_bytes)
+        return too_large(location, int(length), max_bytes)
     _declare_payload_type(record)
     try:
         extracted = process_record(record)

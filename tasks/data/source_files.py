@@ -23,8 +23,8 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from fsspec import AbstractFileSystem
-from fsspec.spec import AbstractBufferedFile
 from fsspec.core import url_to_fs
+from fsspec.spec import AbstractBufferedFile
 
 from kiln.tasks.errors import InputError
 

@@ -33,14 +33,12 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from kiln.tasks.accounting import DocCounts
 from kiln.tasks.configbase import Section, runtime_field
+from kiln.tasks.constants import EOS_TOKEN, SHARDS_FILE, TOKENIZER_FILE
 from kiln.tasks.data.dedup import quality_score
 from kiln.tasks.data.documents import Document, read_documents
 from kiln.tasks.data.executors import LOCAL, ExecutorSettings, map_shards, shard_plan
 from kiln.tasks.data.shards import KINDS, QUARANTINE, RankShards, ShardInfo, read_listing, write_listing
 
-EOS_TOKEN = "<|endoftext|>"
-TOKENIZER_FILE = "tokenizer.json"
-SHARDS_FILE = "shards.json"
 SHARDS_FORMAT = 3  # 2: each shard has a document index (DOC_INDEX_DTYPE); 3: a list of shards per domain and split
 DOC_INDEX_DTYPE = np.dtype([("end", "<i8"), ("quality", "<f8")])
 SPLITS = ("train", "val")

@@ -19,6 +19,8 @@ from lm_eval.api.registry import register_model
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window, simple_parse_args_string
 from tokenizers import Tokenizer
 
+from kiln.tasks.train.model import load_model
+
 # lm-eval's own default for generate_until when a task gives no max_gen_toks.
 DEFAULT_MAX_GEN_TOKS = 256
 
@@ -49,7 +51,6 @@ class KilnLM(LM):
     def from_dirs(cls, model_dir: Path, tokenizer_path: Path, batch_size: int = 8) -> KilnLM:
         """Load a trained model directory and a `tokenizer.json` file."""
         # Imported here so the adapter (and its tests) do not depend on the training code.
-        from kiln.tasks.train.model import load_model
 
         model, config = load_model(Path(model_dir))
         tokenizer = Tokenizer.from_file(str(tokenizer_path))

@@ -44,7 +44,7 @@ from pydantic import BeforeValidator, Field
 from kiln.tasks.configbase import Section, runtime_field
 from kiln.tasks.errors import InputError
 from kiln.tasks.evals.evaluate import RESULTS_FILE, EvaluateConfig, eval_paths_of, evaluate_model
-from kiln.tasks.evals.suite import build_local_suite, online_task_versions
+from kiln.tasks.evals.suite import build_local_suite, online_task_versions, primary_metric
 from kiln.tasks.keylock import KeyLock
 from kiln.tasks.library_output import LIBRARY_LOG
 from kiln.tasks.store import Store, stage_key
@@ -307,8 +307,8 @@ def _score(target: EvalTarget, step: int, tasks: Sequence[str]) -> CheckpointOut
     # Imported here: torch.distributed.checkpoint takes a second to import and the config loads this module.
     from torch.distributed.checkpoint.api import CheckpointException
 
-    from kiln.tasks.train.dcp import load_model_weights, read_train_state
-    from kiln.tasks.train.model import Transformer, save_model  # torch: only where a checkpoint is scored
+    from kiln.tasks.train.dcp import load_model_weights, read_train_state  # defers torch
+    from kiln.tasks.train.model import Transformer, save_model  # torch: only where a checkpoint is scored; defers torch
 
     started = time.perf_counter()
 
@@ -373,7 +373,6 @@ def current_rows(recorded: Mapping[tuple[int, str], dict[str, Any]],
 def scores_table(recorded: Mapping[tuple[int, str], dict[str, Any]], versions: Mapping[str, str],
                  outcomes: Sequence[CheckpointOutcome], missed: Sequence[int]) -> list[dict[str, Any]]:
     """One row per step, oldest first: each task's main score (the curve so far) and this run's skips."""
-    from kiln.tasks.evals.suite import primary_metric
 
     new = {o.step for o in outcomes if o.evaluated}
     by_step: dict[int, dict[str, Any]] = {}

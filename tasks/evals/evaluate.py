@@ -119,7 +119,7 @@ def evaluate_model(
     `"<task>/contamination_rate"` (and under `contamination_rates` in results.json). `tasks`
     evaluates only the named tasks of the suite.
     """
-    from kiln.tasks.evals.adapter import KilnLM
+    from kiln.tasks.evals.adapter import KilnLM  # defers torch
 
     # Check the inputs before paying for loading the model.
     eval_paths = eval_paths_of(cfg)

@@ -31,12 +31,14 @@ from typing import Any
 import torch
 from tokenizers import Tokenizer
 
-from kiln.tasks.data.tokenize import EOS_TOKEN
+from kiln.tasks.constants import EOS_TOKEN
 from kiln.tasks.errors import InputError
 from kiln.tasks.evals.model_card import evaluations_of, read_compliance, render_model_card
 from kiln.tasks.lineage import lineage_manifests
 from kiln.tasks.store import Store
+from kiln.tasks.train.checkpoint import MARKER
 from kiln.tasks.train.config import ModelConfig
+from kiln.tasks.train.dcp import load_model_weights, read_train_state
 from kiln.tasks.train.model import CONFIG_FILE, MODEL_FILE, Transformer, load_model
 
 WEIGHTS_FILE = "model.safetensors"
@@ -170,7 +172,6 @@ def export_hf(model: Transformer, tokenizer_path: Path, out_dir: Path, *, card: 
 def load_kiln_model(path: Path) -> tuple[Transformer, str]:
     """The model in `path` and what it is: a saved model folder (`model.pt` + `model_config.json`),
     a stage output holding one in `model/`, or a DCP training checkpoint (`checkpoints/step_N`)."""
-    from kiln.tasks.train.checkpoint import MARKER
 
     if (path / CONFIG_FILE).is_file() and (path / MODEL_FILE).is_file():
         return load_model(path)[0], f"model folder {path}"
@@ -178,7 +179,6 @@ def load_kiln_model(path: Path) -> tuple[Transformer, str]:
         return load_model(path / "model")[0], f"model folder {path / 'model'}"
     if (path / MARKER).is_file():
         # imported here: torch.distributed.checkpoint takes a second to import
-        from kiln.tasks.train.dcp import load_model_weights, read_train_state
 
         identity = read_train_state(path)["identity"]
         model = Transformer(ModelConfig.model_validate(identity["model"]), int(identity["vocab_size"]))

@@ -14,6 +14,7 @@ from typing import Any
 from kiln.tasks.lineage import COMPLIANCE_FILE
 from kiln.tasks.store import MANIFEST_FILE, Store
 
+
 def evaluations_of(store: Store, stage: str, key: str) -> dict[str, float | int]:
     """The evaluate stage's scores of the model `stage`/`key` (the newest evaluation, if several)."""
     found = []

@@ -303,19 +303,3 @@ def _templates(template_dir: Path) -> jinja2.Environment:
     env.filters["shjoin"] = shlex.join
     env.filters["tojson"] = json.dumps
     return env
-
-
-def launchers() -> dict[str, type[Launcher]]:
-    """Every launcher by its `cluster.launcher` name (the cluster ones import lazily: they are leaf modules)."""
-    from kiln.tasks.launch.kubernetes import KubernetesLauncher
-    from kiln.tasks.launch.slurm import SlurmLauncher
-
-    return {cls.name: cls for cls in (LocalLauncher, TorchrunLauncher, SlurmLauncher, KubernetesLauncher)}
-
-
-def make_launcher(kind: str, cluster: ClusterSpec, out_dir: Path, **kwargs) -> Launcher:
-    """The launcher named by `cluster.launcher` (local, torchrun, slurm, kubernetes)."""
-    known = launchers()
-    if kind not in known:
-        raise ConfigError(f"cluster.launcher={kind!r} is not one of {', '.join(known)}")
-    return known[kind](cluster, out_dir, **kwargs)

@@ -86,7 +86,7 @@ def law_points(trials: Sequence[TrialResult], reference: str) -> list[dict[str, 
 def fit_laws(cfg: FitConfig, sweep: SweepConfig, trials: Sequence[TrialResult]) -> dict[str, Any]:
     """Every law the trials support; `refused[name]` says why one is missing. Raises
     NotEnoughTrialsError only when no trial on the reference mixture finished."""
-    from kiln.tasks.scaling.laws import fit_hyperparameter_laws, fit_isoflop_minima, fit_loss_law
+    from kiln.tasks.scaling.laws import fit_hyperparameter_laws, fit_isoflop_minima, fit_loss_law  # defers scipy
 
     reference = sweep.reference
     points = law_points(trials, reference)
@@ -129,7 +129,7 @@ def hyper_grid(sweep: SweepConfig, trials: Sequence[TrialResult]) -> list[TrialR
 def fit_mixture(cfg: FitConfig, sweep: SweepConfig, trials: Sequence[TrialResult]) -> dict[str, Any]:
     """The mixture regression(s), the chosen model and its recommendation; or the best observed
     mixture with the reason the regression was not used."""
-    from kiln.tasks.scaling.mixture_regression import fit_mixture_regression, recommend_mixture
+    from kiln.tasks.scaling.mixture_regression import fit_mixture_regression, recommend_mixture  # defers sklearn
 
     runs = [t for t in succeeded(trials) if t.kind == "mixture"]
     reference = normalised(sweep.mixtures[sweep.reference])
@@ -245,7 +245,7 @@ def _law_interval(law: Any, x: float) -> tuple[float, float]:
 
 def loss_law_from_dict(data: dict[str, Any]) -> LossLawFit:
     """A `LossLawFit` read back from the plan (with its bootstrap), for `kiln plan --budget`."""
-    from kiln.tasks.scaling.laws import DroppedPoint, LossLawFit
+    from kiln.tasks.scaling.laws import DroppedPoint, LossLawFit  # defers scipy
 
     fields = {k: v for k, v in data.items() if k != "bootstrap_params"}
     fields["intervals"] = {k: tuple(v) for k, v in fields["intervals"].items()}
@@ -265,7 +265,7 @@ def excluded(trials: Sequence[TrialResult]) -> dict[str, dict[str, Any]]:
 
 def laws_from_plan(plan: dict[str, Any]) -> tuple[LossLawFit | None, Any, HyperparameterLaws | None]:
     """The loss law, IsoFLOP fit and hyper-parameter laws a plan holds, as objects again."""
-    from kiln.tasks.scaling.laws import (
+    from kiln.tasks.scaling.laws import (  # defers scipy
         BudgetBest,
         HyperparameterLaws,
         IsoFlopFit,

@@ -28,8 +28,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kiln.tasks.scaling.fit import hyper_at
-from kiln.tasks.scaling.sweep import SweepConfig, TrialResult, model_at_width
+from kiln.tasks.errors import KilnError
+from kiln.tasks.scaling.fit import PLAN_FILE, hyper_at, laws_from_plan
+from kiln.tasks.scaling.sweep import TRIALS_FILE, SweepConfig, TrialResult, load_trials, model_at_width
 from kiln.tasks.train.config import ModelConfig
 
 if TYPE_CHECKING:
@@ -87,7 +88,7 @@ def data_use(tokens: float, data: DataBudget) -> dict[str, Any]:
 
 def parameters(model: ModelConfig, vocab_size: int) -> int:
     """The law's N: every parameter, the embedding included (see `sweep.params_at_width`)."""
-    from kiln.tasks.train.model import count_parameters
+    from kiln.tasks.train.model import count_parameters  # defers torch
 
     return count_parameters(model, vocab_size)
 
@@ -252,9 +253,6 @@ def describe(run: dict[str, Any], name: str) -> str:
 def budget_report(sweep: SweepConfig, compute: float, fit_dir: Path, sweep_dir: Path) -> tuple[str, dict[str, Any]]:
     """`kiln plan CONFIG --budget`: the compute-optimal and the data-feasible run for `compute` FLOPs
     from a completed fit (and its sweep); the report and the runs as a dict."""
-    from kiln.tasks.errors import KilnError
-    from kiln.tasks.scaling.fit import PLAN_FILE, laws_from_plan
-    from kiln.tasks.scaling.sweep import TRIALS_FILE, load_trials
 
     plan = json.loads((fit_dir / PLAN_FILE).read_text())
     trials = load_trials(sweep_dir / TRIALS_FILE)

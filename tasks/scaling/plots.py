@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from kiln.tasks.scaling.laws import HyperparameterLaws, IsoFlopFit, LossLawFit
+from kiln.tasks.scaling.laws import HyperparameterLaws, IsoFlopFit, LossLawFit, compute_optimal_allocation
 from kiln.tasks.scaling.sweep import TrialResult
 
 ISOFLOP_PLOT, LAW_PLOT, HYPER_PLOT, MIXTURE_PLOT = "isoflop.png", "law.png", "hyperparameters.png", "mixture.png"
@@ -103,7 +103,6 @@ def plot_law(points: Sequence[dict[str, Any]], law: LossLawFit | None, runs: dic
         boot = law.bootstrap_params
         band = None
         if len(boot):
-            from kiln.tasks.scaling.laws import compute_optimal_allocation
 
             bn, bd = compute_optimal_allocation(cs[None, :], boot[:, 1:2], boot[:, 2:3], boot[:, 3:4], boot[:, 4:5])
             curves = boot[:, 0:1] + boot[:, 1:2] / bn ** boot[:, 3:4] + boot[:, 2:3] / bd ** boot[:, 4:5]

@@ -39,23 +39,21 @@ import os
 import socket
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import numpy as np
 from pydantic import Field, SerializerFunctionWrapHandler, model_serializer, model_validator
 
 from kiln.tasks.configbase import Reference, Section, runtime_field
-from kiln.tasks.errors import ConfigError, KilnError
+from kiln.tasks.errors import ConfigError, KilnError, TrainingDivergedError
+from kiln.tasks.ledger import StageRecorder, SubRun, SubRuns
 from kiln.tasks.progress import Progress
-from kiln.tasks.stage import SubRun
 from kiln.tasks.train.config import ModelConfig, OptimConfig, TrainRunConfig
 
 if TYPE_CHECKING:  # torch-backed: imported where trials run, so that the config tree stays light
-    from kiln.tasks.runner import StageRecorder, SubRuns
-    from kiln.tasks.scaling.trial_runs import TrialLauncher
     from kiln.tasks.train.data_loader import Mixture
 
 TRIALS_FILE = "trials.json"  # every trial in design order: the fit's input
@@ -261,7 +259,7 @@ def params_at_width(base: ModelConfig, width: int, vocab_size: int) -> int:
     At proxy sizes the V x d embedding is most of the model, and its output projection most of
     a step's FLOPs, so leaving it out (Kaplan et al.'s N) would misstate both size and compute.
     """
-    from kiln.tasks.train.model import count_parameters
+    from kiln.tasks.train.model import count_parameters  # defers torch
 
     return count_parameters(model_at_width(base, width), vocab_size)
 
@@ -300,7 +298,7 @@ def num_samples_needed(cfg: SweepConfig, num_named: int, mixture_folds: int) -> 
     """`mixture_design.num_samples`, raised so that the named and sampled mixture trials reach the mixture
     regression's minimum for the reference's domains and `mixture_folds` folds (0 stays 0: no regression
     is wanted then)."""
-    from kiln.tasks.scaling.mixture_regression import minimum_trials
+    from kiln.tasks.scaling.mixture_regression import minimum_trials  # defers sklearn
 
     asked = cfg.mixture_design.num_samples
     if asked == 0:
@@ -366,10 +364,9 @@ def run_trial(cfg: SweepConfig, trial: Trial, mixture: Mixture, out_dir: Path) -
     for every trial) is raised."""
     import torch
 
-    from kiln.tasks.train.callbacks import TrainerHandle
-    from kiln.tasks.train.health import TrainingDivergedError
-    from kiln.tasks.train.loop import train_model
-    from kiln.tasks.train.model import count_parameters
+    from kiln.tasks.train.callbacks import TrainerHandle  # defers torch
+    from kiln.tasks.train.loop import train_model  # defers torch
+    from kiln.tasks.train.model import count_parameters  # defers torch
 
     torch.set_num_threads(1)  # results must not depend on how many trials share the machine
     model = model_at_width(cfg.model, trial.width)
@@ -437,7 +434,7 @@ def load_result(folder: Path) -> TrialResult | None:
 
 def worker_died(cfg: SweepConfig, trial: Trial, vocab_size: int, reason: str) -> TrialResult:
     """The result of a trial whose process never returned one (killed, its job failed)."""
-    from kiln.tasks.train.model import count_parameters
+    from kiln.tasks.train.model import count_parameters  # defers torch
 
     model = model_at_width(cfg.model, trial.width)
     return TrialResult(trial.name, trial.width, trial.lr, trial.mixture, trial.batch_size,
@@ -460,12 +457,25 @@ def trial_subrun(trial: Trial) -> SubRun:
     return SubRun(TRIALS_DIR, trial.name, asdict(trial), params=params)
 
 
+Pending = list[tuple[Trial, Path]]  # each trial with its sub-run folder
+Finished = tuple[Trial, TrialResult, dict[str, Any]]  # ...its result and how it was launched
+
+
+class TrialLauncher(Protocol):
+    """Where a sweep's trials train (`kiln.tasks.scaling.trial_runs`: processes here, or cluster jobs); the
+    stage chooses one from `cluster.launcher` and hands it to `run_sweep`."""
+
+    def run(self, cfg: SweepConfig, shards: dict, shards_root: Path, pending: Pending,
+            label: str) -> Iterator[Finished]:
+        """Train `pending`; yield each trial's final (or, after its retries, failed) result as it comes."""
+
+
 def run_sweep(cfg: SweepConfig, shards: dict, shards_root: Path, subruns: SubRuns, *,
-              where: TrialLauncher | None = None, mixture_folds: int = DEFAULT_FOLDS,
+              where: TrialLauncher, mixture_folds: int = DEFAULT_FOLDS,
               on_trial: Callable[[TrialResult, bool], None] | None = None,
               log_every: int | None = None) -> list[TrialResult]:
     """Run both phases, each trial a sub-run of the stage (`subruns`, in `trials/<name>/`): complete
-    ones are reused, the others run `where` says (default: `cfg.max_parallel` processes here) and are
+    ones are reused, the others run where `where` trains them and are
     committed as they finish; write `trials.json` beside them; return results in design order.
 
     A trial that ends ok or diverged is committed (a divergence is data: same seed, same data, same
@@ -473,9 +483,6 @@ def run_sweep(cfg: SweepConfig, shards: dict, shards_root: Path, subruns: SubRun
     retried on its own by `where`; if it still fails it is recorded and left uncommitted, so the next
     attempt of the stage runs it again. `on_trial(result, resumed)` is called once per trial, as it
     is reused (resumed=True) or finishes. Raises `SweepFailedError` when no trial succeeded."""
-    from kiln.tasks.scaling.trial_runs import PoolTrials
-
-    where = where or PoolTrials(cfg.max_parallel)
     out_dir = subruns.store.root
     results: dict[str, TrialResult] = {}
 

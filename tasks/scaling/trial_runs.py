@@ -36,11 +36,16 @@ from concurrent.futures.process import BrokenProcessPool
 from dataclasses import asdict
 from multiprocessing import get_context
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from kiln.tasks.errors import ConfigError, KilnError
+from kiln.tasks.launch.kubernetes import KubernetesIndexedLauncher
+from kiln.tasks.launch.launchers import LaunchError, sigterm_raises
+from kiln.tasks.launch.registry import make_launcher
 from kiln.tasks.scaling.sweep import (
     FINAL_STATUSES,
+    Finished,
+    Pending,
     SweepConfig,
     Trial,
     TrialFn,
@@ -66,18 +71,8 @@ FAILED_HOSTS_FILE = "failed_hosts.json"  # hosts whose jobs failed: later jobs k
 POLL_S = 0.5  # how often finished trials are looked for while jobs run
 USER_ERROR_EXIT = 3  # a worker's exit code when a trial raised a KilnError
 
-Pending = list[tuple[Trial, Path]]  # each trial with its sub-run folder
-Finished = tuple[Trial, TrialResult, dict[str, Any]]  # ...its result and how it was launched
-
-
-class TrialLauncher(Protocol):
-    def run(self, cfg: SweepConfig, shards: dict, shards_root: Path, pending: Pending,
-            label: str) -> Iterator[Finished]:
-        """Train `pending`; yield each trial's final (or, after its retries, failed) result as it comes."""
-
-
 def _mixture(shards: dict, shards_root: Path, trial: Trial) -> Mixture:
-    from kiln.tasks.train.data_loader import mixture_with_weights
+    from kiln.tasks.train.data_loader import mixture_with_weights  # defers torch
 
     return mixture_with_weights(shards, shards_root, trial.weights, f"sweep.mixtures.{trial.mixture}")
 
@@ -166,7 +161,6 @@ class JobTrials:
 
     def run(self, cfg: SweepConfig, shards: dict, shards_root: Path, pending: Pending,
             label: str = "trials") -> Iterator[Finished]:
-        from kiln.tasks.launch.launchers import sigterm_raises
 
         if not pending:
             return
@@ -204,7 +198,6 @@ class JobTrials:
     def _unit(self, cfg: SweepConfig, shards: dict, shards_root: Path, unit: list[Pending], name: str,
               state: _JobState) -> None:
         """One job (a share; for Kubernetes every share, one index each), resubmitted while trials remain."""
-        from kiln.tasks.launch.launchers import LaunchError
 
         folder = self.jobs_dir / name
         folder.mkdir(parents=True, exist_ok=True)
@@ -243,12 +236,10 @@ class JobTrials:
                 return
 
     def _launcher(self, folder: Path, name: str, shares: int) -> Launcher:
-        from kiln.tasks.launch.launchers import make_launcher
 
         options = {"job_name": f"kiln-sweep-{name}".lower(), "nproc_per_node": 1, "env": {"OMP_NUM_THREADS": "1"},
                    "failed_hosts_file": self.jobs_dir / FAILED_HOSTS_FILE, **self.launcher_options}
         if self.launcher == "kubernetes":
-            from kiln.tasks.launch.kubernetes import KubernetesIndexedLauncher
 
             return KubernetesIndexedLauncher(self.cluster, folder, completions=shares,
                                              parallelism=min(self.max_parallel, shares),

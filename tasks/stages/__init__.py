@@ -1,14 +1,26 @@
-"""Kiln's stages, in pipeline order. Adding a stage: a module in this package declaring `STAGE`, and
-its name in `STAGE_MODULES` (after the stages it reads)."""
-
-from importlib import import_module
+"""Kiln's stages, in pipeline order. Adding a stage: a module in this package declaring `STAGE`, imported
+here and listed in `STAGE_MODULES` (after the stages it reads)."""
 
 from kiln.tasks.stage import Registry
-
-STAGE_MODULES = (
-    "collect", "clean", "dedup", "decontaminate", "tokenize", "sweep", "fit", "mix", "validate", "train", "anneal",
-    "anneal_ablation", "evaluate", "export",
-    "dedup_batch",
+from kiln.tasks.stages import (
+    anneal,
+    anneal_ablation,
+    clean,
+    collect,
+    decontaminate,
+    dedup,
+    dedup_batch,
+    evaluate,
+    export,
+    fit,
+    mix,
+    sweep,
+    tokenize,
+    train,
+    validate,
 )
 
-REGISTRY = Registry([import_module(f"kiln.tasks.stages.{name}").STAGE for name in STAGE_MODULES])
+STAGE_MODULES = (collect, clean, dedup, decontaminate, tokenize, sweep, fit, mix, validate, train, anneal,
+                 anneal_ablation, evaluate, export, dedup_batch)
+
+REGISTRY = Registry([module.STAGE for module in STAGE_MODULES])

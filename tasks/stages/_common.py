@@ -1,4 +1,5 @@
-"""Pieces several stage declarations share: the document-count headline and the eval-file check."""
+"""Pieces several stage declarations share: the document-count headline, the eval-file check, and where
+the data stages' pipelines run."""
 
 from __future__ import annotations
 
@@ -6,10 +7,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kiln.tasks.bundled import locate
+from kiln.tasks.data.executors import ExecutorSettings
 from kiln.tasks.errors import InputError
+from kiln.tasks.settings import KilnConfig
 
 if TYPE_CHECKING:
-    from kiln.tasks.config import KilnConfig
+    from kiln.tasks.stage import StageContext
 
 
 def document_headline(stats: dict[str, Any]) -> dict[str, Any]:
@@ -31,3 +34,12 @@ def configured_eval_files(cfg: KilnConfig) -> list[Path]:
     """The eval files whose content a key hashes (missing ones hash as missing; the stage reports them);
     the defaults are Kiln's own held-out sets (`tasks.bundled`)."""
     return [locate(p) for p in cfg.evaluate.eval_files]
+
+
+def executor_settings(ctx: StageContext) -> ExecutorSettings:
+    """Where the stage's data pipelines run: `cluster.executor` and, on Slurm, what its jobs need; each
+    job's launch record goes to the stage's manifest."""
+    cluster = ctx.cfg.cluster
+    if cluster.executor != "slurm":  # the Slurm fields mean nothing to the other executors
+        return ExecutorSettings(cluster.executor, on_job=ctx.recorder.job_launched)
+    return ExecutorSettings("slurm", cluster.partition, cluster.time_limit, cluster.slurm, ctx.recorder.job_launched)

@@ -9,6 +9,7 @@ import socket
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from kiln.tasks.launch.cluster import launch_record
 from kiln.tasks.scaling.fit import PLAN_FILE
 from kiln.tasks.scaling.mix import MIXTURE_FILE
 from kiln.tasks.stage import StageContext
@@ -17,7 +18,7 @@ if TYPE_CHECKING:  # torch-backed: stage modules import training code in their b
     # config tree, keys and cached reruns never load torch
     from kiln.tasks.train.config import ModelConfig, OptimConfig, TrainRunConfig
     from kiln.tasks.train.data_loader import Mixture
-    from kiln.tasks.train.loop import TrainResult
+    from kiln.tasks.train.trainer import TrainResult
 
 LAUNCHED_MIXTURE_FILE = "launched_mixture.json"  # what a launched job's workers read (paths relative to the store)
 
@@ -29,7 +30,7 @@ def planned_lr(ctx: StageContext) -> float:
 
 
 def plan_mixture(ctx: StageContext) -> Mixture:
-    from kiln.tasks.train.data_loader import Mixture
+    from kiln.tasks.train.data_loader import Mixture  # defers torch
 
     return Mixture.from_manifest(ctx.inputs["mix"] / MIXTURE_FILE, ctx.store.root)
 
@@ -44,7 +45,7 @@ def run_training(ctx: StageContext, model_cfg: ModelConfig, optim: OptimConfig, 
     stage's forecast, set beside its cost, is the sum over the training runs it records. So do the
     settings it trains with (`used.*` params of the recorder's run: the plan's LR and shape where the
     config says `plan`, the resolved layout)."""
-    from kiln.tasks.train.planner import checked_layout, forecast_record
+    from kiln.tasks.train.planner import checked_layout, forecast_record  # defers torch
 
     ctx.recorder.record_forecast(forecast_record(model_cfg, mixture.vocab_size, run_cfg, ctx.cfg.train.parallel,
                                                  ctx.cfg.cluster))
@@ -54,16 +55,15 @@ def run_training(ctx: StageContext, model_cfg: ModelConfig, optim: OptimConfig, 
     out_dir, on_metrics = ctx.out_dir, ctx.recorder.metrics
     launcher = ctx.cfg.cluster.launcher
     if dims.world_size == 1 and launcher == "local":
-        from kiln.tasks.launch.cluster import launch_record
-        from kiln.tasks.train.loop import train_model
+        from kiln.tasks.train.loop import train_model  # defers torch
 
         result = train_model(model_cfg, optim, run_cfg, mixture, out_dir, init_model_dir=init_model_dir,
                              on_metrics=on_metrics, on_event=ctx.recorder.event)
         ctx.recorder.launched(launch_record("in-process", None, [{"attempt": 1, "job_id": None,
                                                                   "nodes": [socket.gethostname()]}], 0.0))
         return result
-    from kiln.tasks.launch.launched_training import train_with_launcher
-    from kiln.tasks.train.data_loader import write_manifest
+    from kiln.tasks.train.data_loader import write_manifest  # defers torch
+    from kiln.tasks.train.launched_training import train_with_launcher  # defers torch
 
     manifest = write_manifest(mixture, out_dir / LAUNCHED_MIXTURE_FILE, ctx.store.root)
     return train_with_launcher(model_cfg, optim, run_cfg, dims, ctx.cfg.cluster, manifest, ctx.store.root,

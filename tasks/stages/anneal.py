@@ -9,11 +9,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kiln.tasks.data.tokenize import SHARDS_FILE
+from kiln.tasks.constants import SHARDS_FILE
 from kiln.tasks.errors import ConfigError
 from kiln.tasks.stage import Stage, StageContext
 from kiln.tasks.stages._training import planned_lr, run_training, train_headline, train_stats
-from kiln.tasks.stages.train import planned_run, trained_model_config  # the plan may have chosen them (train.model: plan)
+from kiln.tasks.stages.train import (  # the plan may have chosen them (train.model: plan)
+    planned_run,
+    trained_model_config,
+)
 from kiln.tasks.train.anneal import AnnealConfig, anneal_settings
 from kiln.tasks.train.checkpoint import MARKER, checkpoint_dir, steps_on_disk
 
@@ -45,8 +48,8 @@ def start_model(ctx: StageContext, from_step: int | None, where: str) -> StartMo
     if from_step not in kept:
         raise ConfigError(f"{where}={from_step}: the train run kept no checkpoint of step {from_step}; it kept steps "
                           f"{kept} (train.run.keep_every keeps more), or null for its final model")
-    from kiln.tasks.train.dcp import load_model_weights
-    from kiln.tasks.train.model import Transformer, save_model
+    from kiln.tasks.train.dcp import load_model_weights  # defers torch
+    from kiln.tasks.train.model import Transformer, save_model  # defers torch
 
     model_cfg = trained_model_config(ctx)
     vocab_size = ctx.read_json("tokenize", SHARDS_FILE)["vocab_size"]
@@ -59,7 +62,7 @@ def start_model(ctx: StageContext, from_step: int | None, where: str) -> StartMo
 
 def anneal_into(ctx: StageContext, cfg: AnnealConfig, start: StartModel, where: str) -> dict[str, Any]:
     """Anneal `start` with `cfg` into `ctx.out_dir` (its `model/`, checkpoints and metrics); its stats."""
-    from kiln.tasks.train.anneal_data import anneal_mixture
+    from kiln.tasks.train.anneal_data import anneal_mixture  # defers torch
 
     # what train trained: under train.model: plan, the plan's context and batch
     train_run = planned_run(ctx)[1] if ctx.cfg.train.model == "plan" else ctx.cfg.train.run

@@ -17,10 +17,12 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from kiln.tasks.data.tokenize import TOKENIZER_FILE
-from kiln.tasks.evals.evaluate import RESULTS_FILE
+from kiln.tasks.constants import TOKENIZER_FILE
+from kiln.tasks.data.decontaminate import read_contamination
+from kiln.tasks.evals.evaluate import RESULTS_FILE, evaluate_model
 from kiln.tasks.evals.report import report_markdown, report_rows
-from kiln.tasks.stage import Stage, StageContext, SubRun
+from kiln.tasks.ledger import SubRun
+from kiln.tasks.stage import Stage, StageContext
 from kiln.tasks.stages._common import configured_eval_files, eval_file_paths
 from kiln.tasks.stages.anneal import anneal_into, start_model
 from kiln.tasks.train.anneal import AnnealAblationConfig
@@ -36,7 +38,6 @@ RANK_METRIC = "bits_per_byte"
 
 def _evaluate(ctx: StageContext, model_dir: Path, out: Path, contamination: Any) -> dict[str, float]:
     """The suite on the model in `model_dir`, its results and flat metrics written in `out`; the metrics."""
-    from kiln.tasks.evals.evaluate import evaluate_model  # lm-eval takes seconds to import
 
     out.mkdir(parents=True, exist_ok=True)
     metrics = evaluate_model(ctx.cfg.evaluate, model_dir, ctx.inputs["tokenize"] / TOKENIZER_FILE, out,
@@ -101,7 +102,6 @@ def summary_markdown(summary: dict[str, Any], table: str) -> str:
 
 
 def run(ctx: StageContext) -> dict:
-    from kiln.tasks.data.decontaminate import read_contamination
 
     cfg: AnnealAblationConfig = ctx.cfg.anneal_ablation
     summary: dict[str, Any] = {"candidates": {}, "ranking": {}, "best": None, "steps": cfg.steps,

@@ -8,13 +8,12 @@ from typing import TYPE_CHECKING
 from kiln.tasks.bundled import locate
 from kiln.tasks.data.clean import CleanConfig, clean_documents
 from kiln.tasks.data.datatrove_logs import LOG_FILE
-from kiln.tasks.data.executors import ExecutorSettings
 from kiln.tasks.data.quality_training import REPORT_FILE, classifier_metrics, reference_paths, resolve_quality_model
 from kiln.tasks.stage import Stage, StageContext
-from kiln.tasks.stages._common import document_headline
+from kiln.tasks.stages._common import document_headline, executor_settings
 
 if TYPE_CHECKING:
-    from kiln.tasks.config import KilnConfig
+    from kiln.tasks.settings import KilnConfig
 
 
 def run(ctx: StageContext) -> dict:
@@ -22,7 +21,7 @@ def run(ctx: StageContext) -> dict:
     cfg = resolve_quality_model(ctx.cfg.clean, ctx.inputs["collect"], ctx.out_dir, ctx.subruns(ctx.store.root))
     ctx.recorder.metrics(0, classifier_metrics(ctx.out_dir / REPORT_FILE))  # held-out precision, recall, ROC-AUC
     stats = clean_documents(cfg, ctx.inputs["collect"], ctx.out_dir,
-                            ExecutorSettings.from_cluster(ctx.cfg.cluster, ctx.recorder.job_launched))
+                            executor_settings(ctx))
     if (ctx.out_dir / LOG_FILE).is_file():  # every rank's datatrove log, to MLflow
         ctx.recorder.tracker.log_artifact(ctx.recorder.run_id, ctx.out_dir / LOG_FILE)
     return stats

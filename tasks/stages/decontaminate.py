@@ -6,20 +6,19 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kiln.tasks.data.decontaminate import DecontaminateConfig, decontaminate_documents
-from kiln.tasks.data.executors import ExecutorSettings
 from kiln.tasks.data.shards import shard_paths
 from kiln.tasks.stage import Stage, StageContext
-from kiln.tasks.stages._common import configured_eval_files, document_headline, eval_file_paths
+from kiln.tasks.stages._common import configured_eval_files, document_headline, eval_file_paths, executor_settings
 
 if TYPE_CHECKING:
-    from kiln.tasks.config import KilnConfig
+    from kiln.tasks.settings import KilnConfig
 
 
 def run(ctx: StageContext) -> dict:
     evals = eval_file_paths(ctx.cfg)  # first: a config naming a missing eval file is told so before any input is read
     return decontaminate_documents(ctx.cfg.decontaminate, shard_paths(ctx.inputs["dedup"]), evals,
                                    ctx.out_dir, eval_tasks=ctx.cfg.evaluate.online_tasks(),
-                                   executor=ExecutorSettings.from_cluster(ctx.cfg.cluster, ctx.recorder.job_launched))
+                                   executor=executor_settings(ctx))
 
 
 def external_files(cfg: KilnConfig) -> list[Path]:

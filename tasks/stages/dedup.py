@@ -3,18 +3,17 @@
 from __future__ import annotations
 
 from kiln.tasks.data.dedup import DedupConfig
+from kiln.tasks.data.dedup_datatrove import dedup_with_datatrove
 from kiln.tasks.data.dedup_job import dedup_documents
-from kiln.tasks.data.executors import ExecutorSettings
 from kiln.tasks.data.shards import shard_paths
 from kiln.tasks.stage import Stage, StageContext
-from kiln.tasks.stages._common import document_headline
+from kiln.tasks.stages._common import document_headline, executor_settings
 
 
 def run(ctx: StageContext) -> dict:
     inputs = shard_paths(ctx.inputs["clean"])
-    executor = ExecutorSettings.from_cluster(ctx.cfg.cluster, ctx.recorder.job_launched)
+    executor = executor_settings(ctx)
     if ctx.cfg.dedup.engine == "datatrove":
-        from kiln.tasks.data.dedup_datatrove import dedup_with_datatrove
 
         return dedup_with_datatrove(ctx.cfg.dedup, inputs, ctx.out_dir, tasks=ctx.cfg.dedup.num_workers,
                                     executor=executor)

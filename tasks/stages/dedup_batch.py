@@ -8,11 +8,10 @@ from pathlib import Path
 from kiln.tasks.configbase import Section
 from kiln.tasks.data.dedup_index import INDEX_DIR
 from kiln.tasks.data.dedup_job import dedup_documents
-from kiln.tasks.data.executors import ExecutorSettings
 from kiln.tasks.data.shards import document_files
 from kiln.tasks.errors import ConfigError, InputError
 from kiln.tasks.stage import Stage, StageContext
-from kiln.tasks.stages._common import document_headline
+from kiln.tasks.stages._common import document_headline, executor_settings
 
 
 class DedupBatchConfig(Section):
@@ -33,7 +32,7 @@ def _batch_files(ctx: StageContext) -> list[Path]:
 
 
 def run(ctx: StageContext) -> dict:
-    executor = ExecutorSettings.from_cluster(ctx.cfg.cluster, ctx.recorder.job_launched)  # a task per shard there
+    executor = executor_settings(ctx)  # a task per shard there
     return dedup_documents(ctx.cfg.dedup, _batch_files(ctx), ctx.out_dir, executor,
                            index_dir=ctx.inputs["dedup"] / INDEX_DIR)
 

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import json
 
-from kiln.tasks.data.tokenize import TOKENIZER_FILE
-from kiln.tasks.evals.evaluate import RESULTS_FILE, EvaluateConfig
+from kiln.tasks.constants import TOKENIZER_FILE
+from kiln.tasks.data.decontaminate import read_contamination
+from kiln.tasks.evals.evaluate import RESULTS_FILE, EvaluateConfig, evaluate_model
 from kiln.tasks.evals.report import REPORT_FILE, mlflow_table_tag, write_report
 from kiln.tasks.evals.suite import primary_metric
 from kiln.tasks.stage import Stage, StageContext
@@ -18,8 +19,6 @@ BASELINE = "train"  # the report's changes are each model's score minus the trai
 
 
 def run(ctx: StageContext) -> dict:
-    from kiln.tasks.data.decontaminate import read_contamination
-    from kiln.tasks.evals.evaluate import evaluate_model  # lm-eval takes seconds to import
 
     eval_file_paths(ctx.cfg)
     tokenizer = ctx.inputs["tokenize"] / TOKENIZER_FILE

@@ -7,7 +7,7 @@ from typing import Literal
 from pydantic import Field
 
 from kiln.tasks.configbase import Section
-from kiln.tasks.data.tokenize import TOKENIZER_FILE
+from kiln.tasks.constants import TOKENIZER_FILE
 from kiln.tasks.evals.model_card import render_model_card
 from kiln.tasks.lineage import COMPLIANCE_FILE, lineage_manifests
 from kiln.tasks.stage import Stage, StageContext
@@ -25,8 +25,8 @@ class ExportConfig(Section):
 
 
 def run(ctx: StageContext) -> dict:
-    from kiln.tasks.evals.export_hf import export_hf
-    from kiln.tasks.train.model import load_model
+    from kiln.tasks.evals.export_hf import export_hf  # defers torch
+    from kiln.tasks.train.model import load_model  # defers torch
 
     model, model_cfg = load_model(ctx.inputs["anneal"] / "model")
     anneal_key = ctx.inputs["anneal"].name

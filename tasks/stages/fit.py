@@ -15,7 +15,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from kiln.tasks.data.tokenize import SHARDS_FILE
+from kiln.tasks.constants import SHARDS_FILE
+from kiln.tasks.scaling import plots
 from kiln.tasks.scaling.fit import (
     PLAN_FILE,
     REPORT_FILE,
@@ -27,7 +28,14 @@ from kiln.tasks.scaling.fit import (
     hyper_grid,
     loss_law_to_dict,
 )
-from kiln.tasks.scaling.plan import DataBudget, describe, plan_data_feasible, plan_for_compute, plan_for_model, unique_tokens
+from kiln.tasks.scaling.plan import (
+    DataBudget,
+    describe,
+    plan_data_feasible,
+    plan_for_compute,
+    plan_for_model,
+    unique_tokens,
+)
 from kiln.tasks.scaling.sweep import TRIALS_FILE, load_trials, normalised
 from kiln.tasks.stage import Stage, StageContext
 
@@ -140,7 +148,6 @@ def write_plots(ctx: StageContext, plan: dict[str, Any], trials: list, laws: dic
     """The four plots (top-level PNGs: the runner logs them to MLflow) and `report.md` (Prefect)."""
     import numpy as np
 
-    from kiln.tasks.scaling import plots
 
     out = ctx.out_dir
     plots.plot_isoflop(laws["points"], laws["isoflop"], laws["loss_law"], out / plots.ISOFLOP_PLOT)
@@ -148,7 +155,7 @@ def write_plots(ctx: StageContext, plan: dict[str, Any], trials: list, laws: dic
     plots.plot_hyperparameters(hyper_grid(ctx.cfg.sweep, trials), laws["hyper"], out / plots.HYPER_PLOT)
     shown = [plots.ISOFLOP_PLOT, plots.LAW_PLOT, plots.HYPER_PLOT]
     if mixture["num_trials"]:
-        from kiln.tasks.scaling.mixture_regression import fit_mixture_regression
+        from kiln.tasks.scaling.mixture_regression import fit_mixture_regression  # defers sklearn
 
         domains = mixture["domains"]
         runs = [t for t in trials if t.ok and t.kind == "mixture"]

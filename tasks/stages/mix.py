@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import json
 
-from kiln.tasks.data.tokenize import SHARDS_FILE
+from kiln.tasks.constants import SHARDS_FILE
 from kiln.tasks.scaling.fit import PLAN_FILE
 from kiln.tasks.scaling.mix import MIXTURE_FILE, MixConfig, build_mixture_manifest
 from kiln.tasks.stage import Stage, StageContext
+from kiln.tasks.stages.train import planned_run
 
 
 def run(ctx: StageContext) -> dict:
-    from kiln.tasks.stages.train import planned_run
 
     tokenized = ctx.inputs["tokenize"]
     plan = ctx.read_json("fit", PLAN_FILE)

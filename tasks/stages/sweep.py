@@ -10,13 +10,13 @@ own and, if it keeps failing, recorded uncommitted; the stage fails only when no
 
 from __future__ import annotations
 
-from kiln.tasks.data.tokenize import SHARDS_FILE
+from kiln.tasks.constants import SHARDS_FILE
 from kiln.tasks.scaling.sweep import SweepConfig, run_sweep, succeeded
+from kiln.tasks.scaling.trial_runs import JOBS_DIR, JobTrials, PoolTrials
 from kiln.tasks.stage import Stage, StageContext
 
 
 def run(ctx: StageContext) -> dict:
-    from kiln.tasks.scaling.trial_runs import JOBS_DIR, JobTrials, PoolTrials
 
     cfg, cluster = ctx.cfg.sweep, ctx.cfg.cluster
     if cluster.launcher == "local":

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from kiln.tasks.data.executors import ExecutorSettings
 from kiln.tasks.data.tokenize import TokenizeConfig, tokenize_corpus
 from kiln.tasks.stage import Stage, StageContext
+from kiln.tasks.stages._common import executor_settings
 
 
 def run(ctx: StageContext) -> dict:
     return tokenize_corpus(ctx.cfg.tokenize, ctx.inputs["decontaminate"], ctx.out_dir,
-                           ExecutorSettings.from_cluster(ctx.cfg.cluster, ctx.recorder.job_launched))
+                           executor_settings(ctx))
 
 
 def headline(stats: dict) -> dict:

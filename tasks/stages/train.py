@@ -19,7 +19,8 @@ from pydantic import PositiveFloat, SerializerFunctionWrapHandler, model_seriali
 
 from kiln.tasks.configbase import Section, runtime_field
 from kiln.tasks.errors import ConfigError
-from kiln.tasks.scaling.fit import PLAN_FILE
+from kiln.tasks.scaling.fit import PLAN_FILE, loss_law_from_dict
+from kiln.tasks.scaling.plan import DataBudget, predicted
 from kiln.tasks.scaling.validate import REPORT_FILE as GATE_FILE
 from kiln.tasks.scaling.validate import ValidationGateError
 from kiln.tasks.stage import STATS_FILE, Stage, StageContext
@@ -169,9 +170,7 @@ def law_prediction(plan: dict[str, Any], model: ModelConfig, run: TrainRunConfig
     loss per token, so the number is a guide there, not a check (`prediction_comparable` says which)."""
     if not plan["loss_law"]:
         return {}
-    from kiln.tasks.scaling.fit import loss_law_from_dict
-    from kiln.tasks.scaling.plan import DataBudget, predicted
-    from kiln.tasks.train.model import count_parameters
+    from kiln.tasks.train.model import count_parameters  # defers torch
 
     law = loss_law_from_dict(plan["loss_law"])
     data = DataBudget(**{k: v for k, v in plan["data"].items() if k != "r_star"}) if plan.get("data") else None

@@ -13,10 +13,17 @@ import json
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-from kiln.tasks.data.tokenize import SHARDS_FILE, TOKENIZER_FILE
+from kiln.tasks.constants import SHARDS_FILE, TOKENIZER_FILE
+from kiln.tasks.errors import TrainingDivergedError
+from kiln.tasks.evals.evaluate import check_wanted_tasks, evaluate_model, suite_task_names
+from kiln.tasks.ledger import SubRun
+from kiln.tasks.scaling import plots
+from kiln.tasks.scaling.capabilities import ScoredModel, capability_trend
 from kiln.tasks.scaling.fit import PLAN_FILE, loss_law_from_dict
+from kiln.tasks.scaling.sweep import TRIALS_DIR, TRIALS_FILE, best_isoflop_trials, load_trials
+from kiln.tasks.scaling.transfer import choose_transfer_mixtures, transfer_spearman
 from kiln.tasks.scaling.validate import REPORT_FILE, ValidateConfig, check_gate
-from kiln.tasks.stage import Stage, StageContext, SubRun
+from kiln.tasks.stage import Stage, StageContext
 from kiln.tasks.stages._common import configured_eval_files
 from kiln.tasks.stages._training import (
     plan_mixture,
@@ -26,9 +33,9 @@ from kiln.tasks.stages._training import (
 )
 
 if TYPE_CHECKING:
-    from kiln.tasks.config import KilnConfig
     from kiln.tasks.evals.evaluate import EvaluateConfig
     from kiln.tasks.scaling.capabilities import CapabilityRow
+    from kiln.tasks.settings import KilnConfig
     from kiln.tasks.train.config import OptimConfig, TrainRunConfig
 
 CAPABILITIES_DIR = "capabilities"  # capabilities/<model>/results.json: each scored model's eval results
@@ -36,7 +43,6 @@ TRANSFER_DIR = "transfer"  # transfer/<mixture>/: each transfer run
 
 
 def run(ctx: StageContext) -> dict:
-    from kiln.tasks.scaling import plots
 
     cfg = ctx.cfg
     if cfg.validate_.capabilities.enabled and cfg.validate_.capabilities.tasks:
@@ -90,7 +96,6 @@ def capabilities_eval_config(cfg: KilnConfig) -> EvaluateConfig:
 def check_capability_tasks(cfg: KilnConfig) -> None:
     """`validate.capabilities.tasks` not in the suite is a ConfigError before the validate run trains,
     not after it, when the capabilities are scored."""
-    from kiln.tasks.evals.evaluate import check_wanted_tasks, suite_task_names
 
     check_wanted_tasks(cfg.validate_.capabilities.tasks, suite_task_names(capabilities_eval_config(cfg)))
 
@@ -101,9 +106,6 @@ def score_capabilities(ctx: StageContext, midscale_compute: float, reference_run
     IsoFLOP budget and on the mid-scale model trained on their mixture (`reference_run`, a folder of
     this stage, or the validate run itself when None), and the trend check; the validate run, on
     the plan's other mixture, is scored beside it."""
-    from kiln.tasks.evals.evaluate import evaluate_model  # lm-eval takes seconds to import
-    from kiln.tasks.scaling.capabilities import ScoredModel, capability_trend
-    from kiln.tasks.scaling.sweep import TRIALS_DIR, TRIALS_FILE, best_isoflop_trials, load_trials
 
     caps = ctx.cfg.validate_.capabilities
     eval_cfg = capabilities_eval_config(ctx.cfg)
@@ -129,7 +131,6 @@ def mixture_transfer(ctx: StageContext, plan: dict[str, Any], optim: OptimConfig
     """Train `validate.mixture_transfer.num_mixtures` of the fit's predicted mixtures at the validate
     model's size; their predicted and observed losses and the rank correlation between them. At the
     validate run's length the validate run itself is the plan mixture's run (not trained twice)."""
-    from kiln.tasks.scaling.transfer import choose_transfer_mixtures, transfer_spearman
 
     cfg = ctx.cfg.validate_
     regression = plan["mixture_regression"]
@@ -173,8 +174,7 @@ def transfer_run(ctx: StageContext, shards: dict, weights: dict[str, float], whe
                  run_cfg: TrainRunConfig) -> dict[str, Any]:
     """One transfer run (into ctx.out_dir, its sub-run folder), where the validate run trains: this process,
     or through cluster.launcher. A divergence is its result, recorded and not run again."""
-    from kiln.tasks.train.data_loader import mixture_with_weights
-    from kiln.tasks.train.health import TrainingDivergedError
+    from kiln.tasks.train.data_loader import mixture_with_weights  # defers torch
 
     mixture = mixture_with_weights(shards, ctx.inputs["tokenize"], weights, where)
     try:

@@ -1,22 +1,7 @@
-"""Hooks of the training loop: the `TrainCallback` interface and the callbacks every run gets.
-
-`train_model` calls its callbacks at fixed points, in order, on every rank (one process or a
-torchrun job); a callback whose work is rank 0's (files, progress, `on_metrics`) checks
-`trainer.is_main` itself, and one that joins a collective (saving a checkpoint, a rollback) must
-run on every rank. The points, OLMo-core-trainer style:
-
-- `on_start(trainer)`: the model is built and resumed; `trainer.step` is the first step's predecessor.
-- `pre_step(trainer, batch)`: before each optimizer update; may change the `Batch` (testing faults do).
-- `check_step(trainer, out) -> bool`: right after the update; False means the callback undid it
-  (the health monitor rolled the run back to `trainer.step`) and the loop goes on from there.
-- `post_step(trainer, out)`: after an update that was kept and recorded in the curves.
-- `on_checkpoint(trainer, step)`: a checkpoint of `step` was written (every rank has saved).
-- `on_end(trainer, result)`: training stopped (finished or `stop_after`); `result` is final.
-- `on_error(trainer, error)`: an exception is leaving the loop (it is re-raised afterwards).
-
-Each hook dispatches only to callbacks that override it, so the per-step cost of the hooks is a
-few method calls. A callback for another process (a torchrun worker) travels as a `CallbackSpec`:
-its class's dotted path and JSON keyword arguments.
+"""The callbacks every training run gets (progress, metric logging, the checkpoint cadence) and
+`CallbackSpec`, how a callback travels to another process (a torchrun worker): its class's dotted
+path and JSON keyword arguments. The `TrainCallback` interface and its hook points are in
+`kiln.tasks.train.trainer`; the health monitor is `kiln.tasks.train.rollback`.
 """
 
 from __future__ import annotations
@@ -26,88 +11,18 @@ import json
 import resource
 import sys
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from kiln.tasks.errors import ConfigError
 from kiln.tasks.progress import Progress
 from kiln.tasks.train.model import flops_per_token
-
-if TYPE_CHECKING:
-    from kiln.tasks.train.loop import Batch, StepOutput, Trainer, TrainResult
+from kiln.tasks.train.trainer import StepOutput, TrainCallback, Trainer, TrainResult
 
 METRICS_LOG = "train_metrics.jsonl"  # every on_metrics call, for runs whose caller is another process
-HOOKS = ("on_start", "pre_step", "check_step", "post_step", "on_checkpoint", "on_end", "on_error")
-
-
-class TrainCallback:
-    """Base class of the loop's hooks; override the ones you need (see the module docstring)."""
-
-    def on_start(self, trainer: Trainer) -> None:
-        pass
-
-    def pre_step(self, trainer: Trainer, batch: Batch) -> None:
-        pass
-
-    def check_step(self, trainer: Trainer, out: StepOutput) -> bool:
-        return True
-
-    def post_step(self, trainer: Trainer, out: StepOutput) -> None:
-        pass
-
-    def on_checkpoint(self, trainer: Trainer, step: int) -> None:
-        pass
-
-    def on_end(self, trainer: Trainer, result: TrainResult) -> None:
-        pass
-
-    def on_error(self, trainer: Trainer, error: BaseException) -> None:
-        pass
-
-
-class Hooks:
-    """The loop's view of its callbacks: each hook calls, in order, the callbacks that override it."""
-
-    def __init__(self, callbacks: Iterable[TrainCallback]) -> None:
-        self.callbacks = list(callbacks)
-        for cb in self.callbacks:
-            if not isinstance(cb, TrainCallback):
-                raise TypeError(f"{cb!r} is not a TrainCallback: subclass tasks.train.callbacks.TrainCallback")
-        self._calls = {name: [getattr(cb, name) for cb in self.callbacks
-                              if getattr(type(cb), name) is not getattr(TrainCallback, name)] for name in HOOKS}
-
-    def on_start(self, trainer: Trainer) -> None:
-        for call in self._calls["on_start"]:
-            call(trainer)
-
-    def pre_step(self, trainer: Trainer, batch: Batch) -> None:
-        for call in self._calls["pre_step"]:
-            call(trainer, batch)
-
-    def check_step(self, trainer: Trainer, out: StepOutput) -> bool:
-        """Whether the step stands; the first callback that undoes it ends the checks."""
-        return all(call(trainer, out) for call in self._calls["check_step"])
-
-    def post_step(self, trainer: Trainer, out: StepOutput) -> None:
-        for call in self._calls["post_step"]:
-            call(trainer, out)
-
-    def on_checkpoint(self, trainer: Trainer, step: int) -> None:
-        for call in self._calls["on_checkpoint"]:
-            call(trainer, step)
-
-    def on_end(self, trainer: Trainer, result: TrainResult) -> None:
-        for call in self._calls["on_end"]:
-            call(trainer, result)
-
-    def on_error(self, trainer: Trainer, error: BaseException) -> None:
-        for call in self._calls["on_error"]:
-            call(trainer, error)
-
-
 @dataclass(frozen=True)
 class CallbackSpec:
     """A callback another process builds: `target` is its class's dotted path, `kwargs` JSON values."""

@@ -139,14 +139,6 @@ def rollback_bound(bad_step: int, windows: Sequence[SkipWindow]) -> int:
     return bad_step
 
 
-class TrainingDivergedError(RuntimeError):
-    """The loss stayed bad after `max_rollbacks` rollbacks; `events` holds the whole history."""
-
-    def __init__(self, message: str, events: list[dict[str, Any]]) -> None:
-        super().__init__(message)
-        self.events = events
-
-
 def json_float(x: float) -> float | str:
     """x itself when finite, else its name: the event files stay strict JSON."""
     return x if math.isfinite(x) else str(x)

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
-from kiln.tasks.train.callbacks import TrainCallback
+from kiln.tasks.errors import TrainingDivergedError
 from kiln.tasks.train.checkpoint import delete_checkpoints_after
 from kiln.tasks.train.config import TrainRunConfig
 from kiln.tasks.train.data_loader import Mixture, batch_sources
@@ -26,7 +26,6 @@ from kiln.tasks.train.health import (
     EVENTS_FILE,
     Anomaly,
     SkipWindow,
-    TrainingDivergedError,
     append_event,
     check_loss,
     data_index,
@@ -35,11 +34,10 @@ from kiln.tasks.train.health import (
     rollback_bound,
 )
 from kiln.tasks.train.plots import LOSS_PLOT, plot_loss_curve
+from kiln.tasks.train.trainer import StepOutput, TrainCallback, Trainer
 
 if TYPE_CHECKING:
     from pathlib import Path
-
-    from kiln.tasks.train.loop import StepOutput, Trainer
 
 
 class HealthMonitor(TrainCallback):

@@ -14,10 +14,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kiln.tasks.train.callbacks import TrainCallback
+from kiln.tasks.train.trainer import TrainCallback
 
 if TYPE_CHECKING:
-    from kiln.tasks.train.loop import Batch, StepOutput, Trainer
+    from kiln.tasks.train.trainer import Batch, StepOutput, Trainer
 
 FAULT_MARKER = ".fault_injected"
 

@@ -215,8 +215,8 @@ def test_status_shows_continuous_eval_per_series(in_repo, tmp_path, capsys):
     import json
 
     from kiln.tasks.config import load_config
+    from kiln.tasks.continuous_state import ecg_path, eval_targets
     from kiln.tasks.evals.continuous import suite_versions
-    from kiln.tasks.evals.continuous_state import ecg_path, eval_targets
     from kiln.tasks.graph import stage_keys
     from kiln.tasks.store import Store
     from kiln.tasks.train.checkpoint import checkpoint_dir
@@ -253,5 +253,5 @@ def test_status_shows_continuous_eval_per_series(in_repo, tmp_path, capsys):
     assert f"  anneal  {keys['anneal']}  the stage has not started" in out
     train.state_file.write_text("".join(json.dumps(row) + "\n" for row in rows if row["step"] == 40))
     assert main(args) == 0
-    assert (f"scored 1 (40), pending 1 (60), missed 1 (20) (pruned before scoring: train.run.keep_every keeps "
+    assert ("scored 1 (40), pending 1 (60), missed 1 (20) (pruned before scoring: train.run.keep_every keeps "
             "them); open regressions: none") in capsys.readouterr().out

@@ -3,9 +3,10 @@
 import logging
 import sys
 
+from prefect.logging.handlers import PrefectConsoleHandler
+
 import kiln.tasks.stages.collect
 from kiln.flows.cli import main
-from prefect.logging.handlers import PrefectConsoleHandler
 
 
 def _prefect_console_to_this_tests_stderr(monkeypatch):

@@ -17,9 +17,9 @@ from mlflow.tracking import MlflowClient
 from kiln.flows.cli import main
 from kiln.flows.continuous_eval import continuous_eval
 from kiln.tasks.config import load_config
-from kiln.tasks.data.tokenize import TOKENIZER_FILE
+from kiln.tasks.constants import TOKENIZER_FILE
+from kiln.tasks.continuous_state import ecg_path, eval_targets, up_to_date
 from kiln.tasks.evals.continuous import read_recorded
-from kiln.tasks.evals.continuous_state import ecg_path, eval_targets, up_to_date
 from kiln.tasks.graph import stage_keys
 from kiln.tasks.store import Store
 from kiln.tasks.train.loop import train_model

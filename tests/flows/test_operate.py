@@ -430,14 +430,21 @@ def test_continuous_eval_on_a_5s_schedule_scores_a_training_run_as_it_writes_che
     the webhook once, as a sentence with the run's page; once train and anneal are complete and scored,
     the schedule pauses itself and the runs Prefect had scheduled ahead are gone."""
     from kiln.tasks.config import load_config
-    from kiln.tasks.data.tokenize import TOKENIZER_FILE
+    from kiln.tasks.constants import TOKENIZER_FILE
+    from kiln.tasks.continuous_state import eval_targets
     from kiln.tasks.evals.continuous import read_recorded
-    from kiln.tasks.evals.continuous_state import eval_targets
     from kiln.tasks.graph import stage_keys
     from kiln.tasks.store import Store
     from kiln.tasks.train.loop import train_model
-    from tests.fixtures.continuous_eval import (MODEL, RISING_OPTIM, RUN, other_mixture, write_eval_file,
-                                                write_mixture, write_tokenizer)
+    from tests.fixtures.continuous_eval import (
+        MODEL,
+        RISING_OPTIM,
+        RUN,
+        other_mixture,
+        write_eval_file,
+        write_mixture,
+        write_tokenizer,
+    )
 
     started = time.perf_counter()
     eval_file = write_eval_file(tmp_path / "heldout.jsonl")

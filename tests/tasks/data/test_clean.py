@@ -7,7 +7,6 @@ from CPython's standard library.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest

@@ -16,8 +16,8 @@ import pytest
 from kiln.tasks.config import load_config
 from kiln.tasks.data.clean import CleanConfig, clean_documents, lid_model_path
 from kiln.tasks.data.documents import Document, read_shards
-from kiln.tasks.data.shards import shard_paths
 from kiln.tasks.data.quality import SHIPPED_MODEL, QualityClassifierFilter
+from kiln.tasks.data.shards import shard_paths
 from kiln.tasks.errors import ConfigError
 from kiln.tasks.graph import stage_keys
 from tests.fixtures.shards import raw, records, write_stage

@@ -15,10 +15,10 @@ from datatrove.data import Document as DtDocument
 from kiln.tasks.config import load_config
 from kiln.tasks.data.clean import CleanConfig, clean_documents
 from kiln.tasks.data.documents import Document, read_shards
-from kiln.tasks.data.shards import shard_paths
 from kiln.tasks.data.filters.blocklists import URLBlocklistFilter, WordBlocklistFilter
 from kiln.tasks.data.filters.code_rules import CodeRules, CodeRulesFilter
 from kiln.tasks.data.filters.pii import PII_KINDS, luhn_valid, redact
+from kiln.tasks.data.shards import shard_paths
 from kiln.tasks.errors import ConfigError
 from kiln.tasks.graph import stage_keys
 from tests.fixtures.shards import records, write_stage

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from kiln.tasks.data.collect import CollectConfig, SourceConfig, collect_documents, source_paths
+from kiln.tasks.data.collect import CollectConfig, collect_documents, source_paths
+from kiln.tasks.data.sources import SourceConfig
 from kiln.tasks.errors import ConfigError, InputError
 from tests.fixtures import shards
 

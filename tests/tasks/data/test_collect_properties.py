@@ -17,16 +17,16 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import zstandard
-
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kiln.tasks.data.clean import CleanConfig, clean_documents
-from kiln.tasks.data.collect import CollectConfig, SourceConfig, collect_documents
+from kiln.tasks.data.collect import CollectConfig, collect_documents
 from kiln.tasks.data.dedup import DedupConfig
 from kiln.tasks.data.dedup_job import dedup_documents
 from kiln.tasks.data.inspection import accounting
 from kiln.tasks.data.shards import KINDS, shard_paths
+from kiln.tasks.data.sources import SourceConfig
 from tests.fixtures import shards
 
 REPO = Path(__file__).resolve().parents[3]

@@ -12,7 +12,8 @@ import pyarrow.parquet as pq
 import pytest
 from pydantic import ValidationError
 
-from kiln.tasks.data.collect import CollectConfig, SourceConfig, collect_documents
+from kiln.tasks.data.collect import CollectConfig, collect_documents
+from kiln.tasks.data.sources import SourceConfig
 from tests.fixtures import shards
 
 PROSE = (

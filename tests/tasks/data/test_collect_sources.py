@@ -17,7 +17,8 @@ from identify.vendor.licenses import LICENSES
 from pydantic import ValidationError
 
 from kiln.tasks.data.code_tree import language_of, licence_id, skip_reason, spdx_header
-from kiln.tasks.data.collect import CollectConfig, SourceConfig, collect_documents, source_paths
+from kiln.tasks.data.collect import CollectConfig, collect_documents, source_paths
+from kiln.tasks.data.sources import SourceConfig
 from kiln.tasks.errors import ConfigError
 from tests.fixtures import shards
 

@@ -7,11 +7,12 @@ from pathlib import Path
 
 import pytest
 
-from kiln.tasks.data.collect import CollectConfig, SourceConfig, collect_documents
+from kiln.tasks.data.collect import CollectConfig, collect_documents
 from kiln.tasks.data.decontaminate import DecontaminateConfig, Grams, decontaminate_documents, split_scripts, words
 from kiln.tasks.data.documents import Document, read_shards, write_documents
 from kiln.tasks.data.inspection import accounting
 from kiln.tasks.data.shards import shard_paths
+from kiln.tasks.data.sources import SourceConfig
 from kiln.tasks.errors import InputError
 from kiln.tasks.evals.heldout_task import write_heldout_task
 from tests.fixtures.shards import raw, records, write_stage

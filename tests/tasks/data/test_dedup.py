@@ -12,8 +12,8 @@ import pytest
 
 from kiln.tasks.data import dedup, minhash
 from kiln.tasks.data.dedup import DedupConfig
-from kiln.tasks.data.dedup_job import dedup_documents
 from kiln.tasks.data.dedup_index import INDEX_DIR, DedupIndex
+from kiln.tasks.data.dedup_job import dedup_documents
 from kiln.tasks.data.documents import Document, write_documents
 from kiln.tasks.data.inspection import accounting
 from kiln.tasks.data.shards import KINDS, shard_paths

@@ -15,8 +15,8 @@ import pytest
 from kiln.tasks.data.dedup import DedupConfig
 from kiln.tasks.data.dedup_job import dedup_documents
 from kiln.tasks.data.shards import shard_paths
-from tests.fixtures.shards import records, write_stage
 from tests.fixtures.dedup_corpus import build_corpus, clusters_from_output, score
+from tests.fixtures.shards import records, write_stage
 
 
 @pytest.fixture(scope="module")

@@ -219,15 +219,7 @@ def test_executors_are_built_from_the_cluster_section(tmp_path):
     assert body.index("export HF_HOME='/scratch/hf cache'") < body.index(f"source {Path(sys.prefix) / 'bin' / 'activate'}")
 
 
-def test_cluster_section_decides_the_executor():
-    from kiln.tasks.config import ClusterConfig
-
-    assert ExecutorSettings.from_cluster(ClusterConfig()) == ExecutorSettings("local")
-    slurm = ClusterConfig(executor="slurm", partition="cpu", time_limit="01:00:00")
-    assert ExecutorSettings.from_cluster(slurm) == ExecutorSettings("slurm", "cpu", "01:00:00")
-    site = ClusterConfig(executor="slurm", slurm=SlurmSettings(account="proj"))
-    assert ExecutorSettings.from_cluster(site).slurm.account == "proj"
-    assert ExecutorSettings.from_cluster(ClusterConfig(executor="ray", partition="cpu")) == ExecutorSettings("ray")
+def test_an_unknown_executor_is_refused():
     with pytest.raises(ConfigError, match="'k8s' is not one of local, slurm, ray"):
         ExecutorSettings("k8s")  # type: ignore[arg-type]
 

@@ -12,7 +12,7 @@ import pytest
 from pydantic import ValidationError
 
 from kiln.tasks.data.clean import CleanConfig, clean_documents
-from kiln.tasks.data.collect import CollectConfig, SourceConfig, collect_documents
+from kiln.tasks.data.collect import CollectConfig, collect_documents
 from kiln.tasks.data.documents import read_shards
 from kiln.tasks.data.quality import HQ_LABEL
 from kiln.tasks.data.quality_training import (
@@ -28,7 +28,8 @@ from kiln.tasks.data.quality_training import (
     trained_model,
 )
 from kiln.tasks.data.shards import shard_paths
-from kiln.tasks.runner import StageRecorder, SubRuns
+from kiln.tasks.data.sources import SourceConfig
+from kiln.tasks.ledger import StageRecorder, SubRuns
 from kiln.tasks.store import Store
 from kiln.tasks.tracker import NullTracker
 from tests.fixtures.shards import records

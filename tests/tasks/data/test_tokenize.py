@@ -7,8 +7,9 @@ from pathlib import Path
 import numpy as np
 from tokenizers import Tokenizer
 
+from kiln.tasks.constants import SHARDS_FILE, TOKENIZER_FILE
 from kiln.tasks.data.documents import Document
-from kiln.tasks.data.tokenize import SHARDS_FILE, TOKENIZER_FILE, TokenizeConfig, split_of, tokenize_corpus
+from kiln.tasks.data.tokenize import TokenizeConfig, split_of, tokenize_corpus
 from tests.fixtures.shards import records, write_stage
 from tests.fixtures.splits import expected_splits
 

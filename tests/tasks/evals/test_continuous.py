@@ -18,6 +18,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 import kiln.tasks.train.dcp as dcp_module
 from kiln.tasks.config import load_config
+from kiln.tasks.continuous_state import eval_targets
 from kiln.tasks.errors import ConfigError, InputError
 from kiln.tasks.evals.continuous import (
     STATE_FILE,
@@ -26,7 +27,6 @@ from kiln.tasks.evals.continuous import (
     plan_evaluations,
     read_recorded,
 )
-from kiln.tasks.evals.continuous_state import eval_targets
 from kiln.tasks.evals.evaluate import EvaluateConfig, evaluate_model
 from kiln.tasks.graph import stage_keys
 from kiln.tasks.library_output import LIBRARY_LOG

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import json
-import math
 import io
+import json
 import logging
+import math
 import re
 import sys
 from pathlib import Path
@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from tokenizers import Tokenizer
 from lm_eval.api.instance import Instance
+from tokenizers import Tokenizer
 
 from kiln.tasks.errors import ConfigError, InputError
 from kiln.tasks.evals.adapter import KilnLM

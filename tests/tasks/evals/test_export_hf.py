@@ -19,7 +19,8 @@ os.environ["HF_DATASETS_OFFLINE"] = "1"
 
 import transformers  # noqa: E402
 
-from kiln.tasks.data.tokenize import EOS_TOKEN, TokenizeConfig, train_tokenizer  # noqa: E402
+from kiln.tasks.constants import EOS_TOKEN
+from kiln.tasks.data.tokenize import TokenizeConfig, train_tokenizer  # noqa: E402
 from kiln.tasks.errors import InputError  # noqa: E402
 from kiln.tasks.evals.export_hf import export_hf, hf_state_dict, load_kiln_model  # noqa: E402
 from kiln.tasks.evals.heldout_task import task_name_for, write_heldout_task  # noqa: E402

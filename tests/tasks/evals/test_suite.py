@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from kiln.tasks.errors import InputError
 from kiln.tasks.evals.evaluate import Contamination, EvaluateConfig, require_hub
 from kiln.tasks.evals.heldout_task import EvalDoc, read_eval_docs
 from kiln.tasks.evals.suite import (
@@ -19,7 +20,6 @@ from kiln.tasks.evals.suite import (
     lines_items,
     primary_metric,
 )
-from kiln.tasks.errors import InputError
 
 REPO = Path(__file__).resolve().parents[3]
 PROSE = REPO / "data" / "evals" / "heldout.jsonl"

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from kiln.tasks.launch.cluster import ClusterSpec
-from kiln.tasks.launch.launched_training import train_with_launcher
 from kiln.tasks.train.config import ModelConfig, OptimConfig, ParallelDims, TrainRunConfig
 from kiln.tasks.train.data_loader import Mixture
+from kiln.tasks.train.launched_training import train_with_launcher
 from kiln.tasks.train.loop import train_model
 from tests.tasks.launch.test_torchrun_stage import write_tiny_corpus
 

@@ -19,10 +19,10 @@ from kiln.tasks.launch.launchers import (
     LaunchError,
     LocalLauncher,
     TorchrunLauncher,
-    make_launcher,
     read_failed_hosts,
     record_failed_hosts,
 )
+from kiln.tasks.launch.registry import make_launcher
 from kiln.tasks.launch.slurm import SlurmLauncher
 
 SLURM = ClusterSpec(nodes=4, gpus_per_node=8, partition="gpu", time_limit="12:00:00", rdzv_port=29400,

@@ -14,11 +14,11 @@ import pytest
 
 from kiln.tasks.errors import is_retryable
 from kiln.tasks.launch.cluster import ClusterSpec
-from kiln.tasks.launch.launched_training import FAILED_HOSTS_FILE, train_with_launcher
 from kiln.tasks.launch.launchers import LaunchError
 from kiln.tasks.launch.local_slurm import free_port
 from kiln.tasks.launch.slurm import SlurmJobCancelled
 from kiln.tasks.train.config import ModelConfig, OptimConfig, ParallelDims, TrainRunConfig
+from kiln.tasks.train.launched_training import FAILED_HOSTS_FILE, train_with_launcher
 from tests.tasks.launch.test_torchrun_stage import write_tiny_corpus
 
 pytestmark = [pytest.mark.cluster, pytest.mark.distributed]

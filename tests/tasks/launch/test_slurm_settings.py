@@ -16,7 +16,7 @@ from kiln.tasks.launch.cluster import ClusterSpec, SlurmSettings
 from kiln.tasks.launch.slurm import SlurmLauncher
 from tests.tasks.launch.test_launchers import sbatch_directives
 
-COMMAND = ["-m", "kiln.tasks.launch.dist_worker", "--config", "run config.json"]
+COMMAND = ["-m", "kiln.tasks.train.dist_worker", "--config", "run config.json"]
 SITE = SlurmSettings(account="proj-llm", qos="high", mem="1G", sbatch_lines=("--comment=kiln-test", "--nice=10"),
                      modules=("cuda/12.4", "nccl"), env={"NCCL_SOCKET_IFNAME": "ib0", "NCCL_DEBUG": "WARN"})
 

@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 
 from kiln.tasks.launch.cluster import ClusterSpec
-from kiln.tasks.launch.launched_training import LAUNCH_FILE, train_with_launcher
 from kiln.tasks.launch.local_slurm import free_port
 from kiln.tasks.launch.rank_hosts import REGISTRY_DIR, read_registry
 from kiln.tasks.train.callbacks import CallbackSpec
 from kiln.tasks.train.config import ModelConfig, OptimConfig, ParallelDims, TrainRunConfig
+from kiln.tasks.train.launched_training import LAUNCH_FILE, train_with_launcher
 from kiln.tasks.train.testing_faults import FAULT_MARKER, FaultInjection
 from tests.tasks.launch.test_torchrun_stage import write_tiny_corpus
 

@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 
 from kiln.tasks.launch.cluster import ClusterSpec
-from kiln.tasks.launch.launched_training import train_with_launcher
 from kiln.tasks.train.callbacks import CallbackSpec
 from kiln.tasks.train.config import ModelConfig, OptimConfig, ParallelDims, TrainRunConfig
+from kiln.tasks.train.launched_training import train_with_launcher
 from kiln.tasks.train.loop import train_model
 from kiln.tasks.train.testing_faults import FaultInjection
 

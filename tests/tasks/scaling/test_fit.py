@@ -13,7 +13,15 @@ import numpy as np
 import pytest
 
 from kiln.tasks.errors import ConfigError
-from kiln.tasks.scaling.fit import FitConfig, chosen_mixture, fit_laws, fit_mixture, hyper_at, laws_from_plan, loss_law_to_dict
+from kiln.tasks.scaling.fit import (
+    FitConfig,
+    chosen_mixture,
+    fit_laws,
+    fit_mixture,
+    hyper_at,
+    laws_from_plan,
+    loss_law_to_dict,
+)
 from kiln.tasks.scaling.laws import compute_optimal_allocation
 from kiln.tasks.scaling.mix import MixConfig, build_mixture_manifest
 from kiln.tasks.scaling.plan import (

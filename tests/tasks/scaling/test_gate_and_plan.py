@@ -10,7 +10,7 @@ import pytest
 
 from kiln.tasks.config import load_config
 from kiln.tasks.errors import ConfigError
-from kiln.tasks.runner import StageRecorder
+from kiln.tasks.ledger import StageRecorder
 from kiln.tasks.scaling.fit import PLAN_FILE
 from kiln.tasks.scaling.validate import REPORT_FILE, ValidationGateError, check_gate
 from kiln.tasks.stage import StageContext

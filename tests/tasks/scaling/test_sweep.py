@@ -10,8 +10,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from kiln.tasks.data.tokenize import SHARDS_FILE
-from kiln.tasks.runner import StageRecorder, SubRuns
+from kiln.tasks.constants import SHARDS_FILE
+from kiln.tasks.ledger import StageRecorder, SubRuns
 from kiln.tasks.scaling.fit import excluded, law_points
 from kiln.tasks.scaling.mixture_regression import minimum_trials
 from kiln.tasks.scaling.sweep import (
@@ -37,6 +37,7 @@ from kiln.tasks.store import Store
 from kiln.tasks.tracker import NullTracker
 from kiln.tasks.train.config import ModelConfig, TrainRunConfig
 from tests.tasks.scaling.sweep_fakes import POISON_LR, fake_trial
+
 
 @pytest.fixture(scope="module")
 def shards(tmp_path_factory) -> tuple[dict, Path]:
@@ -75,7 +76,7 @@ PARAMS_W16 = 1 * (4 * 16 * 16 + 3 * 16 * 64 + 2 * 16) + 16 + 64 * 16  # one laye
 def test_a_diverging_trial_is_recorded_and_the_fit_uses_the_rest(shards, tmp_path):
     # two worker processes: the divergence (the x1e7 LR of the second phase) happens in one and comes back as data
     seen: list[str] = []
-    results = run_sweep(tiny(1e-3, (1.0, 1e7), max_parallel=2), *shards, subruns(tmp_path),
+    results = run_sweep(tiny(1e-3, (1.0, 1e7), max_parallel=2), *shards, subruns(tmp_path), where=PoolTrials(2),
                         on_trial=lambda r, resumed: seen.append(r.name))
     ok, bad = results
     assert (ok.kind, bad.kind) == ("isoflop", "hyper") and ok.steps == 12 and ok.num_params == PARAMS_W16
@@ -103,7 +104,7 @@ def test_an_interrupted_sweep_reruns_only_unfinished_and_failed_trials(shards, t
         raise KeyboardInterrupt  # as Ctrl-C right after the first trial finished
 
     with pytest.raises(KeyboardInterrupt):
-        run_sweep(cfg, *shards, subruns(tmp_path), on_trial=interrupt)
+        run_sweep(cfg, *shards, subruns(tmp_path), where=PoolTrials(cfg.max_parallel), on_trial=interrupt)
     store = Store(tmp_path)
     assert store.is_complete(TRIALS_DIR, names[0]) and not store.is_complete(TRIALS_DIR, names[1])
     # the third trial failed in a previous attempt (say, killed): its partial folder says so; it is run again
@@ -113,7 +114,8 @@ def test_an_interrupted_sweep_reruns_only_unfinished_and_failed_trials(shards, t
     (failed / f"{RESULT_FILE}.tmp").write_text("{")  # torn by the interrupt
     calls: list[tuple[str, bool]] = []
     capsys.readouterr()
-    results = run_sweep(cfg, *shards, subruns(tmp_path), on_trial=lambda r, resumed: calls.append((r.name, resumed)))
+    results = run_sweep(cfg, *shards, subruns(tmp_path), where=PoolTrials(cfg.max_parallel),
+                        on_trial=lambda r, resumed: calls.append((r.name, resumed)))
     assert calls == [(names[0], True), (names[1], False), (names[2], False)]
     # a progress line per phase (kept trials counted as done); the trials' training reports nothing of its own
     assert [line.split(", ")[0] for line in capsys.readouterr().err.splitlines()] == [
@@ -124,7 +126,7 @@ def test_an_interrupted_sweep_reruns_only_unfinished_and_failed_trials(shards, t
 
 def test_every_trial_failing_fails_the_sweep_clearly(shards, tmp_path):
     with pytest.raises(SweepFailedError, match=r"every sweep trial failed \(1 diverged\).*smaller sweep.lr"):
-        run_sweep(tiny(1e4), *shards, subruns(tmp_path))
+        run_sweep(tiny(1e4), *shards, subruns(tmp_path), where=PoolTrials(1))
 
 
 def test_a_trial_that_kills_its_worker_is_retried_alone_then_named_and_the_rest_finish(shards, tmp_path):

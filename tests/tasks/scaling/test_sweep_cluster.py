@@ -18,11 +18,10 @@ import numpy as np
 import pytest
 
 from kiln.tasks.errors import is_retryable
-from tests.processes import argv
 from kiln.tasks.launch.cluster import ClusterSpec
 from kiln.tasks.launch.launchers import LaunchError
 from kiln.tasks.launch.local_slurm import free_port
-from kiln.tasks.runner import StageRecorder, SubRuns
+from kiln.tasks.ledger import StageRecorder, SubRuns
 from kiln.tasks.scaling.sweep import (
     RESULT_FILE,
     TRIALS_DIR,
@@ -37,6 +36,7 @@ from kiln.tasks.scaling.trial_runs import JOBS_DIR, JobTrials, PoolTrials
 from kiln.tasks.store import Store
 from kiln.tasks.tracker import NullTracker
 from kiln.tasks.train.config import ModelConfig, TrainRunConfig
+from tests.processes import argv
 
 MAX_PARALLEL = 2
 # how long the watcher waits for a trial to be training inside a job before it gives up (a slow machine)

@@ -6,8 +6,6 @@ tests/tasks/scaling/test_sweep_cluster.py."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import kubernetes_validate
 import pytest
 import yaml

@@ -4,7 +4,7 @@ First, for each layout of INIT_SPEC (JSON: a list of {"name", "model", "parallel
 as training does (`build_parallel`: meta device, parallelised, materialised, each rank filling only
 its shards from seed SEED), gather the full weights (all shards, all pipeline stages) and, on
 rank 0, save {name: state dict} to INIT_OUT. Then hand the remaining arguments to
-`tasks.launch.dist_worker` in the same process group: the training runs, one after another.
+`tasks.train.dist_worker` in the same process group: the training runs, one after another.
 One torchrun launch does both, since each launch costs seconds of imports per process.
 """
 

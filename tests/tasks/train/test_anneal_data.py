@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 from tokenizers import Tokenizer
 
+from kiln.tasks.constants import SHARDS_FILE, TOKENIZER_FILE
 from kiln.tasks.data.documents import Document
-from kiln.tasks.data.tokenize import SHARDS_FILE, TOKENIZER_FILE, TokenizeConfig, tokenize_corpus
+from kiln.tasks.data.tokenize import TokenizeConfig, tokenize_corpus
 from kiln.tasks.errors import ConfigError
 from kiln.tasks.train.anneal import QualitySelection
 from kiln.tasks.train.anneal_data import anneal_mixture, select_by_quality, top_quality_cutoff

@@ -10,10 +10,12 @@ import pytest
 import torch
 
 from kiln.tasks.config import load_config
+from kiln.tasks.constants import SHARDS_FILE
 from kiln.tasks.data.documents import Document
-from kiln.tasks.data.tokenize import SHARDS_FILE, TokenizeConfig, tokenize_corpus
+from kiln.tasks.data.tokenize import TokenizeConfig, tokenize_corpus
 from kiln.tasks.errors import ConfigError
-from kiln.tasks.runner import StageRecorder, stage_forecast
+from kiln.tasks.ledger import StageRecorder
+from kiln.tasks.runner import stage_forecast
 from kiln.tasks.stage import StageContext
 from kiln.tasks.stages import anneal, anneal_ablation
 from kiln.tasks.store import Store

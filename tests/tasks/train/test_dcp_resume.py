@@ -87,7 +87,7 @@ def run_worker(launcher: list[str], configs: dict[str, dict], work: Path) -> dic
     for name, cfg in configs.items():
         (work / f"{name}.config.json").write_text(json.dumps(cfg))
         args += ["--config", str(work / f"{name}.config.json"), "--out", str(work / f"{name}.json")]
-    cmd = [*launcher, "-m", "kiln.tasks.launch.dist_worker", *args]
+    cmd = [*launcher, "-m", "kiln.tasks.train.dist_worker", *args]
     proc = subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return {name: json.loads((work / f"{name}.json").read_text()) for name in configs}

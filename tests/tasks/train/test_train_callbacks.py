@@ -6,10 +6,11 @@ import pytest
 
 import kiln.tasks.progress
 from kiln.tasks.errors import ConfigError
-from kiln.tasks.train.callbacks import CallbackSpec, Hooks, TrainCallback
+from kiln.tasks.train.callbacks import CallbackSpec
 from kiln.tasks.train.data_loader import Mixture
 from kiln.tasks.train.loop import train_model
 from kiln.tasks.train.testing_faults import FaultInjection
+from kiln.tasks.train.trainer import Hooks, TrainCallback
 from tests.tasks.train.test_train_loop import MODEL, OPTIM, RUN, write_mixture
 
 

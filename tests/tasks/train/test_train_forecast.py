@@ -11,16 +11,16 @@ from pathlib import Path
 import pytest
 
 from kiln.tasks.config import load_config
-from kiln.tasks.launch.launched_training import WORKER_CONFIG
 from kiln.tasks.runner import run_stage
 from kiln.tasks.scaling.fit import PLAN_FILE
 from kiln.tasks.scaling.validate import REPORT_FILE
 from kiln.tasks.store import Store
 from kiln.tasks.train.config import TrainRunConfig
+from kiln.tasks.train.launched_training import WORKER_CONFIG
 from kiln.tasks.train.planner import forecast_training
 from tests.fixtures.validate_inputs import (
-    VALIDATE_STATS,
     KEYS,
+    VALIDATE_STATS,
     VOCAB_SIZE,
     commit,
     commit_mix,

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from kiln.tasks.errors import ConfigError
+from kiln.tasks.errors import ConfigError, TrainingDivergedError
 from kiln.tasks.train.callbacks import CallbackSpec
 from kiln.tasks.train.config import HealthConfig, TrainRunConfig
 from kiln.tasks.train.data_loader import Mixture, batch_for_step, batch_sources
@@ -17,7 +17,6 @@ from kiln.tasks.train.health import (
     EVENTS_FILE,
     Anomaly,
     SkipWindow,
-    TrainingDivergedError,
     append_event,
     check_loss,
     data_index,

@@ -14,8 +14,9 @@ import torch
 from kiln.tasks.errors import InputError
 from kiln.tasks.train.config import ModelConfig, OptimConfig, TrainRunConfig
 from kiln.tasks.train.data_loader import Mixture, validation_batches
-from kiln.tasks.train.loop import evaluate, train_model
+from kiln.tasks.train.loop import train_model
 from kiln.tasks.train.model import count_parameters, flops_per_token, load_model
+from kiln.tasks.train.trainer import evaluate
 
 V = 64
 MODEL = ModelConfig(d_model=32, n_layers=2, n_heads=2, max_seq_len=32)

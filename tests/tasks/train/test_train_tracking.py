@@ -13,8 +13,8 @@ from kiln.tasks.config import load_config
 from kiln.tasks.runner import run_stage
 from kiln.tasks.scaling.fit import PLAN_FILE
 from kiln.tasks.scaling.validate import REPORT_FILE
+from kiln.tasks.settings import open_tracker
 from kiln.tasks.store import Store
-from kiln.tasks.tracking import MlflowTracker
 from tests.fixtures.validate_inputs import KEYS, VALIDATE_STATS, commit, commit_mix
 
 REPO = Path(__file__).resolve().parents[3]
@@ -33,7 +33,7 @@ def test_the_train_run_logs_the_plans_lr_it_used_and_no_unused_optim_lr(tmp_path
         "anneal_ablation.from_step=null"])  # tiny's ablation starts from step 20, which a 2-step run never writes
     assert cfg.train.lr == "plan" and cfg.train.optim.lr != PLANNED_LR  # the default optim.lr is not the plan's
 
-    outcome = run_stage("train", cfg, store=store, keys=KEYS, tracker=MlflowTracker.for_config(cfg))
+    outcome = run_stage("train", cfg, store=store, keys=KEYS, tracker=open_tracker(cfg))
 
     params = MlflowClient(cfg.tracking_uri).get_run(outcome.mlflow_run_id).data.params
     assert params["train.lr"] == "plan" and "train.optim.lr" not in params

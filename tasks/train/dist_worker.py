@@ -1,4 +1,4 @@
-"""The per-process entry point torchrun runs: `python -m kiln.tasks.launch.dist_worker --config C --out O`.
+"""The per-process entry point torchrun runs: `python -m kiln.tasks.train.dist_worker --config C --out O`.
 
 The config is one JSON object: `model`, `optim`, `train` and `parallel` sections (their fields
 as in `ModelConfig`, `OptimConfig`, `TrainRunConfig`, `ParallelDims`), plus `manifest` (a mix
@@ -32,7 +32,8 @@ from kiln.tasks.launch.rank_hosts import REGISTRY_DIR, node_name, register_rank
 from kiln.tasks.train.callbacks import CallbackSpec
 from kiln.tasks.train.config import ModelConfig, OptimConfig, ParallelDims, TrainRunConfig
 from kiln.tasks.train.data_loader import Mixture
-from kiln.tasks.train.loop import train_model, write_result
+from kiln.tasks.train.loop import train_model
+from kiln.tasks.train.trainer import write_result
 
 SECTIONS = {"model": ModelConfig, "optim": OptimConfig, "train": TrainRunConfig, "parallel": ParallelDims}
 OPTIONS = {"stop_after", "callbacks", "init_model_dir"}

@@ -1,15 +1,17 @@
 """Where a config's continuous eval stands: its two series (the train stage's checkpoints and the anneal
 stage's), whether a pass would change anything, whether the stages it watches are done, and the lines
 `kiln status` shows for it. Read from the store and the state files beside the data, without Prefect
-or MLflow, so the pipeline, the scheduled flow and `kiln status` agree.
+or MLflow, so the pipeline, the scheduled flow and `kiln status` agree. It reads the whole config
+(train, anneal, evaluate, continuous_eval), so it sits in the stage layer, above the evals work
+(`kiln.tasks.evals.continuous`) it drives.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
+from kiln.tasks.constants import TOKENIZER_FILE
 from kiln.tasks.errors import KilnError
 from kiln.tasks.evals.continuous import (
     EvalTarget,
@@ -21,19 +23,15 @@ from kiln.tasks.evals.continuous import (
     suite_versions,
 )
 from kiln.tasks.evals.ecg import ECG_FILE, RegressionEvent, all_events, curves, open_regressions
+from kiln.tasks.settings import KilnConfig
 from kiln.tasks.store import Store
-
-if TYPE_CHECKING:
-    from kiln.tasks.config import KilnConfig
+from kiln.tasks.train.anneal import anneal_checkpointing
 
 WATCHED = ("train", "anneal")  # the stages whose checkpoints continuous eval scores, in curve order
 
 
 def eval_targets(cfg: KilnConfig, keys: dict[str, str]) -> list[EvalTarget]:
     """One target per training stage of `cfg`, located in the store by its key."""
-    from kiln.tasks.data.tokenize import TOKENIZER_FILE
-    from kiln.tasks.train.anneal import anneal_checkpointing
-
     store = Store(cfg.store_root)
     tokenizer = store.path("tokenize", keys["tokenize"]) / TOKENIZER_FILE
     anneal_every = anneal_checkpointing(cfg.anneal, cfg.train.run)["checkpoint_every"]

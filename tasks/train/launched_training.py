@@ -1,7 +1,7 @@
 """Run a training stage through a launcher (torchrun here, a Slurm job, a Kubernetes Job) and report
 it as the in-process loop would.
 
-Every rank of the job runs `tasks.launch.dist_worker`, i.e. `train_model` with the configured
+Every rank of the job runs `tasks.train.dist_worker`, i.e. `train_model` with the configured
 parallel layout: sharded DCP checkpoints in `out_dir` (a crashed attempt resumes there), the loss
 monitor's rollbacks, and — from rank 0 — the gathered `model/`, `metrics.json`,
 `train_metrics.jsonl` and the loss plot, so later stages (anneal, evaluate) read the same files
@@ -23,8 +23,7 @@ from typing import Any
 
 from kiln.tasks.errors import ConfigError
 from kiln.tasks.launch.cluster import ClusterSpec, launch_record
-from kiln.tasks.launch.dist_worker import WORKER_CPU_DIR, worker_cpu_s
-from kiln.tasks.launch.launchers import Launcher, LaunchError, make_launcher, record_failed_hosts
+from kiln.tasks.launch.launchers import Launcher, LaunchError, record_failed_hosts
 from kiln.tasks.launch.rank_hosts import (
     REGISTRY_DIR,
     failed_ranks,
@@ -33,9 +32,11 @@ from kiln.tasks.launch.rank_hosts import (
     read_registry,
     reset_registry,
 )
+from kiln.tasks.launch.registry import make_launcher
 from kiln.tasks.train.callbacks import METRICS_LOG, CallbackSpec
 from kiln.tasks.train.config import ModelConfig, OptimConfig, ParallelDims, TrainRunConfig
-from kiln.tasks.train.loop import TrainResult, read_result, write_metrics
+from kiln.tasks.train.dist_worker import WORKER_CPU_DIR, worker_cpu_s
+from kiln.tasks.train.trainer import TrainResult, read_result, write_metrics
 
 logger = logging.getLogger("kiln.launch.training")
 
@@ -81,7 +82,7 @@ def train_with_launcher(model_cfg: ModelConfig, optim_cfg: OptimConfig, run_cfg:
     failures_file = out_dir / FAILED_HOSTS_FILE
     job = make_launcher(launcher, cluster, out_dir, job_name=job_name, nproc_per_node=dims.world_size // cluster.nodes,
                         env={"OMP_NUM_THREADS": "1"}, failed_hosts_file=failures_file, timeout_s=timeout_s)
-    command = ["-m", "kiln.tasks.launch.dist_worker", "--config", str((out_dir / WORKER_CONFIG).resolve()),
+    command = ["-m", "kiln.tasks.train.dist_worker", "--config", str((out_dir / WORKER_CONFIG).resolve()),
                "--out", str((out_dir / WORKER_RESULT).resolve())]
     registry = out_dir / REGISTRY_DIR
     shutil.rmtree(out_dir / WORKER_CPU_DIR, ignore_errors=True)  # this attempt's cost: an earlier one's was its own

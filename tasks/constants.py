@@ -1,0 +1,9 @@
+"""Facts several layers share about the tokenized store entry: its file names and special tokens.
+
+The tokenize stage writes them (`kiln.tasks.data.tokenize`), training, evaluation and export read
+them; keeping them here lets the readers depend on the facts rather than on the data layer.
+"""
+
+EOS_TOKEN = "<|endoftext|>"  # the tokenizer's one special token: ends every document, pads nothing
+TOKENIZER_FILE = "tokenizer.json"  # the trained BPE tokenizer, in the tokenize stage's folder
+SHARDS_FILE = "shards.json"  # the listing of token shards per domain and split, with the vocabulary size
