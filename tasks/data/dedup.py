@@ -42,7 +42,7 @@ from kiln.tasks.accounting import DocCounts
 from kiln.tasks.configbase import Section, runtime_field
 from kiln.tasks.data import minhash
 from kiln.tasks.data.dedup_index import DIGEST_BYTES, SNIPPET_CHARS, DedupIndex, digest_array
-from kiln.tasks.data.documents import Document, open_lines, read_documents
+from kiln.tasks.data.documents import Document, read_documents, read_lines
 from kiln.tasks.data.inspection import RemovalTally, text_bytes
 from kiln.tasks.data.shards import RankShards
 
@@ -350,33 +350,27 @@ def write_shard(shard: Path, shards: RankShards, removed: Callable[[int, str], t
     counts = DocCounts()
     removed_by_domain: Counter[str] = Counter()
     tally = RemovalTally()
-    with open_lines(shard) as lines:
-        position = 0
-        for raw in lines:
-            if not raw.strip():  # read_documents' `line.strip()`
-                continue
-            line = raw if raw.endswith(b"\n") else raw + b"\n"
-            doc = _parse(line)
-            # the line is the document's canonical form: kept as it is, or spliced into its removal record
-            canonical = line == doc.to_json_line() and "duplicate_of" not in doc.metadata
-            num_bytes = text_bytes(doc.text)
-            counts.num_in += 1
-            decision = removed(position, doc.id)
-            position += 1
-            if decision is None:
-                shards.kept.write_line(line if canonical else doc.to_json_line())
-                counts.num_kept += 1
-                tally.add("kept", doc.domain, num_bytes)
-                continue
-            reason, survivor_id = decision
-            if canonical:
-                shards.removed.write_line(_spliced_removal(line, b", " if doc.metadata else b"", reason, survivor_id))
-            else:
-                doc.metadata["duplicate_of"] = survivor_id
-                shards.removed.add(reason, vars(doc))
-            counts.removed[reason] += 1
-            removed_by_domain[doc.domain] += 1
-            tally.add("removed", doc.domain, num_bytes, reason)
+    for position, line in enumerate(read_lines(shard)):
+        doc = Document.from_line(line)
+        # the line is the document's canonical form: kept as it is, or spliced into its removal record
+        canonical = line == doc.to_json_line() and "duplicate_of" not in doc.metadata
+        num_bytes = text_bytes(doc.text)
+        counts.num_in += 1
+        decision = removed(position, doc.id)
+        if decision is None:
+            shards.kept.write_line(line if canonical else doc.to_json_line())
+            counts.num_kept += 1
+            tally.add("kept", doc.domain, num_bytes)
+            continue
+        reason, survivor_id = decision
+        if canonical:
+            shards.removed.write_line(_spliced_removal(line, b", " if doc.metadata else b"", reason, survivor_id))
+        else:
+            doc.metadata["duplicate_of"] = survivor_id
+            shards.removed.add(reason, vars(doc))
+        counts.removed[reason] += 1
+        removed_by_domain[doc.domain] += 1
+        tally.add("removed", doc.domain, num_bytes, reason)
     return {"counts": counts.as_dict(), "removed_by_domain": dict(removed_by_domain), "tally": tally.table()}
 
 
@@ -416,10 +410,6 @@ def plot_cluster_sizes(sizes: Counter[int], path: Path) -> None:
     axes.set_title(f"Duplicate clusters ({sum(sizes.values())})")
     figure.subplots_adjust(left=0.16, bottom=0.16, right=0.97, top=0.9)  # fixed: tight_layout doubled the cost
     figure.savefig(path, dpi=80)
-
-
-def _parse(line: bytes) -> Document:
-    return Document.from_dict(json.loads(line.decode("utf-8")))
 
 
 def _spliced_removal(line: bytes, splice: bytes, reason: str, survivor_id: str) -> bytes:

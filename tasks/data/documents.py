@@ -5,6 +5,14 @@ these files rather than holding a corpus in memory, and write removed or quarant
 their output with a `reason`, so nothing is lost silently. Between stages the lines live in shards,
 zstd-compressed JSON lines (`documents/00000.jsonl.zst`; `tasks.data.shards` lays them out): the
 same bytes as a plain `.jsonl`, a third of the size, read and written as streams.
+
+This module is the one reader of those files, whoever reads them (every data stage, `kiln inspect`,
+datatrove pipelines, the quality model's training): `read_lines` yields each record's raw line, the
+bytes a stage that keeps the record unchanged writes back without parsing it; `parse_line` parses
+one when it is needed, with orjson (several times stdlib json's speed), falling back to `json` for
+the JSON orjson refuses (lone surrogates escaped as `\\udXXX`, NaN, integers beyond 64 bits), so
+every line parses to what `json.loads` gives. `read_records` and `read_documents` are the two
+parsed views.
 """
 
 from __future__ import annotations
@@ -54,6 +62,11 @@ class Document:
                          tail.encode("utf-8"), b"\n"))
 
     @classmethod
+    def from_line(cls, line: bytes) -> Document:
+        """The document a record line (`read_lines`) holds."""
+        return cls.from_dict(parse_line(line))
+
+    @classmethod
     def from_dict(cls, record: dict[str, Any]) -> Document:
         return cls(
             id=str(record["id"]),
@@ -74,12 +87,51 @@ def open_lines(path: Path) -> BinaryIO:
     return raw
 
 
-def read_documents(path: Path) -> Iterator[Document]:
-    """Stream documents written by a previous Kiln stage (trusted format: errors are bugs)."""
+def read_lines(path: Path) -> Iterator[bytes]:
+    """Each record of a documents file as its raw line: UTF-8 bytes ending in a newline (a last line
+    without one gets it); blank lines are no records and are skipped. Parse a line with `parse_line`
+    only where its content is needed."""
     with open_lines(path) as handle:
         for line in handle:
             if line.strip():
-                yield Document.from_dict(json.loads(line))
+                yield line if line.endswith(b"\n") else line + b"\n"
+
+
+def parse_line(line: bytes) -> dict[str, Any]:
+    """One record line as `json.loads` reads it: by orjson, or by `json` where orjson differs on valid
+    JSON that Kiln's files may hold: it refuses a lone surrogate's escape and NaN, and reads an integer
+    beyond 64 bits as a float (so a float that large sends the line to `json` too)."""
+    try:
+        record = orjson.loads(line)
+    except orjson.JSONDecodeError:
+        return json.loads(line)
+    return json.loads(line) if _holds_huge_float(record) else record
+
+
+_HUGE = 2.0**63  # orjson reads an integer literal outside int64 and uint64 as a float at least this large
+
+
+def _holds_huge_float(value: Any) -> bool:
+    kind = type(value)
+    if kind is float:
+        return not -_HUGE < value < _HUGE
+    if kind is dict:
+        return any(_holds_huge_float(item) for item in value.values() if type(item) is not str)
+    if kind is list:
+        return any(_holds_huge_float(item) for item in value if type(item) is not str)
+    return False
+
+
+def read_records(path: Path) -> Iterator[dict[str, Any]]:
+    """Every record of a documents file, parsed: documents, or removed and quarantined records."""
+    for line in read_lines(path):
+        yield parse_line(line)
+
+
+def read_documents(path: Path) -> Iterator[Document]:
+    """Stream documents written by a previous Kiln stage (trusted format: errors are bugs)."""
+    for line in read_lines(path):
+        yield Document.from_line(line)
 
 
 def read_shards(paths: Iterable[Path]) -> Iterator[Document]:

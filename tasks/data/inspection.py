@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from kiln.tasks.data.documents import open_lines
+from kiln.tasks.data.documents import read_records
 from kiln.tasks.data.shards import DOCUMENTS, QUARANTINE, REMOVED, shard_paths
 
 REPORT_JSON, REPORT_MD, REPORT_PNG = "removals.json", "removals.md", "removals.png"
@@ -31,10 +31,7 @@ UNKNOWN_DOMAIN = "unknown"
 
 def _records(out_dir: Path, outcome: str) -> Iterator[dict[str, Any]]:
     for path in shard_paths(out_dir, OUTCOMES[outcome]):
-        with open_lines(path) as handle:
-            for line in handle:
-                if line.strip():
-                    yield json.loads(line)
+        yield from read_records(path)
 
 
 def _document(record: dict[str, Any]) -> dict[str, Any]:

@@ -1,5 +1,6 @@
 """`Document.to_json_line` must write exactly the bytes of `to_json()`: dedup writes kept lines back
-byte for byte only when they equal it, and every stage's output hash depends on it."""
+byte for byte only when they equal it, and every stage's output hash depends on it. The one reader
+(`read_lines`, `parse_line`) gives each record's bytes as written and parses them as `json.loads` does."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kiln.tasks.data.documents import Document, read_documents, write_documents
+from kiln.tasks.data.documents import Document, ShardWriter, parse_line, read_documents, read_lines, read_records, write_documents
 
 _JSON_VALUES = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats(allow_nan=True) | st.text(),
@@ -70,3 +71,36 @@ def test_a_shard_is_the_same_lines_zstd_compressed(tmp_path) -> None:
     assert list(read_documents(shard)) == docs
     assert shard.stat().st_size < plain.stat().st_size / 4
     assert write_documents(tmp_path / "empty.jsonl.zst", []) == 0 and list(read_documents(tmp_path / "empty.jsonl.zst")) == []
+
+
+def test_lines_are_read_as_written_and_parsed_as_json_reads_them(tmp_path) -> None:
+    """orjson parses; where it would differ from json (a lone surrogate's escape, NaN, integers beyond 64
+    bits, which it reads as floats), json does: every line parses to what `json.loads` gives."""
+    lines = [
+        Document("a", "plain é 中文", "s", "web", "MIT", {"quality_score": 0.1234, "n": 2**63 - 1}).to_json_line(),
+        b'{"id": "big", "text": "t", "metadata": {"n": 123456789012345678901234567890, "m": [-9223372036854775809]}}\n',
+        b'{"id": "nan", "text": "t", "metadata": {"score": NaN, "inf": -Infinity}}\n',
+        b'{"id": "surrogate", "text": "half \\ud800 a pair", "metadata": {}}\n',
+        b'{"id": "last", "text": "no newline at the end"}',
+    ]
+    for compressed in (False, True):
+        path = tmp_path / ("records.jsonl.zst" if compressed else "records.jsonl")
+        with ShardWriter(path) as writer:
+            for line in lines[:2]:
+                writer.write_line(line)
+            writer.write_line(b"\n")  # a blank line is no record
+            for line in lines[2:]:
+                writer.write_line(line)
+        assert list(read_lines(path)) == [*lines[:-1], lines[-1] + b"\n"]
+        expected = [json.loads(line) for line in lines]
+        records = list(read_records(path))
+        assert repr(records) == repr(expected)  # repr: NaN != NaN, and 1e29 == 10**29 would hide a float
+        assert type(records[1]["metadata"]["n"]) is int and records[3]["text"] == "half \ud800 a pair"
+    assert parse_line(lines[0]) == json.loads(lines[0]) and Document.from_line(lines[0]).metadata["n"] == 2**63 - 1
+
+
+@settings(max_examples=200, deadline=None)
+@given(metadata=st.dictionaries(st.text(), _JSON_VALUES))
+def test_any_record_parses_as_json_parses_it(metadata: dict) -> None:
+    line = json.dumps({"id": "x", "metadata": metadata}).encode()
+    assert repr(parse_line(line)) == repr(json.loads(line))
