@@ -45,7 +45,7 @@ from kiln.tasks.data.collect import CollectConfig, collect_documents  # noqa: E4
 from kiln.tasks.data.decontaminate import DecontaminateConfig, decontaminate_documents  # noqa: E402
 from kiln.tasks.data.dedup import DedupConfig  # noqa: E402
 from kiln.tasks.data.dedup_job import dedup_documents  # noqa: E402
-from kiln.tasks.data.executors import ExecutorSettings, connect_ray, map_shards  # noqa: E402
+from kiln.tasks.data.executors import RANKS_DIR, ExecutorSettings, connect_ray, map_shards, rank_ledger  # noqa: E402
 from kiln.tasks.data.shards import KINDS, shard_paths  # noqa: E402
 from kiln.tasks.data.tokenize import TokenizeConfig, tokenize_corpus  # noqa: E402
 from kiln.tasks.launch.local_slurm import LocalSlurmCluster  # noqa: E402
@@ -104,7 +104,8 @@ def fixed_cost(work: Path, executor: ExecutorSettings) -> float:
     """Seconds of a job of one rank that does nothing."""
     shutil.rmtree(work, ignore_errors=True)
     started = time.perf_counter()
-    map_shards(_nothing, 1, work, settings=executor, jobs=1, job_name="kiln_nothing", plan=str(time.time()))
+    ledger = rank_ledger(work / RANKS_DIR, "kiln_nothing", {}, [{}])  # the folder is new: the rank runs
+    map_shards(_nothing, work, ledger, settings=executor, jobs=1, job_name="kiln_nothing")
     return time.perf_counter() - started
 
 

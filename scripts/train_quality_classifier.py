@@ -64,7 +64,8 @@ def _held_out(doc_id: str) -> bool:
 def labelled_documents(work: Path) -> list[tuple[str, str, str]]:
     """(label, doc id, text) for every labelled document of the bundled corpus."""
     cfg = load_config(REPO / "configs" / "default.yaml")  # its source paths are relative to the repository
-    rules_only = cfg.clean.model_copy(update={"quality_model": None, "pii_redaction": False})
+    rules_only = cfg.clean.model_copy(update={"quality_model": None, "quality_training": None,
+                                              "quality_top_fraction": None, "pii_redaction": False})
     (work / "collect").mkdir()
     (work / "clean").mkdir()
     collect_documents(cfg.collect, work / "collect")

@@ -9,7 +9,11 @@ for the next to resume, a manifest written last and an atomic rename, and an MLf
 - `StageRecorder`: what a running stage reports through (metrics at a step, health events,
   forecasts, where its work ran) and where its sub-runs come from;
 - `SubRun` / `SubRuns`: a declared sub-run and the contract one level down, in
-  `{stage folder}/{kind}/{name}/` (or in the store itself, for one several keys share).
+  `{stage folder}/{kind}/{name}/` (or in the store itself, for one several keys share);
+- `RankRecords`: the ranks of a data job, which write their shards into one folder they share
+  rather than folders of their own: rank i is complete exactly when its record, written last and
+  atomically, holds its current key (`rank_key`: the job's settings and the content of what the
+  rank reads), whoever ran it and whoever reruns it.
 
 It is the foundation the work layers and the stage runner share, so a work package (the sweep, the
 quality model's training) fans out through it without knowing the runner above it. It imports
@@ -20,14 +24,15 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from kiln.tasks.crashes import OWNER_TAG, process_owner
+from kiln.tasks.keylock import KeyLock
 from kiln.tasks.provenance import code_version, provenance
-from kiln.tasks.store import MANIFEST_FILE, Store, stage_key
+from kiln.tasks.store import Store, stage_key, write_record
 from kiln.tasks.tracker import Tracker
 
 
@@ -44,6 +49,18 @@ class SubRun:
     params: Mapping[str, Any] = field(default_factory=dict)
     inputs: Mapping[str, str] | None = None  # the keys it depends on; None: its stage's key
     version: int = 1
+
+
+def subrun_key(kind: str, identity: Mapping[str, Any], inputs: Mapping[str, str], version: int) -> str:
+    """A sub-run's key, by the ledger's one scheme (`stage_key`): its kind, its identity, the keys it depends on."""
+    return stage_key(kind, dict(identity), dict(inputs), version)
+
+
+def keyed_subrun(kind: str, identity: Mapping[str, Any], inputs: Mapping[str, str], *,
+                 params: Mapping[str, Any] | None = None, version: int = 1) -> SubRun:
+    """A sub-run named by its own key: one that several keys of its stage share, stored in the store
+    itself (`{kind}/{key}`), found again by whichever run declares the same identity and inputs."""
+    return SubRun(kind, subrun_key(kind, identity, inputs, version), identity, params or {}, inputs, version)
 
 
 class StageRecorder:
@@ -118,26 +135,84 @@ class SubRunOutcome:
     manifest: dict[str, Any]
 
 
+@dataclass(frozen=True)
+class OpenSubRun:
+    """A begun sub-run that another process finishes (a spawned worker, a launched job): it trains in
+    the partial folder (`folder`), and commits it there (`commit`: the manifest, written last, and the
+    atomic rename), so the committed sub-run is the record a rerun reuses whichever process made it;
+    the stage's process then records the commit on the sub-run's MLflow child run
+    (`SubRuns.recorded`). A failed attempt leaves why in the partial folder (`record_failure`).
+    JSON-able (`as_json`), for a job's file; picklable, for a worker."""
+
+    root: str  # the sub-runs' store
+    kind: str
+    name: str
+    manifest: dict[str, Any]  # what its stage's process knows at `begin`: key, identity, inputs, child run
+
+    @property
+    def store(self) -> Store:
+        return Store(self.root)
+
+    @property
+    def folder(self) -> Path:
+        """The partial folder it runs in."""
+        return self.store.partial_path(self.kind, self.name)
+
+    def committed(self) -> dict[str, Any] | None:
+        """Its manifest once it is committed for its key, else None."""
+        if not self.store.is_complete(self.kind, self.name):
+            return None
+        manifest = self.store.manifest(self.kind, self.name)
+        return manifest if manifest.get("key") == self.manifest["key"] else None
+
+    def commit(self, stats: dict[str, Any], *, wall_s: float, launch: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Write its manifest (its stats: what a rerun reuses) and commit the partial folder; returns the manifest."""
+        known = dict(self.manifest)
+        run_id = known.pop("mlflow_run_id")
+        manifest = {**known, "stats": stats, "wall_s": wall_s, "launch": launch or {}, "mlflow_run_id": run_id,
+                    "provenance": provenance(), "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+        self.store.commit(self.kind, self.name, manifest)
+        return self.store.manifest(self.kind, self.name)
+
+    def record_failure(self, failure: dict[str, Any]) -> None:
+        """Why this attempt failed, kept in the partial folder until the next attempt begins."""
+        self.store.record_failure(self.kind, self.name, failure)
+
+    def failure(self) -> dict[str, Any] | None:
+        return self.store.failure(self.kind, self.name)
+
+    def as_json(self) -> dict[str, Any]:
+        return {"root": self.root, "kind": self.kind, "name": self.name, "manifest": self.manifest}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> OpenSubRun:
+        return cls(**data)
+
+
 class SubRuns:
     """A stage's declared sub-runs under `root`: each in `{root}/{kind}/{name}/`, committed like a stage
     (`Store`: a partial folder, a manifest written last, an atomic rename), each an MLflow child run of
     the stage's run.
 
     `run` is the whole contract for a sub-run this process trains; a stage that launches its sub-runs
-    elsewhere (the sweep's trial jobs) uses its parts: `reuse`, `begin` (the partial folder, where the
-    job writes), then `commit` or `fail`. The stage's key lock covers them: they live in its folder.
-    `run` also takes the sub-run's own lock: a sub-run stored in the store itself (the quality model,
-    shared by every clean key that trains the same one) may be wanted by two processes at once."""
+    elsewhere (the sweep's trial jobs) uses its parts: `lock`, `reuse`, `begin` and `opened` (the
+    partial folder, where the worker runs and commits), then `recorded` or `fail`. Each sub-run has its
+    own lock: one stored in the store itself (the quality model, shared by every clean key that trains
+    the same one) may be wanted by two processes at once."""
 
     def __init__(self, recorder: StageRecorder, root: Path) -> None:
         self.recorder, self.store = recorder, Store(root)
 
     def key(self, sub: SubRun) -> str:
-        inputs = dict(sub.inputs) if sub.inputs is not None else {self.recorder.stage: self.recorder.key}
-        return stage_key(sub.kind, dict(sub.identity), inputs, sub.version)
+        inputs = sub.inputs if sub.inputs is not None else {self.recorder.stage: self.recorder.key}
+        return subrun_key(sub.kind, sub.identity, inputs, sub.version)
 
     def path(self, sub: SubRun) -> Path:
         return self.store.path(sub.kind, sub.name)
+
+    def lock(self, sub: SubRun) -> KeyLock:
+        """The sub-run's lock: hold it from `reuse` to `recorded` or `fail`."""
+        return self.store.lock(sub.kind, sub.name)
 
     def manifest(self, sub: SubRun) -> dict[str, Any] | None:
         """The sub-run's manifest when it is complete for its current key, else None."""
@@ -169,22 +244,30 @@ class SubRuns:
         return folder, StageRecorder(parent.tracker, run_id, parent.stage, parent.key, parent._on_event,
                                      parent=parent, name=f"{sub.kind}/{sub.name}")
 
+    def opened(self, sub: SubRun, recorder: StageRecorder) -> OpenSubRun:
+        """The begun sub-run (`begin`, its child run `recorder`) as another process finishes and commits it."""
+        manifest = {"subrun": f"{sub.kind}/{sub.name}", "stage": self.recorder.stage, "stage_key": self.recorder.key,
+                    "key": self.key(sub), "format_version": sub.version, "inputs": dict(sub.inputs or {}),
+                    "identity": dict(sub.identity), "mlflow_run_id": recorder.run_id}
+        return OpenSubRun(str(self.store.root.resolve()), sub.kind, sub.name, manifest)
+
     def commit(self, sub: SubRun, recorder: StageRecorder, stats: dict[str, Any], *, wall_s: float,
                failed: bool = False, launch: dict[str, Any] | None = None) -> SubRunOutcome:
         """Write the manifest and commit the partial folder; end the child run (`failed`: a final
         result that is a failure, e.g. a diverged trial, recorded and not run again)."""
-        key = self.key(sub)
-        manifest = {"subrun": f"{sub.kind}/{sub.name}", "stage": self.recorder.stage, "stage_key": self.recorder.key,
-                    "key": key, "format_version": sub.version, "inputs": dict(sub.inputs or {}),
-                    "identity": dict(sub.identity), "stats": stats, "wall_s": wall_s, "launch": launch or {},
-                    "mlflow_run_id": recorder.run_id, "provenance": provenance(),
-                    "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+        manifest = self.opened(sub, recorder).commit(stats, wall_s=wall_s, launch=launch)
+        return self.recorded(sub, recorder, manifest, failed=failed)
+
+    def recorded(self, sub: SubRun, recorder: StageRecorder, manifest: dict[str, Any], *,
+                 failed: bool = False) -> SubRunOutcome:
+        """Record a committed sub-run (its `manifest`) on its child run: its stats as metrics, the
+        manifest as an artifact; end the child run (`failed`: see `commit`)."""
         tracker = recorder.tracker
-        tracker.log_metrics(recorder.run_id, {**numeric_stats(stats), "wall_s": wall_s})
-        final = self.store.commit(sub.kind, sub.name, manifest)
-        tracker.log_dict(recorder.run_id, json.loads((final / MANIFEST_FILE).read_text()), "manifest.json")
+        tracker.log_metrics(recorder.run_id, {**numeric_stats(manifest["stats"]), "wall_s": manifest["wall_s"]})
+        tracker.log_dict(recorder.run_id, manifest, "manifest.json")
         tracker.end_run(recorder.run_id, failed=failed)
-        return SubRunOutcome(f"{sub.kind}/{sub.name}", key, "ran", stats, final, recorder.run_id, manifest)
+        return SubRunOutcome(f"{sub.kind}/{sub.name}", manifest["key"], "ran", manifest["stats"], self.path(sub),
+                             recorder.run_id, manifest)
 
     def fail(self, recorder: StageRecorder, error: str) -> None:
         """The sub-run did not finish: its child run is marked failed with why; its partial folder stays,
@@ -196,7 +279,7 @@ class SubRuns:
         """Reuse the complete sub-run, or run `body(partial folder, recorder)` in this process (resuming
         what an earlier attempt left there) and commit what it returns as the sub-run's stats. Under the
         sub-run's own lock, for one stored where other keys of its stage (other processes) want it too."""
-        with self.store.lock(sub.kind, sub.name):
+        with self.lock(sub):
             reused = self.reuse(sub)
             if reused is not None:
                 return reused
@@ -245,3 +328,45 @@ def numeric_stats(stats: dict[str, Any], prefix: str = "") -> dict[str, float]:
     return flat
 
 
+
+
+RANK_FORMAT = 1  # the format of a rank's record and key
+
+
+def rank_key(job: str, identity: Any, inputs: Mapping[str, str]) -> str:
+    """A data rank's key, by the ledger's one scheme (`stage_key`): its job, the settings its ranks
+    compute with (`identity`, JSON-able), and the content (sha256) of each file it reads, by name."""
+    return stage_key(job, identity, dict(inputs), RANK_FORMAT)
+
+
+class RankRecords:
+    """The completion records of a job's ranks, `{folder}/NNNNN.json`. A rank writes its record last,
+    after its outputs, atomically (`write_record`): a rank killed before that has none and runs again;
+    one whose key changed since (its input's content, the job's settings) runs again too."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = Path(folder)
+
+    def path(self, rank: int) -> Path:
+        return self.folder / f"{rank:05d}.json"
+
+    def get(self, rank: int, key: str) -> dict[str, Any] | None:
+        """Rank `rank`'s record if it finished under `key`, else None."""
+        try:
+            record = json.loads(self.path(rank).read_text())
+        except FileNotFoundError:
+            return None
+        return record if record.get("key") == key else None
+
+    def put(self, rank: int, key: str, record: Mapping[str, Any]) -> None:
+        """Record that `rank` finished under `key` (its outputs written)."""
+        self.folder.mkdir(parents=True, exist_ok=True)
+        write_record(self.path(rank), {"key": key, **record})
+
+    def stale(self, keys: Sequence[str]) -> list[int]:
+        """The recorded ranks whose record is not for their key in `keys` (or that `keys` has no rank for)."""
+        recorded = sorted(int(path.stem) for path in self.folder.glob("[0-9]*.json")) if self.folder.is_dir() else []
+        return [rank for rank in recorded if rank >= len(keys) or self.get(rank, keys[rank]) is None]
+
+    def discard(self, rank: int) -> None:
+        self.path(rank).unlink(missing_ok=True)

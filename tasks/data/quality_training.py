@@ -19,11 +19,12 @@ trains with one thread in a child process where glibc fills every new allocation
 (`mallopt(M_PERTURB, 0xff)`; fresh pages are zero anyway): the rest starts at zero, whatever the
 heap held before, so training is deterministic.
 Without glibc it falls back to 10 threads (not reproducible; `dim` must then be a multiple of 10),
-and the report says so. The model is a sub-run of the clean stage that trains it, kept in the store
-itself (`quality_model/<key>`: its key hashes the training config, the references' content and the
-collect output it read), so every clean run whose settings differ elsewhere reuses it: a manifest
-with provenance, an MLflow child run of the clean run that trained it (a cached child run for each
-one that reuses it), committed and resumed as every stage and sub-run is (`tasks.runner.SubRuns`).
+and the report says so. The model is a sub-run of the clean stage that trains it, and only that:
+kept in the store itself, named by its key (`quality_model/<key>`, `kiln.tasks.ledger.keyed_subrun`:
+the key hashes the training config, the references' content and the collect output it read), so
+every clean run whose settings differ elsewhere reuses it: a manifest with provenance, an MLflow
+child run of the clean run that trained it (a cached child run for each one that reuses it),
+locked, committed and resumed as every stage and sub-run is (`kiln.tasks.ledger.SubRuns`).
 """
 
 from __future__ import annotations
@@ -52,8 +53,7 @@ from kiln.tasks.data.shards import shard_paths
 from kiln.tasks.data.source_files import local_path
 from kiln.tasks.data.sources import Source, remote_identity
 from kiln.tasks.fingerprint import fingerprint_paths
-from kiln.tasks.ledger import SubRun, SubRuns
-from kiln.tasks.store import stage_key
+from kiln.tasks.ledger import SubRun, SubRuns, keyed_subrun
 
 STORE_STAGE = "quality_model"  # the store folder of trained models
 MODEL_FILE = "quality_classifier.bin"
@@ -255,13 +255,11 @@ def score_texts(model: Any, texts: list[str]) -> list[float]:
 
 
 def model_subrun(cfg: QualityTraining, collect_key: str) -> SubRun:
-    """The model as a sub-run stored at `quality_model/<key>`: its name is its key, which hashes the
-    training settings, the references' content and the collect output (not the clean stage's key)."""
-
+    """The model as a sub-run stored at `quality_model/<key>`: its key hashes the training settings, the
+    references' content and the collect output (not the clean stage's key)."""
     identity = {"training": cfg.identity(), "references_sha256": fingerprint_paths(reference_paths(cfg))}
-    inputs = {"collect": collect_key}
-    return SubRun(STORE_STAGE, stage_key(STORE_STAGE, identity, inputs, FORMAT_VERSION), identity,
-                  params=cfg.model_dump(mode="json", exclude={"references"}), inputs=inputs, version=FORMAT_VERSION)
+    return keyed_subrun(STORE_STAGE, identity, {"collect": collect_key},
+                        params=cfg.model_dump(mode="json", exclude={"references"}), version=FORMAT_VERSION)
 
 
 def trained_model(cfg: QualityTraining, collect_dir: Path, subruns: SubRuns) -> tuple[Path, dict[str, Any]]:
@@ -293,22 +291,15 @@ def top_fraction_threshold(model_path: Path, collected: Path, domains: list[str]
     return scores[max(0, min(len(scores), round(fraction * len(scores))) - 1)]
 
 
-def resolve_quality_model(cfg: Any, collected: Path, out_dir: Path, subruns: SubRuns | None = None) -> Any:
-    """The clean config to run on `collected` (a collect output's folder): with the model trained from
-    `cfg.quality_training` (the clean stage's sub-run in the store when `subruns` is given, else trained
-    into `out_dir`) and the score threshold that keeps `cfg.quality_top_fraction` of the input; the
-    classifier's report goes to `out_dir/quality_classifier.json`."""
+def resolve_quality_model(cfg: Any, collected: Path, out_dir: Path, subruns: SubRuns) -> Any:
+    """The clean config to run on `collected` (a collect output's folder, named by its key): with the model
+    trained from `cfg.quality_training` (the clean stage's sub-run in the store, `subruns`: trained
+    now unless stored for its key) and the score threshold that keeps `cfg.quality_top_fraction` of the
+    input; the classifier's report goes to `out_dir/quality_classifier.json`."""
     update: dict[str, Any] = {}
     report: dict[str, Any] = {}
     if cfg.quality_training is not None:
-        if subruns is not None:  # a collect output, in a folder named by its key
-            model, report = trained_model(cfg.quality_training, collected, subruns)
-        else:
-            folder = out_dir / STORE_STAGE
-            folder.mkdir(exist_ok=True)
-            report = train_quality_model(cfg.quality_training, collected, folder)
-            model = folder / MODEL_FILE
-            report = {"model": str(model), **report}
+        model, report = trained_model(cfg.quality_training, collected, subruns)
         update = {"quality_model": str(model), "quality_training": None}
     model_path = update.get("quality_model", cfg.quality_model)
     if model_path is not None and cfg.quality_top_fraction is not None:
@@ -318,7 +309,6 @@ def resolve_quality_model(cfg: Any, collected: Path, out_dir: Path, subruns: Sub
     if update:
         report |= {"model": str(model_path), "threshold": update.get("quality_threshold", cfg.quality_threshold),
                    "top_fraction": cfg.quality_top_fraction, "domains": cfg.quality_model_domains}
-        report["model"] = str(model_path)
         (out_dir / REPORT_FILE).write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
     return cfg.model_copy(update=update) if update else cfg
 

@@ -36,8 +36,8 @@ from kiln.tasks.configbase import Section, runtime_field
 from kiln.tasks.constants import EOS_TOKEN, SHARDS_FILE, TOKENIZER_FILE
 from kiln.tasks.data.dedup import quality_score
 from kiln.tasks.data.documents import Document, read_documents
-from kiln.tasks.data.executors import LOCAL, ExecutorSettings, map_shards, shard_plan
-from kiln.tasks.data.shards import KINDS, QUARANTINE, RankShards, ShardInfo, read_listing, write_listing
+from kiln.tasks.data.executors import LOCAL, RANKS_DIR, ExecutorSettings, ShardRun, map_shards, rank_ledger
+from kiln.tasks.data.shards import KINDS, QUARANTINE, RankShards, ShardInfo, read_listing
 
 SHARDS_FORMAT = 3  # 2: each shard has a document index (DOC_INDEX_DTYPE); 3: a list of shards per domain and split
 DOC_INDEX_DTYPE = np.dtype([("end", "<i8"), ("quality", "<f8")])
@@ -186,7 +186,7 @@ class _Encode:
             splits.setdefault(domain, {})[split] = {"path": target.rel.as_posix(), "index": index_rel.as_posix(),
                                                     "num_tokens": target.num_tokens, "num_docs": target.num_docs}
         return {"shard": shard, "counts": counts.as_dict(), "num_bytes": num_bytes, "splits": splits,
-                "firsts": firsts, "quarantine": quarantined}
+                "firsts": firsts, "shards": {QUARANTINE: quarantined}}
 
 
 def token_dtype(vocab_size: int) -> type[np.unsignedinteger]:
@@ -230,31 +230,31 @@ def tokenize_corpus(cfg: TokenizeConfig, input_dir: Path, out_dir: Path, executo
     vocab_size = tokenizer.get_vocab_size()
 
     encoder = _Encode(out_dir / TOKENIZER_FILE, inputs, out_dir, cfg.val_fraction)
-    plan = shard_plan("kiln_tokenize", {"config": cfg.identity(), "tokenizer": tokenizer.to_str()}, inputs)
-    clear = [out_dir / "shards", *(out_dir / kind for kind in KINDS)]
-    run = map_shards(encoder, len(inputs), out_dir / WORK_DIR / "encode", settings=executor, jobs=cfg.num_workers,
-                     job_name="kiln_tokenize", plan=plan, clear=clear)
+    settings = {"config": cfg.identity(), "tokenizer": hashlib.sha256(tokenizer.to_str().encode()).hexdigest()}
+    encode = out_dir / WORK_DIR / "encode"
+    ledger = rank_ledger(encode / RANKS_DIR, "kiln_tokenize", settings, [{"shard": shard} for shard in inputs])
+    run = map_shards(encoder, encode, ledger, settings=executor, jobs=cfg.num_workers, job_name="kiln_tokenize",
+                     outputs=[out_dir / "shards", *(out_dir / kind for kind in KINDS)])
     results = list(run.results)
     executor_cpu_s = run.outside_cpu_s
     moves, moved_shards = _moves(results)
     if moves:  # rare (a domain of a few documents): encode the shards holding them again
         ranks = sorted(moved_shards)
-        fix = map_shards(_Encode(out_dir / TOKENIZER_FILE, inputs, out_dir, cfg.val_fraction, moves, ranks), len(ranks),
-                         out_dir / WORK_DIR / "moves", settings=executor, jobs=cfg.num_workers,
-                         job_name="kiln_tokenize_moves", plan=plan + json.dumps(moves, sort_keys=True))
+        again = out_dir / WORK_DIR / "moves"
+        fix = map_shards(_Encode(out_dir / TOKENIZER_FILE, inputs, out_dir, cfg.val_fraction, moves, ranks), again,
+                         rank_ledger(again / RANKS_DIR, "kiln_tokenize_moves", {**settings, "moves": moves},
+                                     [{"shard": inputs[shard]} for shard in ranks]),
+                         settings=executor, jobs=cfg.num_workers, job_name="kiln_tokenize_moves")
         for result in fix.results:
             results[result["shard"]] = result
         executor_cpu_s += fix.outside_cpu_s
     shutil.rmtree(out_dir / WORK_DIR)
+    run = ShardRun(results, executor_cpu_s)
 
-    counts = DocCounts()
-    num_bytes = 0
+    counts = run.counts()
+    num_bytes = run.total("num_bytes") or 0
     domains: dict[str, dict[str, Any]] = {}
     for result in results:
-        counts.num_in += result["counts"]["num_in"]
-        counts.num_kept += result["counts"]["num_kept"]
-        counts.quarantined.update(result["counts"]["quarantined"])
-        num_bytes += result["num_bytes"]
         for domain, splits in result["splits"].items():
             for split, info in splits.items():
                 entry = domains.setdefault(domain, {s: {"shards": [], "num_tokens": 0, "num_docs": 0} for s in SPLITS})
@@ -273,7 +273,7 @@ def tokenize_corpus(cfg: TokenizeConfig, input_dir: Path, out_dir: Path, executo
         "bytes_per_token": round(num_bytes / max(num_tokens, 1), 3),
         "tokens_by_domain": {d: s["train"]["num_tokens"] + s["val"]["num_tokens"] for d, s in domains.items()},
         "tokenizer_sample": {"num_docs": sample.num_docs, "num_bytes": sample.num_bytes},
-        "shards": write_listing(out_dir, {QUARANTINE: [r["quarantine"] for r in results]}),
+        "shards": run.listing(out_dir),
         "executor_cpu_s": executor_cpu_s,
     }
 

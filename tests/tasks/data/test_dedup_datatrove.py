@@ -11,8 +11,10 @@ from kiln.tasks.data.dedup import DedupConfig, lsh_bands, normalize
 from kiln.tasks.data.dedup_datatrove import STAGES, dedup_with_datatrove, minhash_config, stage_tasks
 from kiln.tasks.data.dedup_job import dedup_documents
 from kiln.tasks.data.documents import Document
+from kiln.tasks.data.executors import RANKS_DIR
 from kiln.tasks.data.shards import shard_paths
 from kiln.tasks.errors import ConfigError, InputError
+from kiln.tasks.ledger import RankRecords
 from tests.fixtures.shards import records, write_stage
 
 COREUTILS = Path(__file__).parents[3] / "data" / "sample" / "prose" / "coreutils-man"
@@ -133,3 +135,23 @@ def test_bad_settings_and_input_are_errors(tmp_path):
     (tmp_path / "out").mkdir()
     with pytest.raises(InputError, match="document id 'twice' occurs twice"):
         dedup_with_datatrove(DedupConfig(), shard_paths(write_stage(tmp_path / "in", [doc, doc])), tmp_path / "out")
+
+
+def test_an_attempt_under_other_settings_leaves_nothing_the_rerun_reads(tmp_path):
+    """Every datatrove stage reads what all ranks of the one before wrote, so a rank recorded under another
+    key (here: an attempt with three tasks, killed after signing) makes every intermediate stale: the
+    rerun starts from nothing, and gives what a fresh run gives."""
+    docs, _ = _corpus()
+    inputs = shard_paths(write_stage(tmp_path / "in", docs[:60], 3))
+    for name in ("fresh", "rerun"):
+        (tmp_path / name).mkdir()
+    dedup_with_datatrove(DedupConfig(), inputs, tmp_path / "fresh", tasks=2)
+    work = tmp_path / "rerun" / "datatrove"
+    RankRecords(work / RANKS_DIR / "signatures").put(2, "key-under-three-tasks", {"result": {}})
+    stale = work / "signatures" / "bucket_000" / "00002.minhash.sig"
+    stale.parent.mkdir(parents=True)
+    stale.write_bytes(b"\xff" * 64)  # read by the buckets stage were it kept
+    dedup_with_datatrove(DedupConfig(), inputs, tmp_path / "rerun", tasks=2)
+    for kind in ("documents", "removed"):
+        assert records(tmp_path / "rerun", kind) == records(tmp_path / "fresh", kind)
+    assert not stale.exists()

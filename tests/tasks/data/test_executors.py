@@ -20,6 +20,7 @@ import os
 import re
 import subprocess
 import sys
+from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -38,7 +39,9 @@ from kiln.tasks.data.decontaminate import DecontaminateConfig, decontaminate_doc
 from kiln.tasks.data.dedup import DedupConfig
 from kiln.tasks.data.dedup_job import dedup_documents
 from kiln.tasks.data.documents import Document
-from kiln.tasks.data.executors import ExecutorError, ExecutorSettings, build_executor, read_results, save_result
+from kiln.tasks.accounting import DocCounts
+from kiln.tasks.data.executors import ExecutorError, ExecutorSettings, RankLedger, ShardRun, build_executor
+from kiln.tasks.data.inspection import RemovalTally
 from kiln.tasks.data.shards import shard_paths
 from kiln.tasks.data.tokenize import TokenizeConfig, tokenize_corpus
 from kiln.tasks.errors import ConfigError
@@ -227,12 +230,53 @@ def test_an_unknown_executor_is_refused():
 def test_a_rank_outside_this_process_tree_reports_its_cpu_seconds(tmp_path):
     """A rank on a Slurm node or a remote Ray cluster is no descendant of the driver: its CPU seconds come
     back in the results (a stage's `executor_cpu_s`); one in this process tree is the runner's to measure."""
+    ledger = RankLedger(tmp_path, ("key-0", "key-1"))
     elsewhere = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])  # not an ancestor of ours
     try:
-        save_result(tmp_path, 0, {"n": 1}, 2.5, driver_pid=elsewhere.pid)
+        ledger.record(0, {"n": 1}, 2.5, driver_pid=elsewhere.pid)
     finally:
         elsewhere.kill()
         elsewhere.wait()
-    save_result(tmp_path, 1, {"n": 2}, 1.5, driver_pid=os.getpid())
-    run = read_results(tmp_path, 2)
+    ledger.record(1, {"n": 2}, 1.5, driver_pid=os.getpid())
+    run = ledger.results()
     assert run.results == [{"n": 1}, {"n": 2}] and run.outside_cpu_s == 2.5
+
+
+def test_the_ranks_summaries_add_up_in_one_way(tmp_path):
+    """Counts, tallies, listings and any other summed field, over ranks that each saw part of the corpus
+    (the second wrote no removed shard; the third, an empty input shard, wrote nothing)."""
+    def rank(num_in: int, kept: int, removed: dict, tally: RemovalTally, shards: dict, extra: dict) -> dict:
+        counts = DocCounts(num_in, kept, Counter(removed))
+        return {"counts": counts.as_dict(), "tally": tally.table(), "shards": shards, **extra}
+
+    first, second = RemovalTally(), RemovalTally()
+    first.add("kept", "web", 10)
+    first.add("removed", "web", 5, "gopher_quality:too_short")
+    first.add("removed", "code", 7, "code_rules:too_long")
+    second.add("kept", "web", 3)
+    second.add("removed", "web", 4, "gopher_quality:few_stop_words")
+    entry = lambda kind, i, n: {"path": f"{kind}/{i:05d}.jsonl.zst", "num_records": n, "num_bytes": 10 * n}  # noqa: E731
+    run = ShardRun([
+        rank(3, 1, {"gopher_quality:too_short": 1, "code_rules:too_long": 1}, first,
+             {"documents": entry("documents", 0, 1), "removed": entry("removed", 0, 2), "quarantine": None},
+             {"languages": {"en": 1}, "num_redacted": 1}),
+        rank(2, 1, {"gopher_quality:few_stop_words": 1}, second,
+             {"documents": entry("documents", 1, 1), "removed": entry("removed", 1, 1), "quarantine": None},
+             {"languages": {"de": 1, "en": 2}, "num_redacted": 0}),
+        rank(0, 0, {}, RemovalTally(), {"documents": None, "removed": None, "quarantine": None},
+             {"languages": {}, "num_redacted": 0}),
+    ], outside_cpu_s=0.0)
+    assert run.counts().as_dict() == {"num_in": 5, "num_kept": 2, "num_removed": 3, "num_quarantined": 0,
+                                      "removed": {"code_rules:too_long": 1, "gopher_quality:few_stop_words": 1,
+                                                  "gopher_quality:too_short": 1}, "quarantined": {}}
+    table = run.tally().table()
+    assert table["web"]["in"] == {"docs": 4, "bytes": 22} and table["web"]["removed"] == {
+        "gopher_quality": {"docs": 2, "bytes": 9}}
+    assert table["code"] == {"in": {"docs": 1, "bytes": 7}, "kept": {"docs": 0, "bytes": 0},
+                             "removed": {"code_rules": {"docs": 1, "bytes": 7}}, "quarantined": {}}
+    assert run.total("languages") == {"en": 3, "de": 1} and run.total("num_redacted") == 1
+    listing = run.listing(tmp_path)
+    assert [e["path"] for e in listing["documents"]] == ["documents/00000.jsonl.zst", "documents/00001.jsonl.zst"]
+    assert [e["num_records"] for e in listing["removed"]] == [2, 1] and listing["quarantine"] == []
+    assert json.loads((tmp_path / "document_shards.json").read_text()) == listing
+    assert ShardRun([], 0.0).total("languages") is None and ShardRun([], 0.0).counts().num_in == 0

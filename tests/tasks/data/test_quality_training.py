@@ -24,6 +24,7 @@ from kiln.tasks.data.quality_training import (
     _training_file,
     classifier_metrics,
     model_subrun,
+    resolve_quality_model,
     score_texts,
     trained_model,
 )
@@ -102,6 +103,7 @@ def test_a_model_is_a_sub_run_trained_once_per_key(collected, tmp_path):
     assert (manifest["subrun"], manifest["inputs"], manifest["mlflow_run_id"]) == (
         f"quality_model/{model_key(cfg, collected.name)}", {"collect": collected.name}, "run-1")
     assert manifest["provenance"]["code"]["git_sha"] and manifest["stats"]["reproducible"] is True
+    assert manifest["key"] == model_key(cfg, collected.name)  # named by its key, in the ledger's one scheme
     again, _ = trained_model(cfg, collected, subruns(store.root, tracker))
     assert again == first and store.manifest(STORE_STAGE, model_key(cfg, collected.name))["created_at"] == manifest["created_at"]
     # each clean run that needs it has a child run: the one that trained it, then one that reused it
@@ -114,17 +116,23 @@ def test_a_model_is_a_sub_run_trained_once_per_key(collected, tmp_path):
 def test_clean_scores_every_document_and_keeps_the_top_fraction(collected, tmp_path):
     cfg = CleanConfig(quality_training=QualityTraining(references=REFERENCES), quality_top_fraction=0.5,
                       quality_model_domains=["web"], languages=["en"], pii_redaction=False)
-    stats = clean_documents(cfg, collected, tmp_path)
-    kept = records(tmp_path)
+    with pytest.raises(ValueError, match="resolve_quality_model first"):  # the model is trained one way: a sub-run
+        clean_documents(cfg, collected, tmp_path)
+    out = tmp_path / "clean"
+    out.mkdir()
+    resolved = resolve_quality_model(cfg, collected, out, subruns(tmp_path / "store"))
+    stats = clean_documents(resolved, collected, out)
+    kept = records(out)
     assert all("quality_score" in d["metadata"] for d in kept) and {d["domain"] for d in kept} >= {"code", "web"}
-    report = json.loads((tmp_path / REPORT_FILE).read_text())
-    assert (tmp_path / STORE_STAGE / MODEL_FILE).is_file() and report["top_fraction"] == 0.5
+    report = json.loads((out / REPORT_FILE).read_text())
+    model_file = tmp_path / "store" / STORE_STAGE / report["key"] / MODEL_FILE
+    assert report["model"] == resolved.quality_model == str(model_file) and report["top_fraction"] == 0.5
     web_scores = [d["metadata"]["quality_score"] for d in kept if d["domain"] == "web"]
     assert min(web_scores) >= report["threshold"]
     # The threshold keeps the top half of the input's web documents (ties kept) and cuts the rest. Those
     # below it may all fall to earlier filters (language, Gopher) first, so how many the classifier
     # itself removes depends on the corpus, not on the fraction alone.
-    model = fasttext.load_model(str(tmp_path / STORE_STAGE / MODEL_FILE))
+    model = fasttext.load_model(str(model_file))
     web = [d.text for d in read_shards(shard_paths(collected)) if d.domain == "web" and d.text.strip()]
     scores = [round(score, 4) for score in score_texts(model, web)]
     assert round(0.5 * len(scores)) <= sum(score >= report["threshold"] for score in scores) < len(scores)
