@@ -16,17 +16,20 @@ A trial's learning rate is `lr · (model.d_model / width) ^ lr_width_exponent`: 
 rule, so that every width trains near its own best LR and an IsoFLOP profile measures size rather
 than LR mismatch (one LR for all widths favours the widths it happens to suit).
 
-Each trial is a sub-run of the stage (`trials/<name>/`: its own key, manifest and MLflow child
-run; `tasks.runner.SubRuns`), so an interrupted sweep reuses every committed trial and resumes the
-others from their folders; the second phase is designed again from the first phase's results, so
-it comes out the same. Where trials train is `tasks.scaling.trial_runs`: `sweep.max_parallel`
-processes of the stage, or as many jobs at a time through `cluster.launcher`.
+Each trial is a sub-run of the stage (`trials/<name>/`: its own key, lock, manifest and MLflow child
+run; `kiln.tasks.ledger.SubRuns`). The process that trains a trial commits it (`OpenSubRun`): its
+manifest's stats are its whole result, the one record a rerun reuses, so an interrupted sweep reuses
+every committed trial and resumes the others from their folders; the second phase is designed again
+from the first phase's results, so it comes out the same. Where trials train is
+`tasks.scaling.trial_runs`: `sweep.max_parallel` processes of the stage, or as many jobs at a time
+through `cluster.launcher`.
 
 A trial's failure is data, not the sweep's end: a trial that diverges (`TrainingDivergedError`)
 is committed with its status, reason and the steps it reached, and the fit leaves it out; it is
 not run again (same seed, same data, same divergence). One that failed (an exception, a killed
 process, a cancelled or preempted job) is retried on its own, resuming from its folder; if it
-keeps failing it is recorded and left uncommitted, and the fit leaves it out too.
+keeps failing it is left uncommitted, its failure recorded in its folder (`Store.record_failure`),
+and the fit leaves it out too.
 
 The mixture design grows with the number of domains: it samples at least as many mixtures as the
 mixture regression needs (`mixture_regression.minimum_trials`, for `fit.mixture_folds` folds).
@@ -40,16 +43,17 @@ import socket
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
+from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, Protocol
+from typing import TYPE_CHECKING, Literal, Protocol
 
 import numpy as np
 from pydantic import Field, SerializerFunctionWrapHandler, model_serializer, model_validator
 
 from kiln.tasks.configbase import Reference, Section, runtime_field
 from kiln.tasks.errors import ConfigError, KilnError, TrainingDivergedError
-from kiln.tasks.ledger import StageRecorder, SubRun, SubRuns
+from kiln.tasks.ledger import OpenSubRun, StageRecorder, SubRun, SubRuns
 from kiln.tasks.progress import Progress
 from kiln.tasks.train.config import ModelConfig, OptimConfig, TrainRunConfig
 
@@ -57,10 +61,9 @@ if TYPE_CHECKING:  # torch-backed: imported where trials run, so that the config
     from kiln.tasks.train.data_loader import Mixture
 
 TRIALS_FILE = "trials.json"  # every trial in design order: the fit's input
-TRIALS_DIR = "trials"  # trials/<name>/: a trial's sub-run (its training run and RESULT_FILE)
-RESULT_FILE = "result.json"  # a trial's TrialResult, in its folder
+TRIALS_DIR = "trials"  # trials/<name>/: a trial's sub-run (its training run; its result is its manifest's stats)
 ATTEMPTS_FILE = "attempts.jsonl"  # in its folder: one line per time a process started training it
-REASON_TAG_CHARS = 1000  # MLflow caps tag values; the whole reason is in the result file
+REASON_TAG_CHARS = 1000  # MLflow caps tag values; the whole reason is in the sub-run's manifest or failure record
 DEFAULT_FOLDS = 5  # fit.mixture_folds' default: the folds the mixture design sizes itself for
 TrialStatus = Literal["ok", "diverged", "failed"]
 TrialKind = Literal["isoflop", "hyper", "mixture"]
@@ -396,19 +399,25 @@ def run_trial(cfg: SweepConfig, trial: Trial, mixture: Mixture, out_dir: Path) -
 TrialFn = Callable[[SweepConfig, Trial, "Mixture", Path], TrialResult]
 
 
-def train_trial(trial_fn: TrialFn, cfg: SweepConfig, trial: Trial, mixture: Mixture, folder: Path) -> TrialResult:
-    """Run one trial in its sub-run folder and save its result there before returning it. A result a
-    previous attempt saved with a final status (ok, diverged) is returned as it is: the trial's work is
-    done, only its commit was lost."""
-    kept = load_result(folder)
-    if kept is not None and kept.status in FINAL_STATUSES:
-        return kept
-    with (folder / ATTEMPTS_FILE).open("a") as attempts:  # which job, host and process trained it, and when
+def train_trial(trial_fn: TrialFn, cfg: SweepConfig, trial: Trial, mixture: Mixture, run: OpenSubRun,
+                launcher: str) -> TrialResult:
+    """Train one trial in its sub-run's partial folder (resuming what an earlier attempt left there) and,
+    when its result is final (ok, diverged), commit the sub-run with it, launched by `launcher`; a failed
+    result is recorded in the folder for the next attempt to replace. A trial committed already (its
+    process died after the commit, before it could say so) is not trained again: its result is its
+    manifest's."""
+    committed = run.committed()
+    if committed is not None:
+        return trial_result(committed["stats"])
+    with (run.folder / ATTEMPTS_FILE).open("a") as attempts:  # which job, host and process trained it, and when
         attempts.write(json.dumps({"job_id": os.environ.get("SLURM_JOB_ID") or os.environ.get("KILN_JOB_ID"),
                                    "host": socket.gethostname(), "pid": os.getpid(), "started_unix": time.time()})
                        + "\n")
-    result = trial_fn(cfg, trial, mixture, folder)
-    save_result(result, folder)
+    result = trial_fn(cfg, trial, mixture, run.folder)
+    if result.status in FINAL_STATUSES:
+        run.commit(trial_stats(result), wall_s=result.wall_s, launch=launch_record(launcher, run.folder))
+    else:
+        run.record_failure(failure_record(result))
     return result
 
 
@@ -419,17 +428,24 @@ def launch_record(launcher: str, folder: Path) -> dict:
     return {"launcher": launcher, "attempts": attempts}
 
 
-def save_result(result: TrialResult, folder: Path) -> None:
-    path = folder / RESULT_FILE
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(asdict(result), indent=2))
-    os.replace(tmp, path)  # atomic: a crash leaves no half-written result
+def trial_stats(result: TrialResult) -> dict:
+    """A trial's result as its sub-run's stats: all of it, the record a rerun reuses (`trial_result`)."""
+    return asdict(result)
 
 
-def load_result(folder: Path) -> TrialResult | None:
-    """The result saved in a trial's folder, if any."""
-    path = folder / RESULT_FILE
-    return _result_from_json(json.loads(path.read_text())) if path.is_file() else None
+def trial_result(stats: dict) -> TrialResult:
+    """The result a committed trial's stats hold."""
+    return _result_from_json(stats)
+
+
+def failure_record(result: TrialResult) -> dict:
+    """A failed trial's result as its partial folder's failure record (`Store.record_failure`)."""
+    return {"error": f"trial {result.status}", "message": result.reason, "retryable": True, "result": asdict(result)}
+
+
+def failed_result(failure: dict | None) -> TrialResult | None:
+    """The failed result a trial's failure record holds (None: none, or a failure that is no trial's result)."""
+    return _result_from_json(failure["result"]) if failure and "result" in failure else None
 
 
 def worker_died(cfg: SweepConfig, trial: Trial, vocab_size: int, reason: str) -> TrialResult:
@@ -457,8 +473,8 @@ def trial_subrun(trial: Trial) -> SubRun:
     return SubRun(TRIALS_DIR, trial.name, asdict(trial), params=params)
 
 
-Pending = list[tuple[Trial, Path]]  # each trial with its sub-run folder
-Finished = tuple[Trial, TrialResult, dict[str, Any]]  # ...its result and how it was launched
+Pending = list[tuple[Trial, OpenSubRun]]  # each trial with its begun sub-run (its partial folder)
+Finished = tuple[Trial, TrialResult]  # ...and its result: final (committed by its worker) or failed
 
 
 class TrialLauncher(Protocol):
@@ -475,8 +491,9 @@ def run_sweep(cfg: SweepConfig, shards: dict, shards_root: Path, subruns: SubRun
               on_trial: Callable[[TrialResult, bool], None] | None = None,
               log_every: int | None = None) -> list[TrialResult]:
     """Run both phases, each trial a sub-run of the stage (`subruns`, in `trials/<name>/`): complete
-    ones are reused, the others run where `where` trains them and are
-    committed as they finish; write `trials.json` beside them; return results in design order.
+    ones are reused (their manifests hold their results), the others run where `where` trains them,
+    whose workers commit each as it finishes; write `trials.json` beside them; return results in
+    design order.
 
     A trial that ends ok or diverged is committed (a divergence is data: same seed, same data, same
     divergence, so it is not run again). One that failed (an exception, a killed process or job) is
@@ -489,41 +506,51 @@ def run_sweep(cfg: SweepConfig, shards: dict, shards_root: Path, subruns: SubRun
     def run_phase(trials: list[Trial], label: str, what: str) -> None:
         if not trials:
             return
-        pending = []
-        for trial in trials:
-            if trial.name in results:
-                continue
-            reused = subruns.reuse(trial_subrun(trial))
-            if reused is None:
-                pending.append(trial)
-                continue
-            results[trial.name] = load_result(reused.path)
-            if on_trial:
-                on_trial(results[trial.name], True)
-        progress = Progress(what, len(trials), "trials", done=len(trials) - len(pending))
-        started = {t.name: subruns.begin(trial_subrun(t)) for t in pending}
-        pending.sort(key=lambda t: -trial_cost(t))
-        with progress:
-            try:
-                for trial, result, launch in where.run(cfg, shards, shards_root,
-                                                       [(t, started[t.name][0]) for t in pending], label):
-                    folder, recorder = started.pop(trial.name)
-                    record_trial(recorder, result, log_every or cfg.run.log_every)
-                    if result.status in FINAL_STATUSES:
-                        subruns.commit(trial_subrun(trial), recorder, trial_stats(result), wall_s=result.wall_s,
-                                       failed=not result.ok, launch=launch)
-                    else:
-                        save_result(result, folder)  # the reason, for whoever opens the folder
-                        subruns.fail(recorder, result.reason or "failed")
-                    results[trial.name] = result
-                    bad = sum(r.status != "ok" for r in results.values())
-                    progress.advance(note=f"{bad} failed or diverged" if bad else "")
-                    if on_trial:
-                        on_trial(result, False)
-            except BaseException as error:  # the trials still running stop with the sweep: their child runs say so
-                for _, recorder in started.values():
-                    subruns.fail(recorder, f"the sweep stopped before it finished: {type(error).__name__}: {error}")
-                raise
+        with ExitStack() as locks:  # each pending trial's sub-run lock, held until it is committed or failed
+            pending = []
+            for trial in trials:
+                if trial.name in results:
+                    continue
+                lock = subruns.lock(trial_subrun(trial))
+                lock.acquire()
+                reused = subruns.reuse(trial_subrun(trial))
+                if reused is None:
+                    locks.callback(lock.release)
+                    pending.append(trial)
+                    continue
+                lock.release()
+                results[trial.name] = trial_result(reused.stats)
+                if on_trial:
+                    on_trial(results[trial.name], True)
+            progress = Progress(what, len(trials), "trials", done=len(trials) - len(pending))
+            started = {}
+            for trial in pending:
+                sub = trial_subrun(trial)
+                _, recorder = subruns.begin(sub)
+                started[trial.name] = (sub, recorder, subruns.opened(sub, recorder))
+            pending.sort(key=lambda t: -trial_cost(t))
+            with progress:
+                try:
+                    for trial, result in where.run(cfg, shards, shards_root,
+                                                   [(t, started[t.name][2]) for t in pending], label):
+                        sub, recorder, run = started.pop(trial.name)
+                        record_trial(recorder, result, log_every or cfg.run.log_every)
+                        if result.status in FINAL_STATUSES:  # its worker committed it
+                            manifest = run.committed()
+                            assert manifest is not None, f"trial {trial.name} ended {result.status} uncommitted"
+                            subruns.recorded(sub, recorder, manifest, failed=not result.ok)
+                        else:
+                            run.record_failure(failure_record(result))  # the reason, for whoever opens the folder
+                            subruns.fail(recorder, result.reason or "failed")
+                        results[trial.name] = result
+                        bad = sum(r.status != "ok" for r in results.values())
+                        progress.advance(note=f"{bad} failed or diverged" if bad else "")
+                        if on_trial:
+                            on_trial(result, False)
+                except BaseException as error:  # the trials still running stop with the sweep: their child runs say so
+                    for _, recorder, _ in started.values():
+                        subruns.fail(recorder, f"the sweep stopped before it finished: {type(error).__name__}: {error}")
+                    raise
 
     first = design_trials(cfg, shards["vocab_size"], mixture_folds)
     run_phase(first, "phase1", "sweep (IsoFLOP and mixture trials)")
@@ -536,17 +563,12 @@ def run_sweep(cfg: SweepConfig, shards: dict, shards_root: Path, subruns: SubRun
     return ordered
 
 
-def trial_stats(result: TrialResult) -> dict:
-    """A trial's result as its sub-run's stats (the curve stays in its result file)."""
-    return {k: v for k, v in asdict(result).items() if k != "loss_curve"}
-
-
 def record_trial(recorder: StageRecorder, trial: TrialResult, log_every: int) -> None:
     """The trial's status, reason and loss curve (at the training loop's logging cadence and its last
     step: a few calls per trial) on its child run; its final numbers come with its commit."""
     tags = {"kiln.trial.status": trial.status, "kiln.trial.kind": trial.kind}
     if trial.reason:
-        tags["kiln.trial.reason"] = trial.reason[:REASON_TAG_CHARS]  # MLflow caps tags; the result file has it all
+        tags["kiln.trial.reason"] = trial.reason[:REASON_TAG_CHARS]  # MLflow caps tags; the manifest has it all
     recorder.tracker.set_tags(recorder.run_id, tags)
     curve = trial.loss_curve
     for step, loss in curve:

@@ -1,12 +1,14 @@
 """Where proxy trials train: processes of the sweep stage, or jobs through `cluster.launcher`.
 
-Both take a phase's pending trials, each with its sub-run folder (`trials/.<name>.partial/`, where
-it trains and saves its `result.json`), and yield each trial's result as it finishes, with what
-launched it; the sweep commits each as it comes. A trial that ends ok or diverged is final. One
-that failed (an exception, a killed process, a failed, cancelled or preempted job) is retried on its
-own, resuming from its folder, up to `cluster.max_restarts` times; after that its failed result is
-yielded (the sweep records it uncommitted). A `KilnError` inside a trial (the user's to fix, the same
-for every trial) stops the sweep.
+Both take a phase's pending trials, each with its begun sub-run (`kiln.tasks.ledger.OpenSubRun`:
+the partial folder `trials/.<name>.partial/` it trains in), and yield each trial's result as it
+finishes. The process that trains a trial commits its sub-run when the result is final (ok or
+diverged), with how it was launched, so a committed trial is what a rerun, or a resubmitted job,
+finds done; the sweep records each on its MLflow child run as it comes. One that failed (an
+exception, a killed process, a failed, cancelled or preempted job) is retried on its own, resuming
+from its folder, up to `cluster.max_restarts` times; after that its failed result is yielded (the
+sweep leaves it uncommitted, its failure recorded in its folder). A `KilnError` inside a trial (the
+user's to fix, the same for every trial) stops the sweep.
 
 - `PoolTrials` (`cluster.launcher: local`): `sweep.max_parallel` spawned processes of the stage;
   retries run alone in a fresh process (a trial that kills its process then takes no other with it).
@@ -42,6 +44,7 @@ from kiln.tasks.errors import ConfigError, KilnError
 from kiln.tasks.launch.kubernetes import KubernetesIndexedLauncher
 from kiln.tasks.launch.launchers import LaunchError, sigterm_raises
 from kiln.tasks.launch.registry import make_launcher
+from kiln.tasks.ledger import OpenSubRun
 from kiln.tasks.scaling.sweep import (
     FINAL_STATUSES,
     Finished,
@@ -50,10 +53,10 @@ from kiln.tasks.scaling.sweep import (
     Trial,
     TrialFn,
     TrialResult,
-    launch_record,
-    load_result,
+    failed_result,
     run_trial,
     train_trial,
+    trial_result,
     worker_died,
 )
 
@@ -66,7 +69,6 @@ logger = logging.getLogger("kiln.sweep")
 
 JOBS_DIR = "jobs"
 JOB_FILE = "job.json"  # a launched job's trials: what `python -m kiln.tasks.scaling.trial_runs` reads
-ERROR_FILE = "error.json"  # in a trial's folder: the KilnError that stopped it (not a retryable failure)
 FAILED_HOSTS_FILE = "failed_hosts.json"  # hosts whose jobs failed: later jobs keep off them
 POLL_S = 0.5  # how often finished trials are looked for while jobs run
 USER_ERROR_EXIT = 3  # a worker's exit code when a trial raised a KilnError
@@ -92,44 +94,45 @@ class PoolTrials:
                 mixtures[trial.mixture] = _mixture(shards, shards_root, trial)
             return mixtures[trial.mixture]
 
-        retry: list[tuple[Trial, Path, TrialResult]] = []
-        for trial, folder, result in self._pool(cfg, pending, mixture_of):
+        retry: list[tuple[Trial, OpenSubRun, TrialResult]] = []
+        for trial, run, result in self._pool(cfg, pending, mixture_of):
             if result.status in FINAL_STATUSES:
-                yield trial, result, launch_record("local", folder)
+                yield trial, result
             else:
-                retry.append((trial, folder, result))
-        for trial, folder, result in retry:  # alone: a trial that kills its process takes no other with it
+                retry.append((trial, run, result))
+        for trial, run, result in retry:  # alone: a trial that kills its process takes no other with it
             for attempt in range(self.max_restarts):
                 if result.status in FINAL_STATUSES:
                     break
                 logger.warning("trial %s failed (%s); retrying it alone (%d of %d)", trial.name, result.reason,
                                attempt + 1, self.max_restarts)
-                result = self._alone(cfg, trial, folder, mixture_of(trial), shards["vocab_size"])
-            yield trial, result, launch_record("local", folder)
+                result = self._alone(cfg, trial, run, mixture_of(trial), shards["vocab_size"])
+            yield trial, result
 
     def _pool(self, cfg: SweepConfig, pending: Pending,
-              mixture_of: Callable[[Trial], Mixture]) -> Iterator[tuple[Trial, Path, TrialResult]]:
+              mixture_of: Callable[[Trial], Mixture]) -> Iterator[tuple[Trial, OpenSubRun, TrialResult]]:
         if not pending:
             return
         pool = ProcessPoolExecutor(min(self.max_parallel, len(pending)), mp_context=get_context("spawn"))
-        futures: dict[Future, tuple[Trial, Path]] = {
-            pool.submit(train_trial, self.trial_fn, cfg, t, mixture_of(t), folder): (t, folder) for t, folder in pending}
+        futures: dict[Future, tuple[Trial, OpenSubRun]] = {
+            pool.submit(train_trial, self.trial_fn, cfg, t, mixture_of(t), run, "local"): (t, run) for t, run in pending}
         try:
             for future in as_completed(futures):
-                trial, folder = futures[future]
+                trial, run = futures[future]
                 try:
                     result = future.result()
                 except BrokenProcessPool:  # some trial killed its process: every unfinished one is retried
                     result = worker_died(cfg, trial, mixture_of(trial).vocab_size, _DIED)
-                yield trial, folder, result
+                yield trial, run, result
         finally:
-            # on an interrupt, trials not yet started are dropped; running ones finish and save their results
+            # on an interrupt, trials not yet started are dropped; running ones finish and commit
             pool.shutdown(wait=True, cancel_futures=True)
 
-    def _alone(self, cfg: SweepConfig, trial: Trial, folder: Path, mixture: Mixture, vocab_size: int) -> TrialResult:
+    def _alone(self, cfg: SweepConfig, trial: Trial, run: OpenSubRun, mixture: Mixture, vocab_size: int
+               ) -> TrialResult:
         with ProcessPoolExecutor(1, mp_context=get_context("spawn")) as pool:
             try:
-                return pool.submit(train_trial, self.trial_fn, cfg, trial, mixture, folder).result()
+                return pool.submit(train_trial, self.trial_fn, cfg, trial, mixture, run, "local").result()
             except BrokenProcessPool:
                 return worker_died(cfg, trial, vocab_size, _DIED)
 
@@ -176,8 +179,7 @@ class JobTrials:
             try:
                 while True:
                     running = any(thread.is_alive() for thread in threads)
-                    for trial, folder, result in state.newly_final(pending):
-                        yield trial, result, launch_record(self.launcher, folder)
+                    yield from state.newly_final(pending)
                     if not running:
                         break
                     time.sleep(self.poll_s)
@@ -188,12 +190,11 @@ class JobTrials:
                 raise
         if state.error is not None:
             raise state.error
-        for trial, folder in pending:
+        for trial, run in pending:
             if trial.name not in state.done:
-                result = load_result(folder) or worker_died(
+                yield trial, failed_result(run.failure()) or worker_died(
                     cfg, trial, shards["vocab_size"], f"its job failed {self.max_restarts + 1} times; last: "
                     f"{state.failures.get(trial.name, 'no result')}")
-                yield trial, result, launch_record(self.launcher, folder)
 
     def _unit(self, cfg: SweepConfig, shards: dict, shards_root: Path, unit: list[Pending], name: str,
               state: _JobState) -> None:
@@ -203,14 +204,14 @@ class JobTrials:
         folder.mkdir(parents=True, exist_ok=True)
         job = self._launcher(folder, name, len(unit))
         for _ in range(self.max_restarts + 1):
-            todo = [[(t, f) for t, f in share if state.unfinished(t.name, f)] for share in unit]
+            todo = [[(t, run) for t, run in share if state.unfinished(t.name, run)] for share in unit]
             todo = [share for share in todo if share]
             if not todo or state.stopping.is_set():
                 return
             (folder / JOB_FILE).write_text(json.dumps({
                 "sweep": cfg.model_dump(mode="json"),  # loads back as it is (no optim.lr: see SweepConfig)
-                "shards": shards, "shards_root": str(shards_root.resolve()),
-                "shares": [[{"trial": asdict(t), "folder": str(f.resolve())} for t, f in share] for share in todo],
+                "shards": shards, "shards_root": str(shards_root.resolve()), "launcher": self.launcher,
+                "shares": [[{"trial": asdict(t), "run": run.as_json()} for t, run in share] for share in todo],
             }, indent=1))
             if self.launcher == "kubernetes":  # one index per share still unfinished
                 job.completions, job.parallelism = len(todo), min(self.max_parallel, len(todo))
@@ -221,7 +222,7 @@ class JobTrials:
                 state.ended(job)
                 if state.stopping.is_set():
                     return
-                user_error = _user_error([f for share in todo for _, f in share])
+                user_error = _user_error([run for share in todo for _, run in share])
                 if user_error is not None or not error.retryable:
                     state.fail(user_error or error)
                     return
@@ -266,24 +267,24 @@ class _JobState:
         self._lock = threading.Lock()
         self._active: set[Launcher] = set()
 
-    def unfinished(self, name: str, folder: Path) -> bool:
+    def unfinished(self, name: str, run: OpenSubRun) -> bool:
         with self._lock:
             if name in self.done:
                 return False
-        result = load_result(folder) if folder.is_dir() else None
-        return result is None or result.status not in FINAL_STATUSES
+        return run.committed() is None
 
-    def newly_final(self, pending: Pending) -> list[tuple[Trial, Path, TrialResult]]:
+    def newly_final(self, pending: Pending) -> list[Finished]:
+        """The trials their jobs committed since the last call, with their results (their manifests' stats)."""
         found = []
-        for trial, folder in pending:
+        for trial, run in pending:
             with self._lock:
                 if trial.name in self.done:
                     continue
-            result = load_result(folder) if folder.is_dir() else None
-            if result is not None and result.status in FINAL_STATUSES:
+            manifest = run.committed()
+            if manifest is not None:
                 with self._lock:
                     self.done.add(trial.name)
-                found.append((trial, folder, result))
+                found.append((trial, trial_result(manifest["stats"])))
         return found
 
     def started(self, job: Launcher) -> None:
@@ -314,12 +315,12 @@ class _JobState:
             job.stop()
 
 
-def _user_error(folders: list[Path]) -> KilnError | None:
-    """The KilnError a worker recorded in one of these trials' folders, raised again here."""
-    for folder in folders:
-        if (folder / ERROR_FILE).is_file():
-            recorded = json.loads((folder / ERROR_FILE).read_text())
-            return KilnError(f"sweep trial {folder.name.strip('.').removesuffix('.partial')}: {recorded['message']}")
+def _user_error(runs: list[OpenSubRun]) -> KilnError | None:
+    """The KilnError a worker recorded as one of these trials' failure (no retry can cure it), raised again here."""
+    for run in runs:
+        failure = run.failure()
+        if failure is not None and failure.get("retryable") is False:
+            return KilnError(f"sweep trial {run.name}: {failure['message']}")
     return None
 
 
@@ -336,13 +337,14 @@ def main(argv: list[str] | None = None) -> None:
     index = args.share if args.share is not None else int(os.environ[args.share_env])
     cfg = SweepConfig.model_validate(job["sweep"])
     for entry in job["shares"][index]:
-        trial, folder = Trial(**entry["trial"]), Path(entry["folder"])
-        if not folder.is_dir():  # committed while this job was being submitted: the trial is done
+        trial, run = Trial(**entry["trial"]), OpenSubRun.from_json(entry["run"])
+        if not run.folder.is_dir():  # committed while this job was being submitted: the trial is done
             continue
         try:
-            train_trial(run_trial, cfg, trial, _mixture(job["shards"], Path(job["shards_root"]), trial), folder)
+            train_trial(run_trial, cfg, trial, _mixture(job["shards"], Path(job["shards_root"]), trial), run,
+                        job["launcher"])
         except KilnError as error:  # the user's to fix: no retry can help, so say so and stop
-            (folder / ERROR_FILE).write_text(json.dumps({"type": type(error).__name__, "message": str(error)}))
+            run.record_failure({"error": type(error).__name__, "message": str(error), "retryable": False})
             raise SystemExit(USER_ERROR_EXIT) from error
 
 

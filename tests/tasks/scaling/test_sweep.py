@@ -15,7 +15,6 @@ from kiln.tasks.ledger import StageRecorder, SubRuns
 from kiln.tasks.scaling.fit import excluded, law_points
 from kiln.tasks.scaling.mixture_regression import minimum_trials
 from kiln.tasks.scaling.sweep import (
-    RESULT_FILE,
     TRIALS_DIR,
     TRIALS_FILE,
     IsoFlopBudget,
@@ -24,11 +23,14 @@ from kiln.tasks.scaling.sweep import (
     SweepFailedError,
     TrialResult,
     design_trials,
-    load_result,
+    failed_result,
+    failure_record,
     load_trials,
     run_sweep,
     sampled_mixtures,
-    save_result,
+    train_trial,
+    trial_result,
+    trial_subrun,
 )
 from kiln.tasks.scaling.trial_runs import PoolTrials
 from kiln.tasks.stage import StageContext
@@ -85,11 +87,11 @@ def test_a_diverging_trial_is_recorded_and_the_fit_uses_the_rest(shards, tmp_pat
     assert bad.steps < 12  # where the loss went non-finite (the steps it reached before giving up)
     assert sorted(seen) == sorted(r.name for r in results)
     assert load_trials(tmp_path / TRIALS_FILE) == results  # every trial, failures included, in design order
-    # both are committed sub-runs, each with its result and manifest: a divergence is final, not retried
+    # both are committed sub-runs, each with its result as its manifest's stats: a divergence is final, not retried
     for result in results:
         manifest = Store(tmp_path).manifest(TRIALS_DIR, result.name)
         assert (manifest["subrun"], manifest["stats"]["status"]) == (f"trials/{result.name}", result.status)
-        assert load_result(tmp_path / TRIALS_DIR / result.name) == result
+        assert trial_result(manifest["stats"]) == result
     assert excluded(results) == {bad.name: {"status": "diverged", "reason": bad.reason, "steps": bad.steps}}
     assert [p["trial"] for p in law_points(results, "u")] == [ok.name]
 
@@ -108,10 +110,10 @@ def test_an_interrupted_sweep_reruns_only_unfinished_and_failed_trials(shards, t
     store = Store(tmp_path)
     assert store.is_complete(TRIALS_DIR, names[0]) and not store.is_complete(TRIALS_DIR, names[1])
     # the third trial failed in a previous attempt (say, killed): its partial folder says so; it is run again
-    failed = store.begin(TRIALS_DIR, names[2], resumable=True)
-    save_result(TrialResult(names[2], 16, 3e-3, "u", 4, 1, 1, None, None, {}, 0, 0.0, status="failed",
-                            reason="its worker process died", kind="hyper"), failed)
-    (failed / f"{RESULT_FILE}.tmp").write_text("{")  # torn by the interrupt
+    store.begin(TRIALS_DIR, names[2], resumable=True)
+    store.record_failure(TRIALS_DIR, names[2], failure_record(TrialResult(
+        names[2], 16, 3e-3, "u", 4, 1, 1, None, None, {}, 0, 0.0, status="failed", reason="its worker process died",
+        kind="hyper")))
     calls: list[tuple[str, bool]] = []
     capsys.readouterr()
     results = run_sweep(cfg, *shards, subruns(tmp_path), where=PoolTrials(cfg.max_parallel),
@@ -137,7 +139,7 @@ def test_a_trial_that_kills_its_worker_is_retried_alone_then_named_and_the_rest_
     store = Store(tmp_path)
     # the failed trial is recorded in its partial folder, uncommitted: the stage's next attempt runs it again
     assert not store.is_complete(TRIALS_DIR, results[1].name)
-    assert load_result(store.partial_path(TRIALS_DIR, results[1].name)).status == "failed"
+    assert failed_result(store.failure(TRIALS_DIR, results[1].name)) == results[1]
     # the trials its dead pool took down with it were retried alone, and committed
     assert [len(store.manifest(TRIALS_DIR, results[i].name)["launch"]["attempts"]) for i in (0, 2)] in ([1, 1], [1, 2])
 
@@ -198,3 +200,29 @@ def test_the_stage_records_each_trial_as_a_child_run_and_a_diverged_one_as_faile
     assert (ok["tags"]["kiln.trial.kind"], bad["tags"]["kiln.trial.kind"]) == ("isoflop", "hyper")
     assert "TrainingDivergedError" in bad["tags"]["kiln.trial.reason"]
     assert "val_loss" not in bad["metrics"][-1][1] and "steps" in bad["metrics"][-1][1]
+
+
+def test_a_trial_its_worker_committed_is_never_trained_again(shards, tmp_path):
+    """The committed sub-run is the one record of a finished trial: a worker that died after committing
+    (before it could report) leaves nothing to redo, and the stage's next attempt reuses the trial from its
+    manifest alone."""
+    cfg = tiny(1e-3)
+    trial = design_trials(cfg, 64)[0]
+    runs = subruns(tmp_path)
+    sub = trial_subrun(trial)
+    _, recorder = runs.begin(sub)
+    opened = runs.opened(sub, recorder)
+    result = fake_trial(cfg, trial, None, opened.folder)
+    assert train_trial(lambda *_: result, cfg, trial, None, opened, "local") == result
+    manifest = opened.committed()
+    assert trial_result(manifest["stats"]) == result and manifest["launch"]["launcher"] == "local"
+
+    def must_not_train(*_):
+        raise AssertionError("a committed trial was trained again")
+
+    assert train_trial(must_not_train, cfg, trial, None, opened, "local") == result
+    seen: list[tuple[str, bool]] = []
+    again = run_sweep(cfg, *shards, subruns(tmp_path), where=PoolTrials(1, trial_fn=must_not_train),
+                      on_trial=lambda r, resumed: seen.append((r.name, resumed)))
+    assert again == [result] and seen == [(trial.name, True)]
+    assert load_trials(tmp_path / TRIALS_FILE) == [result]

@@ -23,7 +23,6 @@ from kiln.tasks.launch.launchers import LaunchError
 from kiln.tasks.launch.local_slurm import free_port
 from kiln.tasks.ledger import StageRecorder, SubRuns
 from kiln.tasks.scaling.sweep import (
-    RESULT_FILE,
     TRIALS_DIR,
     TRIALS_FILE,
     IsoFlopBudget,
@@ -80,14 +79,14 @@ def subruns(out: Path) -> SubRuns:
 
 
 def kill_a_running_trial(out: Path, killed: list[tuple[str, str]], stop: threading.Event) -> None:
-    """Once a trial of a first-phase job has trained some steps (a complete checkpoint in its folder, no
-    result yet), SIGKILL that job's program, as a lost node or a preemption would end it (a user's
+    """Once a trial of a first-phase job has trained some steps (a complete checkpoint in its folder, not
+    yet committed), SIGKILL that job's program, as a lost node or a preemption would end it (a user's
     `scancel` stops the sweep instead: issue 25); record (job id, trial)."""
     trials = out / TRIALS_DIR
     deadline = time.monotonic() + WATCH_S
     while not stop.is_set() and time.monotonic() < deadline:
         for folder in trials.glob(".*.partial"):
-            if any(folder.glob("checkpoints/step_*/COMPLETE")) and not (folder / RESULT_FILE).exists():
+            if any(folder.glob("checkpoints/step_*/COMPLETE")) and folder.is_dir():  # committed: moved
                 trial = folder.name[1:-len(".partial")]
                 queued = subprocess.run(["squeue", "--noheader", "--states=RUNNING", "--format=%i %j"],
                                         capture_output=True, text=True).stdout.splitlines()
