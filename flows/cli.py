@@ -237,8 +237,6 @@ def cmd_image(ns: argparse.Namespace) -> int:
     """`kiln image check [IMAGE]`: this installation's files, or those of the Kiln inside IMAGE (`flows/image.py`)."""
     from kiln.flows.image import check_image, find_runtime, installation_problems
 
-    if ns.action != "check":
-        raise KilnError(f"kiln image {ns.action}: the only action is check")
     if ns.image is None:
         report = installation_problems()
         for problem in report.problems:
