@@ -30,6 +30,9 @@ def packages() -> dict[str, str]:
 
 
 PACKAGES = packages()
+# Bytecode caches are no data: a package's own __pycache__ (configs/ once imported) would be shipped with a
+# warning that it is an unlisted package, one in the sample code tree would be overwritten by pip's compile.
 setup(packages=list(PACKAGES), package_dir=PACKAGES,
       package_data={name: ["*", "**/*"] for name in PACKAGES if not name.startswith(("kiln.tasks", "kiln.flows"))}
-      | {"kiln.tasks": ["py.typed"]})
+      | {"kiln.tasks": ["py.typed"]},
+      exclude_package_data={name: ["__pycache__/*", "**/__pycache__/*"] for name in PACKAGES})

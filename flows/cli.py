@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import re
+import shlex
 import shutil
 import sys
 import time
@@ -26,12 +27,22 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import yaml  # noqa: E402
 
+import kiln  # noqa: E402
+from kiln import __version__  # noqa: E402
 from kiln.flows import embedded_api
 from kiln.flows.database import SECRETS_FILE as DATABASE_SECRETS
 from kiln.flows.deploy import deploy, run_worker, serve, work_pool
 from kiln.flows.environment import prepare_environment
+from kiln.flows.image import check_image, find_runtime, installation_problems
+from kiln.flows.project import init_project
 from kiln.flows.servers import ENV_FILE, read_servers, running_work_dirs, servers_dir, start_servers, stop_servers
-from kiln.tasks.config import load_config  # noqa: E402
+from kiln.tasks.config import (  # noqa: E402
+    PACKAGED_DEFAULT,
+    PROJECT_CONFIGS,
+    config_chain,
+    default_config_path,
+    load_config,
+)
 from kiln.tasks.continuous_state import status_lines
 from kiln.tasks.data.inspection import REPORT_JSON, render_sample, samples
 from kiln.tasks.errors import KilnError  # noqa: E402
@@ -48,15 +59,14 @@ from kiln.tasks.train.config import ModelConfig
 
 if TYPE_CHECKING:
     from kiln.tasks.stage import Stage
-    from kiln.tasks.store import Store
-
-DEFAULT_CONFIG = "configs/default.yaml"
 
 _EPILOG = """\
 examples:
-  kiln run                                   the default pipeline (configs/default.yaml: the bundled sample
-                                             corpus, ~5 min on 2 CPU cores); configs/tiny.yaml is a slice of it
-  kiln run configs/default.yaml train.run.steps=500 sweep.batch_sizes=[8,16]
+  kiln init my-project                       a project folder: kiln.yaml (extends Kiln's default), data/, README
+  kiln run                                   the default pipeline (this folder's kiln.yaml, else Kiln's default:
+                                             the bundled sample corpus, ~5 min on 2 CPU cores)
+  kiln run kiln:configs/tiny.yaml            Kiln's one-minute slice of it (kiln:... names Kiln's own files)
+  kiln run kiln.yaml train.run.steps=500 sweep.batch_sizes=[8,16]
   kiln run --until tokenize                  only the data stages
   kiln stage train                           one stage (its inputs must be complete)
   kiln status                                which stages are complete for this config
@@ -70,8 +80,9 @@ examples:
   kiln slurm up / status / down              a local Slurm cluster in work_dir/slurm; run the export line it prints
   kiln deploy, then kiln worker              deployments on that server, run from this folder, and a worker
 
-Without a CONFIG.yaml, configs/default.yaml is used if this folder has one, else Kiln's built-in
-defaults. Paths in a config (sources, work_dir) are relative to the folder kiln runs in.
+Without a CONFIG.yaml, this folder's kiln.yaml (or configs/default.yaml) is used, else Kiln's own
+default (kiln:configs/default.yaml). Paths in a config (sources, work_dir) are relative to the folder
+kiln runs in; a relative path this folder lacks that Kiln ships (data/sample/...) is Kiln's file.
 Overrides are dotted keys (section.key=value, YAML values). Every output lands in the
 working directory (work_dir, default ./kiln-work): the store, MLflow's database and
 artifacts, and PREFECT_HOME (with `kiln up`'s servers, MLflow and Prefect keep their
@@ -89,9 +100,7 @@ def _split_args(args: list[str]) -> tuple[str | None, list[str]]:
             overrides.append(arg)
         else:
             raise KilnError(f"argument {arg!r} is neither a config file (*.yaml) nor an override (key=value)")
-    if config is None and Path(DEFAULT_CONFIG).is_file():
-        config = DEFAULT_CONFIG
-    return config, overrides
+    return config or default_config_path(), overrides
 
 
 def _load(ns: argparse.Namespace) -> tuple[KilnConfig, str | None, list[str]]:
@@ -185,7 +194,7 @@ def cmd_run(ns: argparse.Namespace) -> int:
     from kiln.flows.pipeline import pipeline, summary_table  # defers prefect
 
     started = time.perf_counter()
-    print(f"kiln: running {config_path or 'defaults'} in {Path(cfg.work_dir).resolve()}", file=sys.stderr)
+    print(f"kiln: running {config_path} in {Path(cfg.work_dir).resolve()}", file=sys.stderr)
     open_tracker(cfg)  # opened (the flow reuses it) while the Prefect API may still be starting
     with _prefect_quiet():
         outcomes = [StageOutcome(**o) for o in pipeline(config_path, overrides, ns.until)]
@@ -217,8 +226,47 @@ def cmd_stage(ns: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_init(ns: argparse.Namespace) -> int:
+    """Write a project folder whose config extends Kiln's (`flows/project.py`)."""
+
+    root = Path(ns.dir)
+    done = init_project(root, ns.extends)
+    print(f"kiln: a Kiln project in {root.resolve()}")
+    for name in done.written:
+        print(f"  wrote {name}")
+    for name in done.kept:
+        print(f"  kept  {name} (the folder had it)")
+    print(f"\nnext: cd {shlex.quote(str(root))} && kiln run   (Kiln's sample corpus, as {ns.extends} runs it; "
+          "kiln.yaml says how to name your own data)")
+    return 0
+
+
+def cmd_image(ns: argparse.Namespace) -> int:
+    """`kiln image check [IMAGE]`: this installation's files, or those of the Kiln inside IMAGE (`flows/image.py`)."""
+
+    if ns.image is None:
+        report = installation_problems()
+        for problem in report.problems:
+            print(f"kiln: problem: {problem}", file=sys.stderr)
+        print(report.summary() if not report.problems else f"kiln: {len(report.problems)} problem(s) in this installation")
+        return 1 if report.problems else 0
+    runtime = find_runtime(ns.runtime)
+    failed = 0
+    for command, done in check_image(ns.image, runtime):
+        print(f"$ {command}\n{done.stdout.rstrip()}")
+        if done.returncode != 0:
+            failed += 1
+            print(f"{done.stderr.rstrip()}\nkiln: exit {done.returncode}", file=sys.stderr)
+    print(f"kiln: {ns.image} {'fails' if failed else 'passes'} the check ({runtime.name})")
+    return 1 if failed else 0
+
+
 def cmd_config(ns: argparse.Namespace) -> int:
-    cfg, _, _ = _load(ns)
+    cfg, config_path, _ = _load(ns)
+    # the files it was resolved from: Kiln's own by their kiln: name, with where this installation has them
+    for i, (name, file) in enumerate(config_chain(config_path)):
+        where = f"  ({file.resolve()})" if name.startswith("kiln:") else ""
+        print(f"# {'resolved from' if i == 0 else '         over'}: {name}{where}")
     print(yaml.safe_dump(cfg.to_dict(), sort_keys=False, allow_unicode=True), end="")
     if ns.keys:
 
@@ -524,7 +572,7 @@ def cmd_plan(ns: argparse.Namespace) -> int:
 
     if ns.budget is not None or ns.hours is not None:  # the compute-optimal run from the config's fit
 
-        cfg = load_config(ns.config or DEFAULT_CONFIG, ns.overrides)
+        cfg = load_config(ns.config or default_config_path(), ns.overrides)
         cluster = load_preset(ns.cluster, ClusterSpec) if ns.cluster else cfg.cluster
         try:
             compute = ns.budget if ns.budget is not None else budget_from_accelerators(
@@ -580,11 +628,15 @@ def build_parser() -> argparse.ArgumentParser:
         description=f"Kiln: an end-to-end LLM pretraining pipeline ({' → '.join(REGISTRY.pipeline())}) "
                     "on Prefect and MLflow.",
     )
+    parser.add_argument("--version", action="version", help="print Kiln's version and where it is installed",
+                        version=f"kiln {__version__} from {Path(kiln.__file__).resolve().parent} "
+                                f"(python {sys.version.split()[0]})")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     def add(name: str, help_text: str, func, first: tuple[str, str] | None = None,
-            args_help: str = f"a config file (default: {DEFAULT_CONFIG} if this folder has one, else Kiln's "
-                             "defaults) and dotted overrides, e.g. train.run.steps=100") -> argparse.ArgumentParser:
+            args_help: str = f"a config file (default: this folder's {' or '.join(PROJECT_CONFIGS)}, else "
+                             f"{PACKAGED_DEFAULT}) and dotted overrides, e.g. train.run.steps=100",
+            ) -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help_text, description=help_text,
                            formatter_class=argparse.RawDescriptionHelpFormatter, epilog=_EPILOG)
         if first:
@@ -594,6 +646,27 @@ def build_parser() -> argparse.ArgumentParser:
         p.set_defaults(func=func)
         return p
 
+    init = sub.add_parser("init", help="Write a project folder: kiln.yaml (extends Kiln's default config; kiln run "
+                          "there works at once, on Kiln's sample corpus), a README, a .gitignore and data/ for your own.",
+                          description="Write a project folder: kiln.yaml, which extends Kiln's default config (so "
+                          "`kiln run` there works at once, on Kiln's bundled sample corpus) and says in comments what "
+                          "to set for your own data; README.md; .gitignore; data/raw, data/evals and data/lists. "
+                          "Existing files are kept; a folder with a kiln.yaml is refused.")
+    init.add_argument("dir", help="the project folder (created if missing)")
+    init.add_argument("--extends", default=PACKAGED_DEFAULT, metavar="CONFIG",
+                      help=f"the config kiln.yaml extends (default {PACKAGED_DEFAULT}; kiln:configs/tiny.yaml runs in "
+                           "about a minute; a path is written absolute)")
+    init.set_defaults(func=cmd_init)
+    image_help = ("Check a container image of Kiln (infra/container/Dockerfile): run `kiln --version` and the packaged-files "
+                  "check inside IMAGE with docker, podman or apptainer; without IMAGE, check this installation (the entry "
+                  "point, every installed file against the wheel's RECORD, Kiln's shipped files, the default config's data).")
+    image = sub.add_parser("image", help=image_help, description=image_help)
+    image.add_argument("action", choices=["check"], help="check")
+    image.add_argument("image", nargs="?", help="an image reference (kiln:0.1.0-cpu, registry/kiln:0.1.0-cuda), an "
+                       "apptainer .sif file or docker:// URL; none: this installation")
+    image.add_argument("--runtime", choices=["docker", "podman", "apptainer"],
+                       help="the container runtime (default: the first that answers)")
+    image.set_defaults(func=cmd_image)
     run = add("run", "Run the pipeline; stages whose outputs are complete are reused (cached).", cmd_run)
     run.add_argument("--until", metavar="STAGE", help="stop after this stage (e.g. tokenize)")
     add("stage", "Run one stage as its own Prefect flow; its inputs must already be complete.", cmd_stage,
@@ -689,8 +762,8 @@ def build_parser() -> argparse.ArgumentParser:
                                 "of the kiln-kubernetes pool (infra/work-pools/kubernetes.json); every deployment "
                                 "moves to that pool")
             p.add_argument("--image", default=os.environ.get("KILN_IMAGE"),
-                           help="with --work-pool kubernetes: the flow-run image, with Kiln at /opt/kiln and "
-                                "kubectl (default: $KILN_IMAGE)")
+                           help="with --work-pool kubernetes: the flow-run image, Kiln's (infra/container/Dockerfile: Kiln, "
+                                "kubectl, the project folder /opt/kiln) (default: $KILN_IMAGE)")
             p.add_argument("--alert-webhook", metavar="URL", default=os.environ.get("KILN_ALERT_WEBHOOK"),
                            help="post alerts (failed stage, training rollback/abort, crashed run) to this "
                                 "Slack-compatible webhook (default: $KILN_ALERT_WEBHOOK; none: no alerts)")

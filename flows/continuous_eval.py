@@ -41,7 +41,7 @@ from prefect.runtime import flow_run
 
 from kiln.flows.alerts import TEXT, regression_text
 from kiln.flows.environment import apply_run_settings
-from kiln.tasks.config import load_config
+from kiln.tasks.config import default_config_path, load_config
 from kiln.tasks.continuous_state import WATCHED, anneal_offset, ecg_path, eval_targets, watched_complete
 from kiln.tasks.evals.continuous import (
     EvalTarget,
@@ -139,8 +139,9 @@ def _emit(config_path: str | None, stage: str, key: str, event: RegressionEvent)
       description="Kiln continuous eval: lm-eval scores of each new train and anneal checkpoint, logged to MLflow at "
                   "its step, the ECG plot, an event where a regression starts or clears, and the schedule paused "
                   "once both stages are complete and scored.")
-def continuous_eval(config_path: str | None = "configs/default.yaml",
+def continuous_eval(config_path: str | None = None,
                     overrides: list[str] | None = None) -> dict[str, dict[str, Any]]:
+    config_path = config_path or default_config_path()  # the flow run's folder's kiln.yaml, else Kiln's default
     cfg = load_config(config_path, list(overrides or []))
     apply_run_settings(cfg)  # a worker's flow-run process gets what the CLI sets
     keys = stage_keys(cfg)

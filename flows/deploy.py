@@ -146,7 +146,7 @@ def deploy(continuous_eval_config: str | None = None, overrides: list[str] | Non
            alert_webhook: str | None = None, pool: str = "process", image: str | None = None,
            every: str | None = None) -> str:
     """Register every deployment on the work pool `pool` (process or kubernetes; a Kubernetes pool
-    runs flows in `image`, which holds Kiln at /opt/kiln) and the crashed-run detector; with
+    runs flows in `image`, Kiln's image: infra/container/Dockerfile) and the crashed-run detector; with
     `continuous_eval_config`, give the continuous-eval deployment that config and a schedule every
     `continuous_eval.interval` (`every` overrides it), switched on; with `alert_webhook`, create the
     alert automations (`flows.alerts`). Returns a short summary (`prefect deploy`'s own output only when
@@ -154,7 +154,8 @@ def deploy(continuous_eval_config: str | None = None, overrides: list[str] | Non
     _require_server()
     if pool == "kubernetes" and not image:
         raise KilnError("the kubernetes work pool runs flows in a container: give its image with --image "
-                        "(or KILN_IMAGE), one with Kiln at /opt/kiln and kubectl")
+                        "(or KILN_IMAGE): Kiln's image, built from infra/container/Dockerfile (Kiln, kubectl and "
+                        "the project folder /opt/kiln in it)")
     if every is not None and continuous_eval_config is None:
         raise KilnError("--every sets the continuous-eval schedule's interval: give the config it watches too, "
                         "--continuous-eval CONFIG.yaml")

@@ -23,7 +23,7 @@ from kiln.flows.continuous_eval import continuous_eval
 from kiln.flows.crashes import reap_crashed
 from kiln.flows.environment import apply_run_settings
 from kiln.flows.stages import execute
-from kiln.tasks.config import load_config
+from kiln.tasks.config import default_config_path, load_config
 from kiln.tasks.continuous_state import ecg_path, up_to_date
 from kiln.tasks.crashes import CRASH_TAGS, OWNER_TAG, process_owner
 from kiln.tasks.graph import stage_keys
@@ -103,8 +103,9 @@ def _score_checkpoints(cfg: KilnConfig, keys: dict[str, str], config_path: str |
 
 
 @flow(name="kiln-pipeline", description="Kiln: raw text to an evaluated, annealed model.")
-def pipeline(config_path: str | None = "configs/default.yaml", overrides: list[str] | None = None,
+def pipeline(config_path: str | None = None, overrides: list[str] | None = None,
              until: str | None = None) -> list[dict[str, Any]]:
+    config_path = config_path or default_config_path()  # the flow run's folder's kiln.yaml, else Kiln's default
     overrides = list(overrides or [])
     cfg = load_config(config_path, overrides)
     apply_run_settings(cfg)  # a worker's flow-run process gets what the CLI sets

@@ -28,7 +28,7 @@ from prefect.runtime import flow_run
 from kiln.flows.alerts import TEXT, stage_event_text
 from kiln.flows.crashes import reap_crashed
 from kiln.flows.environment import apply_run_settings
-from kiln.tasks.config import load_config
+from kiln.tasks.config import default_config_path, load_config
 from kiln.tasks.errors import is_retryable
 from kiln.tasks.graph import stage_keys
 from kiln.tasks.launch.cluster import where_it_ran
@@ -145,8 +145,8 @@ def _publish(outcome: StageOutcome) -> None:
 
 
 def _make_stage_flow(name: str):
-    def run_one(config_path: str | None = "configs/default.yaml", overrides: list[str] | None = None) -> dict[str, Any]:
-        cfg = load_config(config_path, list(overrides or []))
+    def run_one(config_path: str | None = None, overrides: list[str] | None = None) -> dict[str, Any]:
+        cfg = load_config(config_path or default_config_path(), list(overrides or []))
         apply_run_settings(cfg)  # a worker's flow-run process gets what the CLI sets
         reap_crashed(open_tracker(cfg))
         return execute(name, cfg, stage_keys(cfg)).as_dict()

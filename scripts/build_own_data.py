@@ -23,7 +23,8 @@ text, and every file format collect reads:
 
 Object-store credentials and endpoint come from the environment, as Kiln reads them
 (`AWS_ACCESS_KEY_ID`, `AWS_SECRET_ACCESS_KEY`, `FSSPEC_S3_ENDPOINT_URL`); the bucket is created if
-missing. The same sample gives the same files:
+missing. The sample and Kiln's source are read from the installed Kiln (`kiln.tasks.bundled`), so the
+script runs outside Kiln's checkout too. The same sample gives the same files:
 
     python scripts/build_own_data.py own-data [--s3 s3://kiln-own-data]
 """
@@ -35,10 +36,12 @@ import gzip
 import io
 import json
 import re
+from importlib.resources import files
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-SAMPLE = REPO / "data" / "sample"
+from kiln.tasks.bundled import shipped
+
+SAMPLE = shipped("data") / "sample"
 CRAWL_DATE = "2026-12-01T08:00:00Z"
 NUM_MANUALS, NUM_TRANSLATIONS, NUM_CODE, NUM_GIT_MAN, NUM_PAGES, NUM_NOTES = 8, 6, 8, 10, 10, 12
 # A record's real licence (SPDX) -> how this corpus writes it (tests/flows/test_own_data.py checks they agree).
@@ -53,6 +56,7 @@ WRITTEN = {
     "Vim": ("Vim License",),
 }
 KILN_MODULES = ("tasks/errors.py", "tasks/accounting.py", "tasks/fingerprint.py")  # Kiln is Apache-2.0
+KILN_CODE = files("kiln.tasks")  # the installed tasks/ folder (its files are named as in the checkout)
 
 
 def _spelled(licence: str, index: int) -> str:
@@ -96,7 +100,7 @@ def source_files() -> list[dict]:
     colorlog = sorted((SAMPLE / "code-tree/colorlog/colorlog").glob("*.py"))
     records += [{"id": f"colorlog/{p.name}", "text": p.read_text(), "licence": "MIT License", "language": "python",
                  "repo": "colorlog"} for p in colorlog]
-    records += [{"id": f"kiln/{name}", "text": (REPO / name).read_text(), "licence": "Apache License, Version 2.0",
+    records += [{"id": f"kiln/{name}", "text": KILN_CODE.joinpath(name.removeprefix("tasks/")).read_text(), "licence": "Apache License, Version 2.0",
                  "language": "python", "repo": "kiln"} for name in KILN_MODULES]
     return records
 

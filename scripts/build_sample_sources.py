@@ -14,8 +14,9 @@ one small sample of every other format collect can bundle, each real upstream te
 * `data/sample/hf/git-relnotes/`: git release notes (`/usr/share/doc/git/RelNotes`) as a
   Hugging Face dataset written by `Dataset.save_to_disk` (Arrow files, read by `datasets`).
 * `data/sample/code-tree/colorlog/`: the source tree of colorlog 6.12 (MIT) as installed in the
-  project's virtual environment: its LICENSE, its modules, `py.typed` and one compiled `.pyc`
-  (binary: skipped by collect).
+  project's virtual environment: its LICENSE, its modules, `py.typed` and one compiled module,
+  `wrappers.pyc` beside its source as `compileall -b` writes it (binary: skipped by collect). Not in
+  `__pycache__/`: collect reads no bytecode cache (pip fills it when it installs Kiln's wheel).
 * `data/sample/references/python-language-reference.jsonl`: the Python 3.11.7 Language Reference
   as shipped in CPython's `pydoc_data/topics.py` (PSF-2.0): the high-quality reference set the
   clean stage's classifier trains its positives on (`tasks/data/quality_training.py`).
@@ -162,12 +163,12 @@ def build_code_tree(out: Path) -> None:
     (dist_info,) = package.parent.glob("colorlog-*.dist-info")
     target = out / "code-tree/colorlog"
     shutil.rmtree(target, ignore_errors=True)
-    (target / "colorlog/__pycache__").mkdir(parents=True)
+    (target / "colorlog").mkdir(parents=True)
     shutil.copy(dist_info / "licenses/LICENSE", target / "LICENSE")
     for module in sorted(package.glob("*.py")) + [package / "py.typed"]:
         shutil.copy(module, target / "colorlog" / module.name)
     (pyc,) = package.glob("__pycache__/wrappers.cpython-311.pyc")
-    shutil.copy(pyc, target / "colorlog/__pycache__" / pyc.name)
+    shutil.copy(pyc, target / "colorlog" / "wrappers.pyc")
 
 
 def build_references(out: Path) -> None:

@@ -7,10 +7,15 @@ Every error names the file (or the override) that set the bad key, the key, and 
 expected, because a pipeline that runs for hours must not start on a typo. Once valid, every
 domain and source the config names (mixtures, filters, quality training: `Section.references`)
 is checked against collect's sources, with the same file and key.
+
+A file may extend Kiln's own configs by their `kiln:` name (`extends: kiln:configs/default.yaml`,
+`tasks.bundled`), which an installed Kiln resolves from its package, whatever folder it runs in.
+Without a file, commands load the folder's default (`default_config_path`).
 """
 
 from __future__ import annotations
 
+import os
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -18,6 +23,7 @@ from typing import Any
 import yaml
 from pydantic import Field, ValidationError, create_model
 
+from kiln.tasks.bundled import is_packaged, packaged, packaged_name
 from kiln.tasks.configbase import Section, read_yaml
 from kiln.tasks.errors import ConfigError
 from kiln.tasks.settings import KilnConfig
@@ -42,6 +48,10 @@ def _config_model(sections: tuple[tuple[str, str, type[Section]], ...]) -> type[
 
 
 _CLI = "command line"
+# a folder's own default config, first found wins (`kiln init` writes kiln.yaml; Kiln's checkout has
+# configs/default.yaml); a folder with neither gets Kiln's packaged default
+PROJECT_CONFIGS = ("kiln.yaml", "configs/default.yaml")
+PACKAGED_DEFAULT = "kiln:configs/default.yaml"
 _MAX_SHOWN = 200  # characters of a refused value an error shows: a whole section's repr would bury the message
 
 
@@ -68,14 +78,33 @@ def _construct_replace(loader: _ConfigLoader, node: yaml.Node) -> Replace:
 _ConfigLoader.add_constructor("!replace", _construct_replace)
 
 
+def default_config_path() -> str:
+    """The config a command uses when given none: the folder's own (`PROJECT_CONFIGS`), else Kiln's default."""
+    return next((name for name in PROJECT_CONFIGS if Path(name).is_file()), PACKAGED_DEFAULT)
+
+
+def config_chain(path: str | Path) -> list[tuple[str, Path]]:
+    """The files a config that loads is made of, itself first and then each file it `extends`: (its name
+    as the config says it, `kiln:...` for Kiln's own; where the file is)."""
+    chain = [_config_file(path)]
+    while True:
+        name, file = chain[-1]
+        loaded = read_yaml(file, _ConfigLoader)
+        parent = loaded.get("extends") if isinstance(loaded, dict) else None
+        if parent is None:
+            return chain
+        chain.append(_parent_file(name, file, str(parent)))
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = (),
                 registry: Registry | None = None) -> KilnConfig:
-    """Load `path` (following `extends:`), apply `key.sub=value` overrides, validate against the
-    sections of `registry`'s stages (default: Kiln's)."""
+    """Load `path` (following `extends:`; `kiln:configs/...` is Kiln's own file), apply `key.sub=value`
+    overrides, validate against the sections of `registry`'s stages (default: Kiln's). None: no file,
+    only the sections' defaults."""
     data: dict[str, Any] = {}
     origins: dict[str, str] = {}
     if path is not None:
-        data = _load_file(Path(path), origins, seen=())
+        data = _load_file(*_config_file(path), origins, seen=())
     for override in overrides:
         key, value = _parse_override(override)
         _set_dotted(data, key, value)
@@ -162,20 +191,37 @@ def check_kept_steps(cfg: KilnConfig, origins: dict[str, str] | None = None) -> 
                           + "\n".join(f"  {problem}" for problem in problems))
 
 
-def _load_file(path: Path, origins: dict[str, str], seen: tuple[Path, ...]) -> dict[str, Any]:
+def _config_file(path: str | Path) -> tuple[str, Path]:
+    """(the name errors give, the file) of a config named by the user: a path, or `kiln:...`."""
+    if is_packaged(path):
+        return str(path), packaged(str(path))
+    return str(path), Path(path)
+
+
+def _parent_file(name: str, path: Path, parent: str) -> tuple[str, Path]:
+    """The file that the config `name` at `path` extends: `kiln:...`, or a path relative to `path`'s folder
+    (a `kiln:` file's relative parent is Kiln's file too, and is named so)."""
+    if is_packaged(parent):
+        return parent, packaged(parent)
+    file = path.parent / parent
+    return (packaged_name(file) if is_packaged(name) else None) or os.path.normpath(file), file
+
+
+def _load_file(name: str, path: Path, origins: dict[str, str], seen: tuple[Path, ...]) -> dict[str, Any]:
     if not path.is_file():
-        raise ConfigError(f"config file {path} does not exist (check the path; configs live in configs/)")
+        raise ConfigError(f"config file {name} does not exist (check the path; Kiln's own configs are "
+                          f"kiln:configs/default.yaml and kiln:configs/tiny.yaml; `kiln init DIR` writes a project's)")
     if path.resolve() in seen:
-        raise ConfigError(f"{path}: `extends` forms a cycle through {' -> '.join(map(str, seen))}")
+        raise ConfigError(f"{name}: `extends` forms a cycle through {' -> '.join(map(str, seen))}")
     loaded = read_yaml(path, _ConfigLoader) or {}
     if not isinstance(loaded, dict):
-        raise ConfigError(f"{path}: expected a mapping of sections at the top level, got {type(loaded).__name__}")
+        raise ConfigError(f"{name}: expected a mapping of sections at the top level, got {type(loaded).__name__}")
     base: dict[str, Any] = {}
     parent = loaded.pop("extends", None)
     if parent is not None:
-        base = _load_file(path.parent / str(parent), origins, seen + (path.resolve(),))
+        base = _load_file(*_parent_file(name, path, str(parent)), origins, seen + (path.resolve(),))
     for key in _leaf_keys(loaded):
-        origins[key] = str(path)
+        origins[key] = name
     return _deep_merge(base, loaded)
 
 

@@ -1,7 +1,10 @@
 """Content fingerprints of input files, so that a stage key changes when its input data does.
 
 A fingerprint hashes every file's path (relative to its root), size and content digest. Content,
-not mtimes: a fresh clone of the same data gives the same keys. But reading every byte of a corpus
+not mtimes: a fresh clone of the same data gives the same keys. A root among Kiln's own files is
+named by its `kiln:` name (`tasks.bundled`), so the keys of Kiln's sample do not depend on where
+Kiln is installed (its checkout, a wheel in any venv, an image). Python's bytecode caches
+(`__pycache__`) are no input: Python and pip write them wherever modules are imported or installed. But reading every byte of a corpus
 each time a key is computed (every `kiln run`, `kiln stage`, `kiln status`) cost minutes per
 hundred GB, so each file's sha256 is cached by what `stat` says of it (path, size, modification
 and change times, inode): an unchanged file costs a stat, not a read. Any write to a file changes
@@ -25,10 +28,12 @@ import time
 from collections.abc import Iterable
 from pathlib import Path
 
+from kiln.tasks.bundled import packaged_name
 from kiln.tasks.store import file_sha256
 
 CACHE_ENV = "KILN_CACHE_DIR"
 CACHE_FILE = "fingerprints.sqlite"
+BYTECODE_CACHE = "__pycache__"
 SETTLE_S = 2.0
 
 log = logging.getLogger(__name__)
@@ -109,11 +114,11 @@ def fingerprint_paths(paths: Iterable[Path], cache: DigestCache | None = None) -
     digest = hashlib.sha256()
     for root in paths:
         root = Path(root)
-        digest.update(f"root:{root.as_posix()}\n".encode())
+        digest.update(f"root:{packaged_name(root) or root.as_posix()}\n".encode())
         if root.is_file():
             files = [root]
         elif root.is_dir():
-            files = sorted(p for p in root.rglob("*") if p.is_file())
+            files = sorted(p for p in root.rglob("*") if p.is_file() and BYTECODE_CACHE not in p.relative_to(root).parts)
         else:
             digest.update(b"missing\n")
             continue

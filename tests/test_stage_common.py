@@ -21,7 +21,9 @@ def test_the_cluster_section_decides_where_data_pipelines_run(tmp_path):
     local = executor_settings(context(tmp_path))
     assert local == ExecutorSettings("local") and local.on_job is not None  # jobs are recorded wherever they run
     slurm = executor_settings(context(tmp_path, "cluster.executor=slurm", "cluster.partition=cpu",
-                                      "cluster.time_limit=01:00:00", "cluster.slurm.account=proj"))
-    assert (slurm.kind, slurm.partition, slurm.time_limit, slurm.slurm.account) == ("slurm", "cpu", "01:00:00", "proj")
+                                      "cluster.time_limit=01:00:00", "cluster.slurm.account=proj",
+                                      "cluster.image=kiln:0.1.0-cpu"))
+    assert (slurm.kind, slurm.partition, slurm.time_limit, slurm.slurm.account, slurm.image) == (
+        "slurm", "cpu", "01:00:00", "proj", "kiln:0.1.0-cpu")
     # the Slurm fields mean nothing to the other executors
     assert executor_settings(context(tmp_path, "cluster.executor=ray", "cluster.partition=cpu")) == ExecutorSettings("ray")

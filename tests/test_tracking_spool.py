@@ -77,7 +77,7 @@ def test_a_stage_committed_while_mlflow_is_locked_is_recorded_by_the_next_run(tm
     journals = sorted(p.name for p in spool_dir(cfg.store_root).glob("*.jsonl"))
     assert len(journals) == 3  # the parent's later writes and each stage's run
 
-    # the next run's tracker writes them (MlflowTracker.for_config replays when it is made)
+    # the next run's tracker writes them (MlflowTracker.shared replays when it is made)
     done = MlflowTracker(uri, "kiln", tmp_path / "artifacts", spool_dir(cfg.store_root)).replay()
     assert (done.runs, done.journals, done.left, done.refused) == (2, 3, [], [])
     assert not list(spool_dir(cfg.store_root).glob("*.jsonl"))

@@ -12,7 +12,8 @@ A checkout of a repository is read the way code datasets (The Stack, StarCoder) 
   "generated ... do not edit" marker in the first lines, protobuf outputs, minified bundles, lock
   files) and **binary** files are skipped with their reason, as GitHub's linguist skips them from
   a repository's language statistics: they are someone else's code, or no one's.
-Version-control folders (`.git`, `.hg`, `.svn`) are not inputs at all.
+Version-control folders (`.git`, `.hg`, `.svn`) and Python's bytecode caches (`__pycache__`, which
+Python and pip write wherever a tree's modules are imported or installed) are not inputs at all.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ if TYPE_CHECKING:
     from kiln.tasks.data.sources import Source
 
 VCS_DIRS = frozenset({".git", ".hg", ".svn", ".bzr"})
+NOT_INPUTS = VCS_DIRS | {"__pycache__"}  # folders never read: version control, and Python's bytecode caches
 VENDORED_DIRS = frozenset({
     "vendor", "vendors", "vendored", "_vendor", "third_party", "third-party", "thirdparty", "3rdparty",
     "node_modules", "bower_components", "site-packages", "dist-packages",
@@ -194,7 +196,7 @@ def _licence_id(file: SourceFile) -> str | None:
 
 def read_code_tree(files: list[SourceFile], source: Source, max_bytes: int) -> Iterator[Candidate]:
     """One candidate per file of the tree (files sorted by path, `files` as listed by the source)."""
-    files = [f for f in files if not VCS_DIRS.intersection(PurePosixPath(f.rel).parts)]
+    files = [f for f in files if not NOT_INPUTS.intersection(PurePosixPath(f.rel).parts)]
     excluded = source.exclude if hasattr(source, "exclude") else []
     licences = _LicenceFiles(files)
     for file in files:

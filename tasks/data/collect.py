@@ -32,7 +32,7 @@ from kiln.tasks.data.inspection import RemovalTally, text_bytes, write_removal_r
 from kiln.tasks.data.licences import LicencePolicy, LicenceVerdict, normalise
 from kiln.tasks.data.readers import READERS, Candidate, read_dataset
 from kiln.tasks.data.shards import DOCUMENTS, QUARANTINE, REMOVED, RotatingShards, write_listing
-from kiln.tasks.data.source_files import is_remote, list_files, local_path
+from kiln.tasks.data.source_files import is_remote, list_files, local_path, resolved
 from kiln.tasks.data.sources import NEEDS_SOURCE_LICENCE, Source, remote_identity, source_patterns
 from kiln.tasks.errors import ConfigError, InputError
 
@@ -122,7 +122,8 @@ def _check_config(cfg: CollectConfig) -> LicencePolicy:
 
 
 def read_candidates(source: Source, max_bytes: int, report: SourceReport) -> Iterator[Candidate]:
-    """Every candidate of one source, files in sorted order."""
+    """Every candidate of one source, files in sorted order (Kiln's own where this folder lacks them: `resolved`)."""
+    source = source.model_copy(update={"path": resolved(source.path)})
     if source.format == "hf":
         report.num_files = 1
         yield from read_dataset(source, max_bytes)

@@ -60,7 +60,15 @@ from datatrove.utils.typeshelper import StatHints
 from kiln.tasks.data.dedup import DedupConfig, lsh_bands, quality_score, survivor_rank
 from kiln.tasks.data.dedup_job import WriteDecisions, write_decisions
 from kiln.tasks.data.documents import Document, read_lines, read_records
-from kiln.tasks.data.executors import LOCAL, RANKS_DIR, ExecutorSettings, RankLedger, RecordRank, rank_ledger, run_pipeline
+from kiln.tasks.data.executors import (
+    LOCAL,
+    RANKS_DIR,
+    ExecutorSettings,
+    RankLedger,
+    RecordRank,
+    rank_ledger,
+    run_pipeline,
+)
 from kiln.tasks.errors import ConfigError, InputError
 from kiln.tasks.store import recorded_sha256
 

@@ -21,7 +21,8 @@ measures for this process tree itself.
 - local: `LocalPipelineExecutor`, `jobs` worker processes.
 - slurm: `SlurmPipelineExecutor`, one array job per pipeline (tasks grouped `tasks_per_job` so at
   most `jobs` array tasks start a Python each), on `cluster.partition` (default: the cluster's
-  default partition) with `cluster.time_limit`, running this interpreter's environment. Kiln polls
+  default partition) with `cluster.time_limit`, in `cluster.image` under pyxis, else in this
+  interpreter's environment (which the nodes then reach on a shared filesystem). Kiln polls
   `squeue` (every tenth of the time waited so far) until the array is gone, then reads the
   completion markers; an interrupted wait cancels the job.
 - ray: `RayPipelineExecutor` on the cluster at `RAY_ADDRESS`, or on a local one started once per
@@ -65,11 +66,13 @@ from datatrove.pipeline.base import PipelineStep
 from datatrove.utils.stats import PipelineStats
 
 from kiln.tasks.accounting import DocCounts
-from kiln.tasks.data import datatrove_logs  # noqa: F401  (importing it keeps datatrove's rank logs off the terminal)
-from kiln.tasks.data import shards
+from kiln.tasks.data import (
+    datatrove_logs,  # noqa: F401  (importing it keeps datatrove's rank logs off the terminal)
+    shards,
+)
 from kiln.tasks.data.inspection import RemovalTally
 from kiln.tasks.errors import ConfigError, InfrastructureError
-from kiln.tasks.launch.cluster import SlurmSettings, launch_record
+from kiln.tasks.launch.cluster import SlurmSettings, container_flags, launch_record
 from kiln.tasks.ledger import RankRecords, rank_key
 from kiln.tasks.store import recorded_sha256
 
@@ -104,6 +107,7 @@ class ExecutorSettings:
     partition: str | None = None  # Slurm partition; None: the cluster's default
     time_limit: str = "24:00:00"  # Slurm --time for each array job
     slurm: SlurmSettings = SlurmSettings()  # cluster.slurm: account, QOS, memory, constraint, lines, modules, env
+    image: str | None = None  # cluster.image: Slurm jobs run in it (pyxis); None: in this interpreter's environment
     # told where each pipeline's job ran (`launch_record`: the Slurm job id and nodes), for the stage's record
     on_job: Callable[[dict[str, Any]], None] | None = field(default=None, compare=False)
 
@@ -134,7 +138,8 @@ def build_executor(
         pipeline, time=settings.time_limit, partition=settings.partition or default_partition(),
         tasks_per_job=tasks_per_job, job_name=job_name,
         qos=site.qos,  # None: the partition's default; datatrove's "normal" need not exist
-        sbatch_args=_sbatch_args(site), env_command=_job_environment(site), **common,
+        sbatch_args=_sbatch_args(site), env_command=_job_environment(site, settings.image),
+        srun_args=container_flags(settings.image, site.container_mounts, Path.cwd()) or None, **common,
     )
 
 
@@ -408,13 +413,17 @@ class _RayExecutor(RayPipelineExecutor):
         return super()._run_for_rank(rank, local_rank, node_rank)
 
 
-def _job_environment(site: SlurmSettings) -> str:
-    """Jobs run this interpreter's environment (its venv activated, else its bin folder first on PATH),
-    after `cluster.slurm`'s modules and with its environment."""
+def _job_environment(site: SlurmSettings, image: str | None) -> str:
+    """What a job's script runs before its `srun`: `cluster.slurm.env` exported, and without an image
+    `cluster.slurm`'s modules loaded and this interpreter's environment put first (its venv activated,
+    else its bin folder first on PATH). With an image its steps run in the image (`srun` gets pyxis's
+    options, `container_flags`), whose environment is the job's: no module, no path of this machine's."""
+    exports = [f"export {k}={shlex.quote(v)}" for k, v in site.env.items()]
+    if image:
+        return "\n".join(exports)
     python = (f"source {shlex.quote(str(Path(sys.prefix) / 'bin' / 'activate'))}" if sys.prefix != sys.base_prefix
               else f"export PATH={shlex.quote(str(Path(sys.executable).parent))}:$PATH")
-    return "\n".join([*(f"module load {m}" for m in site.modules),
-                      *(f"export {k}={shlex.quote(v)}" for k, v in site.env.items()), python])
+    return "\n".join([*(f"module load {m}" for m in site.modules), *exports, python])
 
 
 def _sbatch_args(site: SlurmSettings) -> dict[str, str]:

@@ -44,6 +44,7 @@ from typing import Any
 
 from pydantic import Field, field_validator
 
+from kiln.tasks.bundled import locate
 from kiln.tasks.configbase import Section, names_field
 from kiln.tasks.data.collect import read_candidates
 from kiln.tasks.data.compliance import SourceReport
@@ -303,7 +304,7 @@ def resolve_quality_model(cfg: Any, collected: Path, out_dir: Path, subruns: Sub
         update = {"quality_model": str(model), "quality_training": None}
     model_path = update.get("quality_model", cfg.quality_model)
     if model_path is not None and cfg.quality_top_fraction is not None:
-        update["quality_threshold"] = top_fraction_threshold(Path(model_path), collected, cfg.quality_model_domains,
+        update["quality_threshold"] = top_fraction_threshold(locate(model_path), collected, cfg.quality_model_domains,
                                                              cfg.quality_top_fraction)
         update["quality_top_fraction"] = None  # resolved: a second call changes nothing
     if update:

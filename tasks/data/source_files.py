@@ -26,6 +26,7 @@ from fsspec import AbstractFileSystem
 from fsspec.core import url_to_fs
 from fsspec.spec import AbstractBufferedFile
 
+from kiln.tasks.bundled import locate
 from kiln.tasks.errors import InputError
 
 COMPRESSIONS = {".gz": "gzip", ".zst": "zstd"}
@@ -58,14 +59,29 @@ def is_remote(path: str) -> bool:
 
 
 def local_path(path: str) -> Path | None:
-    """The local path a source names (a plain path or a file:// URL, before any glob), else None."""
+    """The local path a source names (a plain path or a file:// URL, before any glob; Kiln's own file
+    where this folder lacks it: `resolved`), else None."""
     if is_remote(path):
         return None
-    plain = path.removeprefix("file://")
-    if globlib.has_magic(plain):
-        parts = Path(plain).parts
-        plain = str(Path(*parts[: next(i for i, part in enumerate(parts) if globlib.has_magic(part))] or ["."]))
-    return Path(plain)
+    return _split_glob(resolved(path).removeprefix("file://"))[0]
+
+
+def resolved(path: str) -> str:
+    """`path`, its local part replaced by Kiln's shipped file of that name where the working directory
+    has none (`tasks.bundled.locate`: the default config's `data/sample/...` sources, read from any
+    project folder) or where it says `kiln:`. URLs as they are; a glob keeps its pattern."""
+    if is_remote(path) or path.startswith("file://"):
+        return path
+    base, pattern = _split_glob(path)
+    located = locate(str(base))
+    return path if located == base else str(located.joinpath(*pattern))
+
+
+def _split_glob(path: str) -> tuple[Path, tuple[str, ...]]:
+    """(the folder before a glob's first wildcard, the pattern's parts after it); a plain path is all folder."""
+    parts = Path(path).parts
+    first = next((i for i, part in enumerate(parts) if globlib.has_magic(part)), len(parts))
+    return Path(*parts[:first] or ["."]), parts[first:]
 
 
 def list_files(path: str, patterns: Iterable[str], storage_options: dict[str, Any] | None = None) -> list[SourceFile]:

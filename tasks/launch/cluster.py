@@ -9,9 +9,10 @@ The launchers (`tasks.launch.launchers`) read how to reach it; the parallelism p
 from __future__ import annotations
 
 import re
+from pathlib import Path
 from typing import Any
 
-from pydantic import field_validator
+from pydantic import field_validator, model_validator
 
 from kiln.tasks.configbase import Section, runtime_field
 
@@ -24,8 +25,11 @@ class SlurmSettings(Section):
     """`cluster.slurm`: what a real site's jobs need beyond the cluster's shape. Runtime only.
 
     Read by the Slurm launcher (training jobs, sweep trials: `infra/slurm/train.sbatch.j2`) and by the
-    data stages' Slurm executor (datatrove's array jobs), except the container, modules and `gres`,
-    which only the launcher's script uses (a datatrove task runs this interpreter on the node).
+    data stages' Slurm executor (datatrove's array jobs), except `gres`, which only training asks for.
+    The image both run in is `cluster.image` (pyxis); `container_mounts` go with it. Without an image a
+    job runs the orchestrator's own environment, found at its path on the node (so on a shared
+    filesystem) after `modules` are loaded; a data job in an image loads none (the image is its
+    environment), a training job loads them before `srun` as the site's script would.
     """
 
     account: str | None = runtime_field(None)  # sbatch --account
@@ -34,12 +38,19 @@ class SlurmSettings(Section):
     constraint: str | None = runtime_field(None)  # --constraint node features, e.g. "h100&ib"
     gres: str | None = runtime_field(None)  # --gres, e.g. gpu:h100:8, instead of --gpus-per-node
     sbatch_lines: tuple[str, ...] = runtime_field(())  # more options, each an #SBATCH line: "--reservation=big"
-    container_image: str | None = runtime_field(None)  # pyxis/enroot: srun --container-image (Kiln installed in it)
-    container_mounts: tuple[str, ...] = runtime_field(())  # pyxis --container-mounts, SRC:DST each
+    container_mounts: tuple[str, ...] = runtime_field(())  # with cluster.image: pyxis --container-mounts, SRC:DST each
     modules: tuple[str, ...] = runtime_field(())  # `module load` each before srun (cuda/12.4, nccl, ...)
     env: dict[str, str] = runtime_field({})  # exported in the job: NCCL_SOCKET_IFNAME, NCCL_IB_HCA, ...
 
-    @field_validator("account", "qos", "constraint", "gres", "container_image")
+    @model_validator(mode="before")
+    @classmethod
+    def _image_moved(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "container_image" in data:
+            raise ValueError(f"cluster.slurm.container_image is now cluster.image (one image for Slurm's training "
+                             f"and data jobs and for Kubernetes): set cluster.image={data['container_image']}")
+        return data
+
+    @field_validator("account", "qos", "constraint", "gres")
     @classmethod
     def _one_word(cls, value: str | None) -> str | None:
         if value is not None and not _WORD.match(value):
@@ -71,6 +82,15 @@ class SlurmSettings(Section):
         return env
 
 
+def container_flags(image: str | None, mounts: tuple[str, ...], workdir: Path | str) -> dict[str, str]:
+    """pyxis's `srun` options that run a job step in `image` (none without an image), starting in `workdir`
+    (the orchestrator's folder, at the same path on the nodes) with `mounts` (cluster.slurm.container_mounts)."""
+    if not image:
+        return {}
+    return {"container-image": image, "container-workdir": str(workdir),
+            **({"container-mounts": ",".join(mounts)} if mounts else {})}
+
+
 class ClusterSpec(Section):
     """The hardware a run gets and how to reach it. Runtime only: it never changes a result's key.
 
@@ -90,7 +110,9 @@ class ClusterSpec(Section):
     mfu: float = runtime_field(0.4, gt=0, le=1)  # model-FLOPs utilisation assumed for the matmuls
     reserved_gb: float = runtime_field(4.0, ge=0)  # CUDA context, NCCL buffers, fragmentation
     time_limit: str = runtime_field("24:00:00")  # Slurm --time
-    image: str | None = runtime_field(None)  # Kubernetes container image
+    # the image Kiln's jobs run in: Kubernetes pods, and Slurm's training and data jobs under pyxis
+    # (srun --container-image); None on Slurm: the orchestrator's environment (README, "Container image")
+    image: str | None = runtime_field(None)
     namespace: str = runtime_field("default")  # Kubernetes namespace
     # None: Slurm jobs pick a port free on their first node (two jobs may share it); torchrun over
     # several nodes and Kubernetes pods use DEFAULT_RDZV_PORT

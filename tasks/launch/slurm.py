@@ -36,6 +36,7 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from kiln.tasks.launch.cluster import container_flags
 from kiln.tasks.launch.launchers import (
     INFRA_DIR,
     LOG_TAIL_CHARS,
@@ -146,19 +147,14 @@ class SlurmLauncher(Launcher):
             partition=c.partition, time_limit=c.time_limit,
             exclude=sorted(self.exclude_hosts() if exclude is None else exclude), log_dir=str(self.out_dir),
             workdir=str(self.workdir), env={**c.slurm.env, **self.env}, rdzv_port=c.rdzv_port,
-            python="python" if c.slurm.container_image else self.python, command=command,
+            python="python" if c.image else self.python, command=command,
             torchrun=self.torchrun, slurm=c.slurm, container=self._container_flags(),
         )
 
     def _container_flags(self) -> str:
-        """pyxis's srun options for `cluster.slurm.container_image` (the image's `python` then runs Kiln)."""
-        s = self.cluster.slurm
-        if not s.container_image:
-            return ""
-        flags = [f"--container-image={s.container_image}", f"--container-workdir={self.workdir}"]
-        if s.container_mounts:
-            flags.append(f"--container-mounts={','.join(s.container_mounts)}")
-        return " " + shlex.join(flags)
+        """pyxis's srun options for `cluster.image` (the image's `python` then runs Kiln)."""
+        flags = container_flags(self.cluster.image, self.cluster.slurm.container_mounts, self.workdir)
+        return " " + shlex.join(f"--{name}={value}" for name, value in flags.items()) if flags else ""
 
     def log_path(self, job_id: str) -> Path:
         """The job's output file (the script's `--output`)."""

@@ -42,4 +42,5 @@ def executor_settings(ctx: StageContext) -> ExecutorSettings:
     cluster = ctx.cfg.cluster
     if cluster.executor != "slurm":  # the Slurm fields mean nothing to the other executors
         return ExecutorSettings(cluster.executor, on_job=ctx.recorder.job_launched)
-    return ExecutorSettings("slurm", cluster.partition, cluster.time_limit, cluster.slurm, ctx.recorder.job_launched)
+    return ExecutorSettings("slurm", cluster.partition, cluster.time_limit, cluster.slurm, cluster.image,
+                            ctx.recorder.job_launched)

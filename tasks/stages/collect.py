@@ -18,7 +18,8 @@ def run(ctx: StageContext) -> dict:
 # version 4: a jsonl record's other fields kept in metadata; a domain per record (domain_field); WARC pages
 # by their HTTP Content-Type; licence names as PyPI writes them
 # version 5: documents, removed and quarantined records as shards (tasks.data.shards)
+# version 6: a code tree's __pycache__ folders are no input (pip writes them into an installed Kiln's sample)
 STAGE = Stage(
-    name="collect", description="read sources, check licences", body=run, config=CollectConfig, version=5,
+    name="collect", description="read sources, check licences", body=run, config=CollectConfig, version=6,
     external_files=lambda cfg: source_paths(cfg.collect), headline=document_headline, reports=("compliance.md", "removals.md"),
 )

@@ -220,6 +220,16 @@ def test_executors_are_built_from_the_cluster_section(tmp_path):
     assert not any(line.startswith("#SBATCH --mem-per-cpu") for line in directives)  # sbatch refuses both
     body = script[script.index("module load gcc/12"):]
     assert body.index("export HF_HOME='/scratch/hf cache'") < body.index(f"source {Path(sys.prefix) / 'bin' / 'activate'}")
+    assert slurm.srun_args is None  # no image: the step runs on the node, in this venv
+
+    # in an image: pyxis runs each step in it, in this folder; nothing of this machine's environment is named
+    in_image = build(ExecutorSettings("slurm", partition="cpu", slurm=site.model_copy(
+        update={"container_mounts": ("/lustre:/lustre",)}), image="/lustre/images/kiln-0.1.0-cpu.sqsh"))
+    assert in_image.srun_args == {"container-image": "/lustre/images/kiln-0.1.0-cpu.sqsh",
+                                  "container-workdir": str(Path.cwd()), "container-mounts": "/lustre:/lustre"}
+    script = in_image.get_launch_file_contents(in_image.get_sbatch_args(max_array=3), "launch_pickled_pipeline x")
+    assert "export HF_HOME='/scratch/hf cache'" in script
+    assert "module load" not in script and "activate" not in script and sys.prefix not in script
 
 
 def test_an_unknown_executor_is_refused():

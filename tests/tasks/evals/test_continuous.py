@@ -143,7 +143,8 @@ def test_each_due_checkpoint_is_scored_once_and_recorded_beside_the_data(evaluat
     assert sorted(p.name for p in target.state_dir.iterdir()) == [  # the temporary model is gone
         STATE_FILE, LIBRARY_LOG, "step_0000010.results.json", "step_0000020.results.json"]
     assert (target.state_dir / LIBRARY_LOG).read_text().count("Generating test split") >= 2  # both steps' lines
-    # Step 20 is the last step: its scores are exactly the evaluate stage's on the final saved model.
+    # Step 20 is the last step: its scores are exactly the evaluate stage's on the final saved model (the same
+    # weights through the same adapter, batches and kernels on one machine: bit-identical by design).
     out = tmp_path / "final_eval"
     out.mkdir()
     final = evaluate_model(target.evaluate, trained["model"], trained["tokenizer"], out)

@@ -41,6 +41,7 @@ def test_export_stage_writes_a_loadable_folder_and_a_card_from_the_manifests(exp
                                           "tokenizer.json", "tokenizer_config.json"]
     hf = transformers.AutoModelForCausalLM.from_pretrained(folder)
     assert hf.dtype == torch.bfloat16  # export.dtype reached the weights and the config
+    # exactly: the export casts the same fp32 weights to bf16 (one correctly rounded cast, the same on any CPU)
     assert torch.equal(hf.model.embed_tokens.weight, model.tok_emb.weight.to(torch.bfloat16))
     assert transformers.AutoTokenizer.from_pretrained(folder).eos_token == "<|endoftext|>"
 

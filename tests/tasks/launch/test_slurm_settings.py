@@ -1,5 +1,5 @@
 """`cluster.slurm`: the settings a real site needs (account, QOS, memory, constraints, GRES, extra #SBATCH
-lines, a pyxis container, modules, environment) rendered into the training script, and that script read by
+lines, modules, environment) and `cluster.image` under pyxis rendered into the training script, and that script read by
 the local cluster's own `sbatch --test-only`, which refuses what its nodes cannot give."""
 
 from __future__ import annotations
@@ -42,17 +42,22 @@ def test_site_settings_render_as_sbatch_lines_modules_and_exports(tmp_path):
     assert "rdzv_port=$(python3 -c" in script and '--rdzv_endpoint="$head_addr:$rdzv_port"' in script
 
 
-def test_gres_replaces_gpus_per_node_and_a_container_runs_srun_under_pyxis(tmp_path):
-    slurm = SlurmSettings(gres="gpu:h100:8", constraint="h100&ib", container_image="nvcr.io#nvidia/pytorch:24.05-py3",
-                          container_mounts=("/lustre:/lustre", "/home/me/kiln:/opt/kiln"))
-    script = render(tmp_path, slurm, gpus_per_node=8)
+def test_gres_replaces_gpus_per_node_and_the_image_runs_srun_under_pyxis(tmp_path):
+    slurm = SlurmSettings(gres="gpu:h100:8", constraint="h100&ib", container_mounts=("/lustre:/lustre",))
+    script = render(tmp_path, slurm, gpus_per_node=8, image="/lustre/images/kiln-0.1.0-cuda.sqsh")
     directives = sbatch_directives(script)
     assert (directives["--gres"], directives["--constraint"]) == ("gpu:h100:8", "h100&ib")
     assert "--gpus-per-node" not in directives
     srun = shlex.split(script[script.index("srun "):].replace("\\\n", " "))
-    assert srun[:6] == ["srun", "--kill-on-bad-exit=1", "--container-image=nvcr.io#nvidia/pytorch:24.05-py3",
-                        f"--container-workdir={tmp_path}", "--container-mounts=/lustre:/lustre,/home/me/kiln:/opt/kiln",
+    assert srun[:6] == ["srun", "--kill-on-bad-exit=1", "--container-image=/lustre/images/kiln-0.1.0-cuda.sqsh",
+                        f"--container-workdir={tmp_path}", "--container-mounts=/lustre:/lustre",
                         "python"]  # the image's python, not this machine's interpreter
+
+
+def test_the_image_is_one_setting_the_old_slurm_field_says_where_it_went():
+    with pytest.raises(ConfigError, match=r"cluster\.slurm\.container_image is now cluster\.image .*"
+                                          r"set cluster\.image=nvcr\.io#nvidia/pytorch:24\.05-py3"):
+        load_config(None, ["cluster.slurm.container_image=nvcr.io#nvidia/pytorch:24.05-py3"])
 
 
 def test_settings_that_would_break_the_script_are_refused_naming_the_key(tmp_path):

@@ -223,6 +223,7 @@ def test_batch_sources_name_the_rows_batch_for_step_returns(mixture) -> None:
 def test_monitor_leaves_a_clean_run_bit_identical(clean, mixture, tmp_path) -> None:
     unwatched = RUN.model_copy(update={"health": HealthConfig(enabled=False)})
     plain = train_model(MODEL, OPTIM, unwatched, mixture, tmp_path)
+    # bit for bit: the monitor only reads the run, and a fresh run on one machine repeats exactly
     assert clean.loss_curve == plain.loss_curve and clean.val_loss_by_domain == plain.val_loss_by_domain
     assert clean.num_rollbacks == 0 and clean.health_events == []
     assert not (tmp_path / EVENTS_FILE).exists()

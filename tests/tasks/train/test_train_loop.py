@@ -85,6 +85,7 @@ def test_learns_the_pattern_and_writes_outputs(full_run, mixture) -> None:
     model, cfg = load_model(result.model_dir)
     assert cfg == MODEL and model.vocab_size == V
     batches = validation_batches(mixture, RUN.seq_len, RUN.eval_batches, RUN.batch_size)
+    # exactly: the loop's own evaluation of these weights, on this machine (fresh runs are bit-identical)
     assert evaluate(model, batches, torch.device("cpu")) == result.val_loss_by_domain
     assert (out / "loss_curve.png").read_bytes()[:4] == b"\x89PNG"
     assert result.num_rollbacks == 0 and result.health_events == []
@@ -93,6 +94,7 @@ def test_learns_the_pattern_and_writes_outputs(full_run, mixture) -> None:
 def test_deterministic(full_run, mixture, tmp_path) -> None:
     _, first, _ = full_run
     rerun = train_model(MODEL, OPTIM, RUN, mixture, tmp_path)
+    # exact float equality by design: a fresh run of one config on one machine repeats every step bit for bit
     assert rerun.loss_curve == first.loss_curve
     assert rerun.val_loss_by_domain == first.val_loss_by_domain
 

@@ -59,7 +59,8 @@ def test_forward_shape_and_causality() -> None:
     assert logits.shape == (2, 10, V)
     changed = idx.clone()
     changed[:, 7] = (changed[:, 7] + 1) % V
-    # positions before the change cannot see it
+    # positions before the change cannot see it, not even in a last bit: the same shapes take the same kernels,
+    # and a later position's scores are masked to exact zeros (exact on any CPU)
     torch.testing.assert_close(model(changed)[:, :7], logits[:, :7], rtol=0, atol=0)
     assert not torch.equal(model(changed)[:, 7:], logits[:, 7:])
     with pytest.raises(ValueError, match="max_seq_len=16"):
@@ -120,6 +121,7 @@ def test_initialisation_is_a_function_of_seed_and_parameter_name() -> None:
     else is built, and each parameter has its own stream."""
     cfg = ModelConfig(d_model=64, n_layers=2, n_heads=4, tie_embeddings=False)
     a, b = build_model(cfg, V, seed=3), build_model(cfg.model_copy(update={"n_layers": 3}), V, seed=3)
+    # bit for bit by design: one generator per (seed, name) drawing the same shape
     assert torch.equal(a.blocks[1].attn.wq.weight, b.blocks[1].attn.wq.weight)  # a deeper model, same blocks
     assert not torch.equal(a.blocks[0].attn.wq.weight, a.blocks[1].attn.wq.weight)
     assert not torch.equal(a.blocks[0].attn.wq.weight, build_model(cfg, V, seed=4).blocks[0].attn.wq.weight)
@@ -140,7 +142,7 @@ def test_save_load_round_trip(tmp_path) -> None:
     assert loaded_cfg == cfg and loaded.cfg == cfg and loaded.vocab_size == V
     assert not loaded.training
     idx = torch.randint(0, V, (2, 12))
-    with torch.no_grad():
+    with torch.no_grad():  # the saved bytes, the same input and kernels in one process: bit-identical
         assert torch.equal(loaded(idx), model(idx))
 
 
