@@ -44,7 +44,8 @@ from torch.distributed.tensor import DTensor
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from kiln.tasks.train.config import ModelConfig, OptimConfig, ParallelDims, TrainRunConfig
-from kiln.tasks.train.distributed import Layout, make_optimizer, objective
+from kiln.tasks.train.distributed import Layout, make_optimizer
+from kiln.tasks.train.loss import objective
 from kiln.tasks.train.model import materialize
 from kiln.tasks.train.parallel import TransformerStage, build_mesh
 from kiln.tasks.train.plan_memory import rank_memory, rank_parameters, stage_layers

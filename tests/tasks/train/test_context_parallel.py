@@ -30,8 +30,8 @@ import torch.nn.functional as F
 
 from kiln.tasks.train.config import ModelConfig, OptimConfig, ParallelDims
 from kiln.tasks.train.distributed import clip_grad_norm, make_optimizer
-from kiln.tasks.train.model import Transformer, build_model, causal_attention
-from kiln.tasks.train.parallel import check_context_split, context_chunk, offset_causal_attention
+from kiln.tasks.train.model import AttentionPattern, Transformer, build_model, causal_attention
+from kiln.tasks.train.parallel import check_context_split, context_chunk
 
 REPO = Path(__file__).resolve().parents[3]
 TORCHRUN = Path(sys.executable).parent / "torchrun"
@@ -208,8 +208,12 @@ def test_offset_causal_attention_is_causal_attention_on_a_suffix() -> None:
     q, k, v = (torch.randn(2, 2, 8, 4, generator=gen) for _ in range(3))
     full = causal_attention(q, k, v)
     # the last 3 queries (positions 5..7) over all 8 keys; start=0 with equal lengths is plain causal
-    assert torch.equal(offset_causal_attention(q[:, :, 5:], k, v, start=5), full[:, :, 5:])
-    assert torch.equal(offset_causal_attention(q, k, v, start=0), full)
+    torch.testing.assert_close(causal_attention(q[:, :, 5:], k, v, q_start=5), full[:, :, 5:], rtol=0, atol=1e-6)
+    assert torch.equal(causal_attention(q, k, v, q_start=0), full)
+    # a sliding window of 3 under an offset: the same rows as the whole sequence's windowed attention
+    window = AttentionPattern(window=3)
+    torch.testing.assert_close(causal_attention(q[:, :, 5:], k, v, window, q_start=5),
+                               causal_attention(q, k, v, window)[:, :, 5:], rtol=0, atol=1e-6)
 
 
 def test_start_pos_continues_a_sequence_given_its_prefix_keys() -> None:
@@ -221,17 +225,17 @@ def test_start_pos_continues_a_sequence_given_its_prefix_keys() -> None:
     s = 6
     prefix: list[tuple[torch.Tensor, torch.Tensor]] = []
 
-    def recording(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def recording(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pattern: AttentionPattern) -> torch.Tensor:
         prefix.append((k[:, :, :s], v[:, :, :s]))
-        return causal_attention(q, k, v)
+        return causal_attention(q, k, v, pattern)
 
     for block in model.blocks:
         block.attn.attention = recording
     with torch.no_grad():
         full = model(x)
     for block, (k_prefix, v_prefix) in zip(model.blocks, prefix):
-        block.attn.attention = lambda q, k, v, kp=k_prefix, vp=v_prefix: offset_causal_attention(
-            q, torch.cat((kp, k), dim=2), torch.cat((vp, v), dim=2), start=s
+        block.attn.attention = lambda q, k, v, pattern, kp=k_prefix, vp=v_prefix: causal_attention(
+            q, torch.cat((kp, k), dim=2), torch.cat((vp, v), dim=2), pattern, q_start=s
         )
     with torch.no_grad():
         suffix = model(x[:, s:], start_pos=s)
