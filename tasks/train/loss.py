@@ -48,10 +48,11 @@ class _LinearCrossEntropy(torch.autograd.Function):
             r = index[: h.shape[0]]
             logits = h @ weight.T
             log_probs = torch.log_softmax(logits, dim=-1, dtype=torch.float32)
-            ce -= log_probs[r, t].sum()
             if z_loss > 0:
                 lse = logits[:, 0].float() - log_probs[:, 0]
                 z += lse.square().sum()
+            del logits  # before the next allocations: a chunk's logits and log-softmax are its peak
+            ce -= log_probs[r, t].sum()
             probs = log_probs.exp_()
             if z_loss > 0:
                 probs.mul_((1 + 2 * z_loss * lse)[:, None])
@@ -63,6 +64,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             else:
                 torch.mm(probs.to(weight.dtype), weight, out=grad_hidden[start:start + rows])
                 grad_weight.addmm_(probs.T, h.float())
+            del log_probs, probs  # the next chunk's logits take their place, not their side
         ctx.grads = (grad_hidden, grad_weight.to(weight.dtype))
         ce /= n
         total = ce + z_loss * z / n if z_loss > 0 else ce.clone()

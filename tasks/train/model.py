@@ -125,7 +125,9 @@ def attention_mask(pattern: AttentionPattern, q_start: int, t_q: int, t_k: int, 
                    dtype: torch.dtype, heads: slice | None = None) -> torch.Tensor:
     """What `scaled_dot_product_attention` takes as `attn_mask` for queries at positions
     [q_start, q_start + t_q) over keys at [0, t_k): a boolean [t_q, t_k] (True: attended), or
-    with ALiBi the additive [h, t_q, t_k] bias in `dtype` for heads `heads` (default all)."""
+    with ALiBi the additive [1, h, t_q, t_k] bias in `dtype` for heads `heads` (default all; 4-D,
+    which the fused CPU kernel takes: a 3-D bias sends SDPA to its math path, which keeps the
+    [B, h, T, T] attention weights)."""
     distance = torch.arange(q_start, q_start + t_q, device=device)[:, None] - torch.arange(t_k, device=device)
     allowed = distance >= 0
     if pattern.window is not None:
@@ -133,7 +135,7 @@ def attention_mask(pattern: AttentionPattern, q_start: int, t_q: int, t_k: int, 
     if pattern.slopes is None:
         return allowed
     slopes = torch.tensor(pattern.slopes[heads or slice(None)], dtype=dtype, device=device)
-    return (-slopes[:, None, None] * distance).masked_fill(~allowed, float("-inf"))
+    return (-slopes[:, None, None] * distance).masked_fill(~allowed, float("-inf"))[None]
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pattern: AttentionPattern = FULL_CAUSAL,

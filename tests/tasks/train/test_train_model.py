@@ -238,8 +238,8 @@ def test_attention_mask_known_values() -> None:
     # ALiBi: -slope x distance, -inf above the diagonal; queries offset by 2 (a later chunk)
     bias = attention_mask(AttentionPattern(slopes=(0.5, 0.25)), 2, 2, 4, torch.device("cpu"), torch.float32)
     inf = float("-inf")
-    assert bias.tolist() == [[[-1.0, -0.5, 0.0, inf], [-1.5, -1.0, -0.5, 0.0]],
-                             [[-0.5, -0.25, 0.0, inf], [-0.75, -0.5, -0.25, 0.0]]]
+    assert bias.tolist() == [[[[-1.0, -0.5, 0.0, inf], [-1.5, -1.0, -0.5, 0.0]],
+                              [[-0.5, -0.25, 0.0, inf], [-0.75, -0.5, -0.25, 0.0]]]]
     assert alibi_slopes(8) == tuple(2.0**-i for i in range(1, 9))
     # not a power of two: 8 heads' slopes, odd-numbered first (Press et al.; MPT; BLOOM)
     assert alibi_slopes(6) == (2.0**-2, 2.0**-4, 2.0**-6, 2.0**-8, 2.0**-1, 2.0**-3)
