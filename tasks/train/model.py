@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kiln.tasks.train.config import ModelConfig, RopeScaling, revalidated
-from kiln.tasks.train.loss import linear_cross_entropy
+from kiln.tasks.train.loss import linear_cross_entropy, objective
 
 Device = torch.device | str | None
 INIT_STD = 0.02
@@ -311,12 +311,21 @@ class Transformer(nn.Module):
         final = self.norm(x) if self.norm is not None else x
         if targets is None:
             return self.lm_head(final)
-        ce, total = linear_cross_entropy(final, self.lm_head.weight, targets, z_loss)
+        ce, total = self._loss(final, targets, z_loss)
         if self.mtp_blocks:
-            extra = [linear_cross_entropy(self._mtp_hidden(k, x, cos, sin)[:, :t - k - 1], self.lm_head.weight,
-                                          targets[:, k + 1:])[1] for k in range(len(self.mtp_blocks))]
+            extra = [self._loss(self._mtp_hidden(k, x, cos, sin)[:, :t - k - 1], targets[:, k + 1:], 0.0)[1]
+                     for k in range(len(self.mtp_blocks))]
             total = total + mtp_weight * torch.stack(extra).mean()
         return ce, total
+
+    def _loss(self, hidden: torch.Tensor, targets: torch.Tensor, z_loss: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cross-entropy, what to differentiate) of the output projection of `hidden`. Eager, the
+        fused loss (`linear_cross_entropy`); under torch.compile the logits and `objective`, which
+        inductor fuses itself (measured on CPU: compiled, 0.91x the time of compiling the fused
+        loss's chunk loop; eager, the fused loss is the faster)."""
+        if torch.compiler.is_compiling():
+            return objective(self.lm_head(hidden), targets, z_loss)
+        return linear_cross_entropy(hidden, self.lm_head.weight, targets, z_loss)
 
     def _mtp_hidden(self, k: int, x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None) -> torch.Tensor:
         h = self.mtp_blocks[k](x, cos, sin)
