@@ -58,7 +58,6 @@ from functools import partial
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed._composable import checkpoint
 from torch.distributed._composable.replicate import replicate
