@@ -2,7 +2,10 @@
 
 A section's *identity* (what goes into a stage key) is every field except those marked
 `runtime_field`: settings like worker counts or log levels change how a stage runs,
-never what it produces, so they must never change an output's address.
+never what it produces, so they must never change an output's address. A field added to a
+section after keys were published (`added_field`) enters the identity only when it is set to
+something other than its default, which is what every output made before it existed used: their
+keys, and the checkpoints that record them, stay valid.
 
 The names a section uses (`names_used`) of things another section defines are the domains of
 collect's sources and the sources themselves (`names_field`, or a section's own `names_used` for
@@ -23,6 +26,7 @@ from pydantic.fields import FieldInfo
 from kiln.tasks.errors import ConfigError
 
 _RUNTIME = "kiln_runtime"
+_ADDED = "kiln_added"
 _NAMES = "kiln_names"
 NameKind = Literal["domain", "source"]
 
@@ -61,9 +65,10 @@ class Section(BaseModel):
         """The fields that define this section's outputs (runtime fields dropped), recursively."""
         out: dict[str, Any] = {}
         for name, field in type(self).model_fields.items():
-            if is_runtime(field):
+            value = getattr(self, name)
+            if is_runtime(field) or (_marked(field, _ADDED) and value == field.get_default(call_default_factory=True)):
                 continue
-            out[name] = _identity_of(getattr(self, name))
+            out[name] = _identity_of(value)
         return out
 
 
@@ -84,6 +89,12 @@ def runtime_field(default: Any = ..., **kwargs: Any) -> Any:
     return Field(default, json_schema_extra={_RUNTIME: True}, **kwargs)
 
 
+def added_field(default: Any, **kwargs: Any) -> Any:
+    """A field added after keys were published: in the identity only when it differs from `default`
+    (the value every earlier output was made with), so those outputs keep their keys."""
+    return Field(default, json_schema_extra={_ADDED: True}, **kwargs)
+
+
 def names_field(kind: NameKind, default: Any = ..., **kwargs: Any) -> Any:
     """A field naming collect's domains (or sources): a name, or a list of them; checked when the config loads."""
     return Field(default, json_schema_extra={_NAMES: kind}, **kwargs)
@@ -91,8 +102,12 @@ def names_field(kind: NameKind, default: Any = ..., **kwargs: Any) -> Any:
 
 def is_runtime(field: FieldInfo) -> bool:
     """Whether a section's field (`type(section).model_fields[name]`) is a `runtime_field`."""
+    return _marked(field, _RUNTIME)
+
+
+def _marked(field: FieldInfo, marker: str) -> bool:
     extra = field.json_schema_extra
-    return isinstance(extra, dict) and bool(extra.get(_RUNTIME))
+    return isinstance(extra, dict) and bool(extra.get(marker))
 
 
 def read_yaml(path: Path, loader: type[yaml.SafeLoader] = yaml.SafeLoader) -> Any:

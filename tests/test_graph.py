@@ -54,12 +54,25 @@ def test_runtime_settings_move_no_key(base_keys, override):
     ("anneal.steps=10", "anneal"),
     ("anneal.from_step=1000", "anneal"),
     ("anneal_ablation.steps=5", "anneal-ablation"),
+    ("sweep.model.norm=layernorm", "sweep"),  # a model option moves the stages that train with it
+    ("validate.model.position=alibi", "fit"),  # the fit plans the validation run at that model
+    ("train.optim.mtp_weight=0.1", "train"),
     ("evaluate.limit=5", "anneal-ablation"),  # the ablation scores its branches with the evaluate suite
 ])
 def test_identity_settings_move_their_stage_and_downstream(base_keys, override, first):
     moved = changed(base_keys, override)
     assert moved[0] == first
     assert set(moved) <= set(downstream_of(first))
+
+
+@pytest.mark.parametrize("override", [
+    "sweep.model.position=rope", "sweep.model.norm_placement=pre", "validate.model.mlp=swiglu",
+    "sweep.model.mtp_heads=0", "train.optim.mtp_weight=0.3", "sweep.model.sliding_window=null",
+])
+def test_model_options_at_their_defaults_move_no_key(base_keys, override):
+    """Options added after keys were published enter the identity only when set otherwise: the
+    bundled run's keys (and its checkpoints) are the ones it had before they existed."""
+    assert changed(base_keys, override) == []
 
 
 def test_eval_suite_moves_decontamination(base_keys, tmp_path):

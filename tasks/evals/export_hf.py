@@ -1,13 +1,14 @@
 """Hand-off: a Kiln model and its tokenizer as a Hugging Face folder that `transformers`
 (`AutoModelForCausalLM`, `AutoTokenizer`) and `lm_eval --model hf` load offline.
 
-Kiln's blocks are Llama's (pre-RMSNorm, rotary embeddings, bias-free grouped-query attention and
-SwiGLU, optionally tied embeddings), so the folder is a `LlamaForCausalLM` (`num_key_value_heads`
-is `model.n_kv_heads`, and `k_proj`/`v_proj` are Kiln's K/V projections as they are): `config.json`,
-`model.safetensors`, the BPE `tokenizer.json` Kiln trained with a `tokenizer_config.json`,
-`generation_config.json` and a model card `README.md`. A model trained with QK-norm is written as
-a `Qwen3ForCausalLM`: Llama plus an RMSNorm over each head's queries and keys before RoPE, which
-is where Kiln applies it.
+By default Kiln's blocks are Llama's (pre-RMSNorm, rotary embeddings, bias-free grouped-query
+attention and SwiGLU, optionally tied embeddings), so the folder is a `LlamaForCausalLM`
+(`num_key_value_heads` is `model.n_kv_heads`, and `k_proj`/`v_proj` are Kiln's K/V projections as
+they are): `config.json`, `model.safetensors`, the BPE `tokenizer.json` Kiln trained with a
+`tokenizer_config.json`, `generation_config.json` and a model card `README.md`. A model trained
+with other options is written as the architecture that computes them exactly (Qwen 3 for
+QK-norm, OLMo 2 for the reordered norm, MPT for ALiBi, ...: `tasks.evals.hf_architectures`), or
+refused with the option that has none.
 
 No q/k permutation is needed: Kiln's RoPE rotates (first half, second half) pairs of each head,
 as HF's `rotate_half` does, with the same frequencies theta^(-2i/d). Only checkpoints that rotate
@@ -22,7 +23,6 @@ folder's bos, eos and pad token, as in GPT-2.
 from __future__ import annotations
 
 import json
-import re
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -33,6 +33,7 @@ from tokenizers import Tokenizer
 
 from kiln.tasks.constants import EOS_TOKEN
 from kiln.tasks.errors import InputError
+from kiln.tasks.evals.hf_architectures import hf_architecture, hf_weights
 from kiln.tasks.evals.model_card import evaluations_of, read_compliance, render_model_card
 from kiln.tasks.lineage import lineage_manifests
 from kiln.tasks.store import Store
@@ -46,65 +47,27 @@ CARD_FILE = "README.md"
 HF_FILES = ("config.json", WEIGHTS_FILE, "tokenizer.json", "tokenizer_config.json", "generation_config.json", CARD_FILE)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
-# Kiln's parameter names (inside `blocks.N.`) -> HF Llama's (inside `model.layers.N.`)
-_BLOCK_NAMES = {
-    "attn_norm.weight": "input_layernorm.weight",
-    "attn.wq.weight": "self_attn.q_proj.weight",
-    "attn.wk.weight": "self_attn.k_proj.weight",
-    "attn.wv.weight": "self_attn.v_proj.weight",
-    "attn.proj.weight": "self_attn.o_proj.weight",
-    "attn.q_norm.weight": "self_attn.q_norm.weight",
-    "attn.k_norm.weight": "self_attn.k_norm.weight",
-    "mlp_norm.weight": "post_attention_layernorm.weight",
-    "mlp.gate.weight": "mlp.gate_proj.weight",
-    "mlp.up.weight": "mlp.up_proj.weight",
-    "mlp.down.weight": "mlp.down_proj.weight",
-}
-_TOP_NAMES = {"tok_emb.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
-              "lm_head.weight": "lm_head.weight"}
-_BLOCK = re.compile(r"blocks\.(\d+)\.(.+)")
-
-
 def architecture(cfg: ModelConfig) -> str:
-    return "Qwen3ForCausalLM" if cfg.qk_norm else "LlamaForCausalLM"
+    """The Hugging Face class the export writes (`ExportRefused` when there is none)."""
+    return hf_architecture(cfg).name
 
 
 def hf_state_dict(model: Transformer, dtype: str = "float32") -> dict[str, torch.Tensor]:
-    """The model's weights under HF Llama's names (a tied `lm_head` is left out: HF re-ties it)."""
-    out = {}
-    for name, tensor in model.state_dict().items():
-        if name == "lm_head.weight" and model.cfg.tie_embeddings:
-            continue
-        block = _BLOCK.fullmatch(name)
-        hf_name = f"model.layers.{block[1]}.{_BLOCK_NAMES[block[2]]}" if block else _TOP_NAMES[name]
-        # safetensors wants contiguous, unshared storage for each tensor
-        out[hf_name] = tensor.detach().to("cpu", _DTYPES[dtype]).contiguous().clone()
-    return out
+    """The model's weights under its architecture's names (a tied `lm_head` is left out: HF re-ties it)."""
+    weights = hf_weights(hf_architecture(model.cfg), model.cfg, model.state_dict())
+    # safetensors wants contiguous, unshared storage for each tensor
+    return {name: tensor.detach().to("cpu", _DTYPES[dtype]).contiguous().clone() for name, tensor in weights.items()}
 
 
 def hf_config(cfg: ModelConfig, vocab_size: int, eos_id: int, dtype: str = "float32") -> dict:
-    """`config.json`. RoPE's theta is written both ways transformers has read it (v4: `rope_theta`,
-    v5: `rope_parameters`), so either major version loads the folder."""
-    config = {
-        "architectures": [architecture(cfg)],
-        "model_type": "qwen3" if cfg.qk_norm else "llama",
+    """`config.json`: what every architecture reads, then the architecture's own keys."""
+    arch = hf_architecture(cfg)
+    return {
+        "architectures": [arch.name],
+        "model_type": arch.model_type,
         "vocab_size": vocab_size,
         "hidden_size": cfg.d_model,
-        "intermediate_size": cfg.ffn_hidden,
-        "num_hidden_layers": cfg.n_layers,
-        "num_attention_heads": cfg.n_heads,
-        "num_key_value_heads": cfg.kv_heads,  # grouped-query attention: K/V heads shared by n_heads // kv_heads queries
-        "head_dim": cfg.head_dim,
-        "hidden_act": "silu",
-        "max_position_embeddings": cfg.max_seq_len,
-        "rms_norm_eps": cfg.norm_eps,
-        "rope_theta": cfg.rope_theta,
-        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
-        "rope_scaling": None,
         "tie_word_embeddings": cfg.tie_embeddings,
-        "attention_bias": False,
-        "attention_dropout": 0.0,
-        "mlp_bias": False,
         "initializer_range": 0.02,
         "bos_token_id": eos_id,
         "eos_token_id": eos_id,
@@ -112,11 +75,8 @@ def hf_config(cfg: ModelConfig, vocab_size: int, eos_id: int, dtype: str = "floa
         "use_cache": True,
         "torch_dtype": dtype,
         "dtype": dtype,
+        **arch.config(cfg),
     }
-    if cfg.qk_norm:
-        config |= {"use_sliding_window": False, "sliding_window": None, "max_window_layers": cfg.n_layers,
-                   "layer_types": ["full_attention"] * cfg.n_layers}
-    return config
 
 
 def tokenizer_config(max_seq_len: int) -> dict:
@@ -148,6 +108,7 @@ def export_hf(model: Transformer, tokenizer_path: Path, out_dir: Path, *, card: 
     from safetensors.torch import save_file  # imported when used: the config tree imports this module
 
     cfg, vocab_size = model.cfg, model.vocab_size
+    hf_architecture(cfg)  # refused before anything is written
     tokenizer, eos_id = eos_id_of(tokenizer_path)
     if tokenizer.get_vocab_size() != vocab_size:
         raise InputError(f"{tokenizer_path} has {tokenizer.get_vocab_size()} tokens but the model's embedding has "
@@ -164,7 +125,7 @@ def export_hf(model: Transformer, tokenizer_path: Path, out_dir: Path, *, card: 
     _write_json(out_dir / "generation_config.json",
                 {"bos_token_id": eos_id, "eos_token_id": eos_id, "pad_token_id": eos_id, "do_sample": False})
     summary = {"architecture": architecture(cfg), "dtype": dtype, "vocab_size": vocab_size,
-               "num_params": sum(p.numel() for p in model.parameters())}
+               "num_params": sum(p.numel() for name, p in model.named_parameters() if not name.startswith("mtp_"))}
     (out_dir / CARD_FILE).write_text(card(summary), encoding="utf-8")
     return {**summary, "num_bytes": sum((out_dir / name).stat().st_size for name in HF_FILES)}
 

@@ -1,7 +1,13 @@
-"""Config sections for training: the model's shape, the optimizer and schedule, and one run's budget.
+"""Config sections for training: the model's shape and architecture options, the optimizer and
+objective, the schedule, and one run's budget.
 
 `vocab_size` is deliberately absent from `ModelConfig`: it belongs to the tokenizer, so it is
 read from the mixture manifest and passed to `build_model` alongside the config.
+
+Every architecture and objective option is a plain field, so a sweep, a research variant or a
+config override sets it like any other. Options added after keys were published are
+`added_field`s: at their defaults (today's Llama-style model) they stay out of the identity, so
+existing keys and checkpoints remain valid.
 """
 
 from __future__ import annotations
@@ -11,10 +17,15 @@ from typing import Literal, TypeVar
 
 from pydantic import Field, model_validator
 
-from kiln.tasks.configbase import Section, runtime_field
+from kiln.tasks.configbase import Section, added_field, runtime_field
 
-FFN_MULTIPLE = 32  # SwiGLU hidden width is rounded up to this, for matmul-friendly shapes
+FFN_MULTIPLE = 32  # the MLP's hidden width is rounded up to this, for matmul-friendly shapes
 
+Position = Literal["rope", "alibi", "nope", "learned"]
+Norm = Literal["rmsnorm", "layernorm"]
+NormPlacement = Literal["pre", "post", "reordered"]
+Mlp = Literal["swiglu", "gelu"]
+QKNormScope = Literal["head", "projection"]
 Checkpointing = Literal["none", "selective", "full"]
 Precision = Literal["bf16-mixed", "fp32"]
 PipelineSchedule = Literal["gpipe", "1f1b", "interleaved-1f1b"]
@@ -27,12 +38,59 @@ def revalidated(section: S) -> S:
     return type(section).model_validate(section.model_dump())
 
 
-class ModelConfig(Section):
-    """A decoder-only transformer's shape (Llama-style: RMSNorm, RoPE, SwiGLU, grouped-query attention).
+class RopeScaling(Section):
+    """Rotary frequencies stretched to run past the context they were trained at (context extension).
 
-    A planned shape (d_model, n_layers, n_heads, n_kv_heads, SwiGLU width d_ff, and the vocabulary,
+    - `linear` (position interpolation, Chen et al. 2023): every position is divided by `factor`.
+    - `ntk` (NTK-aware, bloc97 2023): the base becomes theta * factor^(d / (d - 2)) (d: head size),
+      so the slowest frequency is interpolated by `factor` and the fastest barely moves.
+    - `yarn` (Peng et al. 2023): frequencies that turn fewer than `beta_slow` times over
+      `original_max_seq_len` are interpolated, those turning more than `beta_fast` times are kept,
+      with a linear ramp between; cos and sin are scaled by 0.1 ln(factor) + 1. Computed as
+      transformers computes `rope_type: yarn`, so an exported model matches it.
+    """
+
+    kind: Literal["linear", "ntk", "yarn"]
+    factor: float = Field(gt=1, description="how many times the original context the positions stretch to")
+    original_max_seq_len: int = Field(gt=0, description="the context the model was trained at before extension")
+    beta_fast: float = Field(32.0, gt=0, description="yarn: rotations over the original context above which a "
+                                                      "frequency is kept")
+    beta_slow: float = Field(1.0, gt=0, description="yarn: rotations below which a frequency is interpolated")
+
+    @model_validator(mode="after")
+    def _check_betas(self) -> RopeScaling:
+        if self.beta_slow >= self.beta_fast:
+            raise ValueError(f"model.rope_scaling.beta_slow={self.beta_slow} must be below beta_fast={self.beta_fast}")
+        return self
+
+
+class ModelConfig(Section):
+    """A decoder-only transformer's shape and architecture. The defaults are Llama's: pre-RMSNorm,
+    RoPE, SwiGLU, full causal attention, grouped-query heads when `n_kv_heads` is set.
+
+    A planned shape (d_model, n_layers, n_heads, n_kv_heads, MLP width d_ff, and the vocabulary,
     which is the tokenizer's) is `ModelConfig(d_model=..., n_layers=..., n_heads=..., n_kv_heads=...,
     ffn_multiplier=d_ff / d_model)`: `ffn_hidden` gives d_ff back whenever it is a multiple of 32.
+
+    The architecture options (see `tasks.train.model` for what each computes):
+    - `position`: `rope` (rotary, `rope_theta`, optionally `rope_scaling`), `alibi` (linear
+      attention biases, Press et al. 2022), `nope` (none: causal attention alone orders tokens) or
+      `learned` (an absolute position embedding, GPT-2).
+    - `norm`: `rmsnorm` or `layernorm` (without bias); `norm_placement`: `pre` (before each
+      sublayer, with a final norm), `post` (after each residual add, as the original Transformer,
+      no final norm) or `reordered` (OLMo 2: on each sublayer's output before the residual add,
+      with a final norm). `qk_norm` normalises queries and keys before RoPE, per head
+      (`qk_norm_scope: head`, Qwen 3) or over the whole projection (`projection`, OLMo 2).
+    - Attention: full causal, or `sliding_window` tokens (a query sees itself and the window - 1
+      before it); with `global_every: k`, every k-th layer (the k-th, 2k-th, ...) attends to the
+      whole context and the others to the window (Gemma 2 at k = 2, Gemma 3 at k = 6).
+    - `mlp`: `swiglu` (three matrices) or `gelu` (two: at the same parameters, d_ff = 1.5x
+      SwiGLU's, so `ffn_multiplier: 4` matches SwiGLU's 8/3).
+    - `mtp_heads`: multi-token prediction (Gloeckle et al. 2024): this many extra heads, each a
+      transformer block over the trunk's last hidden state and its own norm, predict tokens
+      t + 2, t + 3, ... through the shared output projection. The next-token path (trunk and head)
+      is computed exactly as without them; the extra heads only add training loss terms
+      (`optim.mtp_weight`) and are left out of inference and export.
     """
 
     d_model: int = Field(128, gt=0)
@@ -47,6 +105,31 @@ class ModelConfig(Section):
     tie_embeddings: bool = True
     qk_norm: bool = False
     norm_eps: float = Field(1e-5, gt=0)
+    position: Position = added_field("rope")
+    rope_scaling: RopeScaling | None = added_field(None)
+    norm: Norm = added_field("rmsnorm")
+    norm_placement: NormPlacement = added_field("pre")
+    qk_norm_scope: QKNormScope = added_field("head")
+    sliding_window: int | None = added_field(None, gt=0)
+    global_every: int | None = added_field(None, gt=1)
+    mlp: Mlp = added_field("swiglu")
+    mtp_heads: int = added_field(0, ge=0)
+
+    @model_validator(mode="after")
+    def _check_options(self) -> ModelConfig:
+        if self.rope_scaling is not None and self.position != "rope":
+            raise ValueError(f"model.rope_scaling scales rotary positions, but model.position={self.position!r}: "
+                             "remove rope_scaling or use position: rope")
+        if self.qk_norm_scope != "head" and not self.qk_norm:
+            raise ValueError(f"model.qk_norm_scope={self.qk_norm_scope!r} without model.qk_norm: set qk_norm: true "
+                             "or leave qk_norm_scope out")
+        if self.global_every is not None and self.sliding_window is None:
+            raise ValueError(f"model.global_every={self.global_every} makes every {self.global_every}th layer global "
+                             "among local ones, but model.sliding_window is not set: give the local layers' window")
+        if self.global_every is not None and self.global_every > self.n_layers:
+            raise ValueError(f"model.global_every={self.global_every} exceeds model.n_layers={self.n_layers}: no layer "
+                             "would be global; lower it or drop global_every for all-local layers")
+        return self
 
     @model_validator(mode="after")
     def _check_heads(self) -> ModelConfig:
@@ -60,7 +143,7 @@ class ModelConfig(Section):
                 f"model.n_kv_heads={self.n_kv_heads} does not divide model.n_heads={self.n_heads}: each K/V "
                 "head serves an equal group of query heads; choose a divisor of n_heads"
             )
-        if self.head_dim % 2:
+        if self.head_dim % 2 and self.position == "rope":
             raise ValueError(
                 f"model.d_model // model.n_heads = {self.head_dim} is odd: RoPE rotates dimension "
                 "pairs, so pick d_model and n_heads giving an even head size"
@@ -88,9 +171,19 @@ class ModelConfig(Section):
         """Width of the K and V projections."""
         return self.kv_heads * self.head_dim
 
+    def is_global(self, layer: int) -> bool:
+        """Whether block `layer` (0-based) attends to the whole context rather than a sliding window."""
+        if self.sliding_window is None:
+            return True
+        return self.global_every is not None and (layer + 1) % self.global_every == 0
+
+    def window(self, layer: int) -> int | None:
+        """The sliding window of block `layer`, None for full causal attention."""
+        return None if self.is_global(layer) else self.sliding_window
+
     @property
     def ffn_hidden(self) -> int:
-        """SwiGLU hidden width: ffn_multiplier * d_model rounded up to a multiple of 32."""
+        """The MLP's hidden width: ffn_multiplier * d_model rounded up to a multiple of 32."""
         # round() first so float noise (8/3 * 96 = 255.99999...) cannot bump a whole multiple
         raw = round(self.ffn_multiplier * self.d_model, 6)
         return max(FFN_MULTIPLE, math.ceil(raw / FFN_MULTIPLE) * FFN_MULTIPLE)
@@ -111,6 +204,9 @@ class OptimConfig(Section):
     decay_fraction: float = Field(0.2, ge=0, le=1)  # wsd: last fraction of steps decays to min_lr
     # PaLM's auxiliary loss z_loss * log(Z)^2 (Z: the softmax normaliser) keeps logits from drifting
     z_loss: float = Field(0.0, ge=0)
+    # multi-token prediction: what is differentiated is the next-token loss plus mtp_weight times
+    # the mean of the model's extra heads' losses (model.mtp_heads; DeepSeek-V3 used 0.3, then 0.1)
+    mtp_weight: float = added_field(0.3, ge=0)
 
 
 class HealthConfig(Section):

@@ -26,7 +26,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
@@ -34,6 +33,7 @@ from torch.distributed.tensor import DTensor
 
 from kiln.tasks.train.config import ModelConfig, OptimConfig, ParallelDims, TrainRunConfig
 from kiln.tasks.train.data_loader import Mixture, batch_for_step
+from kiln.tasks.train.loss import objective
 from kiln.tasks.train.model import Transformer, WeightSource, fill_weights, materialize, model_from_state
 from kiln.tasks.train.parallel import (
     TransformerStage,
@@ -135,16 +135,6 @@ def make_optimizer(model: nn.Module, cfg: OptimConfig, device: torch.device, fus
     if fused is None:
         fused = device.type in ("cpu", "cuda")
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, fused=fused)
-
-
-def objective(logits: torch.Tensor, targets: torch.Tensor, z_loss: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(cross-entropy, what to differentiate): the reported loss is the cross-entropy alone; the
-    z-loss term (PaLM) only shapes the gradients, pulling the softmax normaliser towards 1."""
-    logits = logits.flatten(0, 1).float()
-    loss = F.cross_entropy(logits, targets.flatten())
-    if z_loss > 0:
-        return loss, loss + z_loss * torch.logsumexp(logits, dim=-1).square().mean()
-    return loss, loss
 
 
 def _compile_blocks(model: nn.Module) -> None:
@@ -259,13 +249,13 @@ class Layout:
         return x.to(self.device), y.to(self.device), checksum
 
     def forward_backward(self, model: nn.Module, schedule: Any, x: torch.Tensor, y: torch.Tensor,
-                         grad_accum: int, z_loss: float) -> float:
+                         grad_accum: int, z_loss: float, mtp_weight: float = 0.0) -> float:
         """Gradients of one step over this rank's rows in grad_accum micro-batches; the global batch's
         mean cross-entropy (the same number on every rank). Under context parallel each cp rank of a
         dp group takes its own chunk of every row: the global loss is the mean over all dp x cp ranks."""
         if schedule is not None:
             return self._pipeline_step(schedule, x, y)
-        mean = self.accumulate_gradients(model, x, y, grad_accum, z_loss)
+        mean = self.accumulate_gradients(model, x, y, grad_accum, z_loss, mtp_weight)
         if self.mesh is not None:
             # gloo has no AVG reduction: sum then divide
             dist.all_reduce(mean, op=dist.ReduceOp.SUM, group=dp_cp_mesh(self.mesh).get_group())
@@ -273,7 +263,7 @@ class Layout:
         return mean.item()
 
     def accumulate_gradients(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, grad_accum: int,
-                             z_loss: float) -> torch.Tensor:
+                             z_loss: float, mtp_weight: float = 0.0) -> torch.Tensor:
         """Forward and backward of this rank's rows in grad_accum micro-batches (no pipeline); this
         rank's mean cross-entropy as a tensor.
 
@@ -281,7 +271,7 @@ class Layout:
         skipping the sync would keep every layer's unsharded gradient until the last micro-batch."""
         loss_sum = torch.zeros((), device=x.device)
         for x_mb, y_mb, start_pos in self.microbatches(x, y, grad_accum):
-            loss, total = self.microbatch_loss(model, x_mb, y_mb, start_pos, z_loss)
+            loss, total = self.microbatch_loss(model, x_mb, y_mb, start_pos, z_loss, mtp_weight)
             (total / grad_accum).backward()
             loss_sum += loss.detach()
         return loss_sum / grad_accum
@@ -296,13 +286,12 @@ class Layout:
         return [(x[m * rows:(m + 1) * rows], y[m * rows:(m + 1) * rows], start_pos) for m in range(grad_accum)]
 
     def microbatch_loss(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, start_pos: int,
-                        z_loss: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """One micro-batch's forward: `objective`'s (cross-entropy, what to differentiate). Nothing
-        waits on a value, so `tasks.train.verify` runs it on fake tensors."""
+                        z_loss: float, mtp_weight: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+        """One micro-batch's forward, loss included (`Transformer.forward` with targets: the output
+        projection fused with the cross-entropy, z-loss and multi-token prediction): (cross-entropy,
+        what to differentiate). Nothing waits on a value, so `tasks.train.verify` runs it on fake tensors."""
         with self._autocast_context():
-            logits = model(x, start_pos=start_pos)
-        # the losses keep what backward needs; the logits themselves would double the head's memory
-        return objective(logits, y, z_loss)
+            return model(x, start_pos=start_pos, targets=y, z_loss=z_loss, mtp_weight=mtp_weight)
 
     def _autocast_context(self) -> Any:
         return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self._autocast)

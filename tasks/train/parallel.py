@@ -58,7 +58,6 @@ from functools import partial
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed._composable import checkpoint
 from torch.distributed._composable.replicate import replicate
@@ -69,13 +68,22 @@ from torch.distributed.tensor.experimental import register_sharding
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
+    PrepareModuleInputOutput,
     RowwiseParallel,
     parallelize_module,
 )
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from kiln.tasks.train.config import Checkpointing, ModelConfig, ParallelDims, Precision
-from kiln.tasks.train.model import Transformer, WeightSource, fill_weights, materialize
+from kiln.tasks.train.model import (
+    AttentionFn,
+    AttentionPattern,
+    Transformer,
+    WeightSource,
+    causal_attention,
+    fill_weights,
+    materialize,
+)
 
 _aten = torch.ops.aten
 
@@ -100,6 +108,14 @@ def check_divisible(dims: ParallelDims, cfg: ModelConfig) -> None:
     if cfg.n_layers < dims.num_stages:
         raise ValueError(f"model.n_layers={cfg.n_layers} is fewer than the {dims.num_stages} pipeline stages "
                          f"(parallel.pp={dims.pp} x stages_per_rank={dims.stages_per_rank})")
+    if cfg.mtp_heads and dims.pp > 1:
+        raise ValueError(f"model.mtp_heads={cfg.mtp_heads} with parallel.pp={dims.pp}: the extra heads' losses are "
+                         "computed with the next-token loss inside the model, which a pipeline's last stage does not "
+                         "run; train multi-token prediction with dp, tp or cp, or set mtp_heads: 0")
+    if cfg.mtp_heads and dims.cp > 1:
+        raise ValueError(f"model.mtp_heads={cfg.mtp_heads} with parallel.cp={dims.cp}: head k predicts the token "
+                         "k + 1 positions ahead, which for a chunk's last positions lies in the next cp rank's chunk; "
+                         "train multi-token prediction with dp or tp, or set mtp_heads: 0")
 
 
 def check_context_split(dims: ParallelDims, seq_len: int) -> None:
@@ -154,25 +170,63 @@ def _sdpa_cpu_backward_sharding(
     return [(outs, ins + [None, None]) for outs, ins in strategies]
 
 
-def apply_tp(model: Transformer, tp_mesh: DeviceMesh) -> None:
-    """Split every block's attention heads and SwiGLU width across `tp_mesh`, in place."""
-    for block in model.blocks:
+def all_blocks(model: nn.Module) -> list[nn.Module]:
+    """The blocks of a model or a pipeline stage (a ModuleList or a ModuleDict), then its
+    multi-token prediction blocks: what TP, recompute and FSDP apply to one by one."""
+    return [*model.blocks.children(), *getattr(model, "mtp_blocks", ())]
+
+
+def local_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, slice | None]:
+    """q, k, v as this rank's plain tensors and which of the model's heads q holds: under TP the
+    heads are split in order, rank r holding the r-th slice (None: not split, all of them)."""
+    if not isinstance(q, DTensor):
+        return q, k, v, None
+    # under TP this rank holds some heads; attention never mixes heads, so it runs on them alone
+    assert q.placements == k.placements == v.placements == (Shard(1),), q.placements
+    local = q.to_local()
+    first = q.device_mesh.get_local_rank() * local.shape[1]
+    return local, k.to_local(), v.to_local(), slice(first, first + local.shape[1])
+
+
+def tensor_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                              pattern: AttentionPattern) -> torch.Tensor:
+    """A masked or biased attention pattern on this rank's heads: torch has no sharding rule for
+    scaled-dot-product attention with a mask, and ALiBi's slopes are per head."""
+    q_local, k_local, v_local, heads = local_heads(q, k, v)
+    y = causal_attention(q_local, k_local, v_local, pattern, 0, heads)
+    return DTensor.from_local(y, q.device_mesh, q.placements) if heads is not None else y
+
+
+def apply_tp(model: nn.Module, tp_mesh: DeviceMesh) -> None:
+    """Split every block's attention heads and MLP width across `tp_mesh`, in place."""
+    for block in all_blocks(model):
         # x and the RoPE tables enter as replicated DTensors; outputs leave as plain tensors
+        tables = Replicate() if block.attn.rope else None
         parallelize_module(
             block.attn,
             tp_mesh,
             PrepareModuleInput(
-                input_layouts=(Replicate(),) * 3, desired_input_layouts=(Replicate(),) * 3, use_local_output=False
+                input_layouts=(Replicate(), tables, tables), desired_input_layouts=(Replicate(), tables, tables),
+                use_local_output=False,
             ),
         )
         # outputs stay DTensors sharded on the head (or width) dimension through the reshapes
         for linear in (block.attn.wq, block.attn.wk, block.attn.wv):
             parallelize_module(linear, tp_mesh, ColwiseParallel(use_local_output=False))
         parallelize_module(block.attn.proj, tp_mesh, RowwiseParallel())
-        if block.attn.q_norm is not None and block.attn.k_norm is not None:
-            # per-head RMSNorm gains act on the head dimension, which is never split
-            distribute_module(block.attn.q_norm, tp_mesh)
-            distribute_module(block.attn.k_norm, tp_mesh)
+        for norm in (block.attn.q_norm, block.attn.k_norm):
+            if norm is None:
+                continue
+            # per-head gains act on the head dimension, which is never split; a norm over the
+            # whole projection needs every head: its input is all-gathered and its output split again
+            distribute_module(norm, tp_mesh)
+            if not block.attn.qk_norm_per_head:
+                parallelize_module(norm, tp_mesh, PrepareModuleInputOutput(
+                    input_layouts=(Shard(-1),), desired_input_layouts=(Replicate(),), use_local_input=False,
+                    output_layouts=(Replicate(),), desired_output_layouts=(Shard(-1),), use_local_output=False))
+        if not block.attn.pattern.plain:
+            block.attn.attention = tensor_parallel_attention
         parallelize_module(
             block.mlp,
             tp_mesh,
@@ -180,7 +234,8 @@ def apply_tp(model: Transformer, tp_mesh: DeviceMesh) -> None:
                 input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),), use_local_output=False
             ),
         )
-        for linear in (block.mlp.gate, block.mlp.up):
+        columns = (block.mlp.gate, block.mlp.up) if hasattr(block.mlp, "gate") else (block.mlp.up,)
+        for linear in columns:
             parallelize_module(linear, tp_mesh, ColwiseParallel(use_local_output=False))
         parallelize_module(block.mlp.down, tp_mesh, RowwiseParallel())
 
@@ -211,16 +266,6 @@ class _GatherSequence(torch.autograd.Function):
         return local, None
 
 
-def offset_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> torch.Tensor:
-    """Causal attention for queries at positions [start, start + t) over keys at [0, k's length).
-
-    The query at position p sees the keys at 0..p; with start = 0 and equal lengths this is
-    `causal_attention` (grouped-query heads included).
-    """
-    mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril(diagonal=start)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=k.shape[1] != q.shape[1])
-
-
 class ContextParallelAttention:
     """The attention callable a block runs under CP: this rank's queries against the whole sequence's keys."""
 
@@ -228,24 +273,21 @@ class ContextParallelAttention:
         self.group = cp_mesh.get_group()
         self.cp_rank = cp_mesh.get_local_rank()
 
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        if isinstance(q, DTensor):
-            # under TP this rank holds some heads of its chunk; heads never mix, so CP runs on them alone
-            assert q.placements == k.placements == v.placements == (Shard(1),), q.placements
-            y = self(q.to_local(), k.to_local(), v.to_local())
-            return DTensor.from_local(y, q.device_mesh, q.placements)
-        t = q.shape[-2]
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pattern: AttentionPattern) -> torch.Tensor:
+        q_local, k_local, v_local, heads = local_heads(q, k, v)
+        t = q_local.shape[-2]
         start = self.cp_rank * t
         # one collective for both; keys past this chunk's end are masked for all its queries, so
-        # they are dropped before attending
-        kv = _GatherSequence.apply(torch.stack((k, v)), self.group)[..., : start + t, :]
-        return offset_causal_attention(q, kv[0], kv[1], start)
+        # they are dropped before attending (a sliding window masks the earlier ones too)
+        kv = _GatherSequence.apply(torch.stack((k_local, v_local)), self.group)[..., : start + t, :]
+        y = causal_attention(q_local, kv[0], kv[1], pattern, start, heads)
+        return DTensor.from_local(y, q.device_mesh, q.placements) if heads is not None else y
 
 
-def apply_context_parallel(model: Transformer, cp_mesh: DeviceMesh) -> None:
+def apply_context_parallel(model: nn.Module, cp_mesh: DeviceMesh) -> None:
     """Make every block attend across the cp ranks' chunks; feed it `context_chunk`'s tokens."""
-    attention = ContextParallelAttention(cp_mesh)
-    for block in model.blocks:
+    attention: AttentionFn = ContextParallelAttention(cp_mesh)
+    for block in all_blocks(model):
         block.attn.attention = attention
 
 
@@ -285,8 +327,7 @@ def apply_activation_checkpointing(model: nn.Module, mode: Checkpointing = "full
         return
     context = {"selective": {"context_fn": partial(create_selective_checkpoint_contexts,
                                                    _save_matmuls_and_attention)}, "full": {}}[mode]
-    # children(): the blocks of a model (a ModuleList) and of a pipeline stage (a ModuleDict)
-    for block in model.blocks.children():
+    for block in all_blocks(model):
         checkpoint(block, **context)
 
 
@@ -306,7 +347,7 @@ def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, precision: Precision = "fp
     and the RoPE tables stay fp32 (each rotation is computed in fp32, then cast). Casting would
     also break selective recomputation: FSDP's pre-forward hook runs before the checkpoint's in
     forward but inside its recompute, where the cast's profiler op is missing from SAC's cache."""
-    for block in model.blocks.children():
+    for block in all_blocks(model):
         fully_shard(block, mesh=dp_mesh, mp_policy=mixed_precision(precision, cast_forward_inputs=False))
     fully_shard(model, mesh=dp_mesh, mp_policy=mixed_precision(precision))
 
@@ -397,6 +438,7 @@ class TransformerStage(nn.Module):
     def __init__(self, model: Transformer, first: bool, last: bool, block_ids: Iterable[int]) -> None:
         super().__init__()
         self.tok_emb = model.tok_emb if first else None
+        self.pos_emb = model.pos_emb if first else None
         self.blocks = nn.ModuleDict({str(i): model.blocks[i] for i in block_ids})
         self.norm = model.norm if last else None
         self.lm_head = model.lm_head if last else None
@@ -404,15 +446,19 @@ class TransformerStage(nn.Module):
         self.register_buffer("rope_sin", model.rope_sin, persistent=False)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        # the same computation as Transformer.forward, restricted to this stage's modules
+        # the same computation as Transformer.forward without targets, restricted to this stage's modules
+        t = h.shape[1]
         if self.tok_emb is not None:
             h = self.tok_emb(h)
-        t = h.shape[1]
-        cos, sin = self.rope_cos[:t], self.rope_sin[:t]
+            if self.pos_emb is not None:
+                h = h + self.pos_emb.weight[:t]
+        cos = sin = None
+        if self.rope_cos is not None:
+            cos, sin = self.rope_cos[:t], self.rope_sin[:t]
         for block in self.blocks.values():
             h = block(h, cos, sin)
-        if self.norm is not None and self.lm_head is not None:
-            h = self.lm_head(self.norm(h))
+        if self.lm_head is not None:
+            h = self.lm_head(self.norm(h) if self.norm is not None else h)
         return h
 
 
@@ -425,6 +471,7 @@ class RankModules(nn.Module):
     def __init__(self, stages: list[TransformerStage]) -> None:
         super().__init__()
         self.tok_emb = next((s.tok_emb for s in stages if s.tok_emb is not None), None)
+        self.pos_emb = next((s.pos_emb for s in stages if s.pos_emb is not None), None)
         self.blocks = nn.ModuleDict({i: block for s in stages for i, block in s.blocks.items()})
         self.norm = next((s.norm for s in stages if s.norm is not None), None)
         self.lm_head = next((s.lm_head for s in stages if s.lm_head is not None), None)

@@ -176,7 +176,7 @@ def estimate_step_time(
     # a pipeline runs at the pace of its largest stage (stages differ by a block when pp does not divide the layers)
     imbalance = max(sum(stage_layers(cfg, lo, r)) for r in range(lo.pp)) * lo.pp / cfg.n_layers
     compute = flops_per_token(cfg, vocab_size, seq_len) * tokens / rate * (imbalance if lo.pp > 1 else 1.0)
-    attention_forward = 4 * cfg.n_layers * cfg.d_model * seq_len  # per token: QK^T and AV
+    attention_forward = 4 * (cfg.n_layers + cfg.mtp_heads) * cfg.d_model * seq_len  # per token: QK^T and AV
     matmul_forward = (flops_per_token(cfg, vocab_size, seq_len) - 3 * attention_forward) / 3
     recompute_per_token = {"none": 0, "selective": 0, "full": matmul_forward + attention_forward}[lo.checkpointing]
     recompute = recompute_per_token * tokens / rate
@@ -306,8 +306,9 @@ def legal_layouts(cfg: ModelConfig, seq_len: int, global_batch_seqs: int, cluste
     tp divides the query and the K/V heads and stays inside a node; the pipeline's stages (pp, or
     2 pp interleaved) are no more than the layers; cp splits the sequence into cp equal chunks;
     dp x tp x pp x cp is the world size; the global batch splits evenly into dp x micro-batch; the
-    schedule can run that many micro-batches (1F1B needs at least pp); and `ParallelDims` accepts
-    the combination (pipeline parallel composes with FSDP but not with tp or cp).
+    schedule can run that many micro-batches (1F1B needs at least pp); `ParallelDims` accepts
+    the combination (pipeline parallel composes with FSDP but not with tp or cp); and multi-token
+    prediction heads train without pipeline or context parallelism (`tasks.train.parallel.check_divisible`).
     """
     world = cluster.world_size
     layouts = []
@@ -315,11 +316,11 @@ def legal_layouts(cfg: ModelConfig, seq_len: int, global_batch_seqs: int, cluste
         if cfg.n_heads % tp or cfg.kv_heads % tp or cfg.ffn_hidden % tp or tp > cluster.gpus_per_node:
             continue
         for pp in _divisors(world // tp):
-            if pp > cfg.n_layers:
+            if pp > cfg.n_layers or (cfg.mtp_heads and pp > 1):
                 continue
             for cp in _divisors(world // (tp * pp)):
                 dp = world // (tp * pp * cp)
-                if seq_len % cp or global_batch_seqs % dp:
+                if seq_len % cp or global_batch_seqs % dp or (cfg.mtp_heads and cp > 1):
                     continue
                 for schedule, per_rank in SCHEDULES if pp > 1 else (("1f1b", 1),):
                     if pp * per_rank > cfg.n_layers or not _runnable(pp, dp, cp, tp, schedule, per_rank):

@@ -135,10 +135,10 @@ def evaluate(
 
 
 def train_step(layout: Layout, model: nn.Module, schedule: Any, optimizer: torch.optim.Optimizer,
-               x: torch.Tensor, y: torch.Tensor, grad_accum: int, max_norm: float, z_loss: float
-               ) -> tuple[float, float]:
+               x: torch.Tensor, y: torch.Tensor, grad_accum: int, max_norm: float, z_loss: float,
+               mtp_weight: float = 0.0) -> tuple[float, float]:
     """One optimizer update over this rank's rows of x/y; returns (mean loss, grad norm before clipping)."""
-    loss = layout.forward_backward(model, schedule, x, y, grad_accum, z_loss)
+    loss = layout.forward_backward(model, schedule, x, y, grad_accum, z_loss, mtp_weight)
     grad_norm = clip_grad_norm(list(model.parameters()), max_norm, layout.pp_mesh)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
@@ -269,7 +269,7 @@ class Trainer:
         grad_clip = self.optim_cfg.grad_clip
         loss, grad_norm = train_step(self.layout, self.model, self.schedule, self.optimizer, batch.x, batch.y,
                                      self.run_cfg.grad_accum, grad_clip if grad_clip > 0 else float("inf"),
-                                     self.optim_cfg.z_loss)
+                                     self.optim_cfg.z_loss, self.optim_cfg.mtp_weight)
         self.steps_run += 1
         if self.first_step_unix is None:
             self.first_step_unix = time.time()

@@ -44,7 +44,8 @@ from torch.distributed.tensor import DTensor
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from kiln.tasks.train.config import ModelConfig, OptimConfig, ParallelDims, TrainRunConfig
-from kiln.tasks.train.distributed import Layout, make_optimizer, objective
+from kiln.tasks.train.distributed import Layout, make_optimizer
+from kiln.tasks.train.loss import objective
 from kiln.tasks.train.model import materialize
 from kiln.tasks.train.parallel import TransformerStage, build_mesh
 from kiln.tasks.train.plan_memory import rank_memory, rank_parameters, stage_layers
@@ -271,7 +272,8 @@ def verify_plan(search: PlanSearch, plan: Plan | None = None) -> Verification:
     checks: list[RankCheck] = []
     scaled: tuple[int, ...] | None = None
     for pp_rank in sorted({0, lo.pp - 1}):
-        rank = pp_rank * lo.dp * lo.cp * lo.tp
+        # the last cp rank of the stage: its queries see every key (the mask the planner prices)
+        rank = pp_rank * lo.dp * lo.cp * lo.tp + (lo.cp - 1) * lo.tp
         states = measure_rank(cfg, search.vocab_size, dims, run, rank, step=False)
         depth = max(stage_layers(cfg, lo, pp_rank))
         if cfg.n_layers <= dims.num_stages * SCALING_DEPTHS[-1]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -23,8 +24,9 @@ from kiln.tasks.constants import EOS_TOKEN
 from kiln.tasks.data.tokenize import TokenizeConfig, train_tokenizer  # noqa: E402
 from kiln.tasks.errors import InputError  # noqa: E402
 from kiln.tasks.evals.export_hf import export_hf, hf_state_dict, load_kiln_model  # noqa: E402
+from kiln.tasks.evals.hf_architectures import ExportRefused  # noqa: E402
 from kiln.tasks.evals.heldout_task import task_name_for, write_heldout_task  # noqa: E402
-from kiln.tasks.train.config import ModelConfig  # noqa: E402
+from kiln.tasks.train.config import ModelConfig, RopeScaling  # noqa: E402
 from kiln.tasks.train.model import Transformer, save_model  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[3]
@@ -115,6 +117,71 @@ def test_transformers_computes_kilns_logits_and_greedy_tokens(cfg, tokenizer_pat
     # the same tokens exactly: every choice's margin is far above the logits' agreement (other kernels on
     # another CPU move logits by ~1e-6, not by the gap)
     assert gap > 100 * MAX_LOGIT_DIFF and generated[0, 20:].tolist() == tokens
+
+
+# every architecture the export writes, from the model options that need it (tests/tasks/train
+# test the options themselves): model -> architecture; 8 heads so GQA and ALiBi's slopes are real
+OPTION_EXPORTS = {
+    "rope-linear": (TINY.model_copy(update={"rope_scaling": RopeScaling(kind="linear", factor=4.0,
+                                                                         original_max_seq_len=16)}), "LlamaForCausalLM"),
+    "rope-ntk": (TINY.model_copy(update={"rope_scaling": RopeScaling(kind="ntk", factor=4.0, original_max_seq_len=16)}),
+                 "LlamaForCausalLM"),
+    "rope-yarn": (TINY.model_copy(update={"rope_scaling": RopeScaling(kind="yarn", factor=4.0, original_max_seq_len=16),
+                                          "n_heads": 2}), "LlamaForCausalLM"),
+    "local-global-qk-norm": (GQA.model_copy(update={"qk_norm": True, "sliding_window": 8, "global_every": 2}),
+                             "Qwen3ForCausalLM"),
+    "nope": (GQA.model_copy(update={"position": "nope"}), "SmolLM3ForCausalLM"),
+    "sliding-window": (GQA.model_copy(update={"sliding_window": 8}), "SmolLM3ForCausalLM"),
+    "layernorm-qk-norm": (GQA.model_copy(update={"norm": "layernorm", "qk_norm": True}), "StableLmForCausalLM"),
+    "gelu": (GQA.model_copy(update={"mlp": "gelu"}), "ArceeForCausalLM"),
+    "reordered-qk-projection": (GQA.model_copy(update={"norm_placement": "reordered", "qk_norm": True,
+                                                       "qk_norm_scope": "projection"}), "Olmo2ForCausalLM"),
+    "reordered-windows": (GQA.model_copy(update={"norm_placement": "reordered", "qk_norm": True,
+                                                 "qk_norm_scope": "projection", "sliding_window": 8,
+                                                 "global_every": 2}), "Olmo3ForCausalLM"),
+    "learned-pre": (TINY.model_copy(update={"position": "learned", "norm": "layernorm", "mlp": "gelu"}),
+                    "GPT2LMHeadModel"),
+    "learned-post": (TINY.model_copy(update={"position": "learned", "norm": "layernorm", "mlp": "gelu",
+                                             "norm_placement": "post"}), "OPTForCausalLM"),
+    "alibi": (TINY.model_copy(update={"position": "alibi", "norm": "layernorm", "mlp": "gelu", "ffn_multiplier": 4.0,
+                                      "n_heads": 8}), "MptForCausalLM"),
+    "mtp-heads-dropped": (GQA.model_copy(update={"mtp_heads": 2}), "LlamaForCausalLM"),
+}
+
+
+@pytest.mark.parametrize("case", OPTION_EXPORTS, ids=OPTION_EXPORTS)
+def test_every_option_exports_to_an_architecture_computing_its_logits(case, tokenizer_path, tmp_path):
+    cfg, expected = OPTION_EXPORTS[case]
+    model = sharp_model(ModelConfig.model_validate(cfg.model_dump()), 512)
+    out = export(model, tokenizer_path, tmp_path / "hf")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    assert type(hf).__name__ == expected
+    ids = real_windows(transformers.AutoTokenizer.from_pretrained(out), cfg.max_seq_len)
+    with torch.no_grad():
+        diff = (model(ids) - hf(ids).logits).abs().max().item()
+    print(f"{case} -> {expected}: max |logit diff| {diff:.2e}")
+    assert diff < MAX_LOGIT_DIFF
+    # multi-token prediction heads are training-only: the export is the next-token model
+    assert not any(name.startswith("mtp_") for name in hf_state_dict(model))
+
+
+@pytest.mark.parametrize("update,option", [
+    ({"position": "alibi"}, "model.position='alibi'"),
+    ({"position": "learned"}, "model.position='learned'"),
+    ({"norm_placement": "post"}, "model.norm_placement='post'"),
+    ({"norm_placement": "reordered"}, "model.norm_placement='reordered'"),
+    ({"norm": "layernorm", "mlp": "gelu"}, "model.norm='layernorm'"),
+    ({"qk_norm": True, "qk_norm_scope": "projection"}, "model.qk_norm_scope='projection'"),
+    ({"position": "nope", "qk_norm": True}, "model.position='nope'"),
+    ({"position": "alibi", "norm": "layernorm", "mlp": "gelu", "ffn_multiplier": 4.0, "sliding_window": 8},
+     "model.sliding_window=8"),
+    ({"position": "learned", "norm": "layernorm", "mlp": "gelu", "n_kv_heads": 2}, "model.n_kv_heads=2"),
+])
+def test_options_no_architecture_computes_are_refused_naming_them(update, option, tokenizer_path, tmp_path):
+    model = sharp_model(ModelConfig.model_validate(TINY.model_dump() | update), 512)
+    with pytest.raises(ExportRefused, match=re.escape(f"no Hugging Face architecture computes {option}")):
+        export(model, tokenizer_path, tmp_path / "hf")
+    assert not (tmp_path / "hf").exists()  # refused before anything was written
 
 
 def test_the_meta_rope_permutation_would_break_the_logits(tokenizer_path, tmp_path):

@@ -30,8 +30,8 @@ import torch.nn.functional as F
 
 from kiln.tasks.train.config import ModelConfig, OptimConfig, ParallelDims
 from kiln.tasks.train.distributed import clip_grad_norm, make_optimizer
-from kiln.tasks.train.model import Transformer, build_model, causal_attention
-from kiln.tasks.train.parallel import check_context_split, context_chunk, offset_causal_attention
+from kiln.tasks.train.model import AttentionPattern, Transformer, build_model, causal_attention
+from kiln.tasks.train.parallel import check_context_split, context_chunk
 
 REPO = Path(__file__).resolve().parents[3]
 TORCHRUN = Path(sys.executable).parent / "torchrun"
@@ -210,9 +210,12 @@ def test_offset_causal_attention_is_causal_attention_on_a_suffix() -> None:
     # The same attention numerically, not bit for bit: an explicit mask and is_causal, over 3 queries or 8,
     # take different SDPA kernels, whose last bits differ by CPU (AVX-512's differ from AVX2's).
     # the last 3 queries (positions 5..7) over all 8 keys; start=0 with equal lengths is plain causal
-    torch.testing.assert_close(offset_causal_attention(q[:, :, 5:], k, v, start=5), full[:, :, 5:], rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(offset_causal_attention(q, k, v, start=0), full, rtol=1e-5, atol=1e-6)
-    assert not torch.allclose(offset_causal_attention(q[:, :, 5:], k, v, start=0), full[:, :, 5:], rtol=1e-3)
+    torch.testing.assert_close(causal_attention(q[:, :, 5:], k, v, q_start=5), full[:, :, 5:], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(causal_attention(q, k, v, q_start=0), full, rtol=1e-5, atol=1e-6)
+    # a sliding window of 3 under an offset: the same rows as the whole sequence's windowed attention
+    window = AttentionPattern(window=3)
+    torch.testing.assert_close(causal_attention(q[:, :, 5:], k, v, window, q_start=5),
+                               causal_attention(q, k, v, window)[:, :, 5:], rtol=1e-5, atol=1e-6)
 
 
 def test_start_pos_continues_a_sequence_given_its_prefix_keys() -> None:
@@ -224,17 +227,17 @@ def test_start_pos_continues_a_sequence_given_its_prefix_keys() -> None:
     s = 6
     prefix: list[tuple[torch.Tensor, torch.Tensor]] = []
 
-    def recording(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def recording(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pattern: AttentionPattern) -> torch.Tensor:
         prefix.append((k[:, :, :s], v[:, :, :s]))
-        return causal_attention(q, k, v)
+        return causal_attention(q, k, v, pattern)
 
     for block in model.blocks:
         block.attn.attention = recording
     with torch.no_grad():
         full = model(x)
     for block, (k_prefix, v_prefix) in zip(model.blocks, prefix):
-        block.attn.attention = lambda q, k, v, kp=k_prefix, vp=v_prefix: offset_causal_attention(
-            q, torch.cat((kp, k), dim=2), torch.cat((vp, v), dim=2), start=s
+        block.attn.attention = lambda q, k, v, pattern, kp=k_prefix, vp=v_prefix: causal_attention(
+            q, torch.cat((kp, k), dim=2), torch.cat((vp, v), dim=2), pattern, q_start=s
         )
     with torch.no_grad():
         suffix = model(x[:, s:], start_pos=s)

@@ -4,7 +4,10 @@ real torchrun, gloo, CPU.
 One 2-process torchrun (`layout_worker.py`, which first builds each layout and gathers its initial
 weights, then runs `dist_worker`) trains DDP, FSDP2 with full and with selective activation
 checkpointing, FSDP2 in bf16-mixed, tensor parallel, context parallel and a 2-rank pipeline under
-each schedule (GPipe, 1F1B, interleaved 1F1B with 2 stages per rank) in turn; a 4-process one
+each schedule (GPipe, 1F1B, interleaved 1F1B with 2 stages per rank) and the model options (two models
+between them hold every one: FSDP, TP and CP for ALiBi, LayerNorm, post-norm, GELU and local/global
+windows; FSDP and TP for scaled RoPE, the reordered norm, QK-norm over the projection and
+multi-token prediction; a pipeline for learned positions) in turn; a 4-process one
 trains FSDP x TP, FSDP x CP, PP x FSDP and a 4-rank pipeline under each schedule. Each launch costs
 ~10 s of imports on 2 cores, so every mode of a process count shares one. All use grad_accum >= 2,
 so FSDP's skipped gradient sync and pipeline micro-batching are exercised (the 4-rank pipelines
@@ -34,7 +37,7 @@ import numpy as np
 import pytest
 import torch
 
-from kiln.tasks.train.config import ModelConfig, OptimConfig, TrainRunConfig
+from kiln.tasks.train.config import ModelConfig, OptimConfig, RopeScaling, TrainRunConfig
 from kiln.tasks.train.data_loader import Mixture
 from kiln.tasks.train.loop import train_model
 from kiln.tasks.train.model import build_model, count_parameters, load_model
@@ -56,6 +59,20 @@ VARIANT = MODEL.model_copy(update={"tie_embeddings": False, "qk_norm": True})
 # 8 blocks: 4 ranks x 2 interleaved stages; grouped-query attention (4 query heads, 2 K/V heads)
 DEEP = VARIANT.model_copy(update={"n_layers": 8, "n_heads": 4, "n_kv_heads": 2})
 GQA = MODEL.model_copy(update={"n_heads": 4, "n_kv_heads": 2})
+# the architecture options, two models between them: ALiBi on grouped-query heads (TP splits the
+# slopes with the heads), LayerNorm after each residual add, a GELU MLP, a 5-token window with
+# every 2nd layer global; and linearly scaled RoPE, OLMo 2's reordered norm with QK-norm over the
+# projection (TP gathers the heads for it), and two multi-token prediction heads. (With YaRN
+# instead of linear scaling, that model's FSDP curve drifted to 1.3e-5 relative by step 15: its
+# dynamics amplify summation order, each option alone stays within 4e-7; scaling only changes
+# the replicated RoPE tables, whose values test_train_model and test_export_hf check.)
+OPTIONS_A = GQA.model_copy(update={"position": "alibi", "norm": "layernorm", "norm_placement": "post", "mlp": "gelu",
+                                   "sliding_window": 5, "global_every": 2})
+OPTIONS_B = MODEL.model_copy(update={
+    "rope_scaling": RopeScaling(kind="linear", factor=2.0, original_max_seq_len=16), "norm_placement": "reordered",
+    "qk_norm": True, "qk_norm_scope": "projection", "mtp_heads": 2, "tie_embeddings": False})
+# learned positions through a pipeline: the first stage adds them, the last has no final norm (post)
+OPTIONS_PP = DEEP.model_copy(update={"position": "learned", "norm_placement": "post", "qk_norm": False})
 INTERLEAVED = {"pp_schedule": "interleaved-1f1b", "stages_per_rank": 2}
 FOUR_MICRO_BATCHES = {"grad_accum": 4}
 # name: (layout, model, run settings)
@@ -71,6 +88,12 @@ TWO_PROC_MODES = {
     "pp2_gpipe": (ParallelDims(pp=2, pp_schedule="gpipe"), DEEP, {}),
     "pp2_1f1b": (ParallelDims(pp=2), DEEP, {}),
     "pp2_interleaved": (ParallelDims(pp=2, **INTERLEAVED), DEEP, {}),
+    "fsdp_options_a": (ParallelDims(dp=2), OPTIONS_A, {"activation_checkpointing": "selective"}),
+    "tp_options_a": (ParallelDims(tp=2), OPTIONS_A, {}),
+    "cp_options_a": (ParallelDims(cp=2), OPTIONS_A, {}),
+    "fsdp_options_b": (ParallelDims(dp=2), OPTIONS_B, {}),
+    "tp_options_b": (ParallelDims(tp=2), OPTIONS_B, {}),
+    "pp2_options": (ParallelDims(pp=2), OPTIONS_PP, {}),
 }
 # a layout change: the interleaved pipeline stops after its step-10 checkpoint and FSDP resumes it
 # (a rank's two stages save under the whole model's names; the checkpoint reshards into FSDP)
@@ -90,7 +113,8 @@ FOUR_PROC_MODES = {
 # the initial weights each launch gathers: name -> (model, layout)
 TWO_PROC_INITS = {
     "fsdp": (MODEL, ParallelDims(dp=2)), "tp": (DEEP, ParallelDims(tp=2)), "pp": (DEEP, ParallelDims(pp=2)),
-    "cp": (MODEL, ParallelDims(cp=2)),
+    "cp": (MODEL, ParallelDims(cp=2)), "tp_options_b": (OPTIONS_B, ParallelDims(tp=2)),
+    "pp_options": (OPTIONS_PP, ParallelDims(pp=2)),
 }
 FOUR_PROC_INITS = {
     "fsdp4": (MODEL, ParallelDims(dp=4)), "fsdp_tp": (DEEP, ParallelDims(dp=2, tp=2)),

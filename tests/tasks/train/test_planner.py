@@ -16,12 +16,15 @@ from torch.distributed._tools.mem_tracker import MemTracker
 from kiln.tasks.errors import ConfigError
 from kiln.tasks.launch.cluster import ClusterSpec
 from kiln.tasks.train.config import ModelConfig, ParallelDims, TrainRunConfig
-from kiln.tasks.train.distributed import make_optimizer, objective
+from kiln.tasks.train.distributed import make_optimizer
+from kiln.tasks.train.loss import linear_cross_entropy, objective
 from kiln.tasks.train.model import build_model, count_parameters, flops_per_token
 from kiln.tasks.train.parallel import apply_activation_checkpointing
 from kiln.tasks.train.plan_memory import (
     activation_bytes_per_layer,
     head_activation_bytes,
+    matmul_elements,
+    mtp_activation_bytes,
     rank_memory,
     rank_parameters,
 )
@@ -67,7 +70,7 @@ def test_model_states_match_a_real_adamw_step(cfg: ModelConfig) -> None:
     opt = make_optimizer(model, __import__("kiln.tasks.train.config", fromlist=["OptimConfig"]).OptimConfig(),
                          torch.device("cpu"))
     idx = torch.randint(0, V, (2, 16))
-    objective(model(idx), idx, 0.0)[1].backward()
+    model(idx, targets=idx)[1].backward()
     opt.step()
     params = list(model.parameters())  # tied weights appear once
     assert sum(nbytes(p) for p in params) == 4 * rank_parameters(cfg, V, ONE_DEVICE) == 4 * count_parameters(cfg, V)
@@ -84,28 +87,38 @@ def nbytes(t: torch.Tensor) -> int:
 
 def _alive_after_forward(cfg: ModelConfig, batch: int, seq: int, checkpointing: str, compute: str) -> dict[str, int]:
     """Bytes alive once the loss is computed, as MemTracker counts them (weights excluded), for
-    one block alone (inputs: its input; keeps: what it saved, and its output) and for the head
-    alone (its input, the final norm's, the loss's)."""
+    one block alone (inputs: its input; keeps: what it saved, and its output), for the head alone
+    as the model computes its loss (its input, the final norm's, the fused loss's), as a
+    pipeline's last stage does (logits, then `objective`), and for the multi-token prediction
+    heads alone (their input, the trunk's output, and what they keep)."""
     model = build_model(cfg, V, seed=0)
     apply_activation_checkpointing(model, checkpointing)
     if compute == "bf16":  # what FSDP2's bf16 all-gathered weights compute with
         model = model.to(torch.bfloat16)
     idx = torch.randint(0, V, (batch, seq))
     autocast = torch.autocast("cpu", dtype=torch.bfloat16) if compute == "autocast" else contextlib.nullcontext()
+    rope = (model.rope_cos[:seq], model.rope_sin[:seq]) if model.rope_cos is not None else (None, None)
     out = {}
-    for part in ("block", "head"):
+    for part in ("block", "head", "logits_head", "mtp"):
         tracker = MemTracker()
         tracker.track_external(model)
         with tracker:
             with autocast:
                 x = model.tok_emb(idx)
                 if part == "block":
-                    x = model.blocks[0](x, model.rope_cos[:seq], model.rope_sin[:seq])
+                    x = model.blocks[0](x, *rope)
+                elif part == "head":  # Transformer.forward's loss: no local keeps the norm's output
+                    loss = linear_cross_entropy(model.norm(x) if model.norm is not None else x, model.lm_head.weight,
+                                                idx)
+                elif part == "logits_head":
+                    h = x.detach().requires_grad_()
+                    loss = objective(model.lm_head(model.norm(h) if model.norm is not None else h), idx, 0.0)
                 else:
-                    loss = objective(model.lm_head(model.norm(x.detach().requires_grad_())), idx, 0.0)
+                    loss = [linear_cross_entropy(model._mtp_hidden(k, x, *rope)[:, :seq - k - 1], model.lm_head.weight,
+                                                 idx[:, k + 1:])[1] for k in range(cfg.mtp_heads)]
             out[part] = tracker.get_tracker_snapshot("current")[torch.device("cpu")]["Total"] - tracker_weights(model)
         del x
-        if part == "head":
+        if part != "block":
             del loss
     return out
 
@@ -114,24 +127,48 @@ def tracker_weights(model: torch.nn.Module) -> int:
     return sum(nbytes(t) for t in [*model.parameters(), *model.buffers()])
 
 
-@pytest.mark.parametrize("cfg", SMALL)
+# every architecture option, in combinations (the first two are today's Llama blocks, MHA and GQA)
+OPTION_MODELS = [
+    *SMALL,
+    ModelConfig(d_model=64, n_layers=2, n_heads=4, max_seq_len=64, position="alibi", sliding_window=8, norm="layernorm",
+                norm_placement="post", mlp="gelu", mtp_heads=1),
+    ModelConfig(d_model=96, n_layers=3, n_heads=6, n_kv_heads=2, max_seq_len=64, position="learned",
+                norm_placement="reordered", qk_norm=True, qk_norm_scope="projection", mtp_heads=2),
+    ModelConfig(d_model=96, n_layers=3, n_heads=6, n_kv_heads=2, max_seq_len=64, position="nope", norm="layernorm",
+                qk_norm=True, sliding_window=8, global_every=2),
+    ModelConfig(d_model=64, n_layers=2, n_heads=4, max_seq_len=64, norm="layernorm", norm_placement="reordered",
+                qk_norm=True, qk_norm_scope="projection", position="alibi",
+                rope_scaling=None),
+]
+
+
+@pytest.mark.parametrize("cfg", OPTION_MODELS, ids=["llama", "llama-gqa", "alibi-window-ln-post-gelu-mtp",
+                                                   "learned-reordered-qkproj-mtp2", "nope-ln-qkhead-local-global",
+                                                   "alibi-ln-reordered-qkproj"])
 @pytest.mark.parametrize("compute", ["fp32", "bf16", "autocast"])
 @pytest.mark.parametrize("checkpointing", ["none", "selective", "full"])
 def test_activation_formulas_match_what_a_real_forward_keeps(cfg: ModelConfig, compute: str, checkpointing: str) -> None:
-    """Exact to the byte, per block and for the head, in every precision path and recompute mode
-    (grouped-query attention in the second model). Autocast's bf16 weight casts are working
-    copies, not activations: the planner counts them apart (kept by the blocks it does not recompute)."""
+    """Exact to the byte, per block, for the head (fused loss and a pipeline's logits) and for the
+    multi-token prediction heads, in every precision path and recompute mode, for every
+    architecture option. Autocast's bf16 weight casts are working copies, not activations: the
+    planner counts them apart (kept by the blocks it does not recompute)."""
     batch, seq = 2, 32
     tokens = batch * seq
     alive = _alive_after_forward(cfg, batch, seq, checkpointing, compute)
     residual = 2 if compute == "bf16" else 4  # the block's output, the next block's input
-    casts = 2 * (2 * cfg.d_model**2 + 2 * cfg.d_model * cfg.kv_dim + 3 * cfg.d_model * cfg.ffn_hidden) \
-        if compute == "autocast" and checkpointing == "none" else 0
+    casts = 2 * matmul_elements(cfg, 1) if compute == "autocast" and checkpointing == "none" else 0
     per_layer = activation_bytes_per_layer(cfg, batch, seq, checkpointing=checkpointing, compute=compute)
     assert alive["block"] == per_layer + residual * cfg.d_model * tokens + casts
-    head_casts = 2 * V * cfg.d_model if compute == "autocast" else 0
+    assert alive["head"] == head_activation_bytes(cfg, V, batch, seq, compute=compute)
+    head_casts = 2 * V * cfg.d_model if compute == "autocast" else 0  # autocast's cached cast of the head's weight
     loss_scalars = 8  # the cross-entropy and what `objective` differentiates
-    assert alive["head"] == head_activation_bytes(cfg, V, batch, seq, compute=compute) + head_casts + loss_scalars
+    assert alive["logits_head"] == head_activation_bytes(cfg, V, batch, seq, compute=compute, fused=False) \
+        + head_casts + loss_scalars
+    trunk_output = tokens * (residual * cfg.d_model + 8)  # and the token ids: the head counts both
+    mtp_casts = cfg.mtp_heads * casts
+    if cfg.mtp_heads:
+        assert alive["mtp"] == mtp_activation_bytes(cfg, V, batch, seq, checkpointing=checkpointing, compute=compute) \
+            + trunk_output + mtp_casts
 
 
 def test_activation_exact_numbers_and_sharding() -> None:
@@ -143,8 +180,8 @@ def test_activation_exact_numbers_and_sharding() -> None:
     whole, half = activation_bytes_per_layer(cfg, 2, 32), activation_bytes_per_layer(cfg, 2, 32, tp=2)
     assert whole / 2 < half < whole
     # CP splits the tokens but keeps the other chunk's gathered K and V: 32 tokens x 2 x 64 dims x
-    # 2 bytes (bf16), and the fp32 causal mask of its 16 queries per sequence over 32 keys
-    assert activation_bytes_per_layer(cfg, 2, 32, cp=2) == whole // 2 + 32 * 2 * 64 * 2 + 4 * 16 * 32
+    # 2 bytes (bf16), and the causal mask of its 16 queries per sequence over 32 keys (bf16 too)
+    assert activation_bytes_per_layer(cfg, 2, 32, cp=2) == whole // 2 + 32 * 2 * 64 * 2 + 2 * 16 * 32
     assert activation_bytes_per_layer(cfg, 2, 32, checkpointing="selective") < whole
 
 

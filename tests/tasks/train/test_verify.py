@@ -29,7 +29,7 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from kiln.flows.cli import main
-from kiln.tasks.train.config import ModelConfig, ParallelDims, TrainRunConfig
+from kiln.tasks.train.config import ModelConfig, ParallelDims, RopeScaling, TrainRunConfig
 from kiln.tasks.train.distributed import Layout
 from kiln.tasks.train.parallel import build_mesh
 from kiln.tasks.train.plan_memory import CandidateLayout, in_flight, rank_memory
@@ -97,6 +97,47 @@ def test_small_layouts_peak_as_planned(layout: CandidateLayout, microbatches: in
     for pp_rank in sorted({0, layout.pp - 1}):
         measured = measure_rank(SMALL, V, dims, run, pp_rank * layout.dp * layout.cp * layout.tp)
         planned = rank_memory(SMALL, V, 512, layout, microbatches, 0, precision, pp_rank)
+        assert planned.params == measured.param_bytes and planned.optimizer == measured.optimizer_bytes
+        assert abs(planned.tracked / measured.peak_bytes - 1) <= SMALL_PEAK_TOLERANCE, (pp_rank, planned, measured)
+
+
+# the architecture options, built and stepped as training does: ALiBi on local (windowed) and
+# global layers, LayerNorm after the residual adds, a GELU MLP; learned positions, OLMo 2's
+# reordered norm with QK-norm over the projection and two multi-token prediction heads; YaRN
+# scaling with QK-norm per head through a pipeline
+OPTION_MODELS = {
+    "alibi-local-global-ln-post-gelu": SMALL.model_copy(update={
+        "position": "alibi", "sliding_window": 128, "global_every": 2, "norm": "layernorm", "norm_placement": "post",
+        "mlp": "gelu"}),
+    "learned-reordered-qkproj-mtp": SMALL.model_copy(update={
+        "position": "learned", "norm_placement": "reordered", "qk_norm": True, "qk_norm_scope": "projection",
+        "mtp_heads": 2}),
+    "yarn-qkhead": SMALL.model_copy(update={
+        "rope_scaling": RopeScaling(kind="yarn", factor=4.0, original_max_seq_len=128), "qk_norm": True}),
+}
+OPTION_LAYOUTS = [  # (model, layout, micro-batches per step, precision)
+    ("alibi-local-global-ln-post-gelu", CandidateLayout(4, 2, 1, 1, 2, "selective"), 2, "bf16-mixed"),
+    ("alibi-local-global-ln-post-gelu", CandidateLayout(2, 1, 1, 2, 2, "none"), 2, "fp32"),
+    ("learned-reordered-qkproj-mtp", CandidateLayout(1, 1, 1, 1, 2, "none"), 2, "bf16-mixed"),
+    ("learned-reordered-qkproj-mtp", CandidateLayout(2, 2, 1, 1, 2, "full"), 2, "bf16-mixed"),
+    ("yarn-qkhead", CandidateLayout(2, 1, 2, 1, 1, "none"), 4, "bf16-mixed"),
+]
+
+
+@pytest.mark.parametrize(("name", "layout", "microbatches", "precision"), OPTION_LAYOUTS, ids=lambda x: str(x))
+def test_option_models_peak_as_planned(name: str, layout: CandidateLayout, microbatches: int, precision: str) -> None:
+    """Every architecture option priced by the planner: parameters and optimizer states to the
+    byte, the step's peak within the small layouts' bound, on FSDP, TP, CP, pipelines and one device."""
+    cfg = OPTION_MODELS[name]
+    dims = ParallelDims(dp=layout.dp, tp=layout.tp, pp=layout.pp, cp=layout.cp, pp_schedule=layout.schedule,
+                        stages_per_rank=layout.stages_per_rank)
+    run = TrainRunConfig(batch_size=layout.dp * layout.micro_batch * microbatches, seq_len=512,
+                         grad_accum=microbatches, activation_checkpointing=layout.checkpointing, precision=precision)
+    for pp_rank in sorted({0, layout.pp - 1}):
+        # the last cp rank: its queries see the whole sequence's keys, the mask the planner prices
+        rank = pp_rank * layout.dp * layout.cp * layout.tp + (layout.cp - 1) * layout.tp
+        measured = measure_rank(cfg, V, dims, run, rank)
+        planned = rank_memory(cfg, V, 512, layout, microbatches, 0, precision, pp_rank)
         assert planned.params == measured.param_bytes and planned.optimizer == measured.optimizer_bytes
         assert abs(planned.tracked / measured.peak_bytes - 1) <= SMALL_PEAK_TOLERANCE, (pp_rank, planned, measured)
 
