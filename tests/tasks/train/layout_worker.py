@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from kiln.tasks.launch import dist_worker
+from kiln.tasks.train import dist_worker
 from kiln.tasks.train.config import ModelConfig, ParallelDims
 from kiln.tasks.train.distributed import init_distributed
 from kiln.tasks.train.model import seeded_weights
