@@ -158,7 +158,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--sizes", default=",".join(map(str, SIZES)), help="corpus factors (1 and 16 give the RESULTs)")
-    parser.add_argument("--workers-size", type=int, default=4, help="the size that runs with 1 and 2 workers")
+    parser.add_argument("--workers-size", type=int, default=4,
+                        help="the size that runs with 1 and 2 workers (0: no such runs)")
     args = parser.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
     os.chdir(REPO)  # the default config's relative paths
@@ -167,9 +168,10 @@ def main() -> None:
         root = Path(tmp)
         (root / "sample").mkdir()
         collect_documents(CollectConfig.model_validate(default["collect"]), root / "sample")
-        sources = {k: grow(root / "sample", k, root / f"grown-{k}") if k > 1 else [] for k in {*sizes, args.workers_size}}
+        sources = {k: grow(root / "sample", k, root / f"grown-{k}") if k > 1 else []
+                   for k in {*sizes, args.workers_size} - {0}}
         results: dict[tuple[int, int | None], list[dict]] = {}
-        cases = [(k, None) for k in sizes] + [(args.workers_size, 1), (args.workers_size, 2)]
+        cases = [(k, None) for k in sizes] + ([(args.workers_size, 1), (args.workers_size, 2)] if args.workers_size else [])
         for repeat in range(args.repeats):
             for size, workers in cases:
                 name = f"x{size}-w{workers or 'default'}-{repeat}"
@@ -192,8 +194,13 @@ def main() -> None:
         print(f"x{size:<7}{workers or 'default':<9}{first['num_in']:>8}{first['num_tokens']:>11}"
               f"{median((size, workers), 'wall_s'):>9.1f}{median((size, workers), 'docs_per_s'):>9.1f}"
               f"{median((size, workers), 'peak_mb'):>10.0f}")
-    w1, w2 = median((args.workers_size, 1), "docs_per_s"), median((args.workers_size, 2), "docs_per_s")
-    print(f"x{args.workers_size}: 2 workers / 1 worker = {w2 / w1:.2f} in docs/s")
+    if args.workers_size:
+        w1, w2 = median((args.workers_size, 1), "docs_per_s"), median((args.workers_size, 2), "docs_per_s")
+        print(f"x{args.workers_size}: 2 workers / 1 worker = {w2 / w1:.2f} in docs/s")
+    top = max(sizes)
+    if 1 in sizes and top not in (1, 16):  # a smaller run (make bench): the same ratios at its largest size
+        print(f"RESULT data_peak_rss_growth_{top}x {median((top, None), 'peak_mb') / median((1, None), 'peak_mb'):.2f}")
+        print(f"RESULT data_docs_per_s_{top}x_vs_1x {median((top, None), 'docs_per_s') / median((1, None), 'docs_per_s'):.2f}")
     if {1, 16} <= set(sizes):
         print(f"RESULT data_peak_rss_growth_16x {median((16, None), 'peak_mb') / median((1, None), 'peak_mb'):.2f}")
         print(f"RESULT data_docs_per_s_16x_vs_1x {median((16, None), 'docs_per_s') / median((1, None), 'docs_per_s'):.2f}")

@@ -153,8 +153,13 @@ def clustered_pairs(cluster_of: dict[str, str]) -> set[tuple[str, str]]:
     return {(a, b) if a < b else (b, a) for group in members.values() for a, b in combinations(group, 2)}
 
 
+STAGE_PHASES: list[dict[str, float]] = []  # each timed stage run's seconds by phase
+
+
 def run_stage(cfg: DedupConfig, input_file: Path, out_dir: Path) -> Callable[[], dict[str, str]]:
-    dedup_documents(cfg, [input_file], out_dir)
+    phases: dict[str, float] = {}
+    dedup_documents(cfg, [input_file], out_dir, phase_s=phases)
+    STAGE_PHASES.append(phases)
     return lambda: clusters_from_output(out_dir)
 
 
@@ -310,6 +315,9 @@ def main() -> None:
         print(f"{name:<12}{seconds:>9.2f}{num_docs / seconds:>13.0f}{len(found[name]):>8}"
               f"{hits / len(positives):>12.4f}{precision:>15.4f}   {', '.join(f'{t:.2f}' for t in runs[name][0])}")
     datasketch = results["datasketch"][0]
+    timed = STAGE_PHASES[-args.repeats :]  # the warm-up run's phases are not medians of the timed runs
+    print("stage phases (median s): " + ", ".join(f"{name} {statistics.median(p[name] for p in timed):.3f}"
+                                                  for name in timed[0]))
     print(f"shingles + signatures of normalised text alone: Kiln {sig_fast:.2f} s, datasketch {sig_datasketch:.2f} s "
           f"({sig_datasketch / sig_fast:.1f}x)")
     print(f"RESULT dedup_signature_path_speedup {datasketch / results['signatures'][0]:.2f}")
