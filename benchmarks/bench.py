@@ -5,7 +5,7 @@ lines, collected here):
 - `benchmarks/dedup.py --repeats 3`: the whole dedup stage against datasketch and rensa (rensa's row
   only where it is installed: a benchmark-only dependency), medians of 3;
 - `benchmarks/clean_overhead.py --repeats 3`: Kiln's clean against the same filters as a plain
-  datatrove pipeline;
+  datatrove pipeline (Kiln's seconds / datatrove's: the issue sets no goal; lower is better);
 - `benchmarks/train_step.py --steps 10 --compile`: the training step against nanoGPT's, eager and compiled;
 - `benchmarks/data_scale.py --sizes 1,2 --workers-size 0`: the data half at x1 and x2 (the README's
   ×16 run takes an hour; this is its smoke-sized version).
@@ -30,7 +30,7 @@ BENCHMARKS = [
     (["dedup.py", "--repeats", "3"], 240, {
         "dedup_stage_speedup": (5.0, "min"), "dedup_stage_speedup_vs_rensa": (1.3, "min"),
         "dedup_signature_path_speedup": (None, "min")}),
-    (["clean_overhead.py", "--repeats", "3"], 180, {"clean_overhead_ratio": (1.0, "max")}),
+    (["clean_overhead.py", "--repeats", "3"], 180, {"clean_overhead_ratio": (None, "max")}),
     (["train_step.py", "--steps", "10", "--compile"], 150, {
         "train_tokens_per_s_ratio": (1.0, "min"), "train_compiled_vs_nanogpt_eager_ratio": (1.2, "min"),
         "train_compiled_ratio": (None, "min")}),
