@@ -33,6 +33,7 @@ STAGE = Stage(
     external_files=external_files, headline=document_headline, reports=("contamination.md", "removals.md"),
     # 3: removals by domain (removals.json/.md/.png)
     # 4: character n-grams for scripts without spaces; shards scanned a task each; documents as shards
-    version=4,
+    # 5: character n-grams over mixed tokens (a Latin word between unspaced characters is one token)
+    version=5,
     resumable=True,  # a retry keeps the shards its scan finished
 )
