@@ -149,7 +149,7 @@ def build_executor(
     if settings.kind == "ray":
         return _RayExecutor(pipeline, tasks_per_job=tasks_per_job, **common)
     site = settings.slurm
-    return _SlurmExecutor(
+    executor = _SlurmExecutor(
         pipeline, time=settings.time_limit, partition=settings.partition or default_partition(),
         tasks_per_job=tasks_per_job, job_name=job_name, cpus_per_task=site.cpus_per_task or 1,
         qos=site.qos,  # None: the partition's default; datatrove's "normal" need not exist
@@ -157,6 +157,9 @@ def build_executor(
         srun_args=container_flags(settings.image, site.container_mounts, Path.cwd()) or None,
         slurm_logs_folder=str(slurm_logs_dir(settings, logging_dir)), **common,
     )
+    if settings.image:
+        executor.python = "python"  # the image's
+    return executor
 
 
 def slurm_logs_dir(settings: ExecutorSettings, logging_dir: Path) -> Path:
@@ -462,6 +465,9 @@ class _SlurmExecutor(SlurmPipelineExecutor):
     itself once the array is over, and a job chained `afterok` to a failed array would pend forever."""
 
     journal: JobJournal | None = None  # where run_pipeline records each submission (set before `run`)
+    # what runs a rank: this interpreter (the driver's environment, on a shared filesystem; not whichever
+    # `launch_pickled_pipeline` script comes first on the node's PATH), or the image's `python`
+    python: str = shlex.quote(sys.executable)
 
     def launch_merge_stats(self) -> None:
         return None
@@ -485,7 +491,8 @@ class _SlurmExecutor(SlurmPipelineExecutor):
         script = Path(self.slurm_logs_folder) / f"{self.job_name}.{len(self.journal.jobs()) if self.journal else 0}.sbatch"
         script.parent.mkdir(parents=True, exist_ok=True)
         script.write_text(self.get_launch_file_contents(
-            self.get_sbatch_args(array), f"srun {srun} -l -n {self.nodes_per_task} launch_pickled_pipeline {pickled}"))
+            self.get_sbatch_args(array),
+            f"srun {srun} -l -n {self.nodes_per_task} {self.python} -m datatrove.tools.launch_pickled_pipeline {pickled}"))
         self.job_id = submit(script, "--export=ALL,RUN_OFFSET=0")
         logger.info("submitted Slurm job %s (%s, %d ranks) from %s", self.job_id, self.job_name, len(ranks), script)
         if self.journal is not None:
