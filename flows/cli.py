@@ -49,11 +49,13 @@ from kiln.tasks.errors import KilnError  # noqa: E402
 from kiln.tasks.graph import stage_keys
 from kiln.tasks.launch.cluster import ClusterSpec, where_it_ran
 from kiln.tasks.launch.local_slurm import LocalSlurmCluster
+from kiln.tasks.launch.slurm_jobs import JobJournal, live_jobs
 from kiln.tasks.lineage import as_json, lineage, locate, render_table
 from kiln.tasks.runner import StageOutcome
 from kiln.tasks.scaling.plan import budget_from_accelerators, budget_report
 from kiln.tasks.settings import KilnConfig, open_tracker
 from kiln.tasks.stages import REGISTRY
+from kiln.tasks.stages._common import SLURM_LOGS
 from kiln.tasks.store import Store
 from kiln.tasks.train.config import ModelConfig
 
@@ -302,11 +304,25 @@ def _stage_state(store: Store, stage: Stage, key: str, room: int) -> tuple[str, 
     if lock.held():
         owner = lock.owner() or {}
         return f"running (pid {owner.get('pid')} on {owner.get('host')})", {}
+    live = _live_jobs(store.partial_path(stage.name, key))
     failure = store.failure(stage.name, key)
-    if failure is not None:
-        then = "a rerun resumes it" if failure["retryable"] else "fix it, then rerun"
+    if failure is not None and not live:
+        then = ("a rerun resumes it" if failure["retryable"] else
+                "fix the config, then rerun" if failure.get("config") else "fix it, then rerun")
         return _cut(f"failed ({then}): {failure['error']}: {' '.join(failure['message'].split())}", room), {}
+    if live:
+        return _cut(f"partial, its driver gone but Slurm still runs {'; '.join(live)}: the next run waits for "
+                    f"them (scancel to stop them)", room), {}
     return "partial (an attempt crashed or was stopped; the next run resumes or redoes it)", {}
+
+
+def _live_jobs(partial: Path) -> list[str]:
+    """The Slurm jobs a data stage's attempt submitted (its journal, `logs/slurm_jobs.jsonl`) that still run."""
+    journal = JobJournal(partial / SLURM_LOGS)
+    jobs = journal.open_jobs()
+    live = set(live_jobs([job["job_id"] for job in jobs])) if jobs else set()
+    return [f"job {job['job_id']} ({job['job_name']} ranks {','.join(map(str, job['ranks']))}, submitted by pid "
+            f"{job['pid']} on {job['host']})" for job in jobs if job["job_id"] in live]
 
 
 def _cut(text: str, room: int) -> str:

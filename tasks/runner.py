@@ -25,7 +25,7 @@ from pydantic import BaseModel
 
 from kiln.tasks.configbase import Section, is_runtime
 from kiln.tasks.crashes import OWNER_TAG, process_owner
-from kiln.tasks.errors import KilnError, is_retryable
+from kiln.tasks.errors import ConfigError, KilnError, is_retryable
 from kiln.tasks.graph import config_value, stage_identity, stage_keys
 from kiln.tasks.ledger import StageRecorder, launch_tags, merged_launch, numeric_stats
 from kiln.tasks.provenance import code_version, provenance
@@ -227,6 +227,7 @@ def _execute(stage: Stage, cfg: KilnConfig, store: Store, tracker: Tracker, regi
         if isinstance(error, Exception):  # not an interrupt: `kiln status` shows why it failed
             store.record_failure(stage.name, key, {"error": type(error).__name__, "message": str(error),
                                                    "retryable": is_retryable(error), "mlflow_run_id": run_id,
+                                                   "config": isinstance(error, ConfigError),
                                                    "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
         if on_event is not None:  # Prefect turns it into an event that automations alert on
             on_event("kiln.stage.failed", {"stage": stage.name, "key": key, "error": f"{type(error).__name__}: {error}"})

@@ -11,6 +11,8 @@ from kiln.tasks.data.executors import ExecutorSettings
 from kiln.tasks.errors import InputError
 from kiln.tasks.settings import KilnConfig
 
+SLURM_LOGS = "logs"  # in a data stage's folder: its Slurm jobs' output, scripts and journal
+
 if TYPE_CHECKING:
     from kiln.tasks.stage import StageContext
 
@@ -38,9 +40,10 @@ def configured_eval_files(cfg: KilnConfig) -> list[Path]:
 
 def executor_settings(ctx: StageContext) -> ExecutorSettings:
     """Where the stage's data pipelines run: `cluster.executor` and, on Slurm, what its jobs need; each
-    job's launch record goes to the stage's manifest."""
+    job's launch record goes to the stage's manifest, its output files to the stage's `logs/` (committed
+    with the stage: `logs/<job>_<task>.out`)."""
     cluster = ctx.cfg.cluster
     if cluster.executor != "slurm":  # the Slurm fields mean nothing to the other executors
         return ExecutorSettings(cluster.executor, on_job=ctx.recorder.job_launched)
     return ExecutorSettings("slurm", cluster.partition, cluster.time_limit, cluster.slurm, cluster.image,
-                            ctx.recorder.job_launched)
+                            ctx.recorder.job_launched, logs_dir=ctx.out_dir / SLURM_LOGS)
