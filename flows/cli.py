@@ -35,7 +35,15 @@ from kiln.flows.deploy import deploy, run_worker, serve, work_pool
 from kiln.flows.environment import prepare_environment
 from kiln.flows.image import check_image, find_runtime, installation_problems
 from kiln.flows.project import init_project
-from kiln.flows.servers import ENV_FILE, read_servers, running_work_dirs, servers_dir, start_servers, stop_servers
+from kiln.flows.servers import (
+    ENV_FILE,
+    read_servers,
+    running_work_dirs,
+    servers_dir,
+    start_servers,
+    stop_servers,
+    stop_workers,
+)
 from kiln.tasks.config import (  # noqa: E402
     PACKAGED_DEFAULT,
     PROJECT_CONFIGS,
@@ -487,6 +495,11 @@ def cmd_down(ns: argparse.Namespace) -> int:
     if not named and work not in running and running:  # nothing here: the last `kiln up`, wherever it was
         work = running[0]
         print(f"no kiln servers for {Path(cfg.work_dir).resolve()}; stopping those of the last `kiln up`, for {work}")
+    workers, still = stop_workers(work)  # first: a worker left without its server only waits on it
+    if workers:
+        print(f"stopped kiln worker(s): pid {', '.join(map(str, workers))} (the flow runs they started go on)")
+    if still:
+        print(f"kiln worker(s) still running after SIGTERM: pid {', '.join(map(str, still))} (kill them with kill -9)")
     stopped = stop_servers(work)
     print(f"stopped: {', '.join(stopped)}" if stopped else f"no kiln servers were running for {work}")
     others = [w for w in running if w != work]

@@ -41,6 +41,8 @@ from kiln.tasks.keylock import pid_alive
 HOST = "127.0.0.1"
 STATE_FILE = "servers.json"
 ENV_FILE = "env"
+WORKERS_DIR = "workers"  # under servers/: one file per running `kiln worker` of these servers, named by its pid
+WORKER_STOP_S = 10.0  # how long a worker may take to stop on SIGTERM (`kiln worker` kills its Prefect worker then)
 
 
 @dataclass(frozen=True)
@@ -258,6 +260,43 @@ def stop_servers(work_dir: str | Path, timeout_s: float = 30.0) -> list[str]:
     (folder / ENV_FILE).unlink(missing_ok=True)
     _forget(Path(work_dir).resolve())
     return stopped
+
+
+def servers_of(prefect_api_url: str) -> Path | None:
+    """The servers folder of the running `kiln up` whose Prefect API is `prefect_api_url` (None: not Kiln's)."""
+    for work_dir in running_work_dirs():
+        if any(s.name == "prefect" and s.url == prefect_api_url.rstrip("/") for s in read_servers(work_dir)):
+            return servers_dir(work_dir)
+    return None
+
+
+def register_worker(folder: Path, pid: int) -> Path:
+    """Record a running `kiln worker` of the servers in `folder`, so `kiln down` finds it; returns its file."""
+    path = folder / WORKERS_DIR / str(pid)
+    path.parent.mkdir(exist_ok=True)
+    path.write_text(json.dumps({"pid": pid, "started": time.time()}))
+    return path
+
+
+def stop_workers(work_dir: str | Path, timeout_s: float = WORKER_STOP_S + 5) -> tuple[list[int], list[int]]:
+    """SIGTERM every recorded `kiln worker` of this work dir's servers (each stops within `WORKER_STOP_S`,
+    leaving the flow runs it started running) and wait for them; returns (stopped, still running) pids."""
+    folder = servers_dir(work_dir) / WORKERS_DIR
+    pids = sorted(int(p.name) for p in folder.glob("*") if p.name.isdigit()) if folder.is_dir() else []
+    live = [pid for pid in pids if pid_alive(pid)]
+    for pid in live:
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + timeout_s
+    while any(_alive(pid) for pid in live) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    still = [pid for pid in live if _alive(pid)]
+    for pid in pids:
+        if pid not in still:
+            (folder / str(pid)).unlink(missing_ok=True)
+    return [pid for pid in live if pid not in still], still
 
 
 def _registry() -> Path:

@@ -110,6 +110,14 @@ class ExecutorSettings:
     image: str | None = None  # cluster.image: Slurm jobs run in it (pyxis); None: in this interpreter's environment
     # told where each pipeline's job ran (`launch_record`: the Slurm job id and nodes), for the stage's record
     on_job: Callable[[dict[str, Any]], None] | None = field(default=None, compare=False)
+    # `kiln-<stage>-<key>`: the start of each Slurm job's name, so `squeue` says whose it is (None: the job's own name)
+    job_prefix: str | None = field(default=None, compare=False)
+
+    def slurm_job_name(self, job_name: str) -> str:
+        """The Slurm name of the pipeline `job_name` (`kiln_dedup_sign` -> `kiln-dedup-<key>-dedup-sign`)."""
+        if self.job_prefix is None:
+            return job_name
+        return f"{self.job_prefix}-{job_name.removeprefix('kiln_').replace('_', '-')}"
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -136,7 +144,7 @@ def build_executor(
     site = settings.slurm
     return _SlurmExecutor(
         pipeline, time=settings.time_limit, partition=settings.partition or default_partition(),
-        tasks_per_job=tasks_per_job, job_name=job_name,
+        tasks_per_job=tasks_per_job, job_name=settings.slurm_job_name(job_name),
         qos=site.qos,  # None: the partition's default; datatrove's "normal" need not exist
         sbatch_args=_sbatch_args(site), env_command=_job_environment(site, settings.image),
         srun_args=container_flags(settings.image, site.container_mounts, Path.cwd()) or None, **common,

@@ -43,4 +43,4 @@ def executor_settings(ctx: StageContext) -> ExecutorSettings:
     if cluster.executor != "slurm":  # the Slurm fields mean nothing to the other executors
         return ExecutorSettings(cluster.executor, on_job=ctx.recorder.job_launched)
     return ExecutorSettings("slurm", cluster.partition, cluster.time_limit, cluster.slurm, cluster.image,
-                            ctx.recorder.job_launched)
+                            ctx.recorder.job_launched, job_prefix=f"kiln-{ctx.recorder.stage}-{ctx.recorder.key[:12]}")
