@@ -475,9 +475,12 @@ def cmd_ui(ns: argparse.Namespace) -> int:
 def cmd_up(ns: argparse.Namespace) -> int:
     cfg, _, _ = _load(ns)
 
+    restarted: list[str] = []
     servers = start_servers(cfg.work_dir, prefect_port=ns.prefect_port, mlflow_port=ns.mlflow_port,
                             prefect_database=ns.prefect_database, mlflow_database=ns.mlflow_database,
-                            database_kind=ns.database)
+                            database_kind=ns.database, restarted=restarted)
+    if restarted:
+        print(f"restarted {', '.join(restarted)} (it had stopped or died) on the port and database it had")
     for server in servers:
         print(f"{server.name:<8} {server.ui:<24} pid {server.pid}  log {server.log}")
     if any(server.name == "postgres" for server in servers):
@@ -734,8 +737,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="postgres: a local PostgreSQL cluster under work_dir/servers/postgres (created on first use; "
                          "Debian's postgresql package), for many concurrent runs; sqlite: the embedded default "
                          "(default: $KILN_DATABASE, else postgres where this work dir has a cluster, else sqlite)")
-    up.add_argument("--prefect-port", type=int, default=4200, help="the Prefect server and UI's port (default 4200)")
-    up.add_argument("--mlflow-port", type=int, default=5000, help="the MLflow server and UI's port (default 5000)")
+    up.add_argument("--prefect-port", type=int, default=None,
+                    help="the Prefect server and UI's port (default: the last `kiln up` here's, else 4200)")
+    up.add_argument("--mlflow-port", type=int, default=None,
+                    help="the MLflow server and UI's port (default: the last `kiln up` here's, else 5000)")
     up.add_argument("--prefect-database", default=os.environ.get("KILN_PREFECT_DATABASE"), metavar="URL",
                     help="e.g. postgresql+asyncpg://user:pass@host/prefect (default: $KILN_PREFECT_DATABASE, else SQLite)")
     up.add_argument("--mlflow-database", default=os.environ.get("KILN_MLFLOW_DATABASE"), metavar="URL",
