@@ -39,6 +39,7 @@ ALERTS = {  # automation name -> (event, subject)
     "kiln-flow-run-crashed": ("prefect.flow-run.Crashed", "Kiln: a flow run crashed"),
 }
 CRASHED = "kiln-flow-run-crashed"
+UI_VERSION = "v2"  # the path segment of Prefect's current UI (prefect.server.api.server.UI_VERSION_PATH_SEGMENT)
 UNRESPONSIVE = "kiln-crash-unresponsive-runs"
 MISSED_HEARTBEATS = 3  # one late heartbeat on a busy machine must not crash a live run
 BLOCK_NAME = "kiln-alerts"
@@ -56,17 +57,24 @@ _RUN_ALIVE_OR_DONE = {"prefect.flow-run.heartbeat", "prefect.flow-run.Completed"
 def crashed_body(ui_url: str | None) -> str:
     """The crash alert's sentence, rendered by the server from the flow run the event names (Prefect's own
     event carries no Kiln payload); `ui_url`: the Prefect UI the deploying process talks to."""
-    link = f" Flow run: {ui_url.rstrip('/')}/runs/flow-run/{{{{ flow_run.id }}}}" if ui_url else ""
+    link = f" Flow run: {flow_run_page(ui_url, '{{ flow_run.id }}')}" if ui_url else ""
+    # a message that ends its own sentence gets no second period
     return ("Flow run {{ flow_run.name }} ({{ flow.name }}{% if flow_run.parameters.config_path %}, config "
             "{{ flow_run.parameters.config_path }}{% endif %}) crashed: "
-            "{{ flow_run.state.message or 'no reason given' }}." + link)
+            "{{ (flow_run.state.message or 'no reason given').strip().rstrip('.') }}." + link)
+
+
+def flow_run_page(ui_url: str, flow_run_id: str) -> str:
+    """A flow run's page in the Prefect UI at `ui_url`: Prefect 3's current UI serves it under /v2 (its own
+    navigation links there; the old UI's /runs/... paths are kept for a while but are not where it leads)."""
+    return f"{ui_url.rstrip('/')}/{UI_VERSION}/runs/flow-run/{flow_run_id}"
 
 
 def run_context() -> tuple[str, str | None]:
     """The config the current flow run was given (its path, and its overrides if any) and the run's page
     in the Prefect UI (None outside a flow run, or without a UI address)."""
     from prefect.runtime import flow_run
-    from prefect.utilities.urls import url_for
+    from prefect.settings import get_current_settings
 
     parameters = flow_run.parameters or {}
     config = str(parameters.get("config_path") or "Kiln's defaults")
@@ -74,7 +82,8 @@ def run_context() -> tuple[str, str | None]:
     if overrides:
         config += f" with {overrides if len(overrides) <= _MAX_OVERRIDES else overrides[:_MAX_OVERRIDES] + '...'}"
     run_id = flow_run.get_id()
-    return config, (url_for("flow-run", obj_id=str(run_id)) or None) if run_id else None
+    ui_url = get_current_settings().ui_url
+    return config, flow_run_page(ui_url, str(run_id)) if run_id and ui_url else None
 
 
 def _sentence(text: str, url: str | None) -> str:
@@ -150,7 +159,10 @@ def create_crash_detector() -> timedelta | None:
             after={"prefect.flow-run.heartbeat"}, expect=_RUN_ALIVE_OR_DONE,
             match=ResourceSpecification({"prefect.resource.id": ["prefect.flow-run.*"]}),
             for_each={"prefect.resource.id"}, posture=Posture.Proactive, threshold=1, within=silence),
-        actions=[ChangeFlowRunState(state=StateType.CRASHED, name="Crashed", force=True,
+        # not forced: the server then refuses to turn a final state (Completed, Failed...) into Crashed. A short
+        # run's heartbeat event can reach the server after the Completed event the server emitted itself, so
+        # the trigger may fire for a run that ended well; a forced change would overwrite its Completed.
+        actions=[ChangeFlowRunState(state=StateType.CRASHED, name="Crashed", force=False,
                                     message=f"no heartbeat for {silence.total_seconds():.0f}s: "
                                             "the worker or its machine died")],
     ).create()

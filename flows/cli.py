@@ -35,7 +35,15 @@ from kiln.flows.deploy import deploy, run_worker, serve, work_pool
 from kiln.flows.environment import prepare_environment
 from kiln.flows.image import check_image, find_runtime, installation_problems
 from kiln.flows.project import init_project
-from kiln.flows.servers import ENV_FILE, read_servers, running_work_dirs, servers_dir, start_servers, stop_servers
+from kiln.flows.servers import (
+    ENV_FILE,
+    read_servers,
+    running_work_dirs,
+    servers_dir,
+    start_servers,
+    stop_servers,
+    stop_workers,
+)
 from kiln.tasks.config import (  # noqa: E402
     PACKAGED_DEFAULT,
     PROJECT_CONFIGS,
@@ -483,9 +491,12 @@ def cmd_ui(ns: argparse.Namespace) -> int:
 def cmd_up(ns: argparse.Namespace) -> int:
     cfg, _, _ = _load(ns)
 
+    restarted: list[str] = []
     servers = start_servers(cfg.work_dir, prefect_port=ns.prefect_port, mlflow_port=ns.mlflow_port,
                             prefect_database=ns.prefect_database, mlflow_database=ns.mlflow_database,
-                            database_kind=ns.database)
+                            database_kind=ns.database, restarted=restarted)
+    if restarted:
+        print(f"restarted {', '.join(restarted)} (it had stopped or died) on the port and database it had")
     for server in servers:
         print(f"{server.name:<8} {server.ui:<24} pid {server.pid}  log {server.log}")
     if any(server.name == "postgres" for server in servers):
@@ -503,6 +514,11 @@ def cmd_down(ns: argparse.Namespace) -> int:
     if not named and work not in running and running:  # nothing here: the last `kiln up`, wherever it was
         work = running[0]
         print(f"no kiln servers for {Path(cfg.work_dir).resolve()}; stopping those of the last `kiln up`, for {work}")
+    workers, still = stop_workers(work)  # first: a worker left without its server only waits on it
+    if workers:
+        print(f"stopped kiln worker(s): pid {', '.join(map(str, workers))} (the flow runs they started go on)")
+    if still:
+        print(f"kiln worker(s) still running after SIGTERM: pid {', '.join(map(str, still))} (kill them with kill -9)")
     stopped = stop_servers(work)
     print(f"stopped: {', '.join(stopped)}" if stopped else f"no kiln servers were running for {work}")
     others = [w for w in running if w != work]
@@ -737,8 +753,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="postgres: a local PostgreSQL cluster under work_dir/servers/postgres (created on first use; "
                          "Debian's postgresql package), for many concurrent runs; sqlite: the embedded default "
                          "(default: $KILN_DATABASE, else postgres where this work dir has a cluster, else sqlite)")
-    up.add_argument("--prefect-port", type=int, default=4200, help="the Prefect server and UI's port (default 4200)")
-    up.add_argument("--mlflow-port", type=int, default=5000, help="the MLflow server and UI's port (default 5000)")
+    up.add_argument("--prefect-port", type=int, default=None,
+                    help="the Prefect server and UI's port (default: the last `kiln up` here's, else 4200)")
+    up.add_argument("--mlflow-port", type=int, default=None,
+                    help="the MLflow server and UI's port (default: the last `kiln up` here's, else 5000)")
     up.add_argument("--prefect-database", default=os.environ.get("KILN_PREFECT_DATABASE"), metavar="URL",
                     help="e.g. postgresql+asyncpg://user:pass@host/prefect (default: $KILN_PREFECT_DATABASE, else SQLite)")
     up.add_argument("--mlflow-database", default=os.environ.get("KILN_MLFLOW_DATABASE"), metavar="URL",

@@ -20,6 +20,7 @@ import pwd
 import secrets
 import shutil
 import subprocess
+import time
 from pathlib import Path
 
 from kiln.tasks.errors import KilnError
@@ -87,6 +88,29 @@ def prepare(servers: Path) -> str:
         shutil.rmtree(cluster, ignore_errors=True)  # half a cluster would stop the next `kiln up`
         raise KilnError(f"initdb failed for {cluster}:\n{done.stderr.strip()[-2000:]}")
     return password
+
+
+def wait_for_old_server(servers: Path, timeout_s: float = 60.0) -> None:
+    """Before starting the cluster again after its server died: wait until the dead server's processes
+    (backends, background workers: each notices its postmaster's death on its own, seconds later) have
+    ended; a new server refuses the cluster while they still hold its shared memory."""
+    import psutil  # defers psutil
+
+    cluster = (servers / CLUSTER_DIR).resolve()
+
+    def holders() -> list[int]:
+        found = []
+        for process in psutil.process_iter(["pid", "cwd"]):
+            if process.info["cwd"] and Path(process.info["cwd"]) == cluster:
+                found.append(process.info["pid"])
+        return found
+
+    deadline = time.monotonic() + timeout_s
+    while (left := holders()) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    if left:
+        raise KilnError(f"the PostgreSQL processes of a server that died ({', '.join(map(str, left))}) still use "
+                        f"{cluster} after {timeout_s:.0f}s: stop them (kill {' '.join(map(str, left))}), then kiln up")
 
 
 def server_command(servers: Path, port: int) -> list[str]:

@@ -27,12 +27,14 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import yaml
 
 from kiln.flows.alerts import UNRESPONSIVE, create_alerts, create_crash_detector
 from kiln.flows.environment import PROCESS_SETTINGS
+from kiln.flows.servers import WORKER_STOP_S, register_worker, servers_of
 from kiln.tasks.bundled import shipped
 from kiln.tasks.config import load_config
 from kiln.tasks.errors import KilnError
@@ -231,17 +233,47 @@ async def _watch(parameters: dict, interval: int) -> None:
 
 
 def run_worker() -> None:
-    """Replace this process with a Prefect worker for Kiln's pool, once what a crash left running (a
-    dead worker's task runs, MLflow runs at $MLFLOW_TRACKING_URI) is marked crashed (`flows.crashes`).
-    Its flow runs start in the project directory each deployment names (see `deploy`), not in this
-    process's folder."""
-    _require_server()
+    """Run a Prefect worker for Kiln's pool, once what a crash left running (a dead worker's task runs, MLflow
+    runs at $MLFLOW_TRACKING_URI) is marked crashed (`flows.crashes`); returns when it stops. Its flow runs
+    start in the project directory each deployment names (see `deploy`), not in this process's folder.
+
+    The worker is a child of this process, which stops it on SIGTERM or SIGINT within `WORKER_STOP_S`
+    whatever the servers' state: Prefect's worker turns SIGTERM into a graceful stop that, with its server
+    down, waits on its client's retries (observed: alive 80 s later); past the limit it is SIGKILLed. Its
+    flow runs are not in its process group and write no output to it (the pool's `stream_output` is off),
+    so they outlive it. A worker of a `kiln up`'s servers is recorded there, so `kiln down` stops it."""
+    import signal
+
+    api_url = _require_server()
     from kiln.flows.crashes import reap_crashed  # defers prefect
 
     uri = os.environ.get("MLFLOW_TRACKING_URI")  # the default experiment: a worker has no config of its own
     reap_crashed(MlflowTracker(uri, TrackingConfig().experiment) if uri else None)
     command = [sys.executable, "-m", "prefect", "worker", "start", "--pool", POOL, "--type", "process"]
-    os.execvpe(command[0], command, worker_environment())
+    worker = subprocess.Popen(command, env=worker_environment())
+    stop_by: list[float] = []
+
+    def stop(signum: int, _frame: object) -> None:
+        if not stop_by:
+            stop_by.append(time.monotonic() + WORKER_STOP_S)
+            worker.send_signal(signal.SIGTERM)
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, stop)
+    folder = servers_of(api_url)
+    record = register_worker(folder, os.getpid()) if folder is not None else None
+    try:
+        while worker.poll() is None:
+            if stop_by and time.monotonic() > stop_by[0]:
+                print(f"kiln: the Prefect worker did not stop within {WORKER_STOP_S:.0f}s of SIGTERM (its server "
+                      "may be down): killed; its flow runs go on", file=sys.stderr, flush=True)
+                worker.kill()
+            time.sleep(0.1)
+    finally:
+        if record is not None:
+            record.unlink(missing_ok=True)
+    if worker.returncode not in (0, -signal.SIGKILL, -signal.SIGTERM) and not stop_by:
+        raise KilnError(f"the Prefect worker exited with status {worker.returncode}")
 
 
 def serve(continuous_eval_config: str | None = None, overrides: list[str] | None = None,

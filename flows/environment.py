@@ -39,6 +39,7 @@ def apply_run_settings(cfg: KilnConfig) -> None:
     for name, value in PROCESS_SETTINGS.items():
         os.environ.setdefault(name, value)
     keep_results_in_work_dir(cfg)
+    keep_console_in_work_dir(cfg)
     evaluate = getattr(cfg, "evaluate", None)  # a registry without the evaluate stage has no section
     if evaluate is None or not evaluate.online_tasks():
         # Kiln's local eval tasks need no hub; lm-eval's (evaluate.standard_suite, extra_tasks) do.
@@ -70,6 +71,35 @@ def keep_results_in_work_dir(cfg: KilnConfig) -> None:
     folder.mkdir(parents=True, exist_ok=True)
     context.result_store = context.result_store.model_copy(
         update={"result_storage": LocalFileSystem(basepath=str(folder))})
+
+
+def keep_console_in_work_dir(cfg: KilnConfig) -> None:
+    """A flow run started without a console (a worker's, whose pool does not stream its output: see
+    infra/prefect.yaml) writes its stdout and stderr to `{work_dir}/logs/flow-runs/{flow run id}.log`,
+    appended to by each attempt. Elsewhere (a console, a pipe, a file), nothing changes."""
+    if "prefect.context" not in sys.modules:
+        return
+    from prefect.context import FlowRunContext
+
+    context = FlowRunContext.get()
+    if context is None or context.flow_run is None or not _is_devnull(1):
+        return
+    folder = Path(cfg.work_dir).resolve() / "logs" / "flow-runs"
+    folder.mkdir(parents=True, exist_ok=True)
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    descriptor = os.open(folder / f"{context.flow_run.id}.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(descriptor, 1)
+    os.dup2(descriptor, 2)
+    os.close(descriptor)
+
+
+def _is_devnull(descriptor: int) -> bool:
+    try:
+        found, null = os.fstat(descriptor), os.stat(os.devnull)
+    except OSError:
+        return False
+    return (found.st_dev, found.st_ino) == (null.st_dev, null.st_ino)
 
 
 def prepare_environment(cfg: KilnConfig) -> None:

@@ -40,7 +40,11 @@ from kiln.tasks.keylock import pid_alive
 
 HOST = "127.0.0.1"
 STATE_FILE = "servers.json"
+LAST_STATE_FILE = "servers.last.json"  # what `down` stopped: the next `up` starts them on the same ports
 ENV_FILE = "env"
+LOG_MARK = "---- kiln up starts"  # written to a server's log before each start: its tail is this start's
+WORKERS_DIR = "workers"  # under servers/: one file per running `kiln worker` of these servers, named by its pid
+WORKER_STOP_S = 10.0  # how long a worker may take to stop on SIGTERM (`kiln worker` kills its Prefect worker then)
 
 
 @dataclass(frozen=True)
@@ -96,6 +100,8 @@ def _spawn(server: Server) -> Server:
     env = {**os.environ, **server.env}
     env.pop("PREFECT_API_URL", None)  # a server must not look for itself elsewhere
     with open(server.log, "ab") as out:
+        out.write(f"{LOG_MARK} {server.name}: {time.strftime('%Y-%m-%d %H:%M:%S')} ----\n".encode())
+        out.flush()
         # its own process group: `down` stops the server and every worker process it forked
         process = subprocess.Popen(server.command, env=env, stdout=out, stderr=subprocess.STDOUT,
                                    stdin=subprocess.DEVNULL, start_new_session=True, user=server.user,
@@ -104,11 +110,14 @@ def _spawn(server: Server) -> Server:
 
 
 def _log_tail(path: str | Path, lines: int = 12) -> str:
-    """The last lines of a server's log, indented: why it exited is usually there."""
+    """The last lines of a server's log since its latest start (not an earlier server's), indented: why it
+    exited is usually there."""
     try:
-        text = Path(path).read_text(errors="replace").splitlines()[-lines:]
+        text = Path(path).read_text(errors="replace").splitlines()
     except OSError as error:
         return f"  (unreadable: {error})"
+    starts = [i for i, line in enumerate(text) if line.startswith(LOG_MARK)]
+    text = text[starts[-1] + 1:][-lines:] if starts else text[-lines:]
     return "\n".join(f"  {line}" for line in text) or "  (empty)"
 
 
@@ -137,21 +146,37 @@ def _postgres(folder: Path) -> tuple[Server, tuple[str, str]]:
     return server, database.urls(port, password)
 
 
-def start_servers(work_dir: str | Path, *, prefect_port: int = 4200, mlflow_port: int = 5000,
+def start_servers(work_dir: str | Path, *, prefect_port: int | None = None, mlflow_port: int | None = None,
                   prefect_database: str | None = None, mlflow_database: str | None = None,
-                  database_kind: str | None = None, timeout_s: float = 120.0) -> list[Server]:
+                  database_kind: str | None = None, timeout_s: float = 120.0,
+                  restarted: list[str] | None = None) -> list[Server]:
     """Start both servers (or report the running ones) and wait until they are healthy. `database_kind`:
     `sqlite`, `postgres` (Kiln's own cluster), or None: the cluster if this work dir has one, else SQLite.
-    Servers of an earlier `up` that died while others still run are started again as they were."""
+    Servers of an earlier `up` that died (all of them, or some while others still run) are started again
+    as they were: same ports, same database, so clients' URLs and alert links stay right; their names are
+    appended to `restarted`. Ports not given: those of the last `up` here, else 4200 and 5000."""
     folder = servers_dir(work_dir)
     folder.mkdir(parents=True, exist_ok=True)
     recorded = _recorded(folder)
-    if any(_alive(s.pid) for s in recorded):
+    last = _recorded(folder, LAST_STATE_FILE)
+    ports_given = prefect_port is not None or mlflow_port is not None
+    if not any(_alive(s.pid) for s in recorded) and not recorded and last and not ports_given \
+            and not (prefect_database or mlflow_database) and database_kind in (None, _kind_of(last)):
+        recorded = last  # stopped by `down`: started again as they were
+    if recorded and (any(_alive(s.pid) for s in recorded) or recorded is last or not ports_given):
+        dead = [s for s in _start_order(recorded) if not _alive(s.pid)]
+        for server in dead:
+            if server.name == "postgres":
+                database.wait_for_old_server(folder)
         servers = [s if _alive(s.pid) else _spawn(s) for s in _start_order(recorded)]
         _write_state(folder, servers)
         _wait_healthy(work_dir, _start_order(servers), timeout_s)
         _remember(folder.parent)
+        if restarted is not None:
+            restarted.extend(s.name for s in dead)
         return _stop_order(servers)
+    prefect_port = 4200 if prefect_port is None else prefect_port
+    mlflow_port = 5000 if mlflow_port is None else mlflow_port
 
     urls_given = bool(prefect_database or mlflow_database)
     postgres = database_kind == "postgres" or (database_kind is None and not urls_given and database.exists(folder))
@@ -225,9 +250,13 @@ def _write_private(path: Path, text: str) -> None:
     os.replace(temporary, path)
 
 
-def _recorded(folder: Path) -> list[Server]:
-    state = folder / STATE_FILE
+def _recorded(folder: Path, name: str = STATE_FILE) -> list[Server]:
+    state = folder / name
     return [Server(**entry) for entry in json.loads(state.read_text())] if state.is_file() else []
+
+
+def _kind_of(servers: list[Server]) -> str:
+    return "postgres" if any(s.name == "postgres" for s in servers) else "sqlite"
 
 
 def read_servers(work_dir: str | Path) -> list[Server]:
@@ -254,10 +283,48 @@ def stop_servers(work_dir: str | Path, timeout_s: float = 30.0) -> list[str]:
         _signal_group(server.pid, signal.SIGKILL)
         _reap(server.pid)
         stopped.append(server.name)
-    (folder / STATE_FILE).unlink(missing_ok=True)
+    if (folder / STATE_FILE).is_file():  # kept (owner-only): the next `up` starts them as they were
+        os.replace(folder / STATE_FILE, folder / LAST_STATE_FILE)
     (folder / ENV_FILE).unlink(missing_ok=True)
     _forget(Path(work_dir).resolve())
     return stopped
+
+
+def servers_of(prefect_api_url: str) -> Path | None:
+    """The servers folder of the running `kiln up` whose Prefect API is `prefect_api_url` (None: not Kiln's)."""
+    for work_dir in running_work_dirs():
+        if any(s.name == "prefect" and s.url == prefect_api_url.rstrip("/") for s in read_servers(work_dir)):
+            return servers_dir(work_dir)
+    return None
+
+
+def register_worker(folder: Path, pid: int) -> Path:
+    """Record a running `kiln worker` of the servers in `folder`, so `kiln down` finds it; returns its file."""
+    path = folder / WORKERS_DIR / str(pid)
+    path.parent.mkdir(exist_ok=True)
+    path.write_text(json.dumps({"pid": pid, "started": time.time()}))
+    return path
+
+
+def stop_workers(work_dir: str | Path, timeout_s: float = WORKER_STOP_S + 5) -> tuple[list[int], list[int]]:
+    """SIGTERM every recorded `kiln worker` of this work dir's servers (each stops within `WORKER_STOP_S`,
+    leaving the flow runs it started running) and wait for them; returns (stopped, still running) pids."""
+    folder = servers_dir(work_dir) / WORKERS_DIR
+    pids = sorted(int(p.name) for p in folder.glob("*") if p.name.isdigit()) if folder.is_dir() else []
+    live = [pid for pid in pids if pid_alive(pid)]
+    for pid in live:
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + timeout_s
+    while any(_alive(pid) for pid in live) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    still = [pid for pid in live if _alive(pid)]
+    for pid in pids:
+        if pid not in still:
+            (folder / str(pid)).unlink(missing_ok=True)
+    return [pid for pid in live if pid not in still], still
 
 
 def _registry() -> Path:

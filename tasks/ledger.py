@@ -23,8 +23,11 @@ nothing of Kiln above the foundation.
 from __future__ import annotations
 
 import json
+import queue
+import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -102,6 +105,32 @@ class StageRecorder:
 
     def metrics(self, step: int, metrics: dict[str, float]) -> None:
         self.tracker.log_metrics(self.run_id, metrics, step)
+
+    @contextmanager
+    def metrics_behind(self) -> Iterator[Callable[[int, dict[str, float]], None]]:
+        """`metrics` that returns at once: the writes go to the tracker from a thread of their own, in order,
+        so a training loop never waits on MLflow (a server or database down, or slow, costs the tracker's
+        retries before it keeps the writes in its spool). On leaving, every write is made (or spooled);
+        a write's error is raised then."""
+        pending: queue.Queue[tuple[int, dict[str, float]] | None] = queue.Queue()
+        errors: list[BaseException] = []
+
+        def write() -> None:
+            while (item := pending.get()) is not None:
+                try:
+                    self.metrics(*item)
+                except Exception as error:  # the training goes on; its end reports the first one
+                    errors.append(error)
+
+        writer = threading.Thread(target=write, name=f"kiln-metrics-{self.stage}", daemon=True)
+        writer.start()
+        try:
+            yield lambda step, metrics: pending.put((step, dict(metrics)))
+        finally:
+            pending.put(None)
+            writer.join()
+        if errors:
+            raise errors[0]
 
     def used(self, settings: dict[str, Any], run: str | None = None) -> None:
         """The settings a training run of this stage used (where the config says `plan`, the plan's), as

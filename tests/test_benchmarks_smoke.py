@@ -66,3 +66,15 @@ def test_reference_step_trains(bench) -> None:
     losses = [float(step(x, y)) for _ in range(8)]  # memorising one batch: the loss falls
     assert losses[0] == pytest.approx(math.log(64), rel=0.1)
     assert losses[-1] < losses[0] - 0.5
+
+
+def test_the_load_benchmark_says_what_each_option_does_its_default_and_how_long_it_takes():
+    shown = subprocess.run([sys.executable, str(Path(__file__).resolve().parents[1] / "benchmarks" / "load.py"),
+                            "--help"], capture_output=True, text=True, timeout=120)
+    assert shown.returncode == 0, shown.stderr
+    text = " ".join(shown.stdout.split())
+    options = text.split("options:", 1)[1]
+    for option, default in (("--backends", "both"), ("--runs", "8"), ("--workers", "2"), ("--records", "200"),
+                            ("--until", "collect"), ("--timeout-s", "1800")):
+        assert f"(default: {default})" in options.split(f" {option} ", 1)[1].split(" --", 1)[0], option
+    assert "Expected duration:" in text

@@ -199,3 +199,54 @@ def test_writes_while_the_server_is_down_go_in_when_it_is_back(tmp_path, monkeyp
     finally:
         os.killpg(server.pid, signal.SIGTERM)
         server.wait(timeout=60)
+
+
+@pytest.mark.cluster
+def test_training_does_not_wait_while_the_tracking_server_is_down(tmp_path):
+    """The tracking server SIGKILLed during training and back after OUTAGE_S: no step waits on it more than a
+    few seconds (the metric writes are made behind the training, `StageRecorder.metrics_behind`), and every
+    step's metrics are in MLflow once, after."""
+    from kiln.tasks.ledger import StageRecorder
+    from kiln.tasks.train.loop import train_model
+    from tests.tasks.train.test_train_loop import MODEL, OPTIM, RUN, write_mixture
+
+    outage_s, steps = 15, 40
+    port = free_port()
+    uri = f"http://127.0.0.1:{port}"
+    server = start_mlflow(tmp_path, port)
+    servers = [server]
+    tracker = MlflowTracker(uri, "kiln", spool=spool_dir(tmp_path / "store"))  # MLflow's own client retries
+    recorder = StageRecorder(tracker, tracker.start_run("train"), "train", "abc")
+    (tmp_path / "data").mkdir()
+    mixture = write_mixture(tmp_path / "data")
+    called: list[float] = []
+
+    def restart() -> None:
+        servers.append(start_mlflow(tmp_path, port))
+
+    back = threading.Timer(outage_s, restart)
+
+    try:
+        with recorder.metrics_behind() as record:
+            def on_metrics(step: int, metrics: dict[str, float]) -> None:
+                called.append(time.monotonic())
+                if step == 5:
+                    os.killpg(server.pid, signal.SIGKILL)
+                    server.wait()
+                    back.start()
+                record(step, metrics)  # every step, then the validation loss at the end
+
+            train_model(MODEL, OPTIM, RUN.model_copy(update={"steps": steps, "log_every": 1}), mixture,
+                        tmp_path / "out", on_metrics=on_metrics)
+        stalls = [later - earlier for earlier, later in zip(called, called[1:])]
+        assert len(called) == steps + 1 and max(stalls) <= 5.0, f"training waited {max(stalls):.1f} s on MLflow"
+        tracker.replay()
+        history = MlflowClient(uri).get_metric_history(recorder.run_id, "loss")
+        assert sorted(m.step for m in history) == list(range(1, steps + 1))  # each step once
+    finally:
+        if back.is_alive():
+            back.join()
+        for running in servers:
+            if running.poll() is None:
+                os.killpg(running.pid, signal.SIGTERM)
+                running.wait(timeout=60)

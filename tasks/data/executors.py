@@ -125,6 +125,14 @@ class ExecutorSettings:
     # where Slurm jobs' output (`<job>_<task>.out`), scripts and journal go: the stage's `logs/`, committed
     # with it; None: the pipeline's logging_dir's `slurm_logs`
     logs_dir: Path | None = None
+    # `kiln-<stage>-<key>`: the start of each Slurm job's name, so `squeue` says whose it is (None: the job's own name)
+    job_prefix: str | None = field(default=None, compare=False)
+
+    def slurm_job_name(self, job_name: str) -> str:
+        """The Slurm name of the pipeline `job_name` (`kiln_dedup_sign` -> `kiln-dedup-<key>-dedup-sign`)."""
+        if self.job_prefix is None:
+            return job_name
+        return f"{self.job_prefix}-{job_name.removeprefix('kiln_').replace('_', '-')}"
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -151,7 +159,7 @@ def build_executor(
     site = settings.slurm
     executor = _SlurmExecutor(
         pipeline, time=settings.time_limit, partition=settings.partition or default_partition(),
-        tasks_per_job=tasks_per_job, job_name=job_name, cpus_per_task=site.cpus_per_task or 1,
+        tasks_per_job=tasks_per_job, job_name=settings.slurm_job_name(job_name), cpus_per_task=site.cpus_per_task or 1,
         qos=site.qos,  # None: the partition's default; datatrove's "normal" need not exist
         sbatch_args=_sbatch_args(site), env_command=_job_environment(site, settings.image),
         srun_args=container_flags(settings.image, site.container_mounts, Path.cwd()) or None,
@@ -179,15 +187,16 @@ def run_pipeline(
     if len(ledger.keys) != tasks:
         raise ValueError(f"{job_name}: {tasks} tasks but {len(ledger.keys)} rank keys")
     journal = JobJournal(slurm_logs_dir(settings, logging_dir)) if settings.kind == "slurm" else None
+    slurm_name = settings.slurm_job_name(job_name)  # the name its jobs are submitted and journaled under
     if journal is not None:
-        _adopt_live_jobs(journal, job_name)  # an earlier driver's job still running these ranks: wait for it
+        _adopt_live_jobs(journal, slurm_name)  # an earlier driver's job still running these ranks: wait for it
     done = ledger.mark_completed(logging_dir)
     _remove_unfinished(outputs, done)
     executor = build_executor(pipeline, logging_dir, tasks=tasks, jobs=jobs, settings=settings, job_name=job_name)
     if settings.kind == "ray":
         connect_ray()
     if journal is not None:
-        _say_resubmission(journal, job_name, sorted(set(range(tasks)) - done))
+        _say_resubmission(journal, slurm_name, sorted(set(range(tasks)) - done))
         executor.journal = journal
     executor.run()  # local and Ray return when their ranks are over; Slurm returns once submitted
     if journal is not None:
@@ -195,7 +204,7 @@ def run_pipeline(
             job_id = str(executor.job_id)
             _wait_for_slurm_job(job_id)
             journal.ended(job_id, scheduler_records(job_id))
-        jobs = journal.jobs(job_name)
+        jobs = journal.jobs(slurm_name)
         if jobs and settings.on_job is not None:  # every job these ranks ran in, retries and adopted ones included
             settings.on_job(journal_launch(job_name, jobs, _jobs_cpu_s(jobs, ledger)))
     unfinished = executor.get_incomplete_ranks(skip_completed=True)

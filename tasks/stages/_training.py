@@ -57,8 +57,10 @@ def run_training(ctx: StageContext, model_cfg: ModelConfig, optim: OptimConfig, 
     if dims.world_size == 1 and launcher == "local":
         from kiln.tasks.train.loop import train_model  # defers torch
 
-        result = train_model(model_cfg, optim, run_cfg, mixture, out_dir, init_model_dir=init_model_dir,
-                             on_metrics=on_metrics, on_event=ctx.recorder.event)
+        # the steps go on while MLflow takes (or its spool keeps) their metrics
+        with ctx.recorder.metrics_behind() as on_metrics:
+            result = train_model(model_cfg, optim, run_cfg, mixture, out_dir, init_model_dir=init_model_dir,
+                                 on_metrics=on_metrics, on_event=ctx.recorder.event)
         ctx.recorder.launched(launch_record("in-process", None, [{"attempt": 1, "job_id": None,
                                                                   "nodes": [socket.gethostname()]}], 0.0))
         return result

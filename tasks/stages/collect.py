@@ -4,11 +4,16 @@ documents, check licences, write a compliance report."""
 from __future__ import annotations
 
 from kiln.tasks.data.collect import CollectConfig, collect_documents, source_paths
+from kiln.tasks.errors import ConfigError
 from kiln.tasks.stage import Stage, StageContext
 from kiln.tasks.stages._common import document_headline
 
 
 def run(ctx: StageContext) -> dict:
+    if not ctx.cfg.collect.sources:  # no config found and none named: a pipeline of nothing is no result
+        raise ConfigError("collect.sources is empty, so there is nothing to collect (no config names any source). "
+                          "Start a project with `kiln init DIR` (its kiln.yaml runs Kiln's sample corpus and says how "
+                          "to name your own data), or name a config that has sources: kiln run kiln:configs/tiny.yaml")
     return collect_documents(ctx.cfg.collect, ctx.out_dir)
 
 

@@ -13,6 +13,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -93,6 +94,8 @@ class MetricsLogger(TrainCallback):
 
     def on_start(self, trainer: Trainer) -> None:
         self._t_log, self._steps_at_log = time.perf_counter(), trainer.steps_run
+        if trainer.is_main:
+            drop_rows_after(trainer.out_dir / METRICS_LOG, trainer.step)
         run_cfg = trainer.run_cfg
         tokens = flops_per_token(trainer.model_cfg, trainer.mixture.vocab_size, run_cfg.seq_len)
         self._flops_per_step = tokens * trainer.tokens_per_step
@@ -121,6 +124,19 @@ class MetricsLogger(TrainCallback):
         if trainer.is_main and result.model_dir is not None and self.on_metrics is not None:
             val = {f"val_loss/{d}": v for d, v in result.val_loss_by_domain.items()}
             self.on_metrics(result.steps, {"val_loss": result.val_loss, **val})
+
+
+def drop_rows_after(log: Path, step: int) -> None:
+    """Keep `log`'s rows up to `step`: a resumed run starts again after its checkpoint at `step`, and logs
+    the steps an earlier attempt logged past it again (each step must be in the log once)."""
+    if not log.is_file():
+        return
+    lines = log.read_text().splitlines()
+    kept = [line for line in lines if line.strip() and json.loads(line)["step"] <= step]
+    if len(kept) != len(lines):
+        temporary = log.with_name(log.name + ".tmp")
+        temporary.write_text("".join(f"{line}\n" for line in kept))
+        temporary.replace(log)
 
 
 class Checkpointer(TrainCallback):

@@ -51,10 +51,10 @@ def test_a_crashed_run_names_its_flow_config_reason_and_page():
     run_id = uuid4()
     flow = Flow(id=uuid4(), name="kiln-pipeline")
     run = FlowRun(id=run_id, name="brave-fox", flow_id=flow.id, parameters={"config_path": "configs/mine.yaml"},
-                  state=State(type=StateType.CRASHED, message="no heartbeat for 90s: the worker or its machine died"))
+                  state=State(type=StateType.CRASHED, message="no heartbeat for 90s: the worker or its machine died. "))
     context = {"event": event("prefect.flow-run.Crashed", {}, f"prefect.flow-run.{run_id}"), "flow_run": run,
                "flow": flow}
     assert render_user_template_sync(crashed_body("http://127.0.0.1:4200/"), context) == (
         "Flow run brave-fox (kiln-pipeline, config configs/mine.yaml) crashed: no heartbeat for 90s: the worker or its "
-        f"machine died. Flow run: http://127.0.0.1:4200/runs/flow-run/{run_id}")
+        f"machine died. Flow run: http://127.0.0.1:4200/v2/runs/flow-run/{run_id}")  # one period; Prefect's current UI
     assert render_user_template_sync(crashed_body(None), context).endswith("machine died.")

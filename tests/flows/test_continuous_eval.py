@@ -81,7 +81,7 @@ def test_checkpoints_are_scored_in_mlflow_at_their_steps_once(prefect_api, in_re
     assert text.startswith(f"Continuous eval of {TINY} with work_dir=") and "kiln_heldout bits_per_byte regressed at " \
         f"train step 15: {regression['current']:.4f}, worse than its best {regression['best']:.4f} (step 10)" in text
     ui = PREFECT_API_URL.value().removesuffix("/api")
-    assert f"Flow run: {ui}/runs/flow-run/" in text
+    assert f"Flow run: {ui}/v2/runs/flow-run/" in text
 
     # Nothing new: the CLI's run evaluates nothing, logs nothing and emits nothing.
     capsys.readouterr()

@@ -255,7 +255,7 @@ def test_ui_retry_of_a_deployment_run_reuses_what_succeeded(ops, in_repo, tmp_pa
     alert = ops.webhook.wait_for("Kiln: a stage failed", "Stage decontaminate (key ")
     assert f"of configs/tiny.yaml with work_dir={ops.root / 'work'} evaluate.eval_files=[{eval_file}] failed: " \
            f"InputError: eval file {eval_file}" in alert and "does not exist" in alert
-    assert alert.endswith(f"Flow run: {ops.ui}/runs/flow-run/{flow_run_id}")
+    assert alert.endswith(f"Flow run: {ops.ui}/v2/runs/flow-run/{flow_run_id}")
 
     eval_file.write_text((REPO / "data" / "evals" / "heldout.jsonl").read_text())  # the fix
     started = time.perf_counter()
@@ -498,7 +498,7 @@ def test_continuous_eval_on_a_5s_schedule_scores_a_training_run_as_it_writes_che
 
     alert = ops.webhook.wait_for("Kiln: an eval score regressed", "kiln_heldout bits_per_byte regressed at train step 15")
     assert alert.startswith("Kiln: an eval score regressed\nContinuous eval of configs/tiny.yaml with work_dir=")
-    assert f"Flow run: {ops.ui}/runs/flow-run/" in alert
+    assert f"Flow run: {ops.ui}/v2/runs/flow-run/" in alert
     assert sum("regressed at train step" in body.get("text", "") for body in ops.webhook.received) == 1  # once
 
 
@@ -507,5 +507,5 @@ def test_a_worker_killed_mid_stage_leaves_a_crashed_run_and_an_alert(ops):
     crashed_at = datetime.fromisoformat(run["state"]["timestamp"]).timestamp()
     ops.timings["killed_worker_to_crashed_s"] = crashed_at - ops.timings.pop("crash_drill_killed_at")
     assert run["state_name"] == "Crashed" and "no heartbeat" in run["state"]["message"]
-    alert = ops.webhook.wait_for("Kiln: a flow run crashed", f"{ops.ui}/runs/flow-run/{ops.crashed_run}")
+    alert = ops.webhook.wait_for("Kiln: a flow run crashed", f"{ops.ui}/v2/runs/flow-run/{ops.crashed_run}")
     assert f"Flow run {run['name']} (kiln-pipeline, config configs/tiny.yaml) crashed: no heartbeat for " in alert

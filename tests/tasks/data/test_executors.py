@@ -208,6 +208,10 @@ def test_executors_are_built_from_the_cluster_section(tmp_path):
     assert not any(line.startswith("#SBATCH --qos") for line in directives)
     assert f"source {Path(sys.prefix) / 'bin' / 'activate'}" in script  # the job runs this venv's Python
     assert Path(slurm.slurm_logs_folder) == tmp_path / "logs" / "slurm_logs"  # logs in the stage's folder
+    # a stage's jobs are named after it and its key (tasks.stages._common.executor_settings), as training's are
+    named = build(ExecutorSettings("slurm", partition="cpu", job_prefix="kiln-dedup-0123456789ab"))
+    assert "#SBATCH --job-name=kiln-dedup-0123456789ab-x" in named.get_launch_file_contents(
+        named.get_sbatch_args(max_array=3), "launch_pickled_pipeline x").splitlines()
 
     site = SlurmSettings(account="proj", qos="high", mem="8G", constraint="cpu", sbatch_lines=("--exclusive",),
                          modules=("gcc/12",), env={"HF_HOME": "/scratch/hf cache"})

@@ -121,6 +121,19 @@ def test_resume_is_bit_identical(full_run, mixture, tmp_path) -> None:
     assert resumed.val_loss_by_domain == full.val_loss_by_domain
 
 
+def test_a_resumed_run_logs_each_step_once(mixture, tmp_path) -> None:
+    def crash_at_25(step: int, metrics: dict[str, float]) -> None:
+        if step == 25:
+            raise Crash
+
+    every_5 = RUN.model_copy(update={"log_every": 5})
+    with pytest.raises(Crash):
+        train_model(MODEL, OPTIM, every_5, mixture, tmp_path, on_metrics=crash_at_25)
+    assert train_model(MODEL, OPTIM, every_5, mixture, tmp_path).resumed_from_step == 20
+    logged = [json.loads(line)["step"] for line in (tmp_path / "train_metrics.jsonl").read_text().splitlines()]
+    assert logged == [5, 10, 15, 20, 25, 30]  # the first attempt's step 25, past its checkpoint, is not kept twice
+
+
 def test_corrupt_latest_checkpoint_falls_back(full_run, mixture, tmp_path) -> None:
     out, full, _ = full_run
     shutil.copytree(out / "checkpoints", tmp_path / "checkpoints")

@@ -1,0 +1,112 @@
+"""The unresponsive-run detector `kiln deploy` creates (`flows.alerts.create_crash_detector`), on a real
+`kiln up` server: 20 short flow runs that heartbeat and complete in a second stay Completed (a short
+run's heartbeat may reach the server after its Completed event, so the detector's trigger can fire for
+it: its action must not overwrite a final state), while a run whose process is SIGKILLed after its
+first heartbeat is marked Crashed.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from kiln.flows.cli import main
+from kiln.flows.servers import servers_dir
+from tests.flows.test_operate import REPO, PrefectApi, free_port
+from tests.processes import kill_tree
+
+# the detector waits three heartbeats of 30 s (Prefect's minimum), then its proactive check runs
+pytestmark = [pytest.mark.slow, pytest.mark.cluster, pytest.mark.timeout(600)]
+HEARTBEAT_S = 30
+SHORT_RUNS = 20
+PARALLEL = 4  # processes at a time
+
+DETECTOR = f"""
+from kiln.flows.alerts import create_crash_detector
+
+assert create_crash_detector().total_seconds() == {3 * HEARTBEAT_S}
+"""
+# one run per process, as a worker starts them: the process ends right after its run, so its heartbeat
+# (sent by the events client it has just started) may reach the server after the Completed event
+SHORT = """
+from prefect import flow
+
+@flow(name="kiln-short")
+def short() -> None:
+    pass
+
+print(short(return_state=True).state_details.flow_run_id)
+"""
+HANGS = """
+import time
+from prefect import flow
+
+@flow(name="kiln-hangs")
+def hangs() -> None:
+    time.sleep(600)
+
+hangs()
+"""
+
+
+@pytest.fixture
+def server(tmp_path):
+    with pytest.MonkeyPatch.context() as patch:
+        patch.chdir(REPO)
+        patch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
+        work = tmp_path / "servers-home"
+        assert main(["up", f"work_dir={work}", "--prefect-port", str(free_port()),
+                     "--mlflow-port", str(free_port())]) == 0
+        try:
+            env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "MLFLOW_"))}
+            for line in (servers_dir(work) / "env").read_text().splitlines():
+                name, value = line.removeprefix("export ").split("=", 1)
+                env[name] = value
+            env["PREFECT_FLOWS_HEARTBEAT_FREQUENCY"] = str(HEARTBEAT_S)
+            yield env
+        finally:
+            assert main(["down", f"work_dir={work}"]) == 0
+
+
+def python(env: dict, code: str, **kwargs) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", code], env=env, cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True, **kwargs)
+
+
+def test_short_runs_stay_completed_and_a_killed_run_is_crashed(server, tmp_path: Path):
+    api = PrefectApi(server["PREFECT_API_URL"])
+    detector = python(server, DETECTOR)
+    assert detector.wait(timeout=120) == 0, detector.stderr.read()[-3000:]
+    ids = []
+    for _ in range(SHORT_RUNS // PARALLEL):
+        batch = [python(server, SHORT) for _ in range(PARALLEL)]
+        for short in batch:
+            out, err = short.communicate(timeout=300)
+            assert short.returncode == 0, err[-3000:]
+            ids.append(out.strip().splitlines()[-1])
+    assert len(set(ids)) == SHORT_RUNS
+
+    hangs = python(server, HANGS)
+    deadline = time.monotonic() + 120
+    while True:
+        runs = api.call("POST", "/flow_runs/filter", {"flows": {"name": {"any_": ["kiln-hangs"]}}})
+        if runs and api.events("prefect.flow-run.heartbeat", f"prefect.flow-run.{runs[0]['id']}"):
+            break
+        assert time.monotonic() < deadline, "the hanging run sent no heartbeat"
+        time.sleep(0.5)
+    killed = runs[0]["id"]
+    kill_tree(hangs.pid)
+    hangs.wait(timeout=30)
+
+    crashed = api.wait(killed, {"CRASHED", "COMPLETED", "FAILED", "CANCELLED"}, timeout_s=3 * HEARTBEAT_S + 120)
+    assert crashed["state_name"] == "Crashed" and "no heartbeat for 90s" in crashed["state"]["message"]
+    time.sleep(15)  # every short run's window closed before the killed run's: let any late action land
+    states = {run["id"]: run["state_name"] for run in
+              api.call("POST", "/flow_runs/filter", {"flow_runs": {"id": {"any_": ids}}})}
+    assert sorted(states) == sorted(ids)
+    assert set(states.values()) == {"Completed"}, states

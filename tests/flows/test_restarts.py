@@ -1,0 +1,71 @@
+"""`kiln up` restarts what stopped or died as it was, on the real servers (SQLite): after `kiln down` it
+comes back on the ports it had, without being told them again (so clients' URLs and the alert links,
+which name the Prefect UI's port, stay right); each server SIGKILLed is started again on its port, and
+`kiln up` says which; a server that cannot start shows its own error, not an earlier server's log.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+
+import pytest
+
+from kiln.flows.cli import main
+from kiln.flows.servers import LOG_MARK, read_servers
+from kiln.tasks.errors import KilnError
+from tests.flows.test_operate import REPO, free_port
+
+pytestmark = [pytest.mark.slow, pytest.mark.cluster, pytest.mark.timeout(900)]
+KILLS = 3  # per server
+
+
+def test_up_restarts_what_stopped_or_died_as_it_was(tmp_path, capsys):
+    home = tmp_path / "ops"
+    ports = {"prefect": free_port(), "mlflow": free_port()}
+    with pytest.MonkeyPatch.context() as patch:
+        patch.chdir(REPO)
+        patch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
+
+        def up(*args: str) -> str:
+            capsys.readouterr()
+            assert main(["up", f"work_dir={home}", *args]) == 0
+            return capsys.readouterr().out
+
+        def urls() -> dict[str, str]:
+            return {s.name: s.url for s in read_servers(home)}
+
+        try:
+            up("--prefect-port", str(ports["prefect"]), "--mlflow-port", str(ports["mlflow"]))
+            first = urls()
+            assert first == {"prefect": f"http://127.0.0.1:{ports['prefect']}/api",
+                             "mlflow": f"http://127.0.0.1:{ports['mlflow']}"}
+            assert main(["down", f"work_dir={home}"]) == 0
+            said = up()  # no ports: the ones it had
+            assert urls() == first and "restarted prefect, mlflow" in said
+
+            for name in ("mlflow", "prefect") * KILLS:
+                server = next(s for s in read_servers(home) if s.name == name)
+                os.killpg(server.pid, signal.SIGKILL)
+                os.waitpid(server.pid, 0)  # this process started it: collect it, as `up` would
+                said = up()
+                assert f"restarted {name} (it had stopped or died)" in said
+                assert urls() == first
+
+            # a server that cannot start: its port taken while it was dead
+            server = next(s for s in read_servers(home) if s.name == "mlflow")
+            os.killpg(server.pid, signal.SIGKILL)
+            os.waitpid(server.pid, 0)
+            with socket.socket() as squatter:
+                squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                squatter.bind(("127.0.0.1", ports["mlflow"]))
+                squatter.listen()
+                with pytest.raises(KilnError) as failed:
+                    main(["up", f"work_dir={home}"])
+            message = str(failed.value)
+            assert "the mlflow server exited while starting" in message
+            assert "in use" in message.lower(), message  # the new server's own reason
+            assert LOG_MARK not in message and "GET /health" not in message  # not the earlier servers' log
+        finally:
+            main(["down", f"work_dir={home}"])
