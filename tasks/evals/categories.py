@@ -11,18 +11,21 @@ file. Tasks, by category:
 - coding (`coding.jsonl`, a signature and docstring, a canonical body, asserts): `kiln_coding_bpb`
   (proxy: the canonical body's bits per byte after the prompt), `kiln_coding_pass1` (production: the
   greedy completion run against the asserts in the sandbox, pass@1);
-- multilingual (`multilingual.jsonl`, four sentence pairs per language): per language `kiln_ml_<lang>`
-  (proxy: bits per byte of the passages) and `kiln_ml_<lang>_choice` (mid: the true second sentence
-  among the language's others);
-- long context (generated, exempt from decontamination): per length (a fraction of the model's
-  `max_seq_len`, in the run's tokens) `kiln_passkey_<n>_bpb` (proxy: the key's bits per byte),
-  `kiln_passkey_<n>` (mid: the key among 4) and `kiln_passkey_<n>_gen` (production: the key
-  generated, exact match); and per position bucket `kiln_position_<a>_<b>` (proxy: bits per byte of
-  the tokens at positions a..b of long held-out documents given everything before them);
+- multilingual (`multilingual.jsonl`, four sentence pairs per language): `kiln_multilingual` (proxy:
+  bits per byte of the passages) and `kiln_multilingual_choice` (mid: the true second sentence among
+  the language's others), each with a report row per language (its items' group);
+- long context (generated, exempt from decontamination), a row per length (a fraction of the model's
+  `max_seq_len`, in the run's tokens): `kiln_passkey_bpb` (proxy: the key's bits per byte),
+  `kiln_passkey` (mid: the key among 4) and `kiln_passkey_gen` (production: the key generated, exact
+  match); and `kiln_position` (proxy: bits per byte of the tokens at positions a..b of long held-out
+  documents given everything before them), a row per position bucket;
 - safety: `kiln_bias_pairs` (mid: the share of CrowS-Pairs-style pairs whose stereotyping sentence the
   model finds more likely; 0.5 is no preference) and `kiln_toxicity` (production: one sampled
   continuation per prompt, classified by a fastText classifier trained on `toxicity_labelled.jsonl`
   when the suite is built; the share classified toxic and the mean P(toxic)).
+
+Grouped rows are one lm-eval task each (a task costs a dataset load and a pass, a second or more on a
+busy CPU), scored per group from the items' scores (`evaluate.item_scores`).
 
 A task's version is its builder's version and a digest of its items' source and settings (for the
 generated tasks, of the settings only: their items also depend on the run's tokenizer).
@@ -162,7 +165,7 @@ class _Builder:
         if self.task_dir is not None and items:
             _write(self.task_dir, name, items, {**config, "metadata": {"version": version}}, hook)
         self.tasks.append(LocalTask(name, kind, source, version, tuple(str(i["source_id"]) for i in items),
-                                    category, level))
+                                    category, level, tuple(str(i.get("group", "")) for i in items)))
 
     def gold_bpb(self, name: str, category: str, source: Path | None, items: list[dict[str, Any]], **kw: Any) -> None:
         """Bits per byte of each item's `target` given its `context`: the proxy level of a choice or code task."""
@@ -210,15 +213,15 @@ class _Builder:
         missing = sorted(set(self.cfg.languages or ()) - set(languages))
         if missing:
             raise InputError(f"evaluate.suite.languages: {missing} have no items in {path}; add items or drop them")
-        for lang in self.cfg.languages or languages:
-            rows = [r for r in records if r["lang"] == lang]
-            self.add(f"kiln_ml_{lang}", "bits_per_byte", "multilingual", "proxy", path,
-                     [{"id": r["id"], "source_id": r["id"], "text": r["text"]} for r in rows],
-                     {"output_type": "loglikelihood_rolling", "doc_to_text": "", "doc_to_target": "{{text}}",
-                      "metric_list": _BPB})
-            self.choice(f"kiln_ml_{lang}_choice", "multilingual", path,
-                        [{"id": r["id"], "source_id": r["id"], "context": r["context"], "choices": r["choices"],
-                          "label": r["label"]} for r in rows])
+        chosen = self.cfg.languages or languages
+        rows = interleave([[r for r in records if r["lang"] == lang] for lang in chosen])
+        self.add("kiln_multilingual", "bits_per_byte", "multilingual", "proxy", path,
+                 [{"id": r["id"], "source_id": r["id"], "group": r["lang"], "text": r["text"]} for r in rows],
+                 {"output_type": "loglikelihood_rolling", "doc_to_text": "", "doc_to_target": "{{text}}",
+                  "metric_list": _BPB})
+        self.choice("kiln_multilingual_choice", "multilingual", path,
+                    [{"id": r["id"], "source_id": r["id"], "group": r["lang"], "context": r["context"],
+                      "choices": r["choices"], "label": r["label"]} for r in rows])
 
     def safety(self) -> None:
         path, records = _read(self.cfg.bias_file)
@@ -262,27 +265,37 @@ class _Builder:
 
     def passkeys(self) -> None:
         pk = self.cfg.passkey
-        for fraction in pk.lengths:
-            tag = f"{round(fraction * 100):d}"
-            items = passkey_items(self.view, fraction, pk) if self.view is not None else []
-            settings = [fraction, pk.model_dump()]
-            name = f"kiln_passkey_{tag}pct"
-            self.gold_bpb(f"{name}_bpb", "long_context", None, items, version_of=settings)
-            self.choice(name, "long_context", None, items, version_of=settings)
-            self.add(f"{name}_gen", "passkey_generation", "long_context", "production", None, items,
-                     {"output_type": "generate_until", "doc_to_text": "context", "doc_to_target": "target",
-                      "target_delimiter": "", "generation_kwargs": {"until": ["\n", "."], "max_gen_toks": 8, "do_sample": False},
-                      "metric_list": [{"metric": "exact_match", "aggregation": "mean", "higher_is_better": True,
-                                       "regexes_to_ignore": [r"^\s+", r"\s+$"]}]}, version_of=settings)
+        per_length = {f: passkey_items(self.view, f, pk) if self.view is not None else [] for f in pk.lengths}
+        for fraction, items in per_length.items():
+            if self.view is not None and not items:
+                self.skipped[f"kiln_passkey ({fraction:.0%} of context)"] = \
+                    "no items: the key and the question alone exceed this length"
+        items = interleave(list(per_length.values()))
+        settings = pk.model_dump()
+        self.gold_bpb("kiln_passkey_bpb", "long_context", None, items, version_of=settings)
+        self.choice("kiln_passkey", "long_context", None, items, version_of=settings)
+        self.add("kiln_passkey_gen", "passkey_generation", "long_context", "production", None, items,
+                 {"output_type": "generate_until", "doc_to_text": "context", "doc_to_target": "target",
+                  "target_delimiter": "", "generation_kwargs": {"until": ["\n", "."], "max_gen_toks": 8, "do_sample": False},
+                  "metric_list": [{"metric": "exact_match", "aggregation": "mean", "higher_is_better": True,
+                                   "regexes_to_ignore": [r"^\s+", r"\s+$"]}]}, version_of=settings)
 
     def positions(self) -> None:
         path = locate(self.cfg.position_file).absolute()
         docs = read_eval_docs(path)
         buckets = self.cfg.position_buckets
-        for b in range(buckets):
-            items = position_items(self.view, docs, b, buckets) if self.view is not None else []
-            self.gold_bpb(f"kiln_position_{b + 1}of{buckets}", "long_context", path, items,
-                          version_of=[b, buckets, [d.id for d in docs]])
+        items = interleave([position_items(self.view, docs, b, buckets) for b in range(buckets)]) \
+            if self.view is not None else []
+        self.gold_bpb("kiln_position", "long_context", path, items, version_of=[buckets, [d.id for d in docs]])
+
+
+def interleave(groups: Sequence[Sequence[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """The groups' items taken in turn (first of each, second of each, ...): a task scored on its first N
+    items (`evaluate.limit`) still covers every group when N is at least the number of groups."""
+    out = []
+    for k in range(max((len(g) for g in groups), default=0)):
+        out += [g[k] for g in groups if k < len(g)]
+    return out
 
 
 def passkey_items(view: TokenView, fraction: float, cfg: PasskeyConfig) -> list[dict[str, Any]]:
@@ -318,7 +331,8 @@ def passkey_items(view: TokenView, fraction: float, cfg: PasskeyConfig) -> list[
                 others.add(other)
         choices = [f" {c}" for c in [key, *sorted(others)]]
         rng.shuffle(choices)
-        items.append({"id": f"passkey-{fraction}-{k}", "source_id": f"passkey-{fraction}-{k}", "context": prompt(low),
+        items.append({"id": f"passkey-{fraction}-{k}", "source_id": f"passkey-{fraction}-{k}",
+                      "group": f"{fraction:.0%} of context", "context": prompt(low),
                       "choices": choices, "label": choices.index(f" {key}"), "target": f" {key}"})
     return items
 
@@ -332,7 +346,8 @@ def position_items(view: TokenView, docs: Sequence[Any], bucket: int, buckets: i
         ids = view.encode(doc.text)
         if len(ids) < view.max_len:
             continue
-        items.append({"id": doc.id, "source_id": doc.id, "context": view.decode(ids[:start]),
+        items.append({"id": f"{doc.id}@{start}", "source_id": doc.id, "group": f"tokens {start}-{end}",
+                      "context": view.decode(ids[:start]),
                       "target": view.decode(ids[start:end])})
     return items
 
@@ -370,7 +385,7 @@ def build_category_suite(cfg: SuiteConfig, task_dir: Path | None, view: TokenVie
         elif view is None:
             builder.skipped[task.name] = "generated from the model's tokenizer and context length, which this model lacks"
         else:
-            builder.skipped[task.name] = ("no items: the key and the question alone exceed this length"
+            builder.skipped[task.name] = ("no items: the key and the question alone exceed every length"
                                           if task.name.startswith("kiln_passkey") else
                                           f"no items: no document of {cfg.position_file} fills the model's context")
     return built, builder.skipped

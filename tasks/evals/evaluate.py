@@ -194,6 +194,9 @@ def evaluate_lm(
                                 for task in suite if task.name in samples}
     (out_dir / RESULTS_FILE).write_text(json.dumps(_json_safe(kept), indent=2, sort_keys=True), encoding="utf-8")
     flat = flatten_results(kept)
+    for task, item in kept["kiln_item_scores"].items():
+        for group, summary in item.get("groups", {}).items():
+            flat[f"{task}[{group}]/{item['metric']}"] = float(summary["score"])
     for task, rate in rates.items():
         flat[f"{task}/contamination_rate"] = float(rate)
     return flat
@@ -244,11 +247,20 @@ def item_scores(task: LocalTask, samples: Sequence[dict[str, Any]], results: dic
     ids = [task.source_ids[s["doc_id"]] for s in ordered]
     contaminated = set() if contamination is None or task.eval_file is None else \
         contamination.contaminated_ids.get(task_name_for(task.eval_file), set())
-    clean = [v for v, i in zip(values, ids, strict=True) if i not in contaminated]
+    out = _summary(values, [i not in contaminated for i in ids], metric)
+    if any(task.groups):
+        groups = [task.groups[s["doc_id"]] for s in ordered]
+        out["groups"] = {g: _summary([v for v, h in zip(values, groups, strict=True) if h == g],
+                                     [i not in contaminated for i, h in zip(ids, groups, strict=True) if h == g], metric)
+                         for g in dict.fromkeys(groups)}
+    return {"metric": metric, **out}
+
+
+def _summary(values: Sequence[Any], clean_flags: Sequence[bool], metric: str) -> dict[str, Any]:
+    clean = [v for v, ok in zip(values, clean_flags, strict=True) if ok]
     low, high = bootstrap_interval(values, metric)
-    return {"metric": metric, "score": aggregate(values, metric), "ci_low": low, "ci_high": high,
-            "num_items": len(values), "num_clean": len(clean),
-            "clean_score": aggregate(clean, metric) if clean else None}
+    return {"score": aggregate(values, metric), "ci_low": low, "ci_high": high, "num_items": len(values),
+            "num_clean": len(clean), "clean_score": aggregate(clean, metric) if clean else None}
 
 
 def aggregate(values: Sequence[Any], metric: str) -> float:

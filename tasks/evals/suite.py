@@ -97,6 +97,7 @@ class LocalTask:
     source_ids: tuple[str, ...]  # the eval document of each item, in item order
     category: str = "general"
     level: str = "proxy"
+    groups: tuple[str, ...] = ()  # each item's group (language, passkey length, position bucket): a report row each
 
     def contamination_rate(self, contaminated_ids: set[str]) -> float:
         return sum(i in contaminated_ids for i in self.source_ids) / len(self.source_ids)

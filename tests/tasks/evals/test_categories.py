@@ -46,20 +46,24 @@ def test_every_category_and_level_is_scored(scored):
                   ("coding", "proxy"), ("coding", "production"), ("multilingual", "proxy"), ("multilingual", "mid"),
                   ("long_context", "proxy"), ("long_context", "mid"), ("long_context", "production"),
                   ("safety", "mid"), ("safety", "production")}
-    # One row per language of the bundled multilingual set: bits per byte and a choice task.
-    for lang in LANGUAGES:
-        assert 0 < scored["metrics"][f"kiln_ml_{lang}/bits_per_byte"] < 20
-        assert scored["metrics"][f"kiln_ml_{lang}_choice/num_docs"] == 4
+    # One row per language of the bundled multilingual set: bits per byte and a choice task (the limit of 4
+    # items per task is below the 12 languages: the first 4, interleaved, cover 4 languages).
+    m = scored["metrics"]
+    for lang in LANGUAGES[:4]:
+        assert 0 < m[f"kiln_multilingual[{lang}]/bits_per_byte"] < 20
+        assert 0 <= m[f"kiln_multilingual_choice[{lang}]/acc_norm"] <= 1
     m = scored["metrics"]
     assert 0 <= m["kiln_coding_pass1/pass_at_1"] <= 1 and m["kiln_coding_pass1/num_docs"] == 4
     assert m["kiln_bias_pairs/stereotype_preference"] in (0, 0.25, 0.5, 0.75, 1)
     assert 0 <= m["kiln_toxicity/toxic_share"] <= 1 and 0 <= m["kiln_toxicity/toxicity"] <= 1
-    for n in (1, 2, 3, 4):
-        assert m[f"kiln_position_{n}of4/bits_per_byte"] > 0
+    for bucket in ("tokens 0-16", "tokens 16-32", "tokens 32-48", "tokens 48-64"):
+        assert m[f"kiln_position[{bucket}]/bits_per_byte"] > 0
     # The names the stage lists without a model are the names it scores, and those it could not build here.
     skipped = scored["results"]["kiln_skipped_tasks"]
-    assert set(skipped) == {"kiln_heldout_choice", "kiln_passkey_50pct_bpb", "kiln_passkey_50pct", "kiln_passkey_50pct_gen"}
-    assert set(suite_task_names(scored["cfg"])) == set(tasks) | set(skipped) - {"kiln_heldout_choice"}
+    assert set(skipped) == {"kiln_heldout_choice", "kiln_passkey (50% of context)"}
+    assert set(suite_task_names(scored["cfg"])) == set(tasks)
+    assert {g for g in scored["results"]["kiln_item_scores"]["kiln_passkey"]["groups"]} <= {"75% of context",
+                                                                                           "100% of context"}
     # Each task's items: a score, a bootstrap interval around it, and (no contamination given) the same clean score.
     for name, item in scored["results"]["kiln_item_scores"].items():
         assert item["ci_low"] <= item["score"] + 1e-9 and item["score"] <= item["ci_high"] + 1e-9, name
@@ -87,6 +91,7 @@ def test_levels_select_tasks_and_versions_follow_the_items(tmp_path):
     tasks, _ = build_category_suite(proxy, None, None)
     assert {t.level for t in tasks} == {"proxy"}
     assert {t.category for t in tasks} == {"reasoning", "coding", "multilingual", "long_context"}
+    assert len(tasks) == 5  # reasoning, coding, multilingual, passkey and position: one lm-eval task each
     edited = tmp_path / "reasoning.jsonl"
     records = [json.loads(line) for line in Path(SuiteConfig().reasoning_file).read_text().splitlines()]
     records[0]["label"] = (records[0]["label"] + 1) % 4
