@@ -248,12 +248,21 @@ def item_scores(task: LocalTask, samples: Sequence[dict[str, Any]], results: dic
     contaminated = set() if contamination is None or task.eval_file is None else \
         contamination.contaminated_ids.get(task_name_for(task.eval_file), set())
     out = _summary(values, [i not in contaminated for i in ids], metric)
+    out["chance"] = chance(task, ordered)
     if any(task.groups):
         groups = [task.groups[s["doc_id"]] for s in ordered]
         out["groups"] = {g: _summary([v for v, h in zip(values, groups, strict=True) if h == g],
                                      [i not in contaminated for i, h in zip(ids, groups, strict=True) if h == g], metric)
                          for g in dict.fromkeys(groups)}
     return {"metric": metric, **out}
+
+
+def chance(task: LocalTask, samples: Sequence[dict[str, Any]]) -> float | None:
+    """The score of guessing: one over the number of choices (a choice task), 0 (exact match, pass@1), or
+    None where there is no such level (bits per byte; a bias or toxicity share, whose ideal is not a guess)."""
+    if task.kind in ("choice",):
+        return sum(1 / len(s["doc"]["choices"]) for s in samples) / len(samples)
+    return 0.0 if task.kind in ("lines", "code_execution", "passkey_generation") else None
 
 
 def _summary(values: Sequence[Any], clean_flags: Sequence[bool], metric: str) -> dict[str, Any]:

@@ -184,3 +184,19 @@ def judge(measures: Measures, thresholds: LevelThresholds) -> Verdict:
     if thresholds.min_margin is not None and measures.margin is not None and measures.margin < thresholds.min_margin:
         reasons.append(f"margin above random {measures.margin:+.3f} < {thresholds.min_margin}")
     return Verdict(not reasons, reasons, measures)
+
+
+def task_verdicts(series: Mapping[str, Sequence[tuple[int, float]]], infos: Mapping[str, Mapping[str, Any]],
+                  cfg: TrustConfig) -> dict[str, Verdict]:
+    """Each task's verdict from its score over training (`series`: (step, score), the checkpoints and the
+    final models) and what its results say of it (`infos`: level, higher_is_better, chance, final score).
+    A task with fewer than 3 scores over training is not measured, and so not trusted."""
+    verdicts = {}
+    for task, info in infos.items():
+        points = sorted(series.get(task, ()))
+        m = measure(points, info["higher_is_better"], cfg.last_k, chance=info.get("chance"), final=info.get("score"))
+        verdict = judge(m, getattr(cfg, info["level"]))
+        if len(points) < 3:
+            verdict = Verdict(False, [*verdict.reasons, f"not measured: {len(points)} scores over training (needs 3)"], m)
+        verdicts[task] = verdict
+    return verdicts
