@@ -24,11 +24,11 @@ def document_headline(stats: dict[str, Any]) -> dict[str, Any]:
 
 def eval_file_paths(cfg: KilnConfig) -> list[Path]:
     """The configured eval files, each checked to exist (decontamination and evaluation read them)."""
-    paths = configured_eval_files(cfg)
+    paths = suite_eval_files(cfg)
     for i, path in enumerate(paths):
         if not path.is_file():
-            raise InputError(f"eval file {path} does not exist (config key evaluate.eval_files[{i}]); "
-                             "fix the path or remove the entry")
+            where = f"evaluate.eval_files[{i}]" if i < len(cfg.evaluate.eval_files) else "evaluate.suite"
+            raise InputError(f"eval file {path} does not exist (config key {where}); fix the path or remove the entry")
     return paths
 
 
@@ -36,6 +36,13 @@ def configured_eval_files(cfg: KilnConfig) -> list[Path]:
     """The eval files whose content a key hashes (missing ones hash as missing; the stage reports them);
     the defaults are Kiln's own held-out sets (`tasks.bundled`)."""
     return [locate(p) for p in cfg.evaluate.eval_files]
+
+
+def suite_eval_files(cfg: KilnConfig) -> list[Path]:
+    """Every file of the evaluate suite whose items a model is scored on: the held-out files and the bundled
+    category sets of `evaluate.suite.categories` (decontamination indexes them all; the evaluate stage's key
+    hashes them)."""
+    return [*configured_eval_files(cfg), *(locate(p) for p in cfg.evaluate.suite.files())]
 
 
 def executor_settings(ctx: StageContext) -> ExecutorSettings:
