@@ -85,7 +85,9 @@ def train_stats(result: TrainResult, *, device: str, world_size: int = 1, **extr
     return {"num_accelerators": world_size if device != "cpu" else 0, "world_size": world_size, "steps": result.steps, "tokens_seen": result.tokens_seen, "num_params": result.num_params,
             "final_train_loss": result.final_train_loss, "val_loss": result.val_loss,
             "val_loss_by_domain": result.val_loss_by_domain, "tokens_per_s": result.tokens_per_s,
-            "resumed_from_step": result.resumed_from_step, "num_rollbacks": result.num_rollbacks, **extra}
+            "resumed_from_step": result.resumed_from_step, "num_rollbacks": result.num_rollbacks,
+            # a data schedule's phases (their steps, context and mixture) and the tokens each source gave in each
+            **({"phases": result.phases, "tokens_by_phase": result.tokens_by_phase} if result.phases else {}), **extra}
 
 
 def train_headline(stats: dict[str, Any]) -> dict[str, Any]:

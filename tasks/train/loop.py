@@ -85,6 +85,10 @@ def train_model(
     model_cfg, optim_cfg, run_cfg = revalidated(model_cfg), revalidated(optim_cfg), revalidated(run_cfg)
     dims = revalidated(dims) if dims is not None else ParallelDims()
     run_cfg.check_fits(model_cfg)
+    for phase in mixture.phases:
+        if phase.seq_len > model_cfg.max_seq_len:
+            raise ValueError(f"data phase {phase.name!r} trains at seq_len {phase.seq_len}, above model.max_seq_len="
+                             f"{model_cfg.max_seq_len}: lower the phase's seq_len or raise max_seq_len")
     dims.check_holds_batch(run_cfg)
     t_start, started_unix = time.perf_counter(), time.time()
     # built first so that a mixture without usable validation data fails before training
