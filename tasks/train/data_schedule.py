@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from kiln.tasks.constants import DOC_INDEX_SUFFIX
-from kiln.tasks.errors import ConfigError
+from kiln.tasks.errors import ConfigError, InputError
 from kiln.tasks.train.config import DataPhase, TrainRunConfig, check_phases
 from kiln.tasks.train.data_loader import DomainSource, Mixture, Phase
 
@@ -24,8 +24,9 @@ SCHEDULE_DIR = "data_schedule"  # the curriculum shards, under the run's folder
 
 
 def phase_bounds(phases: list[DataPhase], run: TrainRunConfig, where: str) -> list[tuple[int, int, int]]:
-    """(first step, last step, seq_len) of each phase; the last ends at run.steps. A ConfigError when
-    a phase would be empty or end past the run."""
+    """(first step, last step, seq_len) of each phase; the last ends at run.steps. A phase bounded by a
+    token share keeps at least one step (and leaves one to each later phase) where the run is long
+    enough; a ConfigError when a phase would be empty or end past the run."""
     budget = run.steps * run.batch_size * run.seq_len
     out, done, tokens = [], 0, 0
     for i, phase in enumerate(phases):
@@ -36,10 +37,13 @@ def phase_bounds(phases: list[DataPhase], run: TrainRunConfig, where: str) -> li
             last = done + math.ceil(round((phase.until_tokens * budget - tokens) / (run.batch_size * seq_len), 9))
         else:
             last = run.steps
-        if last <= done or last > run.steps:
+        later = len(phases) - 1 - i
+        if phase.until_tokens is not None:  # a share rounds: every phase keeps at least one step where it can
+            last = min(max(last, done + 1), run.steps - later)
+        if last <= done or last > run.steps - later:
             raise ConfigError(f"{where}[{i}] ({phase.name!r}) would train steps {done + 1}..{last} of a "
-                              f"{run.steps}-step run: move its bound so that it holds at least one step and ends "
-                              "inside the run")
+                              f"{run.steps}-step run, before {later} more phase(s): move its bound so that every "
+                              "phase holds at least one step")
         tokens += (last - done) * run.batch_size * seq_len
         out.append((done + 1, last, seq_len))
         done = last
@@ -49,6 +53,10 @@ def phase_bounds(phases: list[DataPhase], run: TrainRunConfig, where: str) -> li
 def quality_ordered(train: tuple[Path, ...], dtype: str, out: Path, where: str) -> Path:
     """Write the documents of the train shards `train` to `out`, ascending by quality score (unscored
     first, ties in corpus order)."""
+    missing = [str(p.with_suffix(DOC_INDEX_SUFFIX)) for p in train if not p.with_suffix(DOC_INDEX_SUFFIX).is_file()]
+    if missing:
+        raise InputError(f"{where}: order quality reads each shard's document index, and {missing} do not exist "
+                         "(the tokenize stage writes them): re-run tokenize, or use order: random")
     indexes = [np.load(p.with_suffix(DOC_INDEX_SUFFIX)) for p in train]
     quality = np.concatenate([ix["quality"] for ix in indexes] or [np.zeros(0)])
     if not len(quality) or np.isnan(quality).all():

@@ -32,8 +32,12 @@ def test_phase_bounds_by_step_and_by_token_share() -> None:
               DataPhase(name="c")]
     # a: 30 steps x 32 tokens = 960; b reaches 1600 tokens after ceil(640 / 128) = 5 steps of 128 tokens
     assert phase_bounds(phases, run, "train.phases") == [(1, 30, 16), (31, 35, 64), (36, 100, 16)]
-    with pytest.raises(ConfigError, match=r"train.phases\[1\] \('b'\) would train steps 31..30"):
+    with pytest.raises(ConfigError, match=r"train.phases\[1\] \('b'\) would train steps 31..30 of a 100-step run"):
         phase_bounds([phases[0], DataPhase(name="b", until_step=30), phases[2]], run, "train.phases")
+    # a share that rounds to nothing on a short run still leaves every phase a step
+    short = TrainRunConfig(steps=2, batch_size=2, seq_len=16)
+    assert phase_bounds([DataPhase(name="a", until_tokens=0.8), DataPhase(name="b")], short, "p") == [
+        (1, 1, 16), (2, 2, 16)]
 
 
 def test_phases_are_checked_when_the_config_loads() -> None:
