@@ -85,6 +85,7 @@ class TrainResult:
     # tokens trained per phase ("all" without a data schedule) per source, over the kept steps
     tokens_by_phase: dict[str, dict[str, int]] = field(default_factory=dict)
     phases: list[dict] = field(default_factory=list)  # the data schedule's phases (`Phase.summary`)
+    steps_trained: int = 0  # updates this attempt ran (rolled-back ones included): a branch's suffix
 
 
 def mixture_summary(mixture: Mixture) -> dict:
@@ -221,8 +222,11 @@ class Trainer:
 
     @classmethod
     def start(cls, model_cfg: ModelConfig, optim_cfg: OptimConfig, run_cfg: TrainRunConfig, mixture: Mixture,
-              out_dir: Path, dims: ParallelDims, init_model_dir: Path | None, hooks: Hooks) -> Trainer:
-        """Join the layout, build and split the model, and resume from the newest intact checkpoint."""
+              out_dir: Path, dims: ParallelDims, init_model_dir: Path | None, hooks: Hooks,
+              branch_from: Path | None = None) -> Trainer:
+        """Join the layout, build and split the model, and resume from the newest intact checkpoint; with
+        none in out_dir, from `branch_from` (another run's checkpoint, of the same model: the run goes on from
+        its step, weights, optimizer and curves, under this run's schedule)."""
         layout = Layout.create(dims, torch.device(run_cfg.device))
         if layout.is_main:
             out_dir.mkdir(parents=True, exist_ok=True)
@@ -236,8 +240,14 @@ class Trainer:
                       windows_from_events(events), (optimizer.state_dict(), torch.get_rng_state()),
                       mixture_history=[[0, mixture_summary(mixture)]])
         latest = latest_intact_dcp(trainer.ckpt_root)
+        if latest is None and branch_from is not None:
+            prefix = read_train_state(branch_from)["identity"]
+            if (prefix["model"], prefix["vocab_size"]) != (trainer.identity["model"], trainer.identity["vocab_size"]):
+                raise ValueError(f"{branch_from} holds another model (or vocabulary) than this run's: a branch goes on "
+                                 "from the prefix run's weights, so keep its model section and tokenizer")
+            latest = branch_from
         if latest is not None:
-            if read_train_state(latest)["identity"] != trainer.identity:
+            if latest != branch_from and read_train_state(latest)["identity"] != trainer.identity:
                 raise ValueError(
                     f"checkpoints in {trainer.ckpt_root} were written by a run with a different config (model, "
                     "optim, train run or vocabulary); use a fresh out_dir or delete that folder"
@@ -392,6 +402,7 @@ class Trainer:
             started_unix=started_unix,
             first_step_unix=self.first_step_unix,
             tokens_by_phase=self.source_tokens,
+            steps_trained=self.steps_run,
             phases=[p.summary() for p in self.mixture.phases],
         )
 
