@@ -231,6 +231,27 @@ def _run_one_stage(name: str, ns: argparse.Namespace, extra_overrides: tuple[str
     return outcome
 
 
+def adjustment(config_path: str | None, changes: list[str], from_step: int, work_dir: str | None = None
+               ) -> tuple[str, list[str]]:
+    """The train key of the run `config_path` trains (the prefix) and the overrides of its adjustment:
+    `changes`, then `train.branch` naming that key and `from_step`."""
+    if not changes:
+        raise KilnError("kiln adjust needs at least one change (key=value), e.g. train.phases=[...] or "
+                        "train.run.steps=2000: without one the adjusted run would be the run itself")
+    base = [f"work_dir={work_dir}"] if work_dir else []
+    prefix = stage_keys(load_config(config_path or default_config_path(), base))["train"]
+    return prefix, [*changes, f"train.branch={{prefix: '{prefix}', from_step: {from_step}}}"]
+
+
+def cmd_adjust(ns: argparse.Namespace) -> int:
+    config_path, changes = _split_args(ns.args)
+    prefix, overrides = adjustment(config_path, changes, ns.from_step, ns.work_dir)
+    ns.args = [config_path, *overrides]
+    outcome = _run_one_stage("train", ns)
+    print(f"\ntrain {outcome.key}: train {prefix} up to step {ns.from_step}, then {' '.join(changes)}")
+    return 0
+
+
 def cmd_stage(ns: argparse.Namespace) -> int:
     _run_one_stage(ns.name, ns)
     return 0
@@ -703,6 +724,11 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--until", metavar="STAGE", help="stop after this stage (e.g. tokenize)")
     add("stage", "Run one stage as its own Prefect flow; its inputs must already be complete.", cmd_stage,
         first=("name", "the stage name (kiln status lists them)"))
+    adjust = add("adjust", "Change a production run from a step on without retraining what came before: the train "
+                           "run of CONFIG goes on from its kept checkpoint of --from-step under CONFIG plus the "
+                           "changes (key=value: the data schedule train.phases, train.run.steps, ...), as a new "
+                           "run whose key derives from the first run's key, the step and the changes.", cmd_adjust)
+    adjust.add_argument("--from-step", type=int, required=True, help="the kept train checkpoint to go on from")
     config = add("config", "Print the resolved config (file + overrides + defaults).", cmd_config)
     config.add_argument("--keys", action="store_true", help="also print every stage's key")
     status = add("status", "Show each stage's key and its state in the store: complete (with its key numbers), running, "
