@@ -25,7 +25,8 @@ def test_a_program_may_write_inside_its_scratch_folder():
 
 
 @pytest.mark.parametrize(("name", "source", "why"), [
-    ("busy loop", "while True:\n    pass\n", "signal"),  # RLIMIT_CPU: SIGXCPU (or SIGKILL past the hard limit)
+    # RLIMIT_CPU: SIGXCPU (or SIGKILL past the hard limit); on a loaded machine the wall clock may come first
+    ("busy loop", "while True:\n    pass\n", ("signal", "timeout")),
     ("sleeping loop", "import time\nwhile True:\n    time.sleep(1)\n", "timeout"),  # no CPU spent: the wall clock
     ("unbounded allocation", "xs = []\nwhile True:\n    xs.append(bytearray(1 << 24))\n", "MemoryError"),
     ("socket", "import socket\nsocket.socket(socket.AF_INET, socket.SOCK_STREAM)\n", "socket.__new__"),
@@ -37,7 +38,7 @@ def test_a_program_may_write_inside_its_scratch_folder():
 def test_a_harmful_program_is_stopped_and_fails(name, source, why):
     started = time.monotonic()
     result = run_program(source, LIMITS)
-    assert not result.passed and why in result.reason, result
+    assert not result.passed and any(reason in result.reason for reason in ([why] if isinstance(why, str) else why)), result
     assert time.monotonic() - started < LIMITS.wall_seconds + 3
     assert not Path("/tmp/kiln-sandbox-escape.txt").exists()
     # The run goes on: the next program runs and passes.
