@@ -556,6 +556,10 @@ def cmd_slurm(ns: argparse.Namespace) -> int:
     cfg, _, _ = _load(ns)
 
     folder = Path(cfg.work_dir).resolve() / "slurm"
+    exported = os.environ.get("SLURM_CONF")
+    if ns.action != "up" and LocalSlurmCluster.in_folder(folder) is None and exported and \
+            LocalSlurmCluster.in_folder(Path(exported).parent) is not None:
+        folder = Path(exported).parent  # not in this work dir: the local cluster this shell's SLURM_CONF names
     existing = LocalSlurmCluster.in_folder(folder)
     up = existing is not None and existing.running()
     if ns.action == "up":
@@ -695,7 +699,7 @@ def build_parser() -> argparse.ArgumentParser:
         if first:
             p.add_argument(first[0], help=first[1])
         p.add_argument("args", nargs="*", metavar="[CONFIG.yaml] [key=value ...]", help=args_help)
-        p.add_argument("--work-dir", help="working directory for the store, MLflow and Prefect (overrides work_dir)")
+        _work_dir_option(p)
         p.set_defaults(func=func)
         return p
 
@@ -815,6 +819,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="with --continuous-eval: the schedule's interval (60s, 10m, 1h), i.e. the override "
                             "continuous_eval.interval=DURATION")
         p.add_argument("overrides", nargs="*", metavar="key=value", help="overrides for the continuous-eval config")
+        _work_dir_option(p)
         p.set_defaults(func=func)
         if name == "deploy":
             p.add_argument("--work-pool", choices=["process", "kubernetes"], default="process",
@@ -837,6 +842,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("config", nargs="?", help="a Kiln config: plan its train stage (model, run.seq_len, the global "
                       "batch run.batch_size, its cluster section, tokenize.vocab_size) as `train.parallel: auto` does")
     plan.add_argument("overrides", nargs="*", help="key=value overrides of CONFIG")
+    _work_dir_option(plan)
     plan.add_argument("--model", help="a configs/models preset (7b, 70b, ...) or a ModelConfig .yaml "
                       "(with CONFIG: replaces train.model)")
     plan.add_argument("--cluster", help="a configs/clusters preset (h100-1node, ...) or a .yaml "
@@ -861,6 +867,15 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# commands that read no Kiln config, so neither --work-dir nor key=value means anything to them
+NO_CONFIG_COMMANDS = ("init", "image", "worker", "eval")
+
+
+def _work_dir_option(p: argparse.ArgumentParser) -> None:
+    """`--work-dir DIR`, the same in every command that reads a config: the override `work_dir=DIR`."""
+    p.add_argument("--work-dir", help="working directory for the store, MLflow and Prefect (the override work_dir=DIR)")
+
+
 def _parse_intermixed(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
     """Parses overrides and options in any order (`kiln run CONFIG --work-dir DIR key=value`). argparse gives a
     `nargs="*"` positional only the first run of positionals; `parse_intermixed_args` refuses subcommands, so
@@ -871,6 +886,11 @@ def _parse_intermixed(parser: argparse.ArgumentParser, argv: list[str]) -> argpa
         parser.error(f"unrecognized arguments: {' '.join(extras)}")
     if extras:
         getattr(ns, trailing).extend(extras)
+    if "=" in (getattr(ns, "config", None) or ""):  # `kiln plan key=value`: an override, not a config file
+        ns.overrides.insert(0, ns.config)
+        ns.config = None
+    if getattr(ns, "work_dir", None) and isinstance(getattr(ns, "overrides", None), list):
+        ns.overrides.append(f"work_dir={ns.work_dir}")  # the commands with `args` add it when they load (`_load`)
     return ns
 
 

@@ -28,7 +28,14 @@ from pydantic import Field
 
 from kiln.tasks.configbase import Reference, Section
 from kiln.tasks.errors import KilnError
-from kiln.tasks.scaling.sweep import SweepConfig, TrialResult, best_isoflop_trials, normalised, succeeded
+from kiln.tasks.scaling.sweep import (
+    SweepConfig,
+    TrialResult,
+    best_isoflop_trials,
+    failure_advice,
+    normalised,
+    succeeded,
+)
 
 if TYPE_CHECKING:  # scipy-backed: loaded where a fit runs, so that the config tree and CLI stay light
     from kiln.tasks.scaling.laws import HyperparameterLaws, LossLawFit
@@ -94,7 +101,7 @@ def fit_laws(cfg: FitConfig, sweep: SweepConfig, trials: Sequence[TrialResult]) 
         lost = [f"{t.name}: {t.status} ({(t.reason or '')[:80]})" for t in trials if t.mixture == reference][:5]
         raise NotEnoughTrialsError(
             f"no trial on the reference mixture '{reference}' finished, so there is nothing to fit ({'; '.join(lost)}"
-            "). Lower sweep.lr (or raise sweep.optim.warmup_steps) so the proxies train stably.")
+            f"). {failure_advice([t for t in trials if t.mixture == reference])}")
     out: dict[str, Any] = {"points": points, "refused": {}, "loss_law": None, "isoflop": None, "hyper": None}
     try:
         out["loss_law"] = fit_loss_law(

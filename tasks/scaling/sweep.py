@@ -595,7 +595,21 @@ def _all_failed_message(results: list[TrialResult], trials_dir: Path) -> str:
     listed = "; ".join(f"{n}x {reason}" for reason, n in reasons.most_common(3))
     return (f"every sweep trial failed ({', '.join(f'{n} {s}' for s, n in sorted(counts.items()))}), "
             f"so there is nothing to fit. Most common reasons: {listed}. Each trial's run is in "
-            f"{trials_dir}/<trial name>/ (a failed one's in {trials_dir}/.<trial name>.partial/); a diverging sweep wants a smaller sweep.lr (or sweep.optim.warmup_steps).")
+            f"{trials_dir}/<trial name>/ (a failed one's in {trials_dir}/.<trial name>.partial/); {failure_advice(results)}")
+
+
+def failure_advice(results: Sequence[TrialResult]) -> str:
+    """What to do about failed trials, by how they failed: a diverged trial's loss blew up (its settings'
+    fault), a failed one never returned a result (its process or job died: the machines' fault)."""
+    diverged = sum(r.status == "diverged" for r in results)
+    failed = sum(r.status == "failed" for r in results)
+    advice = []
+    if diverged:
+        advice.append(f"{diverged} diverged: a diverging sweep wants a smaller sweep.lr (or more sweep.optim.warmup_steps)")
+    if failed:
+        advice.append(f"{failed} failed without a result (the process or job died: infrastructure, not divergence; "
+                      "its log is named in its reason): fix what broke, then rerun, which resumes them")
+    return "; ".join(advice) + "."
 
 
 def _result_from_json(row: dict) -> TrialResult:

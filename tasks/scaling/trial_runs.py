@@ -44,6 +44,7 @@ from kiln.tasks.errors import ConfigError, KilnError
 from kiln.tasks.launch.kubernetes import KubernetesIndexedLauncher
 from kiln.tasks.launch.launchers import LaunchError, sigterm_raises
 from kiln.tasks.launch.registry import make_launcher
+from kiln.tasks.launch.slurm import SlurmJobCancelled
 from kiln.tasks.ledger import OpenSubRun
 from kiln.tasks.scaling.sweep import (
     FINAL_STATUSES,
@@ -223,11 +224,13 @@ class JobTrials:
                 if state.stopping.is_set():
                     return
                 user_error = _user_error([run for share in todo for _, run in share])
-                if user_error is not None or not error.retryable:
+                # a cancelled (scancel) or preempted job is its trials' failure, not the sweep's: resubmitted alone
+                cancelled = isinstance(error, SlurmJobCancelled)
+                if user_error is not None or not (error.retryable or cancelled):
                     state.fail(user_error or error)
                     return
-                logger.warning("sweep job %s failed; resubmitting it for its unfinished trials: %s", name,
-                               str(error).splitlines()[0])
+                logger.warning("sweep job %s %s; resubmitting it for its unfinished trials: %s", name,
+                               "was cancelled" if cancelled else "failed", str(error).splitlines()[0])
                 state.failed([t.name for share in todo for t, _ in share], str(error).splitlines()[0])
                 continue
             state.ended(job)

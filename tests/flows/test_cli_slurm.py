@@ -33,6 +33,12 @@ def test_slurm_up_status_down(tmp_path, capsys):
         assert main(["slurm", "status", f"work_dir={tmp_path}"]) == 0
         out, err = capsys.readouterr()
         assert "debug" in err and "idle" in err and out.startswith("export SLURM_CONF=")
+        # from another folder, without --work-dir: the cluster this shell's SLURM_CONF names (issue 37)
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setenv("SLURM_CONF", str(folder / "slurm.conf"))
+            patch.chdir(tmp_path.parent)
+            assert main(["slurm", "status"]) == 0
+        assert "debug" in capsys.readouterr().err
     finally:
         assert main(["slurm", "down", "--work-dir", str(tmp_path)]) == 0
     assert "stopped the local Slurm cluster" in capsys.readouterr().err

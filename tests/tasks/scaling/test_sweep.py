@@ -226,3 +226,15 @@ def test_a_trial_its_worker_committed_is_never_trained_again(shards, tmp_path):
                       on_trial=lambda r, resumed: seen.append((r.name, resumed)))
     assert again == [result] and seen == [(trial.name, True)]
     assert load_trials(tmp_path / TRIALS_FILE) == [result]
+
+
+def test_failure_advice_tells_infrastructure_from_divergence():
+    """A trial whose job died is no diverged trial (issue 37): no smaller sweep.lr for it."""
+    from types import SimpleNamespace
+
+    from kiln.tasks.scaling.sweep import failure_advice
+
+    died = failure_advice([SimpleNamespace(status="failed")] * 3)
+    assert "3 failed without a result" in died and "infrastructure, not divergence" in died and "sweep.lr" not in died
+    both = failure_advice([SimpleNamespace(status="diverged"), SimpleNamespace(status="failed")])
+    assert both.startswith("1 diverged: a diverging sweep wants a smaller sweep.lr") and "1 failed" in both

@@ -81,7 +81,7 @@ def subruns(out: Path) -> SubRuns:
 def kill_a_running_trial(out: Path, killed: list[tuple[str, str]], stop: threading.Event) -> None:
     """Once a trial of a first-phase job has trained some steps (a complete checkpoint in its folder, not
     yet committed), SIGKILL that job's program, as a lost node or a preemption would end it (a user's
-    `scancel` stops the sweep instead: issue 25); record (job id, trial)."""
+    `scancel` is retried the same way: test_a_scancelled_trial_job_...); record (job id, trial)."""
     trials = out / TRIALS_DIR
     deadline = time.monotonic() + WATCH_S
     while not stop.is_set() and time.monotonic() < deadline:
@@ -178,3 +178,44 @@ def test_a_sweep_job_slurm_refuses_is_not_retried_and_says_why(shards, slurm_clu
     assert not is_retryable(refused.value)
     assert not list(tmp_path.glob(f"{JOBS_DIR}/*/*.out"))  # no job ever ran
     assert not Store(tmp_path).is_complete(TRIALS_DIR, "w4-lr0.003-bs4-s73-u")
+
+
+def test_a_scancelled_trial_job_is_retried_on_its_own_and_the_sweep_goes_on(shards, slurm_cluster, tmp_path, caplog):
+    """A person's scancel (or a preemption) of one share's job is that job's trials' failure (issue 37): its
+    unfinished trials are resubmitted alone, the other share's job is left running, and the sweep ends with
+    every trial trained."""
+    out = tmp_path / "slurm"
+    cancelled: list[str] = []
+    stop = threading.Event()
+
+    def scancel_share_0() -> None:
+        deadline = time.monotonic() + WATCH_S
+        while not stop.is_set() and time.monotonic() < deadline and not cancelled:
+            if any(folder.is_dir() for folder in (out / TRIALS_DIR).glob(".*.partial")):  # a trial is training
+                queued = subprocess.run(["squeue", "--noheader", "--states=RUNNING", "--format=%i %j"],
+                                        capture_output=True, text=True).stdout.splitlines()
+                job = next((line.split()[0] for line in queued if line.endswith("kiln-sweep-phase1-0")), None)
+                if job is not None:
+                    subprocess.run(["scancel", job], check=True)
+                    cancelled.append(job)
+            time.sleep(0.05)
+
+    watcher = threading.Thread(target=scancel_share_0, daemon=True)
+    watcher.start()
+    where = JobTrials("slurm", ClusterSpec(rdzv_port=free_port(), max_restarts=1), MAX_PARALLEL, out / JOBS_DIR)
+    try:
+        with caplog.at_level("WARNING", logger="kiln.sweep"):
+            results = run_sweep(sweep_config(), *shards, subruns(out), where=where)
+    finally:
+        stop.set()
+        watcher.join()
+    assert cancelled, "no first-phase job was seen running"
+    assert len(results) == 16 and all(r.ok for r in results), [(r.name, r.status, r.reason) for r in results]
+    assert any("sweep job phase1-0 was cancelled; resubmitting it for its unfinished trials" in r.getMessage()
+               for r in caplog.records), caplog.text
+    jobcomp = (slurm_cluster.folder / "log" / "jobcomp.txt").read_text().splitlines()
+    ended = {fields["JobId"]: fields["JobState"] for fields in
+             (dict(f.split("=", 1) for f in line.split() if "=" in f) for line in jobcomp)
+             if fields.get("Name", "").startswith("kiln-sweep-phase1-")}
+    assert ended[cancelled[0]] == "CANCELLED"
+    assert list(ended.values()).count("CANCELLED") == 1  # the other share's job was not taken down with it
