@@ -31,7 +31,7 @@ import kiln  # noqa: E402
 from kiln import __version__  # noqa: E402
 from kiln.flows import embedded_api
 from kiln.flows.database import SECRETS_FILE as DATABASE_SECRETS
-from kiln.flows.deploy import deploy, run_worker, serve, work_pool
+from kiln.flows.deploy import continuous_eval_schedule, deploy, run_worker, serve, work_pool
 from kiln.flows.environment import prepare_environment
 from kiln.flows.image import check_image, find_runtime, installation_problems
 from kiln.flows.project import init_project
@@ -390,6 +390,9 @@ def cmd_status(ns: argparse.Namespace) -> int:
               f"{forecast}, peak memory {totals.get('peak_rss_mb', 0):.0f} MiB")
 
     print("\n".join(status_lines(cfg, keys)))
+    schedule = continuous_eval_schedule()  # with a Prefect server (kiln up's env) that has the deployment
+    if schedule is not None:
+        print(schedule)
     abandoned = store.abandoned_partials(keys)
     if abandoned:
         print(f"{len(abandoned)} abandoned partial folder(s) of keys this config no longer uses "

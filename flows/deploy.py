@@ -232,6 +232,33 @@ async def _watch(parameters: dict, interval: int) -> None:
         await client.resume_deployment(deployment.id)
 
 
+def continuous_eval_schedule() -> str | None:
+    """The continuous-eval deployment's schedule as `kiln status` shows it (active every ..., paused, or
+    none), with the config it watches; None without a Prefect server or that deployment."""
+    if not os.environ.get("PREFECT_API_URL"):
+        return None
+    return asyncio.run(_schedule_state())
+
+
+async def _schedule_state() -> str | None:
+    from prefect.client.orchestration import get_client
+    from prefect.exceptions import ObjectNotFound
+
+    async with get_client() as client:
+        try:
+            deployment = await client.read_deployment_by_name(CONTINUOUS_EVAL)
+        except ObjectNotFound:
+            return None
+    watched = (deployment.parameters or {}).get("config_path")
+    schedules = [s for s in deployment.schedules if getattr(s.schedule, "interval", None) is not None]
+    if not schedules:
+        return f"continuous-eval schedule ({CONTINUOUS_EVAL}): none (kiln deploy --continuous-eval CONFIG gives it one)"
+    every = duration(schedules[0].schedule.interval.total_seconds())
+    on = not deployment.paused and any(s.active for s in schedules)
+    state = f"active, every {every}" if on else f"paused (every {every}; it pauses itself once its stages are scored)"
+    return f"continuous-eval schedule ({CONTINUOUS_EVAL}): {state}, watching {watched}"
+
+
 def run_worker() -> None:
     """Run a Prefect worker for Kiln's pool, once what a crash left running (a dead worker's task runs, MLflow
     runs at $MLFLOW_TRACKING_URI) is marked crashed (`flows.crashes`); returns when it stops. Its flow runs

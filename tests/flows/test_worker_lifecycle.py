@@ -62,6 +62,9 @@ def test_a_run_outlives_its_killed_worker_and_workers_stop_on_sigterm(operated, 
     console = (ops.root / "run" / "logs" / "flow-runs" / f"{flow_run_id}.log").read_text()
     assert run["state_type"] == "COMPLETED", (run["state"], console[-3000:])
     assert "Finished in state Completed" in console  # its console, kept in its work dir
+    status = ops.kiln("status", "configs/tiny.yaml", f"work_dir={ops.root / 'run'}")
+    assert status.returncode == 0, status.stderr[-3000:]
+    assert "continuous-eval schedule (kiln-continuous-eval/continuous-eval): none" in status.stdout
 
     # `kiln down` stops the workers of its servers first, and says which
     ops.start_worker()
