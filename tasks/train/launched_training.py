@@ -7,8 +7,9 @@ monitor's rollbacks, and — from rank 0 — the gathered `model/`, `metrics.jso
 `train_metrics.jsonl` and the loss plot, so later stages (anneal, evaluate) read the same files
 whichever way training ran. `out_dir` and the data must therefore be on a filesystem every node
 shares. This module owns the launch and the relaunch after a failed job (excluding the failed
-hosts where the launcher can), and replays the worker's metrics and health events to this
-process's callbacks.
+hosts where the launcher can), and reports the worker's metrics and health events to this
+process's callbacks while the job runs (`LiveReport` tails rank 0's `train_metrics.jsonl` and
+`health_events.jsonl` on the shared filesystem), so curves and loss alerts do not wait for its end.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import json
 import logging
 import shutil
+import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -36,6 +38,7 @@ from kiln.tasks.launch.registry import make_launcher
 from kiln.tasks.train.callbacks import METRICS_LOG, CallbackSpec
 from kiln.tasks.train.config import ModelConfig, OptimConfig, ParallelDims, TrainRunConfig
 from kiln.tasks.train.dist_worker import WORKER_CPU_DIR, worker_cpu_s
+from kiln.tasks.train.health import EVENTS_FILE
 from kiln.tasks.train.trainer import TrainResult, read_result, write_metrics
 
 logger = logging.getLogger("kiln.launch.training")
@@ -91,6 +94,82 @@ def train_with_launcher(model_cfg: ModelConfig, optim_cfg: OptimConfig, run_cfg:
     shutil.rmtree(out_dir / WORKER_CPU_DIR, ignore_errors=True)  # this attempt's cost: an earlier one's was its own
     failures: list[dict] = []
     attempts: list[dict] = []
+    with LiveReport(out_dir, on_metrics, on_event):
+        _launch_attempts(job, command, cluster, registry, failures, attempts, failures_file, out_dir, launcher,
+                         job_name, on_launch)
+    result = read_result(out_dir / WORKER_RESULT)
+    if failures:
+        failures[-1]["step"] = result.resumed_from_step or 0
+        failures[-1]["time_to_resume_s"] = result.first_step_unix - failures[-1]["failed_at_unix"]
+    if failures:
+        attempts[-1]["time_to_resume_s"] = failures[-1]["time_to_resume_s"]
+    _record_launch(out_dir, launcher, job_name, attempts, on_launch)
+    result.health_events = [*result.health_events, *failures]
+    if on_metrics is not None:  # the train metrics went while the job ran; the validation loss comes at its end
+        val = {"val_loss": result.val_loss, **{f"val_loss/{d}": v for d, v in result.val_loss_by_domain.items()}}
+        on_metrics(result.steps, val)
+    if on_event is not None:  # the worker's own events (rollbacks) went live
+        for event in failures:
+            on_event(event)
+    write_metrics(result, out_dir)  # with the relaunches' events
+    return result
+
+
+class LiveReport:
+    """While a launched job runs, every `interval_s` (and once more as it ends): the lines rank 0 has
+    appended to `train_metrics.jsonl` since the last look go to `on_metrics`, and those of
+    `health_events.jsonl` (a rollback, giving up) to `on_event`. Only whole lines count (a line being
+    written waits for the next look). A relaunched job logs the steps after its checkpoint again: they
+    are reported again, as they ran. A callback that raises is logged, never stops the wait."""
+
+    def __init__(self, out_dir: Path, on_metrics: Callable[[int, dict[str, float]], None] | None,
+                 on_event: Callable[[dict[str, Any]], None] | None, interval_s: float = 0.5) -> None:
+        self.files = [(out_dir / METRICS_LOG, self._metrics, on_metrics), (out_dir / EVENTS_FILE, on_event, on_event)]
+        self.offsets = {path: 0 for path, _, _ in self.files}
+        self.interval_s = interval_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="kiln-live-report", daemon=True)
+        self.on_metrics = on_metrics
+
+    def _metrics(self, record: dict[str, Any]) -> None:
+        step = record.pop("step")
+        self.on_metrics(step, record)
+
+    def poll(self) -> None:
+        for path, deliver, callback in self.files:
+            if callback is None or not path.is_file():
+                continue
+            with path.open("rb") as handle:
+                handle.seek(self.offsets[path])
+                chunk = handle.read()
+            whole = chunk[: chunk.rfind(b"\n") + 1]
+            self.offsets[path] += len(whole)
+            for line in whole.decode().splitlines():
+                if line.strip():
+                    try:
+                        deliver(json.loads(line))
+                    except Exception:  # a tracking outage must not end the wait for the job
+                        logger.exception("reporting %s from %s failed", line[:200], path.name)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self.poll()
+
+    def __enter__(self) -> LiveReport:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.poll()
+
+
+def _launch_attempts(job: Launcher, command: list[str], cluster: ClusterSpec, registry: Path, failures: list[dict],
+                     attempts: list[dict], failures_file: Path, out_dir: Path, launcher: str, job_name: str,
+                     on_launch: Callable[[dict[str, Any]], None] | None) -> None:
+    """Launch the job, relaunching a failed one up to `cluster.max_restarts` times; `failures` and
+    `attempts` record each try."""
     for attempt in range(cluster.max_restarts + 1):
         reset_registry(registry)  # so a record cannot be an earlier launch's
         try:
@@ -116,29 +195,6 @@ def train_with_launcher(model_cfg: ModelConfig, optim_cfg: OptimConfig, run_cfg:
             raise ConfigError(f"cluster.launcher={launcher}: {launched.message}. Training waits for its job, so "
                               "the client must be on PATH where Kiln runs")
         break
-    result = read_result(out_dir / WORKER_RESULT)
-    if failures:
-        failures[-1]["step"] = result.resumed_from_step or 0
-        failures[-1]["time_to_resume_s"] = result.first_step_unix - failures[-1]["failed_at_unix"]
-    if failures:
-        attempts[-1]["time_to_resume_s"] = failures[-1]["time_to_resume_s"]
-    _record_launch(out_dir, launcher, job_name, attempts, on_launch)
-    result.health_events = [*result.health_events, *failures]
-    if on_metrics is not None:
-        # a relaunched job logs the steps after its checkpoint again: the last record of a step wins
-        by_step = {}
-        for line in (out_dir / METRICS_LOG).read_text().splitlines():
-            metrics = json.loads(line)
-            by_step[metrics.pop("step")] = metrics
-        for step, metrics in sorted(by_step.items()):
-            on_metrics(step, metrics)
-        val = {"val_loss": result.val_loss, **{f"val_loss/{d}": v for d, v in result.val_loss_by_domain.items()}}
-        on_metrics(result.steps, val)
-    if on_event is not None:
-        for event in result.health_events:
-            on_event(event)
-    write_metrics(result, out_dir)  # with the relaunches' events
-    return result
 
 
 def _record_launch(out_dir: Path, launcher: str, job_name: str, attempts: list[dict],
