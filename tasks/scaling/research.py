@@ -362,7 +362,8 @@ def decide_study(study: Study, runs: dict[tuple[str, str, int], TrialResult], by
                          for v, b in pairs]
                 bpb.setdefault(domain, {})[scale] = asdict(paired_interval(diffs, study.cfg.alpha))
         diverged = sum(1 for (v, _, _), r in runs.items() if v == name and not r.ok)
-        out[name] = {**decision.as_json(), "bpb_effect_by_scale": bpb, "runs_not_ok": diverged}
+        out[name] = {**decision.as_json(), "overrides": study.cfg.variants[name], "bpb_effect_by_scale": bpb,
+                     "runs_not_ok": diverged}
     return {"noise_floor": floor, "alpha": study.cfg.alpha, "production_flops": study.production_flops,
             "scales": {s: {"flops": c} for s, c in scale_flops.items()}, "seeds": study.cfg.seeds,
             "budget_matched_by": "tokens", "lr_sweep": study.cfg.lr_sweep, "variants": out}
@@ -417,3 +418,34 @@ def write_report(study: Study, decision: dict[str, Any], folder: Path, wall_s: f
         lines.append("")
     lines += [f"![loss vs compute]({LOSS_PLOT})", "", f"![gap vs compute]({GAP_PLOT})", ""]
     (folder / REPORT_FILE).write_text("\n".join(lines))
+
+
+def promoted_config(config_path: Path, decision_file: Path, name: str, key: str, train_model_named: bool) -> Path:
+    """Write the production config with variant `name` applied, beside `config_path`: it extends that
+    config and sets the variant's overrides on the proxy family (sweep.model, sweep.optim), the
+    validate model and the production run (train.model when the config names one, train.optim), with
+    train.promoted_from naming the decision. Refused unless the decision for `name` is `promote`."""
+    import yaml  # defers pyyaml
+
+    decision = json.loads(decision_file.read_text())["variants"]
+    if name not in decision:
+        raise ConfigError(f"--promote {name}: no such variant in {decision_file}; variants: {', '.join(decision)}")
+    if decision[name]["decision"] != "promote":
+        raise ConfigError(f"--promote {name}: its decision is {decision[name]['decision']} "
+                          f"({'; '.join(decision[name]['reasons'])}); only a promoted variant is written "
+                          "as a production config")
+    overrides = decision[name]["overrides"]
+    model = {k.partition(".")[2]: v for k, v in overrides.items() if k.startswith("model.")}
+    optim = {k.partition(".")[2]: v for k, v in overrides.items() if k.startswith("optim.")}
+    tree: dict[str, Any] = {"extends": str(config_path.resolve())}
+    if model or optim:
+        tree["sweep"] = {**({"model": model} if model else {}), **({"optim": optim} if optim else {})}
+    if model:
+        tree["validate"] = {"model": model}
+    tree["train"] = {**({"model": model} if model and train_model_named else {}),
+                     **({"optim": optim} if optim else {}), "promoted_from": f"research/{key}:{name}"}
+    out = config_path.resolve().with_name(f"{config_path.stem}.promoted-{name}.yaml")
+    out.write_text(f"# Written by `kiln research {config_path} --promote {name}` from the decision in {decision_file}\n"
+                   + yaml.safe_dump(tree, sort_keys=False))
+    return out
+

@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 from pydantic import PositiveFloat, SerializerFunctionWrapHandler, model_serializer, model_validator
 
-from kiln.tasks.configbase import Section, runtime_field
+from kiln.tasks.configbase import Section, added_field, runtime_field
 from kiln.tasks.errors import ConfigError
 from kiln.tasks.scaling.fit import PLAN_FILE, loss_law_from_dict
 from kiln.tasks.scaling.plan import DataBudget, predicted
@@ -50,6 +50,9 @@ class TrainConfig(Section):
     run: TrainRunConfig = TrainRunConfig()
     parallel: ParallelDims | Literal["auto"] = runtime_field(ParallelDims())
     lr: Literal["plan"] | PositiveFloat = "plan"
+    promoted_from: str | None = added_field(
+        None, description="the research decision this config was promoted from (research/<key>:<variant>), written "
+        "by `kiln research CONFIG --promote NAME`; `kiln lineage` names it")
     gate_override: str | None = runtime_field(
         None, description="start although the validation gate failed; the reason you give is recorded")
 
