@@ -61,6 +61,9 @@ from kiln.tasks.launch.slurm_jobs import JobJournal, live_jobs
 from kiln.tasks.lineage import as_json, lineage, locate, render_table
 from kiln.tasks.runner import StageOutcome
 from kiln.tasks.scaling.plan import budget_from_accelerators, budget_report
+from kiln.tasks.scaling.research import DECISION_FILE as RESEARCH_DECISION
+from kiln.tasks.scaling.research import REPORT_FILE as RESEARCH_REPORT
+from kiln.tasks.scaling.research import decision_table, promoted_config
 from kiln.tasks.settings import KilnConfig, open_tracker
 from kiln.tasks.stages import REGISTRY
 from kiln.tasks.stages._common import SLURM_LOGS
@@ -452,6 +455,24 @@ def cmd_dedup_batch(ns: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_research(ns: argparse.Namespace) -> int:
+    """Run (or reuse) the research stage, print its decision table, and with --promote write the production
+    config with that variant applied."""
+    outcome = _run_one_stage("research", ns)
+    folder = Path(outcome.path)
+    decision = json.loads((folder / RESEARCH_DECISION).read_text())
+    print(f"\n{decision_table(decision)}\n\nnoise floor {decision['noise_floor']:.4f}; decision {folder / RESEARCH_DECISION}; "
+          f"report {folder / RESEARCH_REPORT}")
+    if not decision["lr_sweep"]:
+        print("warning: research.lr_sweep is empty: every variant trained at the baseline's learning rate")
+    if ns.promote:
+        cfg, config_path, _ = _load(ns)
+        written = promoted_config(Path(config_path), folder / RESEARCH_DECISION, ns.promote, outcome.key,
+                                  isinstance(cfg.train.model, ModelConfig))
+        print(f"production config with {ns.promote} applied: {written}")
+    return 0
+
+
 def cmd_export(ns: argparse.Namespace) -> int:
     """Write a Kiln model as a Hugging Face folder (transformers, lm-eval's `hf` model) with its model card."""
     cfg, _, _ = _load(ns)
@@ -769,6 +790,11 @@ def build_parser() -> argparse.ArgumentParser:
     add("dedup-batch", "Deduplicate a new batch of documents against the dedup stage's persisted LSH index (no old "
         "signature is recomputed); the result is a store entry of stage dedup-batch with its manifest and MLflow run.",
         cmd_dedup_batch, first=("batch", "new documents: a folder of shards (.jsonl.zst, .jsonl) or one file"))
+    research = add("research", "Test model and objective variants (the config's research section) against the "
+                   "baseline at several proxy sizes and seeds; print the decision table (promote, reject, "
+                   "inconclusive, crossover) with each variant's costs.", cmd_research)
+    research.add_argument("--promote", metavar="NAME", help="write the production config with this promoted variant "
+                          "applied, as a new file beside CONFIG (printed)")
     export = add("export", "Write a model as a Hugging Face folder (config.json, model.safetensors, tokenizer, model card) "
                  "that transformers and `lm_eval --model hf` load.", cmd_export,
                  first=("source", "a stage name (this config's output of it, e.g. anneal), a stage key, or a model "

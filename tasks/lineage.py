@@ -36,6 +36,7 @@ class Link:
     licences: dict[str, int] = field(default_factory=dict)  # SPDX -> kept documents (collect only)
     # an adjusted train run (train.branch): "train <prefix key> up to step N, then schedule ..."
     continues: str | None = None
+    promoted_from: str | None = None  # the research decision its model config came from (train.promoted_from)
 
 
 def continuation(stage: str, identity: dict[str, Any]) -> str | None:
@@ -108,7 +109,9 @@ def _link(store: Store, stage: str, key: str) -> Link:
                 config_sha256=_sha256(identity), outputs_sha256=_sha256(manifest.get("files", {})),
                 mlflow_run_id=manifest.get("mlflow_run_id"), prefect_flow_run_id=manifest.get("prefect_flow_run_id"),
                 git_sha=code.get("git_sha"), git_dirty=code.get("git_dirty"), created_at=manifest.get("created_at"),
-                licences=_licences(store.path(stage, key)), continues=continuation(stage, identity))
+                licences=_licences(store.path(stage, key)), continues=continuation(stage, identity),
+                promoted_from=next((section["promoted_from"] for section in identity.values()
+                                    if isinstance(section, dict) and section.get("promoted_from")), None))
 
 
 def lineage_manifests(store: Store, stage: str, key: str) -> dict[str, dict[str, Any]]:
@@ -146,6 +149,11 @@ def render_table(links: list[Link]) -> str:
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in rows]
     lines += [f"\n{link.stage} {link.key}: {link.continues}" for link in links if link.continues]
+    for link in links:
+        if link.promoted_from:
+            research, _, variant = link.promoted_from.rpartition(":")
+            lines.append(f"\n{link.stage} {link.key}: model promoted from the research decision {research} (variant "
+                         f"{variant}: {research}/decision.json in the store)")
     licences = {label: n for link in links for label, n in link.licences.items()}
     if licences:
         kept = ", ".join(f"{label} {n}" for label, n in licences.items())

@@ -10,6 +10,9 @@
   proportions) with the trials, and held-out predicted against observed loss.
 - `capabilities.png` (validate): each eval metric against compute, the best proxy per budget with
   their trend line, and the mid-scale model.
+- `loss_vs_compute.png` and `gap_vs_compute.png` (research): each variant's final loss against its own
+  compute (mean and spread over seeds), and its gap to the baseline against the baseline's compute
+  with the intervals per scale and the trend extrapolated to production size.
 """
 
 from __future__ import annotations
@@ -243,6 +246,50 @@ def plot_capabilities(rows: Sequence[dict[str, Any]], path: Path) -> None:
         ax.xaxis.set_minor_formatter(plt.NullFormatter())  # 2x10^9, 3x10^9, ... labels overlap
         ax.title.set_fontsize(9)
         ax.legend(fontsize=7)
+    fig.savefig(path, dpi=DPI)
+    plt.close(fig)
+
+
+def plot_research_loss(points: dict[str, list[tuple[float, float, float]]], path: Path) -> None:
+    """`points`: variant -> (its compute, mean final loss, seed standard deviation) per scale."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(5.5, 4), layout="constrained")
+    for colour, (name, rows) in zip(_colours(len(points)), points.items(), strict=True):
+        rows = sorted(rows)
+        ax.errorbar([r[0] for r in rows], [r[1] for r in rows], yerr=[r[2] for r in rows], marker="o", capsize=3,
+                    color="black" if name == "baseline" else colour, label=name)
+    ax.set(xscale="log", xlabel="training compute C = 6ND of the variant (FLOPs)", ylabel="final validation loss",
+           title="loss vs compute (mean ± seed sd)")
+    ax.legend(fontsize=7)
+    fig.savefig(path, dpi=DPI)
+    plt.close(fig)
+
+
+def plot_research_gap(decision: dict[str, Any], path: Path) -> None:
+    """`decision`: decision.json's content: per variant the effect per scale with its interval, and the
+    trend (slope per decade through the extrapolated effect) out to the production compute."""
+    plt = _pyplot()
+    variants = decision["variants"]
+    computes = {s: v["flops"] for s, v in decision["scales"].items()}
+    production = decision["production_flops"]
+    fig, ax = plt.subplots(figsize=(6, 4), layout="constrained")
+    ax.axhline(0, color="grey", lw=0.8)
+    for colour, (name, v) in zip(_colours(len(variants)), variants.items(), strict=True):
+        scales = [s for s in computes if s in v["effect_by_scale"]]
+        xs = [computes[s] for s in scales]
+        e = [v["effect_by_scale"][s] for s in scales]
+        ax.errorbar(xs, [r["mean"] for r in e], yerr=[[r["mean"] - r["ci_low"] for r in e],
+                                                      [r["ci_high"] - r["mean"] for r in e]],
+                    marker="o", capsize=3, ls="none", color=colour, label=f"{name}: {v['decision']}")
+        x = v["extrapolated"]
+        line = np.geomspace(min(computes.values()), production, 20)
+        ax.plot(line, x["mean"] + x["slope_per_decade"] * (np.log10(line) - np.log10(production)), ls=":",
+                color=colour)
+        ax.errorbar([production], [x["mean"]], yerr=[[x["mean"] - x["ci_low"]], [x["ci_high"] - x["mean"]]],
+                    marker="*", ms=10, capsize=4, color=colour)
+    ax.set(xscale="log", xlabel="baseline training compute (FLOPs); * = production", ylabel="Δ loss (variant − baseline)",
+           title="gap vs compute (intervals; trend to production)")
+    ax.legend(fontsize=7)
     fig.savefig(path, dpi=DPI)
     plt.close(fig)
 

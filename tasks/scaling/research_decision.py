@@ -14,12 +14,17 @@ per variant. The rule (also in the README, "Research: small first, then scale"):
 4. **Noise floor from the seeds.** The baseline's seed-to-seed standard deviation of the final
    loss (pooled over scales). A production run is one seed: an effect smaller than that spread is
    not one it would show, so it cannot promote or reject.
-5. **Decision.** `promote` when the Holm-corrected p < alpha, the production interval lies below 0
-   and |effect| exceeds the noise floor; `reject` the same above 0; else `inconclusive`.
+5. **Decision.** `promote` when the Holm-corrected p < alpha, the production interval lies below 0,
+   |effect| there exceeds the noise floor, the largest measured scale's interval (at alpha divided
+   by the number of variants, Bonferroni) lies below 0 too, and there is no crossover: a gain is
+   promoted only when it is measured where the study comes closest to production and the trend
+   carries it there. `reject` when the production interval lies above 0 (significant, beyond the
+   floor), or the largest measured scale's interval lies above 0 by more than the floor (a handicap
+   measured is not undone by a trend that only extrapolates it away). Else `inconclusive`.
    **Crossover warning**: a measured scale whose interval excludes 0 on the other side of the
-   extrapolated effect (it helps small and hurts large, or the reverse), or two measured scales
-   significant in opposite directions. A crossover is flagged, not hidden: confirm at a larger
-   proxy before production.
+   extrapolated effect (it helps small and hurts large, or the trend crosses zero before production
+   size), or two measured scales significant in opposite directions. It blocks a promotion; confirm
+   at a larger proxy.
 """
 
 from __future__ import annotations
@@ -157,21 +162,34 @@ def decide(variants: Mapping[str, Mapping[str, ScaleRuns]], production_compute: 
         side = at.excludes_zero()
         significant = adjusted[name] < alpha
         material = abs(at.mean) > floor
-        if not significant:
-            reasons.append(f"Holm-corrected p = {adjusted[name]:.3g} is not below alpha = {alpha}")
-        if significant and not side:
-            reasons.append("the interval at production size holds 0")
-        if not material:
-            reasons.append(f"|effect| {abs(at.mean):.4g} at production size is within the noise floor {floor:.4g}")
-        decision = ("promote" if side < 0 else "reject") if significant and side and material else "inconclusive"
+        largest_scale = max(variants[name], key=lambda s: variants[name][s].compute)
+        largest_diffs = variants[name][largest_scale].differences()
+        largest = paired_interval(largest_diffs, alpha / len(variants)) if len(largest_diffs) >= 2 else None
+        largest_side = largest.excludes_zero() if largest else 0
         measured = {s: i.excludes_zero() for s, i in effects[name].items()}
         signs = {v for v in measured.values() if v}
         opposite = [s for s, v in measured.items() if v and at.mean and v != (1 if at.mean > 0 else -1)]
         crossover = len(signs) == 2 or bool(opposite)
+        if not significant:
+            reasons.append(f"Holm-corrected p = {adjusted[name]:.3g} at production size is not below alpha = {alpha}")
+        elif not side:
+            reasons.append("the interval at production size holds 0")
+        if not material:
+            reasons.append(f"|effect| {abs(at.mean):.4g} at production size is within the noise floor {floor:.4g}")
         if crossover:
             reasons.append("crossover: " + (f"the effect at {', '.join(opposite)} has the opposite sign of the "
                                             "extrapolated one" if opposite else
                                             "measured scales are significant in opposite directions"))
+        if significant and material and side < 0 and largest_side < 0 and not crossover:
+            decision = "promote"
+        elif (significant and material and side > 0) or (largest and largest_side > 0 and largest.mean > floor):
+            decision = "reject"
+            if side <= 0:
+                reasons.append(f"it hurts at the largest measured scale {largest_scale}")
+        else:
+            decision = "inconclusive"
+            if significant and material and side < 0 and largest_side >= 0:
+                reasons.append(f"no significant gain measured at the largest scale {largest_scale}")
         out[name] = VariantDecision(
             decision, {s: asdict(i) for s, i in effects[name].items()},
             {**asdict(at), "compute": production_compute, "slope_per_decade": trend.slope},

@@ -14,6 +14,7 @@ from kiln.tasks.stages import (
     export,
     fit,
     mix,
+    research,
     sweep,
     tokenize,
     train,
@@ -21,7 +22,7 @@ from kiln.tasks.stages import (
 )
 
 STAGE_MODULES = (collect, clean, dedup, decontaminate, tokenize, sweep, fit, mix, validate, train, anneal,
-                 anneal_ablation, evaluate, export, dedup_batch)
+                 anneal_ablation, evaluate, export, dedup_batch, research)
 
 REGISTRY = Registry([module.STAGE for module in STAGE_MODULES])
 

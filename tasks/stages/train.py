@@ -71,6 +71,9 @@ class TrainConfig(Section):
     run: TrainRunConfig = TrainRunConfig()
     parallel: ParallelDims | Literal["auto"] = runtime_field(ParallelDims())
     lr: Literal["plan"] | PositiveFloat = "plan"
+    promoted_from: str | None = added_field(
+        None, description="the research decision this config was promoted from (research/<key>:<variant>), written "
+        "by `kiln research CONFIG --promote NAME`; `kiln lineage` names it")
     gate_override: str | None = runtime_field(
         None, description="start although the validation gate failed; the reason you give is recorded")
     phases: list[DataPhase] = added_field([], description="the data schedule: phases of mixture, order and "

@@ -1,0 +1,161 @@
+"""A research study at tiny sizes on CPU, on a first-order Markov corpus (each token has 2 possible
+successors, so a model can learn it in a few hundred steps): a null variant comes out inconclusive, a
+crippling weight decay is rejected, a 4x deeper model is promoted; a study killed mid-way trains only
+its unfinished runs when run again; the costs are priced and measured."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kiln.tasks.errors import ConfigError
+from kiln.tasks.ledger import StageRecorder, SubRuns
+from kiln.tasks.scaling.research import (
+    BASELINE,
+    RUNS_KIND,
+    ResearchConfig,
+    ResearchScale,
+    chosen_runs,
+    decide_study,
+    kv_cache_bytes_per_token,
+    resolve_study,
+    run_study,
+    variant_costs,
+)
+from kiln.tasks.scaling.sweep import IsoFlopBudget, MixtureDesign, SweepConfig
+from kiln.tasks.scaling.trial_runs import PoolTrials
+from kiln.tasks.store import MANIFEST_FILE
+from kiln.tasks.tracker import NullTracker
+from kiln.tasks.train.config import ModelConfig, TrainRunConfig
+
+VOCAB = 32
+SCALES = [ResearchScale(width=8, flops=2e8), ResearchScale(width=12, flops=4e8), ResearchScale(width=16, flops=8e8)]
+VARIANTS = {"null": {}, "handicap": {"optim.weight_decay": 20.0}, "deeper": {"model.n_layers": 4}}
+
+
+def markov_shards(root: Path) -> dict:
+    """Two domains, each a first-order chain over VOCAB tokens with 2 successors per token."""
+    shards: dict = {"dtype": "uint16", "vocab_size": VOCAB, "eos_id": 0, "domains": {}}
+    for i, domain in enumerate(("web", "code")):
+        successors = np.random.default_rng(100 + i).integers(1, VOCAB, size=(VOCAB, 2))
+
+        def chain(length: int, seed: int) -> np.ndarray:
+            pick = np.random.default_rng(seed).integers(0, 2, length)
+            out = [1]
+            for k in range(length - 1):
+                out.append(int(successors[out[-1], pick[k]]))
+            return np.array(out, dtype="<u2")
+
+        (root / domain).mkdir(parents=True)
+        chain(60_000, i).tofile(root / domain / "train.bin")
+        chain(2_000, 50 + i).tofile(root / domain / "val.bin")
+        shards["domains"][domain] = {"train": {"shards": [{"path": f"{domain}/train.bin"}], "num_tokens": 60_000},
+                                     "val": {"shards": [{"path": f"{domain}/val.bin"}]}}
+    return shards
+
+
+def sweep() -> SweepConfig:
+    return SweepConfig(model=ModelConfig(d_model=8, n_layers=1, n_heads=2, max_seq_len=16), lr=0.05,
+                       isoflop=[IsoFlopBudget(flops=2e8, widths=[8])], mixtures={"u": {"web": 1, "code": 1}},
+                       mixture_design=MixtureDesign(num_samples=0),
+                       run=TrainRunConfig(batch_size=8, seq_len=16, eval_batches=2, checkpoint_every=1000))
+
+
+def study(variants: dict = VARIANTS):
+    return resolve_study(ResearchConfig(variants=variants, scales=SCALES, seeds=3), sweep(), None, 1e10)
+
+
+def subruns(store: Path) -> SubRuns:
+    return SubRuns(StageRecorder(NullTracker(), "run", "research", "k"), store)
+
+
+def committed(store: Path) -> int:
+    return len(list((store / RUNS_KIND).glob(f"*/{MANIFEST_FILE}")))
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory) -> tuple[dict, Path]:
+    root = tmp_path_factory.mktemp("tokenize")
+    return markov_shards(root), root
+
+
+@pytest.mark.slow
+def test_null_handicap_and_improvement_get_their_decisions(shards, tmp_path):
+    data, root = shards
+    s = study()
+    runs = run_study(s, data, root, subruns(tmp_path), "tok", where=PoolTrials(2))
+    # 4 variants x 3 scales x 3 seeds declared; the null variant's runs are the baseline's (same content, one key)
+    assert len(runs) == 36 and committed(tmp_path) == 27
+    chosen = chosen_runs(runs)
+    decision = decide_study(s, chosen, bytes_per_token=1.0)
+    v = decision["variants"]
+    assert v["null"]["decision"] == "inconclusive"
+    assert all(e["mean"] == 0.0 for e in v["null"]["effect_by_scale"].values())
+    assert v["handicap"]["decision"] == "reject", v["handicap"]
+    assert v["deeper"]["decision"] == "promote", v["deeper"]
+    assert not v["deeper"]["crossover"]
+    assert set(v["deeper"]["effect_by_scale"]) == {"w8-2e+08", "w12-4e+08", "w16-8e+08"}
+    assert set(v["deeper"]["bpb_effect_by_scale"]) == {"code", "web"}
+    assert decision["noise_floor"] > 0
+    costs = variant_costs(s, "deeper", VOCAB, chosen)
+    base = variant_costs(s, BASELINE, VOCAB, chosen)
+    assert costs["parameters"] > base["parameters"]
+    assert costs["kv_cache_bytes_per_token"] == 4 * base["kv_cache_bytes_per_token"]
+    assert costs["train_tokens_per_s_ratio"] < 1  # four blocks instead of one
+    assert costs["decode_tokens_per_s"] > 0
+    json.dumps(decision)
+
+
+class StopAfter:
+    """A launcher that lets `count` runs finish, then stops the study as a kill would (KeyboardInterrupt)."""
+
+    def __init__(self, inner: PoolTrials, count: int) -> None:
+        self.inner, self.count, self.pending = inner, count, 0
+
+    def run(self, cfg, shards, shards_root, pending, label) -> Iterator:
+        self.pending += len(pending)
+        for finished in self.inner.run(cfg, shards, shards_root, pending, label):
+            if self.count == 0:
+                raise KeyboardInterrupt
+            self.count -= 1
+            yield finished
+
+
+@pytest.mark.slow
+def test_a_killed_study_trains_only_its_unfinished_runs(shards, tmp_path):
+    data, root = shards
+    s = study({"handicap": {"optim.weight_decay": 20.0}})  # 2 variants x 3 scales x 3 seeds
+    with pytest.raises(KeyboardInterrupt):
+        run_study(s, data, root, subruns(tmp_path), "tok", where=StopAfter(PoolTrials(1), 7))
+    done = committed(tmp_path)
+    assert 7 <= done < 18
+    again = StopAfter(PoolTrials(2), 10_000)
+    runs = run_study(s, data, root, subruns(tmp_path), "tok", where=again)
+    assert again.pending == 18 - done and committed(tmp_path) == 18 and len(runs) == 18
+    rerun = StopAfter(PoolTrials(2), 10_000)
+    run_study(s, data, root, subruns(tmp_path), "tok", where=rerun)
+    assert rerun.pending == 0
+
+
+def test_variants_are_checked_when_the_config_loads_and_when_the_study_resolves():
+    with pytest.raises(ValueError, match=r"research.variants.bad.model.d_model: set by the study"):
+        ResearchConfig(variants={"bad": {"model.d_model": 64}})
+    with pytest.raises(ValueError, match=r"research.variants.bad.model.nrom: a variant overrides model"):
+        ResearchConfig(variants={"bad": {"model.nrom": "layernorm"}})
+    with pytest.raises(ValueError, match="at least 3 distinct"):
+        ResearchConfig(scales=SCALES[:2])
+    with pytest.raises(ConfigError, match=r"research.variants.odd: its overrides make an invalid config"):
+        study({"odd": {"model.global_every": 2}})  # global_every without a sliding window
+    with pytest.raises(ConfigError, match="not above the largest scale"):
+        resolve_study(ResearchConfig(variants=VARIANTS, scales=SCALES), sweep(), None, 1e8)
+
+
+def test_kv_cache_bytes_count_only_what_a_window_keeps():
+    full = ModelConfig(d_model=64, n_layers=4, n_heads=4, n_kv_heads=2, max_seq_len=256)
+    assert kv_cache_bytes_per_token(full) == 2 * 32 * 4 * 2  # K and V, kv_dim 32, 4 layers, bf16
+    local = full.model_copy(update={"sliding_window": 64, "global_every": 2})
+    assert kv_cache_bytes_per_token(local) == pytest.approx(2 * 32 * 2 * (2 * 256 + 2 * 64) / 256)  # 2 global, 2 local layers
