@@ -5,7 +5,9 @@ branch (scored by the anneal-ablation stage with this same suite, read from its 
 Each task's trust (`tasks.evals.trust`) is measured on the run's own models: its score over the train
 stage's kept checkpoints (scored at the continuous-eval levels and item limit, through continuous eval's
 state, so its end-of-run pass does not score them again), then the final trained and annealed models.
-The sweep's proxies are not scored by the suite here, so the signal is the score's spread over training."""
+The signal is the spread over the models this stage scores: trained, annealed and each anneal-ablation
+mixture (the sweep's proxies are not scored by the suite here); the noise the largest of the spread over
+the last checkpoints and the standard error over the items (the bootstrap interval's half-width / 1.96)."""
 
 from __future__ import annotations
 
@@ -83,8 +85,11 @@ def trust_verdicts(ctx: StageContext, tokenizer: Path, metrics: dict[str, dict],
             value = metrics[model].get(f"{task}/{metric}")
             if value is not None:
                 points[step] = value
+        # Signal: the spread over the models this stage scores (trained, annealed, each anneal-ablation mixture).
+        models = [m[f"{task}/{metric}"] for m in metrics.values() if f"{task}/{metric}" in m]
+        stderr = (item["ci_high"] - item["ci_low"]) / (2 * 1.96) if item.get("ci_high") is not None else None
         infos[task] = {"level": info["level"], "higher_is_better": PRIMARY_METRICS[metric], "chance": item.get("chance"),
-                       "score": item.get("score")}
+                       "score": item.get("score"), "models": models, "item_stderr": stderr}
     return task_verdicts({t: sorted(p.items()) for t, p in series.items()}, infos, cfg.evaluate.trust)
 
 
