@@ -54,9 +54,12 @@ from kiln.tasks.evals.continuous import (
     series_lock,
     suite_versions,
 )
+from kiln.tasks.evals.evaluate import suite_tasks
 from kiln.tasks.evals.ecg import RegressionEvent, all_events, curves, open_regressions, plot_ecg
 from kiln.tasks.graph import stage_keys
 from kiln.tasks.settings import KilnConfig, open_tracker
+from kiln.tasks.stages.evaluate import TRUST_FILE
+from kiln.tasks.store import Store
 
 RUN_STAGE = "continuous-eval"
 
@@ -130,6 +133,14 @@ def _publish_ecg(path: Path, events: list[tuple[str, RegressionEvent]]) -> None:
     create_markdown_artifact("\n".join(lines) + "\n", key="kiln-ecg", description="Kiln continuous eval: the ECG")
 
 
+def evaluate_trust(cfg: KilnConfig, keys: dict[str, str]) -> dict[str, bool]:
+    """Each task's trust verdict from the evaluate stage's output, once it is committed; {} before."""
+    path = Store(cfg.store_root).path("evaluate", keys["evaluate"]) / TRUST_FILE
+    if not path.is_file():
+        return {}
+    return {task: bool(verdict["trusted"]) for task, verdict in json.loads(path.read_text(encoding="utf-8")).items()}
+
+
 def _emit(config_path: str | None, stage: str, key: str, event: RegressionEvent) -> None:
     emit_event(event=event.event, resource={"prefect.resource.id": f"kiln.eval.{config_name(config_path)}"},
                payload={**event.payload(), "stage": stage, "stage_key": key, TEXT: regression_text(event, stage)})
@@ -151,7 +162,11 @@ def continuous_eval(config_path: str | None = None,
     summaries = {target.stage: _evaluate_target(cfg, target, versions) for target in targets}
     ce = cfg.continuous_eval
     series = {t.stage: curves(current_rows(read_recorded(t.state_file), versions)) for t in targets}
-    events = [(stage, e) for stage in series for e in all_events(series[stage], ce.regression_sigmas, ce.min_change)]
+    # Tasks the evaluate stage judged not trusted leave the regression alerts (and are drawn faint).
+    trusted = evaluate_trust(cfg, keys)
+    categories = {task.name: task.category for task in suite_tasks(targets[0].evaluate)}
+    events = [(stage, e) for stage in series for e in all_events(series[stage], ce.regression_sigmas, ce.min_change)
+              if trusted.get(e.task, True)]
     logger = get_run_logger()
     for stage, event in events:
         if (event.step, event.task) in summaries[stage]["scored_now"]:  # an event is emitted once, with its score
@@ -160,7 +175,8 @@ def continuous_eval(config_path: str | None = None,
     path = ecg_path(cfg, keys)
     drawn = None
     if any(series.values()) and (any(s["evaluated"] for s in summaries.values()) or not path.is_file()):
-        drawn = plot_ecg(series, {"anneal": anneal_offset(cfg)}, path, events)
+        drawn = plot_ecg(series, {"anneal": anneal_offset(cfg, targets[0])}, path, events, categories,
+                         trusted or None)
         tracker = open_tracker(cfg)
         for summary in summaries.values():
             if summary["mlflow_run_id"]:

@@ -26,6 +26,7 @@ from kiln.tasks.evals.ecg import ECG_FILE, RegressionEvent, all_events, curves, 
 from kiln.tasks.settings import KilnConfig
 from kiln.tasks.store import Store
 from kiln.tasks.train.anneal import anneal_checkpointing
+from kiln.tasks.train.checkpoint import steps_on_disk
 
 WATCHED = ("train", "anneal")  # the stages whose checkpoints continuous eval scores, in curve order
 
@@ -49,9 +50,15 @@ def ecg_path(cfg: KilnConfig, keys: dict[str, str]) -> Path:
     return Path(cfg.work_dir) / "continuous_eval" / keys["train"] / ECG_FILE
 
 
-def anneal_offset(cfg: KilnConfig) -> int:
-    """The train step the anneal continues from (anneal.from_step, else the last): where its curve starts."""
-    return cfg.train.run.steps if cfg.anneal.from_step is None else cfg.anneal.from_step
+def anneal_offset(cfg: KilnConfig, train_target: EvalTarget | None = None) -> int:
+    """The train step the anneal continues from (anneal.from_step, else the last): where its curve starts.
+    The last is the train stage's newest checkpoint on disk when there is one: under `train.model: plan`
+    the plan sets the step count, not `train.run.steps`."""
+    if cfg.anneal.from_step is not None:
+        return cfg.anneal.from_step
+    root = train_target.checkpoint_root() if train_target is not None else None
+    on_disk = steps_on_disk(root) if root is not None else []
+    return max(on_disk, default=cfg.train.run.steps)
 
 
 def up_to_date(cfg: KilnConfig, keys: dict[str, str]) -> bool:

@@ -158,44 +158,56 @@ def open_regressions(events: Iterable[RegressionEvent]) -> list[RegressionEvent]
 
 
 def plot_ecg(stages: Mapping[str, Mapping[str, Curve]], offsets: Mapping[str, int], path: Path,
-             events: Collection[tuple[str, RegressionEvent]] = ()) -> Path:
-    """One panel per task: each stage's curve, shifted right by its offset (the anneal stage starts
-    where training ended); each regression's start circled, its clearing marked with a triangle."""
+             events: Collection[tuple[str, RegressionEvent]] = (), categories: Mapping[str, str] | None = None,
+             trusted: Mapping[str, bool] | None = None) -> Path:
+    """One panel per task, or, given each task's category, one panel per category with a line per task;
+    each stage's curve shifted right by its offset (the anneal stage starts where training ended); each
+    regression's start circled, its clearing marked with a triangle. Given `trusted`, a trusted task is
+    drawn solid and bold, an untrusted one dashed and faint (its legend entry says so)."""
     # matplotlib is imported here: the continuous-eval flow pays for it only when it draws
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
     tasks = list(dict.fromkeys(task for series in stages.values() for task in series))
     assert tasks, "nothing to draw"
-    columns = min(3, len(tasks))
-    rows = (len(tasks) + columns - 1) // columns
+    panels = (list(dict.fromkeys(categories.get(t, "general") for t in tasks)) if categories is not None else tasks)
+    members = {panel: [t for t in tasks if (categories.get(t, "general") if categories is not None else t) == panel]
+               for panel in panels}
+    columns = min(3, len(panels))
+    rows = (len(panels) + columns - 1) // columns
     figure = Figure(figsize=(4.2 * columns, 2.9 * rows), layout="constrained")
     FigureCanvasAgg(figure)
     markers = {"started": dict(marker="o", facecolors="none", edgecolors="#aa3377", label="regression"),
                "cleared": dict(marker="^", facecolors="none", edgecolors="#228833", label="cleared")}
-    for n, task in enumerate(tasks):
+    for n, panel in enumerate(panels):
         axes = figure.add_subplot(rows, columns, n + 1)
         metric = ""
-        for stage, series in stages.items():
-            curve = series.get(task)
-            if curve is None:
-                continue
-            metric = f"{curve.metric} {'↑' if curve.higher_is_better else '↓'}"
-            offset = offsets.get(stage, 0)
-            axes.plot([offset + s.step for s in curve.scores], [s.value for s in curve.scores], marker="o",
-                      markersize=3, linewidth=1.2, label=stage, color=STAGE_COLOURS.get(stage))
-            for kind, style in markers.items():
-                marked = [(offset + e.step, e.current) for where, e in events
-                          if where == stage and e.task == task and e.kind == kind]
-                if marked:
-                    axes.scatter(*zip(*marked), s=60, zorder=3, **style)
-        axes.set_title(task, fontsize=9)
+        for task in members[panel]:
+            trust = None if trusted is None else trusted.get(task)
+            style = ({} if trust is None else
+                     dict(linewidth=2.0, alpha=1.0) if trust else dict(linewidth=0.9, alpha=0.45, linestyle="--"))
+            for stage, series in stages.items():
+                curve = series.get(task)
+                if curve is None:
+                    continue
+                metric = f"{curve.metric} {'↑' if curve.higher_is_better else '↓'}"
+                offset = offsets.get(stage, 0)
+                label = stage if categories is None else f"{task} ({stage}{'' if trust is not False else ', not trusted'})"
+                colour = STAGE_COLOURS.get(stage) if categories is None else None
+                axes.plot([offset + s.step for s in curve.scores], [s.value for s in curve.scores], marker="o",
+                          markersize=3, label=label, color=colour, **{"linewidth": 1.2, **style})
+                for kind, mark in markers.items():
+                    marked = [(offset + e.step, e.current) for where, e in events
+                              if where == stage and e.task == task and e.kind == kind]
+                    if marked:
+                        axes.scatter(*zip(*marked), s=60, zorder=3, **mark)
+        axes.set_title(panel, fontsize=9)
         axes.set_xlabel("step", fontsize=8)
-        axes.set_ylabel(metric, fontsize=8)
+        axes.set_ylabel(metric if categories is None else "score (each task's main metric)", fontsize=8)
         axes.tick_params(labelsize=7)
         axes.grid(alpha=0.3)
-        if n == 0:
-            axes.legend(fontsize=7)
+        if n == 0 or categories is not None:
+            axes.legend(fontsize=5 if categories is not None else 7)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp.png")
     figure.savefig(tmp, dpi=110)

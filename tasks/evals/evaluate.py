@@ -27,10 +27,11 @@ from typing import TYPE_CHECKING, Any
 from pydantic import Field
 
 from kiln.tasks.bundled import locate
-from kiln.tasks.configbase import Section, runtime_field
+from kiln.tasks.configbase import Section, added_field, runtime_field
 from kiln.tasks.errors import ConfigError, InputError
 from kiln.tasks.evals.heldout_task import HF_CACHE_DIR, task_name_for
 from kiln.tasks.evals.categories import SuiteConfig, TokenView, build_category_suite
+from kiln.tasks.evals.trust import TrustConfig
 from kiln.tasks.evals.suite import (
     STANDARD_SUITE,
     ChoiceTaskConfig,
@@ -63,7 +64,9 @@ class EvaluateConfig(Section):
     lines: LinesTaskConfig = LinesTaskConfig()
     # The bundled category tasks (reasoning, coding, multilingual, long_context, safety) and the levels
     # (proxy, mid, production) of every task: `tasks.evals.categories`.
-    suite: SuiteConfig = SuiteConfig()
+    suite: SuiteConfig = added_field(SuiteConfig())
+    # Thresholds per level under which a task is not trusted, and how many last checkpoints measure its noise.
+    trust: TrustConfig = added_field(TrustConfig())
     # lm-eval's standard suite (hellaswag, arc_easy, arc_challenge, piqa, winogrande, lambada_openai,
     # mmlu): data from the Hugging Face hub, so online only; decontamination then indexes it too.
     standard_suite: bool = False

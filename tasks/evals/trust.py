@@ -3,9 +3,10 @@
 Pure functions over score series (Heineman et al. 2025, "Signal and Noise"; HF FineTasks; DataDecide):
 
 - noise: the spread (standard deviation) of a task's score over the last `k` checkpoints of one run,
-  and over runs that differ only in their seed; the larger of the two is the task's noise;
-- signal: the spread (max − min) of the score across the sweep's proxy models (different sizes and
-  data): how far apart the models a decision must tell apart are;
+  over runs that differ only in their seed, and the standard error of one score over its items; the
+  largest is the task's noise (a short run's last checkpoints still improve: that trend counts as noise);
+- signal: the spread (max − min) of the score across different models (the sweep's proxies, or runs on
+  different data): how far apart the models a decision must tell apart are;
 - SNR: signal / noise;
 - monotonicity: Spearman's rank correlation of score against training step (sign-adjusted, so 1 means
   "improves steadily" whether higher or lower is better);
@@ -157,12 +158,13 @@ def decision_accuracy(small: Mapping[str, float], large: Mapping[str, float]) ->
 
 def measure(checkpoints: Sequence[tuple[int, float]], higher_is_better: bool, k: int, *,
             seeds: Sequence[float] = (), models: Sequence[float] = (), chance: float | None = None,
-            final: float | None = None, decision: float | None = None) -> Measures:
+            final: float | None = None, decision: float | None = None, item_stderr: float | None = None) -> Measures:
     """Every measure of one task from what the run has: its score over checkpoints, over seeds, across
-    proxy models, its chance level and its final score."""
-    noises = [n for n in (checkpoint_noise(checkpoints, k), seed_noise(seeds)) if n is not None]
+    different models (proxies, or other data choices), its chance level, its final score and the standard
+    error of that score over its items. The noise is the largest of the spreads measured."""
+    noises = [n for n in (checkpoint_noise(checkpoints, k), seed_noise(seeds), item_stderr) if n is not None]
     noise_value = max(noises) if noises else None
-    signal_value = signal(models) if models else signal([v for _, v in checkpoints])
+    signal_value = signal(models)
     score = final if final is not None else (sorted(checkpoints)[-1][1] if checkpoints else None)
     values = [v for _, v in checkpoints]
     return Measures(noise=noise_value, signal=signal_value, snr=snr(signal_value, noise_value),
@@ -189,12 +191,14 @@ def judge(measures: Measures, thresholds: LevelThresholds) -> Verdict:
 def task_verdicts(series: Mapping[str, Sequence[tuple[int, float]]], infos: Mapping[str, Mapping[str, Any]],
                   cfg: TrustConfig) -> dict[str, Verdict]:
     """Each task's verdict from its score over training (`series`: (step, score), the checkpoints and the
-    final models) and what its results say of it (`infos`: level, higher_is_better, chance, final score).
+    final models) and what its results say of it (`infos`: level, higher_is_better, chance, final score,
+    the scores of different models, the standard error over items).
     A task with fewer than 3 scores over training is not measured, and so not trusted."""
     verdicts = {}
     for task, info in infos.items():
         points = sorted(series.get(task, ()))
-        m = measure(points, info["higher_is_better"], cfg.last_k, chance=info.get("chance"), final=info.get("score"))
+        m = measure(points, info["higher_is_better"], cfg.last_k, chance=info.get("chance"), final=info.get("score"),
+                    models=info.get("models", ()), item_stderr=info.get("item_stderr"))
         verdict = judge(m, getattr(cfg, info["level"]))
         if len(points) < 3:
             verdict = Verdict(False, [*verdict.reasons, f"not measured: {len(points)} scores over training (needs 3)"], m)

@@ -29,7 +29,7 @@ def external_files(cfg: KilnConfig) -> list[Path]:
 STAGE = Stage(
     name="decontaminate", description="remove training docs that overlap the eval suite", body=run,
     inputs=("dedup",), config=DecontaminateConfig,
-    reads=("evaluate.eval_files", "evaluate.standard_suite", "evaluate.extra_tasks", "evaluate.suite.categories"),
+    reads=("evaluate.eval_files", "evaluate.standard_suite", "evaluate.extra_tasks"),  # the suite's files: external_files
     external_files=external_files, headline=document_headline, reports=("contamination.md", "removals.md"),
     # 3: removals by domain (removals.json/.md/.png)
     # 4: character n-grams for scripts without spaces; shards scanned a task each; documents as shards

@@ -1,21 +1,34 @@
 """Stage `evaluate`: lm-eval on the trained and the annealed model, with task versions, contamination
 rates and the report table (what annealing changed, task by task), with a column per anneal-ablation
-branch (scored by the anneal-ablation stage with this same suite, read from its output)."""
+branch (scored by the anneal-ablation stage with this same suite, read from its output).
+
+Each task's trust (`tasks.evals.trust`) is measured on the run's own models: its score over the train
+stage's kept checkpoints (scored at the continuous-eval levels and item limit, through continuous eval's
+state, so its end-of-run pass does not score them again), then the final trained and annealed models.
+The signal is the spread over the models this stage scores: trained, annealed and each anneal-ablation
+mixture (the sweep's proxies are not scored by the suite here); the noise the largest of the spread over
+the last checkpoints and the standard error over the items (the bootstrap interval's half-width / 1.96)."""
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 from kiln.tasks.constants import TOKENIZER_FILE
+from kiln.tasks.continuous_state import anneal_offset
 from kiln.tasks.data.decontaminate import read_contamination
 from kiln.tasks.evals.evaluate import RESULTS_FILE, EvaluateConfig, evaluate_model
 from kiln.tasks.evals.report import REPORT_FILE, mlflow_table_tag, write_report
-from kiln.tasks.evals.suite import primary_metric
+from kiln.tasks.evals.continuous import current_rows, eval_target, evaluate_checkpoint, plan_evaluations, read_recorded
+from kiln.tasks.evals.ecg import curves
+from kiln.tasks.evals.suite import PRIMARY_METRICS, primary_metric
+from kiln.tasks.evals.trust import Verdict, task_verdicts
 from kiln.tasks.stage import Stage, StageContext
 from kiln.tasks.stages._common import eval_file_paths, suite_eval_files
 from kiln.tasks.stages.anneal_ablation import ablation_results
 
 BASELINE = "train"  # the report's changes are each model's score minus the trained model's
+TRUST_FILE = "trust.json"  # each task's trust measures and verdict
 
 
 def run(ctx: StageContext) -> dict:
@@ -33,14 +46,51 @@ def run(ctx: StageContext) -> dict:
     for name, branch in ablation_results(ctx.inputs["anneal-ablation"]).items():
         metrics[name] = branch["metrics"]
         results[name] = branch["results"]
-    rows = write_report(ctx.out_dir, results, BASELINE)
+    verdicts = trust_verdicts(ctx, tokenizer, metrics, results[BASELINE])
+    (ctx.out_dir / TRUST_FILE).write_text(json.dumps({t: v.to_json() for t, v in verdicts.items()}, indent=1,
+                                                     default=str) + "\n", encoding="utf-8")
+    rows = write_report(ctx.out_dir, results, BASELINE, {t: v.to_json() for t, v in verdicts.items()})
     versions = {task: str(version) for task, version in results[BASELINE]["versions"].items()}
     ctx.recorder.tracker.set_tags(ctx.recorder.run_id, {**mlflow_table_tag(),
                                                        **{f"kiln.task_version.{t}": v for t, v in versions.items()}})
     tasks = {task: {"version": version, "contamination_rate": results[BASELINE].get("contamination_rates", {}).get(task),
-                    "primary_metric": primary_metric([r["metric"] for r in rows if r["task"] == task])}
+                    "primary_metric": primary_metric([r["metric"] for r in rows if r["task"] == task]),
+                    "trusted": verdicts[task].trusted if task in verdicts else None}
              for task, version in versions.items()}
     return {"metrics": metrics, "tasks": tasks}
+
+
+def trust_verdicts(ctx: StageContext, tokenizer: Path, metrics: dict[str, dict], baseline: dict) -> dict[str, Verdict]:
+    """Score the train stage's last `evaluate.trust.last_k` kept checkpoints not yet scored by continuous eval,
+    and judge every local task on its series: those checkpoints and earlier ones scored, the final
+    trained model at the last train step and the annealed one after it."""
+    cfg = ctx.cfg
+    target = eval_target(cfg.continuous_eval, cfg.evaluate, stage="train", key=ctx.inputs["train"].name,
+                         checkpoint_every=cfg.train.run.checkpoint_every, store=ctx.store, tokenizer=tokenizer,
+                         work_dir=Path(cfg.work_dir))
+    plan = plan_evaluations(target)
+    for step in sorted(plan.due)[-cfg.evaluate.trust.last_k:]:
+        evaluate_checkpoint(target, step, plan.due[step], plan.versions)
+    rows = current_rows(read_recorded(target.state_file), plan.versions)
+    series: dict[str, dict[int, float]] = {task: dict(curve.points) for task, curve in curves(rows).items()}
+    end = anneal_offset(cfg, target)  # the final trained model's step (the plan may set the step count)
+    infos = {}
+    for task, info in baseline.get("kiln_tasks", {}).items():
+        item = baseline.get("kiln_item_scores", {}).get(task, {})
+        metric = item.get("metric")
+        if metric is None:
+            continue
+        points = series.setdefault(task, {})
+        for model, step in ((BASELINE, end), ("anneal", end + cfg.anneal.steps)):
+            value = metrics[model].get(f"{task}/{metric}")
+            if value is not None:
+                points[step] = value
+        # Signal: the spread over the models this stage scores (trained, annealed, each anneal-ablation mixture).
+        models = [m[f"{task}/{metric}"] for m in metrics.values() if f"{task}/{metric}" in m]
+        stderr = (item["ci_high"] - item["ci_low"]) / (2 * 1.96) if item.get("ci_high") is not None else None
+        infos[task] = {"level": info["level"], "higher_is_better": PRIMARY_METRICS[metric], "chance": item.get("chance"),
+                       "score": item.get("score"), "models": models, "item_stderr": stderr}
+    return task_verdicts({t: sorted(p.items()) for t, p in series.items()}, infos, cfg.evaluate.trust)
 
 
 def headline(stats: dict) -> dict:
@@ -55,8 +105,13 @@ def headline(stats: dict) -> dict:
 
 
 # version 3: a column per anneal-ablation branch
+# version 4: categories and levels, intervals, clean scores and each task's trust
 STAGE = Stage(
-    name="evaluate", description="lm-eval on held-out tasks: perplexity, multiple choice, code lines", body=run,
+    name="evaluate", description="lm-eval on the suite by category and level, with intervals, clean scores and trust", body=run,
     inputs=("anneal", "anneal-ablation", "train", "tokenize", "decontaminate"), config=EvaluateConfig,
-    external_files=suite_eval_files, headline=headline, reports=(REPORT_FILE,), version=3,
+    external_files=suite_eval_files, headline=headline, reports=(REPORT_FILE,), version=4,
+    # The checkpoints' scores that measure trust are at continuous eval's item limit. Which checkpoints
+    # exist (train.run.checkpoint_every, keep_every) and continuous eval's levels are runtime settings: they
+    # change the trust measures' inputs, not the scores, and move no key.
+    reads=("continuous_eval.limit",),
 )

@@ -40,6 +40,8 @@ def test_snr_recovered_from_noisy_synthetic_scores():
     m = measure(checkpoints, True, k=20, models=models)
     assert m.signal == pytest.approx(spread)
     assert 20 < m.snr < 45  # the sample standard deviation of 20 draws is within ~30% of sigma
+    # A larger standard error over the items is the noise instead.
+    assert measure(checkpoints, True, k=20, models=models, item_stderr=0.1).snr == pytest.approx(3.0)
 
 
 def test_monotonicity_is_spearman_signed_by_direction():
@@ -54,7 +56,7 @@ def test_monotonicity_is_spearman_signed_by_direction():
 def test_a_constant_task_is_not_trusted_even_without_other_measures():
     # The line-completion task of the default run: exact match 0.0 at every checkpoint.
     zeros = [(1000, 0.0), (2000, 0.0), (3000, 0.0), (4000, 0.0)]
-    verdict = judge(measure(zeros, True, k=3, chance=0.0), TrustConfig().production)
+    verdict = judge(measure(zeros, True, k=3, chance=0.0, models=[0.0, 0.0]), TrustConfig().production)
     assert not verdict.trusted
     assert any("same score at every checkpoint" in r for r in verdict.reasons)
     assert any("margin above random +0.000" in r for r in verdict.reasons)
