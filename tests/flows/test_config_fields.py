@@ -39,7 +39,7 @@ ALLOWED = {
     **{f"cluster.slurm{field}": "read by the Slurm launcher's script and the Slurm executor: "
        "tests/tasks/launch/test_slurm_settings.py (sbatch --test-only), tests/tasks/data/test_executors.py"
        for field in ("", ".account", ".qos", ".mem", ".constraint", ".gres", ".sbatch_lines", ".container_image",
-                     ".container_mounts", ".modules", ".env")},
+                     ".container_mounts", ".modules", ".env", ".cpus_per_task")},
     "cluster.executor": "read by clean and dedup (tasks/data/executors.py): tests/tasks/data on Slurm and Ray",
     **{f"cluster.{field}": "read by the Slurm/Kubernetes launchers, the Slurm executor and the planner "
        "(train.parallel: auto): tests/tasks/launch, tests/tasks/data, tests/tasks/train/test_planner.py"
@@ -58,6 +58,10 @@ ALLOWED = {
        for field in ("steps", "min_spearman")},
     **{f"{section}.run.health.{field}": _ROLLBACK for section in ("train", "sweep", "validate")
        for field in ("max_rollbacks", "rollback_lr_factor", "rollback_lr_steps")},
+    **{f"research{field}": "the research stage (`kiln research CONFIG`), on demand, outside the pipeline: "
+       "tests/tasks/scaling/test_research.py"
+       for field in ("", ".variants", ".scales", ".seeds", ".lr_sweep", ".alpha", ".production_flops",
+                     ".decode_tokens", ".max_parallel")},
     "continuous_eval.interval": "read by kiln deploy --continuous-eval and kiln serve (the schedule's interval): "
                                 "tests/flows/test_infra.py, tests/flows/test_operate.py",
 }
