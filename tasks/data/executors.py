@@ -187,24 +187,23 @@ def run_pipeline(
     if len(ledger.keys) != tasks:
         raise ValueError(f"{job_name}: {tasks} tasks but {len(ledger.keys)} rank keys")
     journal = JobJournal(slurm_logs_dir(settings, logging_dir)) if settings.kind == "slurm" else None
-    slurm_name = settings.slurm_job_name(job_name)  # the name its jobs are submitted and journaled under
     if journal is not None:
-        _adopt_live_jobs(journal, slurm_name)  # an earlier driver's job still running these ranks: wait for it
+        _adopt_live_jobs(journal, job_name)  # an earlier driver's job still running these ranks: wait for it
     done = ledger.mark_completed(logging_dir)
     _remove_unfinished(outputs, done)
     executor = build_executor(pipeline, logging_dir, tasks=tasks, jobs=jobs, settings=settings, job_name=job_name)
     if settings.kind == "ray":
         connect_ray()
     if journal is not None:
-        _say_resubmission(journal, slurm_name, sorted(set(range(tasks)) - done))
-        executor.journal = journal
+        _say_resubmission(journal, job_name, sorted(set(range(tasks)) - done))
+        executor.journal, executor.journal_name = journal, job_name  # journaled under the pipeline's name
     executor.run()  # local and Ray return when their ranks are over; Slurm returns once submitted
     if journal is not None:
         if executor.job_id not in (None, -1):  # -1: every rank was already done
             job_id = str(executor.job_id)
             _wait_for_slurm_job(job_id)
             journal.ended(job_id, scheduler_records(job_id))
-        jobs = journal.jobs(slurm_name)
+        jobs = journal.jobs(job_name)
         if jobs and settings.on_job is not None:  # every job these ranks ran in, retries and adopted ones included
             settings.on_job(journal_launch(job_name, jobs, _jobs_cpu_s(jobs, ledger)))
     unfinished = executor.get_incomplete_ranks(skip_completed=True)
@@ -474,6 +473,7 @@ class _SlurmExecutor(SlurmPipelineExecutor):
     itself once the array is over, and a job chained `afterok` to a failed array would pend forever."""
 
     journal: JobJournal | None = None  # where run_pipeline records each submission (set before `run`)
+    journal_name: str = ""  # the pipeline's job name (`kiln_clean`), under which its jobs and scripts are kept
     # what runs a rank: this interpreter (the driver's environment, on a shared filesystem; not whichever
     # `launch_pickled_pipeline` script comes first on the node's PATH), or the image's `python`
     python: str = shlex.quote(sys.executable)
@@ -497,7 +497,7 @@ class _SlurmExecutor(SlurmPipelineExecutor):
         array = math.ceil(len(ranks) / self.tasks_per_job)
         srun = " ".join(f"--{k}={v}" for k, v in (self.srun_args or {}).items())
         pickled = self.logging_dir.resolve_paths("executor.pik")
-        script = Path(self.slurm_logs_folder) / f"{self.job_name}.{len(self.journal.jobs()) if self.journal else 0}.sbatch"
+        script = Path(self.slurm_logs_folder) / f"{self.journal_name or self.job_name}.{len(self.journal.jobs()) if self.journal else 0}.sbatch"
         script.parent.mkdir(parents=True, exist_ok=True)
         script.write_text(self.get_launch_file_contents(
             self.get_sbatch_args(array),
@@ -505,7 +505,7 @@ class _SlurmExecutor(SlurmPipelineExecutor):
         self.job_id = submit(script, "--export=ALL,RUN_OFFSET=0")
         logger.info("submitted Slurm job %s (%s, %d ranks) from %s", self.job_id, self.job_name, len(ranks), script)
         if self.journal is not None:
-            self.journal.submitted(self.job_name, str(self.job_id), ranks)
+            self.journal.submitted(self.journal_name or self.job_name, str(self.job_id), ranks)
 
     def get_sbatch_args(self, max_array: int = 1) -> dict:
         args = super().get_sbatch_args(max_array)

@@ -144,7 +144,7 @@ def test_a_project_run_fails_on_its_config_is_retried_after_the_fix_loses_its_wo
     work = project.folder / "work"
     assert (work / "store" / "collect").is_dir() and not (REPO / "work").exists()  # the project's work dir
     status = project.kiln("status", CONFIG).stdout
-    assert f"failed (fix it, then rerun): ConfigError: clean.url_blocklist: {WRONG_BLOCKLIST}" in status
+    assert f"failed (fix the config, then rerun): ConfigError: clean.url_blocklist: {WRONG_BLOCKLIST}" in status
     # the failed run's persisted exception: in the run's work dir, not in the worker's PREFECT_HOME
     assert [p.name for p in (work / "prefect" / "storage").iterdir()]
     assert not (project.folder / "ops" / "prefect" / "storage").exists()

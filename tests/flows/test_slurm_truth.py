@@ -59,7 +59,7 @@ def test_a_data_stage_records_every_job_and_task_as_slurm_saw_them_and_keeps_the
     def scancel_rank_1() -> None:  # the array's second task, once its rank runs: as a person's scancel would
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline and not cancelled:
-            for task, state in _squeue("--name", "kiln_clean", "--array", "--format", "%i %T"):
+            for task, state in _squeue("--name", f"kiln-clean-{keys['clean'][:12]}-clean", "--array", "--format", "%i %T"):
                 out = partial_logs / f"{task}.out"
                 if task.endswith("_1") and state == "RUNNING" and out.is_file() and "srun" in out.read_text():
                     subprocess.run(["scancel", task], check=True)
