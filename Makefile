@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.kiln-installed
 
-.PHONY: run test test-fast setup clean
+.PHONY: run test test-fast setup clean bench
 
 $(BIN)/python:
 	@command -v $(PYTHON) >/dev/null 2>&1 || { echo "need $(PYTHON) on PATH (or: make PYTHON=python3 ...)"; exit 1; }
@@ -34,6 +34,11 @@ test: setup
 # multi-process torch.distributed tests: the tier to run on every change (README, "Testing").
 test-fast: setup
 	$(BIN)/python -m pytest -q -m "not slow and not cluster and not distributed" $(PYTEST_ARGS)
+
+# The hot-path benchmarks at a small size (dedup, clean overhead, train step, data scale), one table of
+# ratios with the machine's load, in at most 10 minutes (benchmarks/bench.py).
+bench: setup
+	$(BIN)/python benchmarks/bench.py
 
 clean:
 	rm -rf kiln-work .pytest_cache

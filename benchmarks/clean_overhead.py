@@ -48,6 +48,7 @@ from datatrove.pipeline.writers import JsonlWriter  # noqa: E402
 
 from kiln.tasks.data.collect import CollectConfig, collect_documents  # noqa: E402
 from kiln.tasks.data.documents import read_shards  # noqa: E402
+from kiln.tasks.data.executors import rank_ledger  # noqa: E402
 from kiln.tasks.data.quality import check_quality_model  # noqa: E402
 from kiln.tasks.data.shards import shard_paths  # noqa: E402
 
@@ -78,7 +79,9 @@ def run_kiln(cfg: CleanConfig, corpus: Path, out: Path) -> tuple[int, dict[str, 
 def run_datatrove(cfg: CleanConfig, corpus: Path, out: Path) -> tuple[int, dict[str, int]]:
     quality_model = None if cfg.quality_model is None else check_quality_model(cfg.quality_model)
     shards = shard_paths(corpus)
-    steps = _pipeline(cfg, shards, out, lid_model_path(), quality_model, _blocklists(cfg))
+    # The ledger only feeds Kiln's writer, which the JsonlWriter below replaces.
+    ledger = rank_ledger(out / "ranks", "bench_clean", {}, [{"shard": shard} for shard in shards])
+    steps = _pipeline(cfg, shards, out, lid_model_path(), quality_model, _blocklists(cfg), ledger)
     steps[0] = JsonlReader(str(corpus / "documents"), glob_pattern="*.jsonl.zst", adapter=kiln_record)
     steps[-1] = JsonlWriter(str(out / "all"), compression=None)
     LocalPipelineExecutor(steps, tasks=len(shards), workers=cfg.num_workers, logging_dir=str(out / "logs")).run()

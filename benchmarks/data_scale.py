@@ -10,7 +10,9 @@ stages as `kiln run` runs them, without Prefect and MLflow) in a fresh process, 
 Per run: documents collected per second of the whole data half, and the peak memory of the whole
 run: every process of it (the driver, datatrove's worker processes, the quality classifier's
 trainer) sampled every 0.25 s, their proportional set sizes (PSS: shared pages split between the
-processes sharing them) summed. Then ×4 again with every data stage's `num_workers` at 1 against 2.
+processes sharing them) summed; and apart, the driver's own peak and the workers' (summed) peak.
+`--sizes 1,4,16,64` runs the issue's ×64 (hours on 2 cores); any largest size k also prints
+`RESULT data_driver_peak_rss_growth_kx` and, for k other than 16, the total and docs/s ratios at k. Then ×4 again with every data stage's `num_workers` at 1 against 2.
 
 Prints a table, then `RESULT data_peak_rss_growth_16x <peak ×16 / peak ×1>` (goal ≤ 1.3) and, last,
 `RESULT data_docs_per_s_16x_vs_1x <docs/s ×16 / docs/s ×1>` (goal ≥ 0.85). Medians over `--repeats`.
@@ -107,11 +109,13 @@ def config(default: dict, work: Path, extra_sources: list[dict], workers: int | 
 
 
 class TreeMemory:
-    """The peak, over samples, of the summed PSS of a process and all its descendants."""
+    """The peak, over samples, of the summed PSS of a process and all its descendants; and apart, the peak
+    of the process itself (the driver: what must not grow with the corpus) and of its descendants together
+    (the workers: datatrove's processes, the quality classifier's trainer)."""
 
     def __init__(self, pid: int, interval_s: float = 0.25):
         self.root, self.interval_s = psutil.Process(pid), interval_s
-        self.peak_mb = 0.0
+        self.peak_mb = self.driver_peak_mb = self.workers_peak_mb = 0.0
         self.peak_processes = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, daemon=True)
@@ -119,17 +123,21 @@ class TreeMemory:
 
     def _watch(self) -> None:
         while not self._stop.is_set():
-            total, count = 0, 0
+            total, driver, count = 0, 0, 0
             try:
                 processes = [self.root, *self.root.children(recursive=True)]
             except psutil.NoSuchProcess:
                 return
             for process in processes:
                 try:
-                    total += process.memory_full_info().pss
-                    count += 1
+                    pss = process.memory_full_info().pss
                 except (psutil.NoSuchProcess, psutil.AccessDenied):
                     continue
+                total += pss
+                count += 1
+                driver += pss if process is self.root else 0
+            self.driver_peak_mb = max(self.driver_peak_mb, driver / 2**20)
+            self.workers_peak_mb = max(self.workers_peak_mb, (total - driver) / 2**20)
             if total / 2**20 > self.peak_mb:
                 self.peak_mb, self.peak_processes = total / 2**20, count
             self._stop.wait(self.interval_s)
@@ -150,7 +158,8 @@ def run(cfg_path: Path) -> dict:
     if child.returncode != 0:
         raise SystemExit(f"the data half failed (exit {child.returncode}):\n{err[-4000:]}")
     result = json.loads(out.strip().splitlines()[-1])
-    return result | {"peak_mb": memory.peak_mb, "processes": memory.peak_processes,
+    return result | {"peak_mb": memory.peak_mb, "driver_peak_mb": memory.driver_peak_mb,
+                     "workers_peak_mb": memory.workers_peak_mb, "processes": memory.peak_processes,
                      "load": (load + os.getloadavg()[0]) / 2}
 
 
@@ -158,7 +167,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--sizes", default=",".join(map(str, SIZES)), help="corpus factors (1 and 16 give the RESULTs)")
-    parser.add_argument("--workers-size", type=int, default=4, help="the size that runs with 1 and 2 workers")
+    parser.add_argument("--workers-size", type=int, default=4,
+                        help="the size that runs with 1 and 2 workers (0: no such runs)")
     args = parser.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
     os.chdir(REPO)  # the default config's relative paths
@@ -167,9 +177,10 @@ def main() -> None:
         root = Path(tmp)
         (root / "sample").mkdir()
         collect_documents(CollectConfig.model_validate(default["collect"]), root / "sample")
-        sources = {k: grow(root / "sample", k, root / f"grown-{k}") if k > 1 else [] for k in {*sizes, args.workers_size}}
+        sources = {k: grow(root / "sample", k, root / f"grown-{k}") if k > 1 else []
+                   for k in {*sizes, args.workers_size} - {0}}
         results: dict[tuple[int, int | None], list[dict]] = {}
-        cases = [(k, None) for k in sizes] + [(args.workers_size, 1), (args.workers_size, 2)]
+        cases = [(k, None) for k in sizes] + ([(args.workers_size, 1), (args.workers_size, 2)] if args.workers_size else [])
         for repeat in range(args.repeats):
             for size, workers in cases:
                 name = f"x{size}-w{workers or 'default'}-{repeat}"
@@ -186,14 +197,24 @@ def main() -> None:
 
     print(f"data half (collect → tokenize), medians of {args.repeats}; {os.cpu_count()} CPUs; "
           f"mean load average during the runs {statistics.mean(v['load'] for vs in results.values() for v in vs):.1f}")
-    print(f"{'corpus':<8}{'workers':<9}{'docs':>8}{'tokens':>11}{'seconds':>9}{'docs/s':>9}{'peak MiB':>10}")
+    print(f"{'corpus':<8}{'workers':<9}{'docs':>8}{'tokens':>11}{'seconds':>9}{'docs/s':>9}{'peak MiB':>10}"
+          f"{'driver':>8}{'workers':>9}")
     for (size, workers), values in results.items():
         first = values[0]
         print(f"x{size:<7}{workers or 'default':<9}{first['num_in']:>8}{first['num_tokens']:>11}"
               f"{median((size, workers), 'wall_s'):>9.1f}{median((size, workers), 'docs_per_s'):>9.1f}"
-              f"{median((size, workers), 'peak_mb'):>10.0f}")
-    w1, w2 = median((args.workers_size, 1), "docs_per_s"), median((args.workers_size, 2), "docs_per_s")
-    print(f"x{args.workers_size}: 2 workers / 1 worker = {w2 / w1:.2f} in docs/s")
+              f"{median((size, workers), 'peak_mb'):>10.0f}{median((size, workers), 'driver_peak_mb'):>8.0f}"
+              f"{median((size, workers), 'workers_peak_mb'):>9.0f}")
+    if args.workers_size:
+        w1, w2 = median((args.workers_size, 1), "docs_per_s"), median((args.workers_size, 2), "docs_per_s")
+        print(f"x{args.workers_size}: 2 workers / 1 worker = {w2 / w1:.2f} in docs/s")
+    top = max(sizes)
+    if 1 in sizes and top != 1:
+        print(f"RESULT data_driver_peak_rss_growth_{top}x "
+              f"{median((top, None), 'driver_peak_mb') / median((1, None), 'driver_peak_mb'):.2f}")
+    if 1 in sizes and top not in (1, 16):  # a smaller or larger run: the same ratios at its largest size
+        print(f"RESULT data_peak_rss_growth_{top}x {median((top, None), 'peak_mb') / median((1, None), 'peak_mb'):.2f}")
+        print(f"RESULT data_docs_per_s_{top}x_vs_1x {median((top, None), 'docs_per_s') / median((1, None), 'docs_per_s'):.2f}")
     if {1, 16} <= set(sizes):
         print(f"RESULT data_peak_rss_growth_16x {median((16, None), 'peak_mb') / median((1, None), 'peak_mb'):.2f}")
         print(f"RESULT data_docs_per_s_16x_vs_1x {median((16, None), 'docs_per_s') / median((1, None), 'docs_per_s'):.2f}")

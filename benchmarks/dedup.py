@@ -21,6 +21,12 @@ it puts in one cluster (all pairs within each cluster) that are true pairs.
 - datasketch: read, the same normalisation and shingles, then `MinHash(num_perm, seed).update_batch`
               per document and `MinHashLSH(threshold, num_perm, weights)` query and insert, every
               candidate a duplicate, union-find clusters: datasketch as its documentation uses it.
+- rensa:      read, the same normalisation and shingles, then rensa's (Rust) `RMinHash(num_perm, seed).update`
+              per document and `RMinHashLSH(threshold, num_perm, bands)` query and insert, as its
+              README uses them (bands: the divisor of num_perm nearest the stage's band count,
+              since rensa needs num_perm divisible by the bands: 16 of 8 rows at 128), each candidate
+              verified with `jaccard` against the threshold, union-find clusters. rensa is a benchmark-only
+              dependency (`pip install rensa`); without it the row is skipped.
 - datatrove (`--datatrove`): `dedup_with_datatrove`, the four-stage local MinHash pipeline, one task.
 
 Prints medians over `--repeats` runs (after an untimed warm-up run of each), documents/s, both
@@ -147,8 +153,13 @@ def clustered_pairs(cluster_of: dict[str, str]) -> set[tuple[str, str]]:
     return {(a, b) if a < b else (b, a) for group in members.values() for a, b in combinations(group, 2)}
 
 
+STAGE_PHASES: list[dict[str, float]] = []  # each timed stage run's seconds by phase
+
+
 def run_stage(cfg: DedupConfig, input_file: Path, out_dir: Path) -> Callable[[], dict[str, str]]:
-    dedup_documents(cfg, [input_file], out_dir)
+    phases: dict[str, float] = {}
+    dedup_documents(cfg, [input_file], out_dir, phase_s=phases)
+    STAGE_PHASES.append(phases)
     return lambda: clusters_from_output(out_dir)
 
 
@@ -197,6 +208,25 @@ def run_datasketch(cfg: DedupConfig, input_file: Path, out_dir: Path) -> Callabl
     return lambda: cluster_of
 
 
+def run_rensa(cfg: DedupConfig, input_file: Path, out_dir: Path) -> Callable[[], dict[str, str]]:
+    from rensa import RMinHash, RMinHashLSH
+
+    stage_bands = minhash.lsh_params(cfg.threshold, cfg.num_perm, cfg.fp_weight, cfg.fn_weight)[0]
+    bands = min((b for b in range(1, cfg.num_perm + 1) if cfg.num_perm % b == 0), key=lambda b: abs(b - stage_bands))
+    lsh = RMinHashLSH(cfg.threshold, cfg.num_perm, bands)
+    ids, sketches, pairs = [], [], []
+    for node, doc in enumerate(read_documents(input_file)):
+        sketch = RMinHash(cfg.num_perm, cfg.seed)
+        sketch.update([s.decode("utf-8") for s in shingles(normalize(doc.text, cfg), cfg.shingle_size)])
+        pairs += [(ids[other], doc.id) for other in lsh.query(sketch)
+                  if sketches[other].jaccard(sketch) >= cfg.threshold]
+        lsh.insert(node, sketch)
+        ids.append(doc.id)
+        sketches.append(sketch)
+    cluster_of = _union_find(ids, pairs)
+    return lambda: cluster_of
+
+
 def run_datatrove(cfg: DedupConfig, input_file: Path, out_dir: Path) -> Callable[[], dict[str, str]]:
     from loguru import logger
 
@@ -239,7 +269,13 @@ def main() -> None:
     cfg = DedupConfig()
     docs, injected = build_corpus()
     num_docs = len(docs)
-    methods: list[Method] = [run_stage, run_signatures, run_datasketch] + ([run_datatrove] if args.datatrove else [])
+    methods: list[Method] = [run_stage, run_signatures, run_datasketch]
+    try:
+        import rensa  # noqa: F401 — a benchmark-only dependency
+        methods.append(run_rensa)
+    except ImportError:
+        print("rensa is not installed (pip install rensa): its row is skipped")
+    methods += [run_datatrove] if args.datatrove else []
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         input_file = work / "corpus.jsonl"
@@ -279,9 +315,14 @@ def main() -> None:
         print(f"{name:<12}{seconds:>9.2f}{num_docs / seconds:>13.0f}{len(found[name]):>8}"
               f"{hits / len(positives):>12.4f}{precision:>15.4f}   {', '.join(f'{t:.2f}' for t in runs[name][0])}")
     datasketch = results["datasketch"][0]
+    timed = STAGE_PHASES[-args.repeats :]  # the warm-up run's phases are not medians of the timed runs
+    print("stage phases (median s): " + ", ".join(f"{name} {statistics.median(p[name] for p in timed):.3f}"
+                                                  for name in timed[0]))
     print(f"shingles + signatures of normalised text alone: Kiln {sig_fast:.2f} s, datasketch {sig_datasketch:.2f} s "
           f"({sig_datasketch / sig_fast:.1f}x)")
     print(f"RESULT dedup_signature_path_speedup {datasketch / results['signatures'][0]:.2f}")
+    if "rensa" in results:
+        print(f"RESULT dedup_stage_speedup_vs_rensa {results['rensa'][0] / results['stage'][0]:.2f}")
     if "datatrove" in results:
         print(f"RESULT dedup_stage_speedup_vs_datatrove {results['datatrove'][0] / results['stage'][0]:.2f}")
     print(f"RESULT dedup_stage_speedup {datasketch / results['stage'][0]:.2f}")

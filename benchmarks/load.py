@@ -345,13 +345,20 @@ def main() -> None:
         count_, store, out, tag = sys.argv[2:6]
         write_records(int(count_), Path(store), Path(out), tag)
         return
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--backends", default="sqlite,postgres")
-    parser.add_argument("--runs", type=int, default=8)
-    parser.add_argument("--workers", type=int, default=2)
-    parser.add_argument("--records", type=int, default=200)
-    parser.add_argument("--until", default="collect")
-    parser.add_argument("--timeout-s", type=float, default=1800.0)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="Expected duration: minutes per backend (its servers start, 17 deployments register, the runs "
+               "and records go through two kills), at most --timeout-s per backend for the runs and records.")
+    parser.add_argument("--backends", default="sqlite,postgres",
+                        help="the servers' databases to load, comma-separated: sqlite, postgres (default: both)")
+    parser.add_argument("--runs", type=int, default=8,
+                        help="concurrent pipeline deployment runs of configs/tiny.yaml (default: 8)")
+    parser.add_argument("--workers", type=int, default=2, help="`kiln worker`s that run them (default: 2)")
+    parser.add_argument("--records", type=int, default=200,
+                        help="tracked records written at once during the runs (default: 200)")
+    parser.add_argument("--until", default="collect", help="the last stage of each pipeline run (default: collect)")
+    parser.add_argument("--timeout-s", type=float, default=1800.0,
+                        help="how long to wait for the runs and records of one backend (default: 1800)")
     parser.add_argument("--tmp", default=None, help="where the work dirs go (default: the system's temp folder)")
     parser.add_argument("--keep", action="store_true", help="keep each backend's folder (logs, stores)")
     args = parser.parse_args()

@@ -57,11 +57,13 @@ from kiln.tasks.errors import KilnError  # noqa: E402
 from kiln.tasks.graph import stage_keys
 from kiln.tasks.launch.cluster import ClusterSpec, where_it_ran
 from kiln.tasks.launch.local_slurm import LocalSlurmCluster
+from kiln.tasks.launch.slurm_jobs import JobJournal, live_jobs
 from kiln.tasks.lineage import as_json, lineage, locate, render_table
 from kiln.tasks.runner import StageOutcome
 from kiln.tasks.scaling.plan import budget_from_accelerators, budget_report
 from kiln.tasks.settings import KilnConfig, open_tracker
 from kiln.tasks.stages import REGISTRY
+from kiln.tasks.stages._common import SLURM_LOGS
 from kiln.tasks.store import Store
 from kiln.tasks.train.config import ModelConfig
 
@@ -229,6 +231,27 @@ def _run_one_stage(name: str, ns: argparse.Namespace, extra_overrides: tuple[str
     return outcome
 
 
+def adjustment(config_path: str | None, changes: list[str], from_step: int, work_dir: str | None = None
+               ) -> tuple[str, list[str]]:
+    """The train key of the run `config_path` trains (the prefix) and the overrides of its adjustment:
+    `changes`, then `train.branch` naming that key and `from_step`."""
+    if not changes:
+        raise KilnError("kiln adjust needs at least one change (key=value), e.g. train.phases=[...] or "
+                        "train.run.steps=2000: without one the adjusted run would be the run itself")
+    base = [f"work_dir={work_dir}"] if work_dir else []
+    prefix = stage_keys(load_config(config_path or default_config_path(), base))["train"]
+    return prefix, [*changes, f"train.branch={{prefix: '{prefix}', from_step: {from_step}}}"]
+
+
+def cmd_adjust(ns: argparse.Namespace) -> int:
+    config_path, changes = _split_args(ns.args)
+    prefix, overrides = adjustment(config_path, changes, ns.from_step, ns.work_dir)
+    ns.args = [config_path, *overrides]
+    outcome = _run_one_stage("train", ns)
+    print(f"\ntrain {outcome.key}: train {prefix} up to step {ns.from_step}, then {' '.join(changes)}")
+    return 0
+
+
 def cmd_stage(ns: argparse.Namespace) -> int:
     _run_one_stage(ns.name, ns)
     return 0
@@ -310,11 +333,25 @@ def _stage_state(store: Store, stage: Stage, key: str, room: int) -> tuple[str, 
     if lock.held():
         owner = lock.owner() or {}
         return f"running (pid {owner.get('pid')} on {owner.get('host')})", {}
+    live = _live_jobs(store.partial_path(stage.name, key))
     failure = store.failure(stage.name, key)
-    if failure is not None:
-        then = "a rerun resumes it" if failure["retryable"] else "fix it, then rerun"
+    if failure is not None and not live:
+        then = ("a rerun resumes it" if failure["retryable"] else
+                "fix the config, then rerun" if failure.get("config") else "fix it, then rerun")
         return _cut(f"failed ({then}): {failure['error']}: {' '.join(failure['message'].split())}", room), {}
+    if live:
+        return _cut(f"partial, its driver gone but Slurm still runs {'; '.join(live)}: the next run waits for "
+                    f"them (scancel to stop them)", room), {}
     return "partial (an attempt crashed or was stopped; the next run resumes or redoes it)", {}
+
+
+def _live_jobs(partial: Path) -> list[str]:
+    """The Slurm jobs a data stage's attempt submitted (its journal, `logs/slurm_jobs.jsonl`) that still run."""
+    journal = JobJournal(partial / SLURM_LOGS)
+    jobs = journal.open_jobs()
+    live = set(live_jobs([job["job_id"] for job in jobs])) if jobs else set()
+    return [f"job {job['job_id']} ({job['job_name']} ranks {','.join(map(str, job['ranks']))}, submitted by pid "
+            f"{job['pid']} on {job['host']})" for job in jobs if job["job_id"] in live]
 
 
 def _cut(text: str, room: int) -> str:
@@ -690,6 +727,11 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--until", metavar="STAGE", help="stop after this stage (e.g. tokenize)")
     add("stage", "Run one stage as its own Prefect flow; its inputs must already be complete.", cmd_stage,
         first=("name", "the stage name (kiln status lists them)"))
+    adjust = add("adjust", "Change a production run from a step on without retraining what came before: the train "
+                           "run of CONFIG goes on from its kept checkpoint of --from-step under CONFIG plus the "
+                           "changes (key=value: the data schedule train.phases, train.run.steps, ...), as a new "
+                           "run whose key derives from the first run's key, the step and the changes.", cmd_adjust)
+    adjust.add_argument("--from-step", type=int, required=True, help="the kept train checkpoint to go on from")
     config = add("config", "Print the resolved config (file + overrides + defaults).", cmd_config)
     config.add_argument("--keys", action="store_true", help="also print every stage's key")
     status = add("status", "Show each stage's key and its state in the store: complete (with its key numbers), running, "

@@ -28,13 +28,13 @@ from kiln.tasks.configbase import Section, read_yaml
 from kiln.tasks.errors import ConfigError
 from kiln.tasks.settings import KilnConfig
 from kiln.tasks.stage import Registry
-from kiln.tasks.stages import REGISTRY
+from kiln.tasks.stages import registry_or_default
 from kiln.tasks.train.checkpoint import kept_steps
 
 
 def config_model(registry: Registry | None = None) -> type[KilnConfig]:
     """`KilnConfig` with one section per stage of `registry` (default: Kiln's stages) that declares one."""
-    registry = REGISTRY if registry is None else registry
+    registry = registry_or_default(registry)
     return _config_model(tuple((s.config_field, s.config_name, s.config) for s in registry if s.config is not None))
 
 

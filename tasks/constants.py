@@ -7,3 +7,4 @@ them; keeping them here lets the readers depend on the facts rather than on the 
 EOS_TOKEN = "<|endoftext|>"  # the tokenizer's one special token: ends every document, pads nothing
 TOKENIZER_FILE = "tokenizer.json"  # the trained BPE tokenizer, in the tokenize stage's folder
 SHARDS_FILE = "shards.json"  # the listing of token shards per domain and split, with the vocabulary size
+DOC_INDEX_SUFFIX = ".docs.npy"  # beside each token shard (NNNNN.bin): its documents' end offsets and quality scores

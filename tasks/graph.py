@@ -14,12 +14,12 @@ from kiln.tasks.configbase import Section
 from kiln.tasks.fingerprint import fingerprint_paths
 from kiln.tasks.settings import KilnConfig
 from kiln.tasks.stage import Registry
-from kiln.tasks.stages import REGISTRY
+from kiln.tasks.stages import registry_or_default
 from kiln.tasks.store import stage_key
 
 
 def _registry(registry: Registry | None) -> Registry:
-    return REGISTRY if registry is None else registry
+    return registry_or_default(registry)
 
 
 def config_value(cfg: KilnConfig, dotted: str) -> Any:

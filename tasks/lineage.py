@@ -34,6 +34,25 @@ class Link:
     git_dirty: bool | None
     created_at: str | None
     licences: dict[str, int] = field(default_factory=dict)  # SPDX -> kept documents (collect only)
+    # an adjusted train run (train.branch): "train <prefix key> up to step N, then schedule ..."
+    continues: str | None = None
+
+
+def continuation(stage: str, identity: dict[str, Any]) -> str | None:
+    """What an adjusted run goes on from, in words: the prefix run up to its step, then this run's
+    schedule (its data phases, or the mix stage's mixture) and steps; None for a run from step 0."""
+    section = identity.get(stage, {})
+    branch = section.get("branch") if isinstance(section, dict) else None
+    if not branch:
+        return None
+    phases = section.get("phases") or []
+    schedule = " -> ".join(
+        f"{p['name']}" + (f" (to step {p['until_step']})" if p.get("until_step") else "")
+        + (f" (to {p['until_tokens']:.0%} of the tokens)" if p.get("until_tokens") else "")
+        + (f" {p['mixture']}" if p.get("mixture") else "") + (f" order {p['order']}" if p.get("order", "random") != "random" else "")
+        + (f" seq_len {p['seq_len']}" if p.get("seq_len") else "") for p in phases) or "the mix stage's mixture"
+    steps = section.get("run", {}).get("steps", "plan")
+    return f"{stage} {branch['prefix']} up to step {branch['from_step']}, then schedule {schedule} to step {steps}"
 
 
 def _sha256(data: Any) -> str:
@@ -89,7 +108,7 @@ def _link(store: Store, stage: str, key: str) -> Link:
                 config_sha256=_sha256(identity), outputs_sha256=_sha256(manifest.get("files", {})),
                 mlflow_run_id=manifest.get("mlflow_run_id"), prefect_flow_run_id=manifest.get("prefect_flow_run_id"),
                 git_sha=code.get("git_sha"), git_dirty=code.get("git_dirty"), created_at=manifest.get("created_at"),
-                licences=_licences(store.path(stage, key)))
+                licences=_licences(store.path(stage, key)), continues=continuation(stage, identity))
 
 
 def lineage_manifests(store: Store, stage: str, key: str) -> dict[str, dict[str, Any]]:
@@ -126,6 +145,7 @@ def render_table(links: list[Link]) -> str:
                      code))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in rows]
+    lines += [f"\n{link.stage} {link.key}: {link.continues}" for link in links if link.continues]
     licences = {label: n for link in links for label, n in link.licences.items()}
     if licences:
         kept = ", ".join(f"{label} {n}" for label, n in licences.items())

@@ -25,13 +25,13 @@ from pydantic import BaseModel
 
 from kiln.tasks.configbase import Section, is_runtime
 from kiln.tasks.crashes import OWNER_TAG, process_owner
-from kiln.tasks.errors import KilnError, is_retryable
+from kiln.tasks.errors import ConfigError, KilnError, is_retryable
 from kiln.tasks.graph import config_value, stage_identity, stage_keys
 from kiln.tasks.ledger import StageRecorder, launch_tags, merged_launch, numeric_stats
 from kiln.tasks.provenance import code_version, provenance
 from kiln.tasks.settings import KilnConfig
 from kiln.tasks.stage import STATS_FILE, Registry, Stage, StageContext
-from kiln.tasks.stages import REGISTRY
+from kiln.tasks.stages import registry_or_default
 from kiln.tasks.store import Store
 from kiln.tasks.tracker import NullTracker, Tracker
 
@@ -177,7 +177,7 @@ def run_stage(stage: Stage | str, cfg: KilnConfig, *, store: Store | None = None
     `parent_run_id` nests the tracked run under a pipeline run; `flow_run_id` and `attempt` (which run
     of that flow run this is: a retry is attempt 2) are tagged and name the tracked run;
     `on_event(name, payload)` receives training health events."""
-    registry = REGISTRY if registry is None else registry
+    registry = registry_or_default(registry)
     stage = registry[stage] if isinstance(stage, str) else stage
     store = store or Store(cfg.store_root)
     tracker = tracker or NullTracker()
@@ -227,6 +227,7 @@ def _execute(stage: Stage, cfg: KilnConfig, store: Store, tracker: Tracker, regi
         if isinstance(error, Exception):  # not an interrupt: `kiln status` shows why it failed
             store.record_failure(stage.name, key, {"error": type(error).__name__, "message": str(error),
                                                    "retryable": is_retryable(error), "mlflow_run_id": run_id,
+                                                   "config": isinstance(error, ConfigError),
                                                    "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
         if on_event is not None:  # Prefect turns it into an event that automations alert on
             on_event("kiln.stage.failed", {"stage": stage.name, "key": key, "error": f"{type(error).__name__}: {error}"})
@@ -273,7 +274,7 @@ def run_pipeline(cfg: KilnConfig, *, until: str | None = None, registry: Registr
                  store: Store | None = None, tracker: Tracker | None = None,
                  parent_run_id: str | None = None) -> list[StageOutcome]:
     """Every pipeline stage in order (up to `until`), without an orchestrator: for notebooks and jobs."""
-    registry = REGISTRY if registry is None else registry
+    registry = registry_or_default(registry)
     keys = stage_keys(cfg, registry)
     return [run_stage(name, cfg, store=store, tracker=tracker, registry=registry, keys=keys,
                       parent_run_id=parent_run_id) for name in stages_until(until, registry)]

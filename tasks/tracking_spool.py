@@ -17,7 +17,6 @@ moved to `refused/`, never dropped.
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import shutil
@@ -30,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from kiln.tasks.crashes import owner_alive, process_owner
+from kiln.tasks.keylock import KeyLock, LockTimeout
 
 SPOOL_DIR = ".tracking-spool"  # under the store root
 LOCAL_PREFIX = "spooled-"
@@ -120,7 +120,7 @@ class Spool:
 
     def _remember(self, local: str, real: str) -> None:
         path = self.folder / "ids.json"
-        with _locked(self.folder / "ids.lock", create=True):
+        with KeyLock(self.folder / "ids.lock"):
             ids = {**self._ids(), local: real}
             temporary = path.with_suffix(".tmp")
             temporary.write_text(json.dumps(ids, indent=1))
@@ -199,26 +199,24 @@ class Spool:
 
 
 @contextmanager
-def _locked(path: Path, *, wait: bool = True, create: bool = False) -> Iterator[Any]:
-    """`path` open for update under an exclusive lock; None when it is gone (replayed and removed after
-    we looked) or, with `wait=False`, when another process holds it."""
+def _locked(path: Path, *, wait: bool = True) -> Iterator[Any]:
+    """`path` open for update while this process holds its `KeyLock` (the run ledger's one lock, which
+    holds across the hosts sharing the store, unlike `flock` on some shared filesystems); None when the
+    file is gone (replayed and removed before we held it) or, with `wait=False`, when another holds it."""
+    lock = KeyLock(path.with_name(path.name + ".lock"), timeout_s=None if wait else 0)
     try:
-        handle = open(path, "a+" if create else "r+")
-    except FileNotFoundError:
+        lock.acquire()
+    except LockTimeout:
         yield None
         return
-    with handle:
+    try:
         try:
-            fcntl.flock(handle, fcntl.LOCK_EX if wait else fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            yield None
-            return
-        try:
-            same = os.path.exists(path) and os.fstat(handle.fileno()).st_ino == os.stat(path).st_ino
+            handle = open(path, "r+")
         except FileNotFoundError:
-            same = False
-        if not same:
             yield None
             return
-        handle.seek(0)
-        yield handle
+        with handle:
+            handle.seek(0)
+            yield handle
+    finally:
+        lock.release()

@@ -75,6 +75,13 @@ def test_model_options_at_their_defaults_move_no_key(base_keys, override):
     assert changed(base_keys, override) == []
 
 
+def test_the_data_schedule_moves_train_and_what_follows(base_keys):
+    """The default config trains two data phases; without them (the mix stage's mixture throughout) the
+    train key is the one it had before schedules existed, and so are the keys of the stages before it."""
+    moved = changed(base_keys, "train.phases=[]")
+    assert moved[0] == "train" and set(moved) <= set(downstream_of("train"))
+
+
 def test_eval_suite_moves_decontamination(base_keys, tmp_path):
     other = tmp_path / "eval.jsonl"
     other.write_text('{"text": "a different benchmark"}\n')

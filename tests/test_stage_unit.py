@@ -162,3 +162,19 @@ def test_a_stages_cpu_seconds_include_its_worker_processes(tmp_path):
     manifest = Store(cfg.store_root).manifest("burn", outcome.key)
     assert manifest["stats"]["worker_cpu_s"] >= 1.0 and manifest["stats"]["executor_cpu_s"] == 0.0
     assert manifest["cost"]["cpu_s"] >= manifest["stats"]["worker_cpu_s"]
+
+
+def test_a_run_without_sources_is_refused_with_the_way_to_start(tmp_path):
+    """No config and no sources (the sections' defaults): collect says how to start, it does not
+    "complete" with 0 documents (issue 37)."""
+    from kiln.tasks.config import load_config
+    from kiln.tasks.errors import ConfigError
+    from kiln.tasks.graph import stage_keys
+    from kiln.tasks.runner import run_stage
+    from kiln.tasks.store import Store
+
+    cfg = load_config(None, [f"work_dir={tmp_path}"])
+    assert cfg.collect.sources == []
+    with pytest.raises(ConfigError, match=r"nothing to collect.*`kiln init DIR`"):
+        run_stage("collect", cfg)
+    assert not Store(cfg.store_root).is_complete("collect", stage_keys(cfg)["collect"])

@@ -21,6 +21,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from kiln.tasks.config import load_config
+from kiln.tasks.keylock import KeyLock
 from kiln.tasks.runner import run_pipeline
 from kiln.tasks.stage import Registry
 from kiln.tasks.stages import collect as collect_stage
@@ -116,6 +117,25 @@ def test_a_journal_is_replayed_by_its_owner_or_once_its_run_ended_and_a_refused_
     assert done.refused == [journals["gone"].name]  # no such run: MLflow will never take it
     refused = spool / "refused" / journals["gone"].name
     assert "RESOURCE_DOES_NOT_EXIST" in json.loads(refused.read_text().splitlines()[0])["refused"]  # kept, with why
+
+
+def test_a_journal_another_process_holds_waits_and_a_dead_holders_lock_is_broken(tmp_path):
+    """The spool locks journals with the run ledger's KeyLock: a replay skips a journal whose lock a live
+    writer holds (it is replayed once free), and breaks the lock a killed writer left behind."""
+    uri, spool = f"sqlite:///{tmp_path / 'mlflow.db'}", spool_dir(tmp_path / "store")
+    tracker = MlflowTracker(uri, "kiln", tmp_path / "artifacts", spool)
+    run = tracker.start_run("held")
+    journal = tracker.spool.append(run, "set_terminated", {"status": "FINISHED", "end_time": 1})
+    lock = journal.with_name(journal.name + ".lock")
+
+    with KeyLock(lock):  # a live writer appending to it
+        assert MlflowTracker(uri, "kiln", tmp_path / "artifacts", spool).replay().journals == 0
+    assert journal.exists() and MlflowClient(uri).get_run(run).info.status == "RUNNING"
+
+    lock.write_text(json.dumps({"host": socket.gethostname(), "pid": dead_pid(), "token": "x", "since": 0}))
+    assert MlflowTracker(uri, "kiln", tmp_path / "artifacts", spool).replay().journals == 1
+    assert not journal.exists() and not lock.exists()
+    assert MlflowClient(uri).get_run(run).info.status == "FINISHED"
 
 
 def dead_pid() -> int:

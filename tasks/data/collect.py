@@ -182,7 +182,7 @@ def collect_documents(cfg: CollectConfig, out_dir: Path) -> dict:
                     assert doc is not None
                     seen_ids.add(doc.id)
                     kept.write_line(doc.to_json_line())
-                    tally.add("kept", source.domain, text_bytes(doc.text))
+                    tally.add("kept", doc.domain, text_bytes(doc.text))  # the record's own domain (domain_field)
                     counts.num_kept += 1
                     report.num_kept += 1
                     report.num_chars += len(doc.text)
@@ -190,7 +190,7 @@ def collect_documents(cfg: CollectConfig, out_dir: Path) -> dict:
                     by_format[source.format] += 1
                 elif doc is not None:  # readable, but its licence is not allowed (or not known), or sampled out
                     removed.add(reason, {**log_record, "document": json.loads(doc.to_json())})
-                    tally.add("removed", source.domain, text_bytes(doc.text), reason)
+                    tally.add("removed", doc.domain, text_bytes(doc.text), reason)
                     counts.removed[reason] += 1
                     report.removed[reason] += 1
                 else:

@@ -7,7 +7,13 @@ Text in scripts written with spaces gives word n-grams (`ngram_size` words); tex
 written without them (Chinese, Japanese kana and kanji, Thai, Lao, Khmer, Myanmar), where a
 "word" would be a whole sentence, gives character n-grams (`char_ngram_size` characters, spaces
 and punctuation left out). A document of mixed scripts gives both: its spaced words in order, and
-its unspaced characters in order. A training document sharing at least `min_overlap_ngrams` of
+character n-grams of its mixed tokens, in which each character of an unspaced script is one token
+and each word of a spaced script between them (a Latin technical term, a path, a code identifier,
+a version number) is one token too, so that Chinese or Japanese interleaved with Latin still forms
+n-grams across the Latin words; a character n-gram holds at least one unspaced character (a window
+of spaced words alone is the word n-grams' job). Invisible format characters (zero-width spaces and
+joiners, soft hyphens, bidirectional marks) are dropped and non-breaking spaces are spaces, so that
+neither splits nor joins a token. A training document sharing at least `min_overlap_ngrams` of
 them with an eval set is contaminated by it.
 
 The index is built once, in this process; the training shards are scanned in parallel, a task per
@@ -72,6 +78,10 @@ _UNSPACED = ("\u0e00-\u0eff"  # Thai, Lao
              "\u3040-\u30ff\u31f0-\u31ff\uff66-\uff9f"  # hiragana, katakana (and their extensions, half-width forms)
              "\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff\U00020000-\U0003134f")  # CJK ideographs
 _UNSPACED_RUN = re.compile(f"[{_UNSPACED}]+")
+_UNSPACED_CHAR = re.compile(f"[{_UNSPACED}]")
+# Invisible format characters (Unicode category Cf) that real text carries inside words: soft hyphen,
+# zero-width space, non-joiner and joiner, direction marks and embeddings, word joiner, byte-order mark.
+_INVISIBLE = dict.fromkeys([0x00AD, *range(0x200B, 0x2010), *range(0x202A, 0x202F), *range(0x2060, 0x2065), 0xFEFF])
 _MIN_PHRASE_WORDS = 4  # shorter clauses of a boilerplate text ("and exit") would cover ordinary prose
 _PHRASE_KEY_WORDS = 4  # phrases are found by their first words
 # An eval n-gram is boilerplate when more than this share of its words lie in boilerplate phrases:
@@ -103,6 +113,7 @@ _FOLD = str.maketrans({"ı": "i"})  # Turkish dotless i: "I".lower() is "i", so 
 def words(text: str) -> list[str]:
     """Case-, accent- and layout-blind words: a copy in capitals or re-wrapped still matches."""
     if not text.isascii():
+        text = text.translate(_INVISIBLE)
         # Accents go (NFKD, then combining marks dropped): "İ".lower() is "i" plus a combining dot.
         decomposed = unicodedata.normalize("NFKD", text)
         text = unicodedata.normalize("NFKC", "".join(c for c in decomposed if not unicodedata.combining(c)))
@@ -131,6 +142,28 @@ def split_scripts(tokens: list[str]) -> tuple[list[str], list[str]]:
     return spaced, unspaced
 
 
+def mixed_tokens(tokens: list[str]) -> list[str]:
+    """The text's tokens for character n-grams, in text order: each character of an unspaced script,
+    and each spaced-script word between them as one token (`"用python3运行"` gives 用, python3, 运, 行).
+    Empty when the text has no unspaced character."""
+    mixed: list[str] = []
+    found = False
+    for token in tokens:
+        if token.isascii() or not _UNSPACED_RUN.search(token):
+            mixed.append(token)
+            continue
+        found = True
+        end = 0
+        for run in _UNSPACED_RUN.finditer(token):
+            if run.start() > end:
+                mixed.append(token[end : run.start()])
+            mixed.extend(run.group())
+            end = run.end()
+        if end < len(token):
+            mixed.append(token[end:])
+    return mixed if found else []
+
+
 def _hash(gram: str, kind: bytes = b"") -> int:
     # A stable hash (Python's hash() is salted per process); 8 bytes keeps collisions negligible.
     # `kind` keeps character n-grams apart from word n-grams.
@@ -148,12 +181,27 @@ def ngram_positions(tokens: list[str], size: int) -> dict[int, int]:
     return positions
 
 
-def char_ngram_positions(chars: list[str], size: int) -> dict[int, int]:
-    """Hashed character n-grams, each with the position of its first occurrence."""
-    text = "".join(chars)
+def _mixed_piece(token: str) -> str:
+    """A mixed token as it is hashed: an unspaced character as itself, a word with a space either side,
+    so that an n-gram of unspaced characters alone hashes as their text and words never run together."""
+    return token if len(token) == 1 and _UNSPACED_CHAR.match(token) else f" {token} "
+
+
+def char_ngram_positions(tokens: list[str], size: int) -> dict[int, int]:
+    """Hashed character n-grams of `mixed_tokens` that hold at least one unspaced character, each with
+    the position of its first occurrence."""
     positions: dict[int, int] = {}
-    for i in range(len(text) - size + 1):
-        positions.setdefault(_hash(text[i : i + size], _CHARS), i)
+    pieces = [_mixed_piece(token) for token in tokens]
+    if all(len(piece) == 1 for piece in pieces):  # unspaced characters only: slices of the text
+        text = "".join(pieces)
+        for i in range(len(text) - size + 1):
+            positions.setdefault(_hash(text[i : i + size], _CHARS), i)
+        return positions
+    if len(pieces) < size:
+        return positions
+    unspaced = np.cumsum([0] + [len(piece) == 1 for piece in pieces])
+    for i in np.flatnonzero(unspaced[size:] > unspaced[: len(pieces) - size + 1]).tolist():
+        positions.setdefault(_hash("".join(pieces[i : i + size]), _CHARS), i)
     return positions
 
 
@@ -162,14 +210,15 @@ class Grams:
     """A text's n-grams: words of spaced scripts, characters of unspaced ones (see the module docstring)."""
 
     words: list[str]
-    chars: list[str]
+    chars: list[str]  # `mixed_tokens`: unspaced characters and the spaced words between them
     word_grams: dict[int, int]  # hash -> first position in `words`
     char_grams: dict[int, int]  # hash -> first position in `chars`
 
     @classmethod
     def of(cls, text: str, word_size: int, char_size: int) -> Grams:
-        spaced, unspaced = split_scripts(words(text))
-        return cls(spaced, unspaced, ngram_positions(spaced, word_size), char_ngram_positions(unspaced, char_size))
+        tokens = words(text)
+        spaced, mixed = split_scripts(tokens)[0], mixed_tokens(tokens)
+        return cls(spaced, mixed, ngram_positions(spaced, word_size), char_ngram_positions(mixed, char_size))
 
     def hashes(self) -> set[int]:
         return self.word_grams.keys() | self.char_grams.keys()
@@ -181,10 +230,14 @@ class Grams:
         else:
             start, tokens, size, context, sep = self.char_grams[gram], self.chars, char_size, _SNIPPET_CHARS, ""
         lo, hi = max(0, start - context), start + size + context
+
+        def join(part: list[str]) -> str:
+            return " ".join(part) if sep else "".join(map(_mixed_piece, part)).strip().replace("  ", " ")
+
         return {
             "doc_id": doc_id,
-            "ngram": sep.join(tokens[start : start + size]),
-            "snippet": ("… " if lo else "") + sep.join(tokens[lo:hi]) + (" …" if hi < len(tokens) else ""),
+            "ngram": join(tokens[start : start + size]),
+            "snippet": ("… " if lo else "") + join(tokens[lo:hi]) + (" …" if hi < len(tokens) else ""),
         }
 
 

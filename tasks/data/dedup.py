@@ -12,10 +12,12 @@ It runs in three steps (`tasks.data.dedup_job` runs them): `sign_shard` computes
 shard's digests and signatures (a task per shard, in parallel); `cluster` reads them all — ids,
 digests, band keys and signatures, never a text — finds the clusters and decides every document's
 fate, as one process must; `write_shard` writes each shard's kept and removed documents (a task per
-shard again), tallying `removals.json` as it writes. A line that is already its document's
-`Document.to_json_line()` (true of every file a Kiln stage writes) is written back byte for byte
-when kept, and spliced into its removal record when removed; any other line is parsed again and
-re-serialised, so the output is the same either way.
+shard again), tallying `removals.json` as it writes. Signing records what writing needs of each
+line (domain, text bytes, whether it is already its document's `Document.to_json_line()`, true of
+every file a Kiln stage writes), so the write pass parses no canonical line: it writes it back byte
+for byte when kept and splices it into its removal record when removed; any other line is parsed
+again and re-serialised, so the output is the same either way. Clustering is array work (digests
+sorted for exact copies, one lexsort for every cluster's survivor), not a loop over documents.
 
 Every run saves its kept documents' signatures and LSH bucket tables in `out_dir/lsh_index/`, so
 a later batch can be deduplicated against everything kept so far without recomputing a signature.
@@ -42,7 +44,7 @@ from kiln.tasks.accounting import DocCounts
 from kiln.tasks.configbase import Section, runtime_field
 from kiln.tasks.data import minhash
 from kiln.tasks.data.dedup_index import DIGEST_BYTES, SNIPPET_CHARS, DedupIndex, digest_array
-from kiln.tasks.data.documents import Document, read_documents, read_lines
+from kiln.tasks.data.documents import Document, read_lines
 from kiln.tasks.data.inspection import RemovalTally, text_bytes
 from kiln.tasks.data.shards import RankShards
 
@@ -193,14 +195,21 @@ class SignedShard:
     digests: np.ndarray  # (n, DIGEST_BYTES) uint8: digest of the normalised text
     signatures: np.ndarray  # (n, num_perm) uint32
     has_shingles: np.ndarray  # bool
+    # What the write pass needs of each line, recorded while signing so that it copies lines unparsed:
+    domains: np.ndarray  # str
+    text_bytes: np.ndarray  # int64: `inspection.text_bytes` of the text
+    canonical: np.ndarray  # bool: the line is its document's `to_json_line()`, without metadata.duplicate_of
+    has_metadata: np.ndarray  # bool: a non-empty metadata object (how a removal record is spliced)
 
     def save(self, path: Path) -> None:
         np.savez(path, **vars(self))
 
     @classmethod
-    def load(cls, path: Path) -> SignedShard:
+    def load(cls, path: Path, names: tuple[str, ...] | None = None) -> SignedShard:
+        """The shard's arrays (only `names`, the others empty, when given: the write pass needs four)."""
         with np.load(path, allow_pickle=False) as arrays:
-            return cls(**{name: arrays[name] for name in arrays.files})
+            return cls(**{name: arrays[name] if names is None or name in names else np.zeros(0)
+                          for name in arrays.files})
 
 
 def sign_shard(cfg: DedupConfig, shard: Path) -> SignedShard:
@@ -210,6 +219,10 @@ def sign_shard(cfg: DedupConfig, shard: Path) -> SignedShard:
     lengths: list[int] = []
     quality: list[float] = []
     snippets: list[str] = []
+    domains: list[str] = []
+    num_bytes: list[int] = []
+    canonical: list[bool] = []
+    has_metadata: list[bool] = []
     parts: list[tuple[list[bytes], np.ndarray, np.ndarray]] = []
     signed: set[bytes] = set()  # normalised texts signed so far
     pending: list[str] = []
@@ -219,11 +232,16 @@ def sign_shard(cfg: DedupConfig, shard: Path) -> SignedShard:
         parts.append(_sign_batch(pending, cfg, signed))
         signed.update(parts[-1][0])
 
-    for doc in read_documents(shard):
+    for line in read_lines(shard):
+        doc = Document.from_line(line)
         ids.append(doc.id)
         lengths.append(len(doc.text))
         quality.append(quality_score(doc))
         snippets.append(doc.text[:SNIPPET_CHARS])
+        domains.append(doc.domain)
+        num_bytes.append(text_bytes(doc.text))
+        canonical.append(line == doc.to_json_line() and "duplicate_of" not in doc.metadata)
+        has_metadata.append(bool(doc.metadata))
         pending.append(doc.text)
         pending_chars += len(doc.text)
         if len(pending) >= _BATCH or pending_chars >= _BATCH_CHARS:
@@ -244,6 +262,8 @@ def sign_shard(cfg: DedupConfig, shard: Path) -> SignedShard:
         quality=np.array(quality, dtype=np.float64), snippets=np.array(snippets, dtype=str),
         digests=digest_array(digests), signatures=signatures,
         has_shingles=np.concatenate([part[2] for part in parts]) if parts else np.zeros(0, dtype=bool),
+        domains=np.array(domains, dtype=str), text_bytes=np.array(num_bytes, dtype=np.int64),
+        canonical=np.array(canonical, dtype=bool), has_metadata=np.array(has_metadata, dtype=bool),
     )
 
 
@@ -259,25 +279,29 @@ class Clustering:
 
 def cluster(cfg: DedupConfig, index: DedupIndex, shards: list[SignedShard]) -> Clustering:
     """Exact and fuzzy duplicates among `shards` (in input order) and against `index`, whose documents
-    are published and so always survive; which document each removed one duplicates, and why."""
+    are published and so always survive; which document each removed one duplicates, and why.
+
+    Vectorised: exact copies by sorting digests, components by scipy, survivors by one lexsort; Python
+    touches only the removed documents (their decisions) and the sample clusters."""
     n = sum(len(shard.ids) for shard in shards)
     m = len(index)
-    ids = index.ids.tolist() + [i for shard in shards for i in shard.ids.tolist()]
-    digest_rows = np.concatenate([index.digests, *(shard.digests for shard in shards)])
-    digests = [row.tobytes() for row in digest_rows]
+    nodes = np.arange(m + n)  # graph nodes: indexed documents 0..m-1, then the new documents m..m+n-1
+    ids = np.concatenate([index.ids, *(shard.ids for shard in shards)])
+    digests = np.ascontiguousarray(np.concatenate([index.digests, *(shard.digests for shard in shards)]))
     signatures = np.concatenate([shard.signatures for shard in shards]) if shards else index.signatures[:0]
     has_shingles = np.concatenate([shard.has_shingles for shard in shards]) if shards else np.zeros(0, dtype=bool)
-    # Graph nodes: indexed documents 0..m-1, then the new documents m..m+n-1.
-    exact_pairs: list[tuple[int, int]] = []
+    edges = [np.zeros((0, 2), dtype=np.int64)]
     in_lsh = has_shingles.copy()
     if cfg.exact:
-        first_with = {digest: node for node, digest in enumerate(digests[:m])}
-        for node in range(m, m + n):
-            first = first_with.setdefault(digests[node], node)
-            if first != node:
-                exact_pairs.append((first, node))
-                in_lsh[node - m] = False  # an exact copy is clustered already: no fuzzy matching needed
-    edges = [np.array(exact_pairs, dtype=np.int64).reshape(-1, 2)]
+        # Each copy links to its digest's anchor: the last indexed document with it, else its first new one.
+        halves = digests.view(np.uint64).reshape(-1, DIGEST_BYTES // 8)
+        order = np.lexsort((np.where(nodes < m, -1 - nodes, nodes), *halves.T[::-1]))
+        starts = np.ones(m + n, dtype=bool)
+        starts[1:] = (halves[order[1:]] != halves[order[:-1]]).any(axis=1)
+        anchors = order[starts][np.cumsum(starts) - 1]
+        copies = (order != anchors) & (order >= m)
+        edges.append(np.stack((anchors[copies], order[copies]), axis=1))
+        in_lsh[order[copies] - m] = False  # an exact copy is clustered already: no fuzzy matching needed
     num_candidates = num_verified = 0
     if cfg.fuzzy:
         verify = _verify_threshold(cfg)
@@ -292,106 +316,131 @@ def cluster(cfg: DedupConfig, index: DedupIndex, shards: list[SignedShard]) -> C
         num_verified = len(inner) + len(cross)
         edges.append(m + members[inner])
         edges.append(np.stack((m + members[cross[:, 0]], cross[:, 1]), axis=1))
-    clusters = _clusters(m + n, np.concatenate(edges))
+    labels, clustered = _components(m + n, np.concatenate(edges))
 
-    # Survivor of each cluster: an indexed document if any (it is published), else the best new one.
+    # Survivor of each cluster: an indexed document if any (it is published), else the best new one by
+    # `survivor_rank` (ties: the first node), found by one lexsort of the clustered nodes.
     quality = np.concatenate([index.quality, *(shard.quality for shard in shards)])
     lengths = np.concatenate([index.lengths, *(shard.lengths for shard in shards)])
-    survivor_of = np.arange(m + n)
-    for members_of in clusters:
-        indexed = [node for node in members_of if node < m]
-        best = min(indexed or members_of, key=lambda i: survivor_rank(quality[i], lengths[i], ids[i]))
-        survivor_of[members_of] = best
+    survivor_of = nodes.copy()
+    if clustered.size:
+        q = quality[clustered]
+        id_rank = np.unique(ids[clustered], return_inverse=True)[1]
+        ranked = clustered[np.lexsort((id_rank, -lengths[clustered], -np.nan_to_num(q, nan=0.0), np.isnan(q),
+                                       clustered >= m, labels[clustered]))]
+        first = np.ones(ranked.size, dtype=bool)
+        first[1:] = labels[ranked[1:]] != labels[ranked[:-1]]
+        best_of_label = np.zeros(m + n, dtype=np.int64)
+        best_of_label[labels[ranked[first]]] = ranked[first]
+        survivor_of[clustered] = best_of_label[labels[clustered]]
 
-    removed: list[dict[int, tuple[str, str]]] = []
-    kept: list[int] = []  # nodes
-    node = m
-    for shard in shards:
-        decisions: dict[int, tuple[str, str]] = {}
-        for position in range(len(shard.ids)):
-            survivor = int(survivor_of[node])
-            if survivor == node:
-                kept.append(node)
-            else:  # the reason is the relation to the kept document, whichever member made the link
-                exact = cfg.exact and digests[survivor] == digests[node]
-                decisions[position] = ("exact_duplicate" if exact else "near_duplicate", ids[survivor])
-            node += 1
-        removed.append(decisions)
+    new_survivors = survivor_of[m:]
+    gone = np.flatnonzero(new_survivors != nodes[m:])  # new documents removed, by position among all new ones
+    exact = np.zeros(gone.size, dtype=bool)
+    if cfg.exact:  # the reason is the relation to the kept document, whichever member made the link
+        exact = (digests[new_survivors[gone]] == digests[m + gone]).all(axis=1)
+    reasons = np.where(exact, "exact_duplicate", "near_duplicate").tolist()
+    survivor_ids = ids[new_survivors[gone]].tolist()
+    bounds = np.cumsum([0] + [len(shard.ids) for shard in shards])
+    shard_of = np.searchsorted(bounds, gone, side="right") - 1
+    removed: list[dict[int, tuple[str, str]]] = [{} for _ in shards]
+    for k, (node, shard) in enumerate(zip(gone.tolist(), shard_of.tolist())):
+        removed[shard][node - int(bounds[shard])] = (reasons[k], survivor_ids[k])
 
     snippets = np.concatenate([index.snippets, *(shard.snippets for shard in shards)])
-    new = np.array(kept, dtype=np.int64) - m
+    kept = np.flatnonzero(survivor_of == nodes)
+    kept = kept[kept >= m]
     extended = index.extended(
-        ids=[ids[i] for i in kept], digests=[digests[i] for i in kept], lengths=lengths[kept].tolist(),
-        quality=quality[kept].tolist(), snippets=snippets[kept].tolist(), signatures=signatures[new],
-        in_lsh=has_shingles[new],
+        ids=ids[kept], digests=digests[kept], lengths=lengths[kept], quality=quality[kept], snippets=snippets[kept],
+        signatures=signatures[kept - m], in_lsh=has_shingles[kept - m],
     )
-    sizes = Counter(len(c) for c in clusters)
+    sizes_by_label = np.bincount(labels, minlength=1)
+    sizes = Counter({int(size): int(num) for size, num in zip(*np.unique(sizes_by_label[sizes_by_label > 1],
+                                                                         return_counts=True))})
     bands, rows = index.settings["bands"], index.settings["rows"]
     stats = {
-        "num_clusters": len(clusters),
+        "num_clusters": int((sizes_by_label > 1).sum()),
         "num_indexed_before": m,
         "num_candidate_pairs": num_candidates,
         "num_verified_pairs": num_verified,
         "lsh": {"bands": bands, "rows": rows, "verify_threshold": _verify_threshold(cfg)},
         "cluster_sizes": {str(size): num for size, num in sorted(sizes.items())},
         "sample_clusters": [
-            {"survivor": ids[survivor_of[c[0]]], "size": len(c),
-             "members": [{"id": ids[i], "snippet": str(snippets[i])} for i in c[:_SAMPLE_MEMBERS]]}
-            for c in _sample_clusters(clusters, survivor_of)
+            {"survivor": str(ids[c[0]]), "size": size,
+             "members": [{"id": str(ids[i]), "snippet": str(snippets[i])} for i in c[:_SAMPLE_MEMBERS]]}
+            for size, c in _sample_clusters(labels, clustered, survivor_of)
         ],
     }
     return Clustering(removed, extended, sizes, stats)
 
 
-def write_shard(shard: Path, shards: RankShards, removed: Callable[[int, str], tuple[str, str] | None]
-                ) -> dict[str, Any]:
+def write_shard(shard: Path, shards: RankShards, removed: Callable[[int, str], tuple[str, str] | None],
+                signed: SignedShard | None = None) -> dict[str, Any]:
     """Write one input shard's kept and removed documents; `removed(position, id)` gives a removed
-    document's (reason, survivor id), None for a kept one. Returns its counts and tally."""
+    document's (reason, survivor id), None for a kept one. Returns its counts and tally.
+
+    With `signed` (the shard's `sign_shard`: ids, domains, text bytes, canonical, has_metadata), a
+    canonical line is copied or spliced without being parsed; any other line is parsed here."""
     counts = DocCounts()
     removed_by_domain: Counter[str] = Counter()
     tally = RemovalTally()
+    facts = None if signed is None else zip(signed.ids.tolist(), signed.domains.tolist(), signed.text_bytes.tolist(),
+                                           signed.canonical.tolist(), signed.has_metadata.tolist(), strict=True)
     for position, line in enumerate(read_lines(shard)):
-        doc = Document.from_line(line)
-        # the line is the document's canonical form: kept as it is, or spliced into its removal record
-        canonical = line == doc.to_json_line() and "duplicate_of" not in doc.metadata
-        num_bytes = text_bytes(doc.text)
+        doc: Document | None = None
+        if facts is not None:
+            doc_id, domain, num_bytes, canonical, has_metadata = next(facts)
+        if facts is None or not canonical:
+            doc = Document.from_line(line)
+            doc_id, domain, num_bytes = doc.id, doc.domain, text_bytes(doc.text)
+            # the line is the document's canonical form: kept as it is, or spliced into its removal record
+            canonical = line == doc.to_json_line() and "duplicate_of" not in doc.metadata
+            has_metadata = bool(doc.metadata)
         counts.num_in += 1
-        decision = removed(position, doc.id)
+        decision = removed(position, doc_id)
         if decision is None:
-            shards.kept.write_line(line if canonical else doc.to_json_line())
+            shards.kept.write_line(line if canonical else doc.to_json_line())  # type: ignore[union-attr]
             counts.num_kept += 1
-            tally.add("kept", doc.domain, num_bytes)
+            tally.add("kept", domain, num_bytes)
             continue
         reason, survivor_id = decision
         if canonical:
-            shards.removed.write_line(_spliced_removal(line, b", " if doc.metadata else b"", reason, survivor_id))
+            shards.removed.write_line(_spliced_removal(line, b", " if has_metadata else b"", reason, survivor_id))
         else:
+            assert doc is not None
             doc.metadata["duplicate_of"] = survivor_id
             shards.removed.add(reason, vars(doc))
         counts.removed[reason] += 1
-        removed_by_domain[doc.domain] += 1
-        tally.add("removed", doc.domain, num_bytes, reason)
+        removed_by_domain[domain] += 1
+        tally.add("removed", domain, num_bytes, reason)
     return {"counts": counts.as_dict(), "removed_by_domain": dict(removed_by_domain), "tally": tally.table()}
 
 
-def _clusters(num_nodes: int, edges: np.ndarray) -> list[list[int]]:
-    """Connected components of more than one node, each sorted, listed by smallest node."""
+def _components(num_nodes: int, edges: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Each node's connected component label, and the nodes in components of more than one, ascending."""
     # Imported here, as matplotlib below: worker processes import this module only to sign.
     from scipy.sparse import coo_matrix
     from scipy.sparse.csgraph import connected_components
 
     graph = coo_matrix((np.ones(len(edges)), (edges[:, 0], edges[:, 1])), shape=(num_nodes, num_nodes))
     _, labels = connected_components(graph, directed=False)
-    nodes = np.flatnonzero(np.bincount(labels)[labels] > 1)  # singletons, nearly all nodes, skipped
-    nodes = nodes[np.argsort(labels[nodes], kind="stable")]
-    bounds = np.flatnonzero(np.diff(labels[nodes])) + 1
-    return sorted(group.tolist() for group in np.split(nodes, bounds)) if nodes.size else []
+    return labels, np.flatnonzero(np.bincount(labels)[labels] > 1)  # singletons, nearly all nodes, skipped
 
 
-def _sample_clusters(clusters: list[list[int]], survivor_of: np.ndarray) -> list[list[int]]:
-    """The largest clusters (ties: smallest first member), survivor first in each."""
-    largest = sorted(clusters, key=lambda c: (-len(c), c[0]))[:_NUM_SAMPLE_CLUSTERS]
-    return [[int(survivor_of[c[0]])] + [i for i in c if i != survivor_of[c[0]]] for c in largest]
+def _sample_clusters(labels: np.ndarray, clustered: np.ndarray, survivor_of: np.ndarray
+                     ) -> list[tuple[int, list[int]]]:
+    """The largest clusters (ties: smallest first member) as (size, members), survivor first, then the
+    others ascending."""
+    if not clustered.size:
+        return []
+    cluster_labels, first_member, size = np.unique(labels[clustered], return_index=True, return_counts=True)
+    largest = np.lexsort((clustered[first_member], -size))[:_NUM_SAMPLE_CLUSTERS]
+    samples = []
+    for label, num in zip(cluster_labels[largest].tolist(), size[largest].tolist()):
+        members = clustered[labels[clustered] == label]
+        survivor = int(survivor_of[members[0]])
+        samples.append((num, [survivor] + [i for i in members.tolist() if i != survivor]))
+    return samples
 
 
 def plot_cluster_sizes(sizes: Counter[int], path: Path) -> None:

@@ -57,9 +57,10 @@ class DedupIndex:
     def __len__(self) -> int:
         return len(self.ids)
 
-    def extended(self, ids: list[str], digests: list[bytes], lengths: list[int], quality: list[float],
-                 snippets: list[str], signatures: np.ndarray, in_lsh: np.ndarray) -> DedupIndex:
-        """This index plus newly kept documents; bucket tables rebuilt from the stored signatures."""
+    def extended(self, ids: np.ndarray, digests: np.ndarray, lengths: np.ndarray, quality: np.ndarray,
+                 snippets: np.ndarray, signatures: np.ndarray, in_lsh: np.ndarray) -> DedupIndex:
+        """This index plus newly kept documents (arrays, one row each: digests (k, DIGEST_BYTES) uint8);
+        bucket tables rebuilt from the stored signatures."""
         all_sigs = np.concatenate((self.signatures, signatures))
         all_in_lsh = np.concatenate((self.in_lsh, in_lsh))
         members = np.flatnonzero(all_in_lsh)
@@ -68,11 +69,11 @@ class DedupIndex:
         )
         return replace(
             self,
-            ids=np.concatenate((self.ids, np.array(ids, dtype=str))),
-            digests=np.concatenate((self.digests, digest_array(digests))),
+            ids=np.concatenate((self.ids, _fitted(ids))),
+            digests=np.concatenate((self.digests, np.asarray(digests, dtype=np.uint8).reshape(-1, DIGEST_BYTES))),
             lengths=np.concatenate((self.lengths, np.array(lengths, dtype=np.int64))),
             quality=np.concatenate((self.quality, np.array(quality, dtype=np.float64))),
-            snippets=np.concatenate((self.snippets, np.array(snippets, dtype=str))),
+            snippets=np.concatenate((self.snippets, _fitted(snippets))),
             signatures=all_sigs,
             in_lsh=all_in_lsh,
             table_keys=keys,
@@ -108,6 +109,13 @@ class DedupIndex:
     def candidates(self, new_keys: np.ndarray) -> np.ndarray:
         """(new, indexed) document pairs that share an LSH bucket."""
         return minhash.cross_candidate_pairs(new_keys, self.table_keys, self.table_docs)
+
+
+def _fitted(strings: np.ndarray) -> np.ndarray:
+    """`strings` as the narrowest str array that holds them, as `np.array(list_of_str)` makes it: a slice
+    of a wider array keeps its width, and the saved index would differ in its bytes."""
+    strings = np.asarray(strings, dtype=str)
+    return strings.astype(f"<U{max(1, int(np.char.str_len(strings).max()) if strings.size else 1)}")
 
 
 def digest_array(digests: list[bytes]) -> np.ndarray:

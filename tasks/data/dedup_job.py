@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -38,6 +39,7 @@ from kiln.tasks.store import recorded_sha256
 WORK_DIR = "_dedup"  # the jobs' logs, markers, signatures and decisions, while the stage runs
 _SIGNED = "signed"
 _DECISIONS = "decisions"
+_WRITE_FACTS = ("ids", "domains", "text_bytes", "canonical", "has_metadata")
 
 
 @dataclass(frozen=True)
@@ -59,12 +61,15 @@ class _Sign:
 class WriteDecisions:
     """Rank r: write input shard r's kept and removed documents into `out_dir`. `decisions` holds
     `NNNNN.json` per shard ([position, reason, survivor id] of each removed document), or, with
-    `by_id`, one `all.json` for every shard ({id: [reason, survivor id]}; ids are then unique)."""
+    `by_id`, one `all.json` for every shard ({id: [reason, survivor id]}; ids are then unique).
+    `signed`: the folder of the fast engine's `NNNNN.npz` per shard, whose ids, domains, byte counts
+    and canonical flags let the writer copy lines without parsing them."""
 
     shards: list[Path]
     out_dir: Path
     decisions: Path
     by_id: bool = False
+    signed: Path | None = None
 
     def __call__(self, rank: int) -> dict[str, Any]:
         if self.by_id:
@@ -74,8 +79,9 @@ class WriteDecisions:
             by_position = {p: (reason, survivor) for p, reason, survivor in
                            json.loads((self.decisions / f"{rank:05d}.json").read_text())}
             removed = lambda position, doc_id: by_position.get(position)  # noqa: E731
+        signed = None if self.signed is None else SignedShard.load(self.signed / f"{rank:05d}.npz", _WRITE_FACTS)
         with RankShards(self.out_dir, rank) as shards:
-            result = write_shard(self.shards[rank], shards, removed)
+            result = write_shard(self.shards[rank], shards, removed, signed)
             return result | {"shards": shards.close()}
 
 
@@ -104,10 +110,11 @@ def write_decisions(writer: WriteDecisions, work: Path, executor: ExecutorSettin
 
 
 def dedup_documents(cfg: DedupConfig, inputs: list[Path], out_dir: Path, executor: ExecutorSettings = LOCAL,
-                    index_dir: Path | None = None) -> dict:
+                    index_dir: Path | None = None, phase_s: dict[str, float] | None = None) -> dict:
     """Remove exact and near duplicates from the shards `inputs` into `out_dir` (against every document
     of the saved index in `index_dir`, if given, which always survive), on `executor` with
-    `cfg.num_workers` tasks at a time; the combined index is saved in `out_dir/lsh_index/`."""
+    `cfg.num_workers` tasks at a time; the combined index is saved in `out_dir/lsh_index/`. `phase_s`, if
+    given, receives the seconds of each phase (sign, cluster, write, index, plot) for benchmarks."""
     # Absolute: Slurm and Ray workers do not share this process's working directory.
     inputs, out_dir = [path.resolve() for path in inputs], out_dir.resolve()
     settings = signature_settings(cfg)
@@ -115,19 +122,33 @@ def dedup_documents(cfg: DedupConfig, inputs: list[Path], out_dir: Path, executo
     work = out_dir / WORK_DIR
     config = cfg.identity()
 
+    phase_s = {} if phase_s is None else phase_s
+    clock = time.perf_counter()
+
+    def phase(name: str) -> None:
+        nonlocal clock
+        now = time.perf_counter()
+        phase_s[name] = round(now - clock, 4)
+        clock = now
+
     sign = work / "sign"
     signed_dir = sign / _SIGNED
     signing = map_shards(_Sign(cfg, inputs, signed_dir), sign,
                          rank_ledger(sign / RANKS_DIR, "kiln_dedup_sign", config, [{"shard": s} for s in inputs]),
                          settings=executor, jobs=cfg.num_workers, job_name="kiln_dedup_sign", outputs=[signed_dir])
+    phase("sign")
     found = cluster(cfg, index, [SignedShard.load(signed_dir / f"{rank:05d}.npz") for rank in range(len(inputs))])
     decisions = work / _DECISIONS
     decisions.mkdir(parents=True, exist_ok=True)
     for rank, removed in enumerate(found.removed):
         (decisions / f"{rank:05d}.json").write_text(json.dumps([[p, *d] for p, d in sorted(removed.items())]))
-    writing, written = write_decisions(WriteDecisions(inputs, out_dir, decisions), work / "write", executor,
-                                       cfg.num_workers, config)
+    phase("cluster")
+    writing, written = write_decisions(WriteDecisions(inputs, out_dir, decisions, signed=signed_dir), work / "write",
+                                       executor, cfg.num_workers, config)
+    phase("write")
     found.index.save(out_dir / INDEX_DIR)
+    phase("index")
     plot_cluster_sizes(found.sizes, out_dir / PLOT_FILE)
     shutil.rmtree(work)
+    phase("plot")
     return {**written, **found.stats, "executor_cpu_s": signing.outside_cpu_s + writing.outside_cpu_s}

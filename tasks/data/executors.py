@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import math
 import os
 import re
@@ -50,10 +51,12 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from copy import deepcopy
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+import dill
 import multiprocess
 import psutil
 from datatrove.executor import (
@@ -64,6 +67,7 @@ from datatrove.executor import (
 from datatrove.executor.base import PipelineExecutor
 from datatrove.pipeline.base import PipelineStep
 from datatrove.utils.stats import PipelineStats
+from dill import CONTENTS_FMODE
 
 from kiln.tasks.accounting import DocCounts
 from kiln.tasks.data import (
@@ -72,10 +76,18 @@ from kiln.tasks.data import (
 )
 from kiln.tasks.data.inspection import RemovalTally
 from kiln.tasks.errors import ConfigError, InfrastructureError
-from kiln.tasks.launch.cluster import SlurmSettings, container_flags, launch_record
+from kiln.tasks.launch.cluster import SlurmSettings, container_flags, task_line
+from kiln.tasks.launch.slurm_jobs import (
+    JobJournal,
+    journal_launch,
+    live_jobs,
+    scheduler_records,
+    submit,
+)
 from kiln.tasks.ledger import RankRecords, rank_key
 from kiln.tasks.store import recorded_sha256
 
+logger = logging.getLogger("kiln.data.executors")
 Kind = Literal["local", "slurm", "ray"]
 KINDS: tuple[Kind, ...] = ("local", "slurm", "ray")
 STATS_FILE = "stats.json"  # every rank's stats merged, in logging_dir
@@ -110,6 +122,9 @@ class ExecutorSettings:
     image: str | None = None  # cluster.image: Slurm jobs run in it (pyxis); None: in this interpreter's environment
     # told where each pipeline's job ran (`launch_record`: the Slurm job id and nodes), for the stage's record
     on_job: Callable[[dict[str, Any]], None] | None = field(default=None, compare=False)
+    # where Slurm jobs' output (`<job>_<task>.out`), scripts and journal go: the stage's `logs/`, committed
+    # with it; None: the pipeline's logging_dir's `slurm_logs`
+    logs_dir: Path | None = None
     # `kiln-<stage>-<key>`: the start of each Slurm job's name, so `squeue` says whose it is (None: the job's own name)
     job_prefix: str | None = field(default=None, compare=False)
 
@@ -142,13 +157,22 @@ def build_executor(
     if settings.kind == "ray":
         return _RayExecutor(pipeline, tasks_per_job=tasks_per_job, **common)
     site = settings.slurm
-    return _SlurmExecutor(
+    executor = _SlurmExecutor(
         pipeline, time=settings.time_limit, partition=settings.partition or default_partition(),
-        tasks_per_job=tasks_per_job, job_name=settings.slurm_job_name(job_name),
+        tasks_per_job=tasks_per_job, job_name=settings.slurm_job_name(job_name), cpus_per_task=site.cpus_per_task or 1,
         qos=site.qos,  # None: the partition's default; datatrove's "normal" need not exist
         sbatch_args=_sbatch_args(site), env_command=_job_environment(site, settings.image),
-        srun_args=container_flags(settings.image, site.container_mounts, Path.cwd()) or None, **common,
+        srun_args=container_flags(settings.image, site.container_mounts, Path.cwd()) or None,
+        slurm_logs_folder=str(slurm_logs_dir(settings, logging_dir)), **common,
     )
+    if settings.image:
+        executor.python = "python"  # the image's
+    return executor
+
+
+def slurm_logs_dir(settings: ExecutorSettings, logging_dir: Path) -> Path:
+    """Where a pipeline's Slurm output files, sbatch script and job journal go (absolute: the nodes write there)."""
+    return (settings.logs_dir or logging_dir / "slurm_logs").resolve()
 
 
 def run_pipeline(
@@ -162,21 +186,73 @@ def run_pipeline(
     (`ShardTask`, `RecordRank`, or a writer that saves its summary there)."""
     if len(ledger.keys) != tasks:
         raise ValueError(f"{job_name}: {tasks} tasks but {len(ledger.keys)} rank keys")
+    journal = JobJournal(slurm_logs_dir(settings, logging_dir)) if settings.kind == "slurm" else None
+    slurm_name = settings.slurm_job_name(job_name)  # the name its jobs are submitted and journaled under
+    if journal is not None:
+        _adopt_live_jobs(journal, slurm_name)  # an earlier driver's job still running these ranks: wait for it
     done = ledger.mark_completed(logging_dir)
     _remove_unfinished(outputs, done)
     executor = build_executor(pipeline, logging_dir, tasks=tasks, jobs=jobs, settings=settings, job_name=job_name)
     if settings.kind == "ray":
         connect_ray()
+    if journal is not None:
+        _say_resubmission(journal, slurm_name, sorted(set(range(tasks)) - done))
+        executor.journal = journal
     executor.run()  # local and Ray return when their ranks are over; Slurm returns once submitted
-    if settings.kind == "slurm" and executor.job_id not in (None, -1):  # -1: every rank was already done
-        nodes = _wait_for_slurm_job(str(executor.job_id))
-        if settings.on_job is not None:
-            settings.on_job(launch_record("slurm executor", job_name, [
-                {"attempt": 1, "job_id": str(executor.job_id), "nodes": nodes}], 0.0))
+    if journal is not None:
+        if executor.job_id not in (None, -1):  # -1: every rank was already done
+            job_id = str(executor.job_id)
+            _wait_for_slurm_job(job_id)
+            journal.ended(job_id, scheduler_records(job_id))
+        jobs = journal.jobs(slurm_name)
+        if jobs and settings.on_job is not None:  # every job these ranks ran in, retries and adopted ones included
+            settings.on_job(journal_launch(job_name, jobs, _jobs_cpu_s(jobs, ledger)))
     unfinished = executor.get_incomplete_ranks(skip_completed=True)
     if unfinished:
         raise ExecutorError(_unfinished_message(executor, logging_dir, settings, job_name, unfinished))
     return _merge_stats(logging_dir, tasks)
+
+
+def _adopt_live_jobs(journal: JobJournal, job_name: str) -> None:
+    """Wait for the jobs of `job_name` that an earlier driver (killed, or its attempt failed) submitted and
+    the scheduler still runs, so that no rank runs in two jobs at once; record how each ended."""
+    for job in journal.jobs(job_name):
+        if job["tasks"] is not None:
+            continue
+        job_id = job["job_id"]
+        adopted = bool(live_jobs([job_id]))
+        if adopted:
+            logger.warning("%s: Slurm job %s (ranks %s), submitted by pid %s on %s, still runs: waiting for it "
+                           "instead of running its ranks again", job_name, job_id, _ranks(job["ranks"]),
+                           job["pid"], job["host"])
+            _wait_for_slurm_job(job_id)
+        journal.ended(job_id, scheduler_records(job_id), adopted=adopted)
+
+
+def _say_resubmission(journal: JobJournal, job_name: str, ranks: list[int]) -> None:
+    """Say on the terminal that ranks run again, and why: how their last job's tasks ended."""
+    earlier = [job for job in journal.jobs(job_name) if job["tasks"] is not None]
+    if not ranks or not earlier:
+        return
+    last = earlier[-1]
+    why = "; ".join(task_line(t) for t in last["tasks"] if t["state"] != "COMPLETED") or \
+        "the scheduler no longer knows how its tasks ended"
+    logger.warning("%s: resubmitting ranks %s of Slurm job %s: %s", job_name, _ranks(ranks), last["job_id"], why)
+
+
+def _ranks(ranks: list[int]) -> str:
+    return ",".join(map(str, ranks))
+
+
+def _jobs_cpu_s(jobs: list[dict[str, Any]], ledger: RankLedger) -> dict[str, float]:
+    """Each job's ranks' CPU seconds, from their records: a rank's by the last job that ran it."""
+    last_job = {rank: job["job_id"] for job in jobs for rank in job["ranks"]}
+    cpu: dict[str, float] = {}
+    for rank, job_id in last_job.items():
+        record = ledger.done(rank) if rank < len(ledger.keys) else None
+        if record is not None and record["outside_driver"]:
+            cpu[job_id] = cpu.get(job_id, 0.0) + record["cpu_s"]
+    return cpu
 
 
 def connect_ray() -> None:
@@ -397,8 +473,39 @@ class _SlurmExecutor(SlurmPipelineExecutor):
     """datatrove's Slurm executor without its extra merge-stats job: Kiln merges the ranks' stats
     itself once the array is over, and a job chained `afterok` to a failed array would pend forever."""
 
+    journal: JobJournal | None = None  # where run_pipeline records each submission (set before `run`)
+    # what runs a rank: this interpreter (the driver's environment, on a shared filesystem; not whichever
+    # `launch_pickled_pipeline` script comes first on the node's PATH), or the image's `python`
+    python: str = shlex.quote(sys.executable)
+
     def launch_merge_stats(self) -> None:
         return None
+
+    def launch_job(self) -> None:
+        """datatrove's submission, one array over the unfinished ranks, with what it lacks: sbatch's refusal
+        raised as one line (`SubmissionRefused`, never resubmitted), the script kept beside the jobs'
+        output, and the job journaled as soon as it is submitted (a driver killed while waiting leaves it named)."""
+        ranks = self.get_incomplete_ranks()
+        if not ranks:
+            self.job_id = -1
+            return
+        with self.logging_dir.open("executor.pik", "wb") as handle:  # what each array task loads and runs
+            dill.dump(deepcopy(self), handle, fmode=CONTENTS_FMODE)
+        self.save_executor_as_json()
+        with self.logging_dir.open("ranks_to_run.json", "w") as handle:
+            json.dump(ranks, handle)
+        array = math.ceil(len(ranks) / self.tasks_per_job)
+        srun = " ".join(f"--{k}={v}" for k, v in (self.srun_args or {}).items())
+        pickled = self.logging_dir.resolve_paths("executor.pik")
+        script = Path(self.slurm_logs_folder) / f"{self.job_name}.{len(self.journal.jobs()) if self.journal else 0}.sbatch"
+        script.parent.mkdir(parents=True, exist_ok=True)
+        script.write_text(self.get_launch_file_contents(
+            self.get_sbatch_args(array),
+            f"srun {srun} -l -n {self.nodes_per_task} {self.python} -m datatrove.tools.launch_pickled_pipeline {pickled}"))
+        self.job_id = submit(script, "--export=ALL,RUN_OFFSET=0")
+        logger.info("submitted Slurm job %s (%s, %d ranks) from %s", self.job_id, self.job_name, len(ranks), script)
+        if self.journal is not None:
+            self.journal.submitted(self.job_name, str(self.job_id), ranks)
 
     def get_sbatch_args(self, max_array: int = 1) -> dict:
         args = super().get_sbatch_args(max_array)
@@ -444,22 +551,20 @@ def _sbatch_args(site: SlurmSettings) -> dict[str, str]:
     return args
 
 
-def _wait_for_slurm_job(job_id: str) -> list[str]:
-    """Poll squeue until no task of array job `job_id` is pending or running; scancel it if interrupted.
-    The nodes its tasks were seen running on (squeue's node lists, as Slurm writes them)."""
+def _wait_for_slurm_job(job_id: str) -> None:
+    """Poll squeue until no task of array job `job_id` is pending or running; scancel it if interrupted
+    (what ran where is the scheduler's record, read after: `scheduler_records`)."""
     started = time.monotonic()
-    nodes: set[str] = set()
     try:
         while True:
-            done = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T %N"], capture_output=True, text=True,
+            done = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T"], capture_output=True, text=True,
                                   check=False)
             if done.returncode != 0:
                 if "Invalid job id" in done.stderr:  # finished and already purged from slurmctld
-                    return sorted(nodes)
+                    return
                 raise ExecutorError(f"squeue -j {job_id} failed (exit {done.returncode}): {done.stderr.strip()}")
             if not done.stdout.strip():
-                return sorted(nodes)
-            nodes |= {fields[1] for fields in map(str.split, done.stdout.splitlines()) if len(fields) > 1}
+                return
             time.sleep(min(max(_POLL_FRACTION * (time.monotonic() - started), _POLL_MIN_S), _POLL_MAX_S))
     except BaseException:
         subprocess.run(["scancel", job_id], capture_output=True, check=False)
@@ -473,21 +578,28 @@ def _unfinished_message(executor: PipelineExecutor, logging_dir: Path, settings:
     slurm_logs = _slurm_logs(executor, logging_dir) if settings.kind == "slurm" else {}
     for rank in ranks:
         task_log = logging_dir / "logs" / f"task_{rank:05d}.log"
-        logs = [task_log] + ([slurm_logs[rank]] if rank in slurm_logs else [])
+        logs = [task_log] + ([slurm_logs[rank][0]] if rank in slurm_logs else [])
         lines.append(f"  rank {rank}: log {' and Slurm output '.join(map(str, logs))}")
+        if rank in slurm_logs and slurm_logs[rank][1] is not None:  # how the scheduler saw its task end
+            lines.append(f"    Slurm job {executor.job_id} {task_line(slurm_logs[rank][1])}")
         ends = [(log, next((line.strip() for line in reversed(_lines(log)) if line.strip()), "")) for log in logs]
         lines += [f"    {log.name} ends: {end}" for log, end in ends if end] or ["    the rank never started"]
     return "\n".join(lines)
 
 
-def _slurm_logs(executor: SlurmPipelineExecutor, logging_dir: Path) -> dict[int, Path]:
-    """Each rank's Slurm output file (`%A_%a.out`: array index = position in ranks_to_run // tasks_per_job)."""
+def _slurm_logs(executor: SlurmPipelineExecutor, logging_dir: Path) -> dict[int, tuple[Path, dict[str, Any] | None]]:
+    """Each rank's Slurm output file (`%A_%a.out`: array index = position in ranks_to_run // tasks_per_job)
+    and its array task as the scheduler recorded it (None if the journal has no record of it)."""
     ranks_file = logging_dir / "ranks_to_run.json"
     if not ranks_file.is_file() or executor.job_id in (None, -1):
         return {}
     ranks = json.loads(ranks_file.read_text())
     folder = Path(executor.slurm_logs_folder)
-    return {rank: folder / f"{executor.job_id}_{i // executor.tasks_per_job}.out" for i, rank in enumerate(ranks)}
+    job = next((j for j in (executor.journal.jobs() if executor.journal else []) if j["job_id"] == str(executor.job_id)),
+               None)
+    tasks = {t["task"]: t for t in (job or {}).get("tasks") or []}
+    return {rank: (folder / f"{executor.job_id}_{i // executor.tasks_per_job}.out",
+                   tasks.get(str(i // executor.tasks_per_job))) for i, rank in enumerate(ranks)}
 
 
 def _lines(path: Path) -> list[str]:

@@ -10,8 +10,10 @@ exactly after normalisation: `GPL-2.0-only` allowed does not allow `GPL-2.0-or-l
 
 Package indexes write licence *names*: PyPI's trove classifiers (`License :: OSI Approved :: MIT
 License`) and the `License` field (`Apache License, Version 2.0`, `PSFL`). A whole string that is
-one of the common names maps to its SPDX id (`_INDEX_NAMES`); a name that does not say which licence
-it is (`Apache Software License` without a version, `GPL` alone) stays unknown.
+one of the common names maps to its SPDX id (`_INDEX_NAMES`), whatever its case, commas, British
+spelling (`MIT Licence`), leading `The` or the classifier prefix (`The MIT License (MIT)`). PyPI's
+`Apache Software License` classifier maps to Apache-2.0 (see `_INDEX_NAMES`); a name that does not
+say which licence it is (`Other/Proprietary License`, `Freely Distributable`) stays unknown.
 
 A string that does not parse, or names a licence the SPDX index does not know (and is no
 `LicenseRef-`), is *unknown*: the collect stage removes such records with the reason and lists
@@ -41,13 +43,23 @@ _DEBIAN_ALIASES = {
     "perl": "(Artistic-1.0-Perl OR GPL-1.0-or-later)",  # DEP-5 defines "Perl" as this choice
 }
 # Licence names as package indexes write them (trove classifiers without their `License :: ... ::` prefix,
-# PyPI's License field), lowercased, commas dropped, spaces collapsed (`_index_key`) -> SPDX.
+# PyPI's License field), lowercased, commas dropped, `licence` spelt `license`, a leading `the` dropped,
+# spaces collapsed (`_index_key`) -> SPDX.
 _INDEX_NAMES = {
-    **dict.fromkeys(["mit license", "the mit license", "mit license (mit)", "expat license"], "MIT"),
+    **dict.fromkeys(["mit license", "mit license (mit)", "mit (mit license)", "expat license",
+                     "mit license (expat)", "mit/expat license"], "MIT"),
     "mit no attribution license (mit-0)": "MIT-0",
     **dict.fromkeys(["apache license version 2.0", "apache license 2.0", "apache license v2.0", "apache license v2",
                      "apache 2.0", "apache 2", "apache2", "apache-2", "apache software license 2.0",
-                     "apache software license version 2.0", "apache license (2.0)", "asl 2.0", "al2"], "Apache-2.0"),
+                     "apache software license version 2.0", "apache license (2.0)", "asl 2.0", "al2",
+                     "apache license version 2.0 (apache-2.0)", "apache software license (apache-2.0)",
+                     "apache software license (apache license 2.0)"], "Apache-2.0"),
+    # PyPI's only Apache classifier, `License :: OSI Approved :: Apache Software License`, names no version.
+    # It is read as Apache-2.0: the ASF has published no other licence since 2004 (1.0 and 1.1 are retired,
+    # and the classifier list never had a versioned Apache entry to choose instead), so the packages that
+    # carry it are, with rare exceptions, Apache-2.0 ones, and leaving it unknown removed every one of them.
+    # licence_as_written keeps the classifier, so a compliance review can still see what the record said.
+    "apache software license": "Apache-2.0",
     # The classifier does not say which BSD licence; BSD-3-Clause's terms include BSD-2-Clause's, so a
     # use that complies with it complies with either. licence_as_written keeps what the record said.
     **dict.fromkeys(["bsd license", "bsd", "new bsd license", "modified bsd license", "revised bsd license",
@@ -72,7 +84,7 @@ _INDEX_NAMES = {
     **dict.fromkeys(["gnu lesser general public license v3 or later (lgplv3+)", "lgplv3+"], "LGPL-3.0-or-later"),
     **dict.fromkeys(["gnu affero general public license v3", "agplv3"], "AGPL-3.0-only"),
     **dict.fromkeys(["gnu affero general public license v3 or later (agplv3+)", "agplv3+"], "AGPL-3.0-or-later"),
-    **dict.fromkeys(["the unlicense (unlicense)", "the unlicense"], "Unlicense"),
+    **dict.fromkeys(["unlicense (unlicense)", "unlicense"], "Unlicense"),
     **dict.fromkeys(["zlib/libpng license", "zlib license"], "Zlib"),
     **dict.fromkeys(["eclipse public license 2.0 (epl-2.0)", "eclipse public license 2.0"], "EPL-2.0"),
     **dict.fromkeys(["eclipse public license 1.0 (epl-1.0)", "eclipse public license 1.0"], "EPL-1.0"),
@@ -199,8 +211,13 @@ def _status(node, allowed: frozenset[str]) -> Status:
     return next(status for status in winner if status in statuses)
 
 
+_BRITISH = re.compile(r"\blicence\b")
+
+
 def _index_key(text: str) -> str:
-    return " ".join(_CLASSIFIER_PREFIX.sub("", text).lower().replace(",", " ").split())
+    """`text` as `_INDEX_NAMES` spells it: `The MIT Licence (MIT)` -> `mit license (mit)`."""
+    key = " ".join(_BRITISH.sub("license", _CLASSIFIER_PREFIX.sub("", text).lower()).replace(",", " ").split())
+    return key.removeprefix("the ")
 
 
 def _expression(raw: str):

@@ -33,7 +33,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from kiln.tasks.accounting import DocCounts
 from kiln.tasks.configbase import Section, runtime_field
-from kiln.tasks.constants import EOS_TOKEN, SHARDS_FILE, TOKENIZER_FILE
+from kiln.tasks.constants import DOC_INDEX_SUFFIX, EOS_TOKEN, SHARDS_FILE, TOKENIZER_FILE
 from kiln.tasks.data.dedup import quality_score
 from kiln.tasks.data.documents import Document, read_documents
 from kiln.tasks.data.executors import LOCAL, RANKS_DIR, ExecutorSettings, ShardRun, map_shards, rank_ledger
@@ -181,7 +181,7 @@ class _Encode:
         splits = {}
         for (domain, split), target in sorted(files.items()):
             target.handle.close()
-            index_rel = target.rel.with_suffix(".docs.npy")
+            index_rel = target.rel.with_suffix(DOC_INDEX_SUFFIX)
             np.save(self.out_dir / index_rel, np.array(target.index, dtype=DOC_INDEX_DTYPE))
             splits.setdefault(domain, {})[split] = {"path": target.rel.as_posix(), "index": index_rel.as_posix(),
                                                     "num_tokens": target.num_tokens, "num_docs": target.num_docs}

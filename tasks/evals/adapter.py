@@ -9,6 +9,7 @@ model_dir=...,tokenizer=...`) the lm-eval CLI can load a Kiln checkpoint by path
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +28,7 @@ DEFAULT_MAX_GEN_TOKS = 256
 
 @register_model("kiln")
 class KilnLM(LM):
-    """A Kiln model and tokenizer behind lm-eval's `LM` interface (greedy, CPU, no grad)."""
+    """A Kiln model and tokenizer behind lm-eval's `LM` interface (greedy unless a task samples, CPU, no grad)."""
 
     def __init__(
         self,
@@ -180,12 +181,20 @@ class KilnLM(LM):
         if isinstance(until, str):
             until = [until]
         max_gen_toks = int(gen_kwargs.pop("max_gen_toks", DEFAULT_MAX_GEN_TOKS))
+        # Sampling (do_sample, temperature) draws from a generator seeded by the context, so a rerun
+        # samples the same continuation; otherwise greedy.
+        temperature = float(gen_kwargs.pop("temperature", 1.0)) if gen_kwargs.pop("do_sample", False) else 0.0
+        generator = torch.Generator().manual_seed(int.from_bytes(hashlib.sha256(context.encode()).digest()[:8], "little"))
         tokens = self.encode(context) or [self.eos_id]
         generated: list[int] = []
         text = ""
         for _ in range(max_gen_toks):
             logits = self.model(torch.tensor([tokens[-self.max_length :]], dtype=torch.long))
-            next_id = int(logits[0, -1].argmax())
+            if temperature > 0:
+                probs = F.softmax(logits[0, -1].float() / temperature, dim=-1)
+                next_id = int(torch.multinomial(probs, 1, generator=generator))
+            else:
+                next_id = int(logits[0, -1].argmax())
             if next_id == self.eos_id:
                 break
             tokens.append(next_id)

@@ -37,14 +37,14 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import BeforeValidator, Field
 
 from kiln.tasks.configbase import Section, runtime_field
 from kiln.tasks.errors import InputError
-from kiln.tasks.evals.evaluate import RESULTS_FILE, EvaluateConfig, eval_paths_of, evaluate_model
-from kiln.tasks.evals.suite import build_local_suite, online_task_versions, primary_metric
+from kiln.tasks.evals.evaluate import RESULTS_FILE, EvaluateConfig, evaluate_model, suite_tasks
+from kiln.tasks.evals.suite import online_task_versions, primary_metric
 from kiln.tasks.keylock import KeyLock
 from kiln.tasks.library_output import LIBRARY_LOG
 from kiln.tasks.store import Store, stage_key
@@ -94,6 +94,11 @@ class ContinuousEvalConfig(Section):
     after_run: bool = runtime_field(True)
     # Documents per eval task, to keep scoring cheap beside training; None: evaluate.limit.
     limit: int | None = Field(None, gt=0)
+    # The levels of the suite's tasks scored on checkpoints (those of evaluate.suite.levels among them):
+    # proxy and mid are likelihood scores, a batch of forward passes per item; production tasks generate
+    # (a forward pass per token) and execute, and are left to the evaluate stage. Which tasks are scored
+    # changes no score, so it is not in the eval key.
+    levels: list[Literal["proxy", "mid", "production"]] = runtime_field(["proxy", "mid"])
     # A task's main score (normalised accuracy, exact match, bits per byte) regresses when it is worse than
     # its best so far by more than this many standard errors of the difference (lm-eval's, at the number of
     # items scored; never less than one item); the Prefect event `kiln.eval.regression` marks where it
@@ -158,7 +163,9 @@ def eval_target(ce: ContinuousEvalConfig, evaluate: EvaluateConfig, *, stage: st
     """The target for the checkpoints of `stage` at `key`, scored with the settings of `evaluate`
     (`continuous_eval.every` is a multiple of `checkpoint_every`: the config checks it when it loads)."""
     every = ce.every or checkpoint_every
-    evaluate = evaluate.model_copy(update={"limit": ce.limit or evaluate.limit})
+    levels = [level for level in evaluate.suite.levels if level in ce.levels]
+    evaluate = evaluate.model_copy(update={"limit": ce.limit or evaluate.limit,
+                                           "suite": evaluate.suite.model_copy(update={"levels": levels})})
     # The task set and each task's content are in the task versions the rows carry, not in the key.
     eval_key = stage_key("continuous_eval", {"limit": evaluate.limit}, {stage: key}, FORMAT_VERSION)
     return EvalTarget(stage=stage, stage_key=key, eval_key=eval_key, every=every, evaluate=evaluate,
@@ -230,9 +237,7 @@ def _scoring_locks(target: EvalTarget, step: int, versions: Mapping[str, str]) -
 def suite_versions(evaluate: EvaluateConfig) -> dict[str, str]:
     """Every configured task and its current version, without evaluating: the local tasks are built in
     a temporary folder (cheap); the versions of lm-eval's own tasks come from its task index."""
-    with tempfile.TemporaryDirectory(prefix="kiln-suite-") as tmp:
-        suite, _ = build_local_suite(eval_paths_of(evaluate), Path(tmp), evaluate.choice, evaluate.lines)
-    versions = {task.name: task.version for task in suite}
+    versions = {task.name: task.version for task in suite_tasks(evaluate)}
     online = evaluate.online_tasks()
     if online:
         versions.update(online_task_versions(online))

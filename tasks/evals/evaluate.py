@@ -30,7 +30,15 @@ from kiln.tasks.bundled import locate
 from kiln.tasks.configbase import Section, runtime_field
 from kiln.tasks.errors import ConfigError, InputError
 from kiln.tasks.evals.heldout_task import HF_CACHE_DIR, task_name_for
-from kiln.tasks.evals.suite import STANDARD_SUITE, ChoiceTaskConfig, LinesTaskConfig, LocalTask, build_local_suite
+from kiln.tasks.evals.categories import SuiteConfig, TokenView, build_category_suite
+from kiln.tasks.evals.suite import (
+    STANDARD_SUITE,
+    ChoiceTaskConfig,
+    LinesTaskConfig,
+    LocalTask,
+    build_local_suite,
+    primary_metric,
+)
 from kiln.tasks.library_output import LIBRARY_LOG, library_output_to
 
 if TYPE_CHECKING:
@@ -53,6 +61,9 @@ class EvaluateConfig(Section):
     eval_files: list[str] = ["data/evals/heldout.jsonl", "data/evals/heldout_code.jsonl"]
     choice: ChoiceTaskConfig = ChoiceTaskConfig()
     lines: LinesTaskConfig = LinesTaskConfig()
+    # The bundled category tasks (reasoning, coding, multilingual, long_context, safety) and the levels
+    # (proxy, mid, production) of every task: `tasks.evals.categories`.
+    suite: SuiteConfig = SuiteConfig()
     # lm-eval's standard suite (hellaswag, arc_easy, arc_challenge, piqa, winogrande, lambada_openai,
     # mmlu): data from the Hugging Face hub, so online only; decontamination then indexes it too.
     standard_suite: bool = False
@@ -78,6 +89,8 @@ class Contamination:
         """A local task's rate over its first `num_items` items (those evaluated); an online task's as reported."""
         if isinstance(task, str):
             return self.rates.get(task)
+        if task.eval_file is None:
+            return None  # generated items: exempt
         ids = self.contaminated_ids.get(task_name_for(task.eval_file))
         if ids is None:
             return None
@@ -143,7 +156,7 @@ def evaluate_lm(
 
     eval_paths = eval_paths_of(cfg) if eval_paths is None else eval_paths
     task_dir = out_dir / TASKS_DIR
-    suite, skipped = build_local_suite(eval_paths, task_dir, cfg.choice, cfg.lines)
+    suite, skipped = build_suite(cfg, eval_paths, task_dir, token_view(lm))
     for name, reason in skipped.items():
         log.warning("eval task %s not built: %s", name, reason)
     online = cfg.online_tasks()
@@ -160,10 +173,13 @@ def evaluate_lm(
             raise ConfigError(f"evaluate.extra_tasks: {unknown} are not lm-eval tasks; see `lm_eval ls tasks`")
         require_hub(online)
         results = _run_lm_eval(lm, task_manager, names, cfg.limit)
+    samples = results.pop("samples", {})
     # The dataset cache is a copy of the documents already beside the task files.
     shutil.rmtree(task_dir / HF_CACHE_DIR, ignore_errors=True)
     kept = {key: results[key] for key in _DETERMINISTIC_KEYS if key in results}
-    kept["kiln_tasks"] = {task.name: {"kind": task.kind, "eval_file": str(task.eval_file), "num_items": len(task.source_ids)}
+    kept["kiln_tasks"] = {task.name: {"kind": task.kind, "eval_file": task.eval_file and str(task.eval_file),
+                                      "num_items": len(task.source_ids), "category": task.category, "level": task.level,
+                                      "exempt": task.eval_file is None}
                           for task in suite}
     kept["kiln_skipped_tasks"] = skipped
     rates: dict[str, float] = {}
@@ -174,8 +190,13 @@ def evaluate_lm(
                 rates[task.name] = rate
         rates.update({name: contamination.rates[name] for name in online if name in contamination.rates})
         kept["contamination_rates"] = rates
+    kept["kiln_item_scores"] = {task.name: item_scores(task, samples.get(task.name, []), kept, contamination)
+                                for task in suite if task.name in samples}
     (out_dir / RESULTS_FILE).write_text(json.dumps(_json_safe(kept), indent=2, sort_keys=True), encoding="utf-8")
     flat = flatten_results(kept)
+    for task, item in kept["kiln_item_scores"].items():
+        for group, summary in item.get("groups", {}).items():
+            flat[f"{task}[{group}]/{item['metric']}"] = float(summary["score"])
     for task, rate in rates.items():
         flat[f"{task}/contamination_rate"] = float(rate)
     return flat
@@ -184,10 +205,92 @@ def evaluate_lm(
 def suite_task_names(cfg: EvaluateConfig) -> list[str]:
     """The task names `evaluate_lm` computes for `cfg`, without a model: which local tasks exist depends
     on the items their builders draw, so the suite is built, into a temporary folder."""
-    eval_paths = eval_paths_of(cfg)
+    return [task.name for task in suite_tasks(cfg)] + cfg.online_tasks()
+
+
+def suite_tasks(cfg: EvaluateConfig) -> list[LocalTask]:
+    """The local tasks of `cfg` with their versions, without a model (the held-out files' are built in a
+    temporary folder; the category tasks are listed)."""
     with tempfile.TemporaryDirectory(prefix="kiln-suite-") as task_dir:
-        suite, _ = build_local_suite(eval_paths, Path(task_dir), cfg.choice, cfg.lines)
-    return [task.name for task in suite] + cfg.online_tasks()
+        held_out, _ = build_local_suite(eval_paths_of(cfg), Path(task_dir), cfg.choice, cfg.lines)
+    return [t for t in held_out if t.level in cfg.suite.levels] + build_category_suite(cfg.suite, None, None)[0]
+
+
+def build_suite(cfg: EvaluateConfig, eval_paths: Sequence[Path], task_dir: Path, view: TokenView | None
+                ) -> tuple[list[LocalTask], dict[str, str]]:
+    """Every local task of `cfg` written into `task_dir`: the held-out files' and the bundled categories', at
+    the configured levels; and the tasks not built, with the reason."""
+    suite, skipped = build_local_suite(eval_paths, task_dir, cfg.choice, cfg.lines)
+    suite = [t for t in suite if t.level in cfg.suite.levels]
+    categories, not_built = build_category_suite(cfg.suite, task_dir, view)
+    return suite + categories, {**skipped, **not_built}
+
+
+def token_view(lm: LM) -> TokenView | None:
+    """The model's tokenizer and context length, where the `LM` is Kiln's (the generated tasks need them)."""
+    tokenizer, max_len = getattr(lm, "tokenizer", None), getattr(lm, "max_length", None)
+    if tokenizer is None or not isinstance(max_len, int):
+        return None
+    return TokenView(lambda text: tokenizer.encode(text, add_special_tokens=False).ids, tokenizer.decode, max_len)
+
+
+def item_scores(task: LocalTask, samples: Sequence[dict[str, Any]], results: dict[str, Any],
+                contamination: Contamination | None) -> dict[str, Any]:
+    """The task's main metric item by item, with a bootstrap 95% interval, and the score on the items not
+    found in the training data (`clean_score`; the score itself when nothing was found or the task is exempt)."""
+    metrics = [key.split(",", 1)[0] for key in results["results"].get(task.name, {})]
+    metric = primary_metric(metrics)
+    if metric is None or not samples:
+        return {}
+    ordered = sorted(samples, key=lambda s: s["doc_id"])
+    values = [s[metric] for s in ordered]
+    ids = [task.source_ids[s["doc_id"]] for s in ordered]
+    contaminated = set() if contamination is None or task.eval_file is None else \
+        contamination.contaminated_ids.get(task_name_for(task.eval_file), set())
+    out = _summary(values, [i not in contaminated for i in ids], metric)
+    out["chance"] = chance(task, ordered)
+    if any(task.groups):
+        groups = [task.groups[s["doc_id"]] for s in ordered]
+        out["groups"] = {g: _summary([v for v, h in zip(values, groups, strict=True) if h == g],
+                                     [i not in contaminated for i, h in zip(ids, groups, strict=True) if h == g], metric)
+                         for g in dict.fromkeys(groups)}
+    return {"metric": metric, **out}
+
+
+def chance(task: LocalTask, samples: Sequence[dict[str, Any]]) -> float | None:
+    """The score of guessing: one over the number of choices (a choice task), 0 (exact match, pass@1), or
+    None where there is no such level (bits per byte; a bias or toxicity share, whose ideal is not a guess)."""
+    if task.kind in ("choice",):
+        return sum(1 / len(s["doc"]["choices"]) for s in samples) / len(samples)
+    return 0.0 if task.kind in ("lines", "code_execution", "passkey_generation") else None
+
+
+def _summary(values: Sequence[Any], clean_flags: Sequence[bool], metric: str) -> dict[str, Any]:
+    clean = [v for v, ok in zip(values, clean_flags, strict=True) if ok]
+    low, high = bootstrap_interval(values, metric)
+    return {"score": aggregate(values, metric), "ci_low": low, "ci_high": high, "num_items": len(values),
+            "num_clean": len(clean), "clean_score": aggregate(clean, metric) if clean else None}
+
+
+def aggregate(values: Sequence[Any], metric: str) -> float:
+    """A metric over items as lm-eval aggregates it: bits per byte from (log-likelihood, bytes) pairs, else the mean."""
+    if metric == "bits_per_byte":
+        return -sum(v[0] for v in values) / sum(v[1] for v in values) / math.log(2)
+    return sum(float(v) for v in values) / len(values)
+
+
+def bootstrap_interval(values: Sequence[Any], metric: str, resamples: int = 1000) -> tuple[float, float]:
+    """The 2.5th and 97.5th percentiles of the metric over resampled items (seeded: reruns agree)."""
+    import numpy as np  # defers numpy
+
+    rng = np.random.default_rng(0)
+    picks = rng.integers(0, len(values), size=(resamples, len(values)))
+    if metric == "bits_per_byte":
+        pairs = np.array([[v[0], v[1]] for v in values], dtype=float)
+        stats = -pairs[picks, 0].sum(1) / pairs[picks, 1].sum(1) / math.log(2)
+    else:
+        stats = np.array([float(v) for v in values])[picks].mean(1)
+    return float(np.percentile(stats, 2.5)), float(np.percentile(stats, 97.5))
 
 
 def check_wanted_tasks(tasks: Collection[str] | None, names: Sequence[str]) -> None:
@@ -204,7 +307,7 @@ def _run_lm_eval(lm: LM, task_manager: Any, names: list[str], limit: int | None)
     continuous eval scores checkpoints one call each."""
     import random
 
-    import numpy as np
+    import numpy as np  # defers numpy
     import torch
     from lm_eval.defaults import DEFAULT_OTHER_SEED, DEFAULT_RANDOM_SEED
     from lm_eval.evaluator import evaluate
@@ -217,7 +320,8 @@ def _run_lm_eval(lm: LM, task_manager: Any, names: list[str], limit: int | None)
         if task.get_config("num_fewshot") is None:
             task.set_config(key="num_fewshot", value=0)
         task.set_fewshot_seed(seed=DEFAULT_OTHER_SEED)
-    results = evaluate(lm=lm, task_dict=loaded, limit=limit, log_samples=False)
+    # Samples: each item's score, for the interval and the clean-items score (`item_scores`).
+    results = evaluate(lm=lm, task_dict=loaded, limit=limit, log_samples=True)
     assert results is not None, "a single-process evaluation returns its results"
     return results
 

@@ -1,15 +1,22 @@
-"""The evaluate report: one table of every task's scores for every evaluated model.
+"""The evaluate report: every task's scores for every evaluated model, a table per category.
 
 A row is one score of one task (bits per byte, accuracy, ...); columns give the task's version,
 its contamination rate, the number of items scored, each model's score and each later model's
 change against the baseline (the trained model, so `anneal − train` is what annealing did; an
 ablation branch gets its own column and change). Written as Markdown (the stage publishes it as a
 Prefect artifact) and as JSON in MLflow's table format (`mlflow.load_table` reads it).
+
+Each row also says where the task sits (`category`, `level`), the baseline's main score with its
+bootstrap 95% interval (`score`, `ci_low`, `ci_high`), its score on the items not found in the training
+data (`clean_score`; generated tasks are exempt) and whether it can be trusted (`snr`, `trusted`, and the
+reasons when not: `tasks.evals.trust`). A grouped task (a language, a passkey length, a position bucket)
+adds a row per group under its main metric.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -33,9 +40,13 @@ def _scores(task_results: Mapping[str, Any]) -> dict[str, float]:
     return scores
 
 
-def report_rows(results: Mapping[str, Mapping[str, Any]], baseline: str) -> list[dict[str, Any]]:
-    """One row per (task, score) over every model's `results.json`; `baseline` is the model others are compared to."""
+def report_rows(results: Mapping[str, Mapping[str, Any]], baseline: str,
+                trust: Mapping[str, Mapping[str, Any]] | None = None) -> list[dict[str, Any]]:
+    """One row per (task, score) over every model's `results.json`; `baseline` is the model others are
+    compared to; `trust`: each task's verdict (`trust.Verdict.to_json`)."""
     assert baseline in results, f"the baseline {baseline!r} has no results"
+    info = results[baseline].get("kiln_tasks", {})
+    items = {name: r.get("kiln_item_scores", {}) for name, r in results.items()}
     later = [name for name in results if name != baseline]
     tasks = list(dict.fromkeys(task for r in results.values() for task in r["results"]))
     rows = []
@@ -60,8 +71,38 @@ def report_rows(results: Mapping[str, Mapping[str, Any]], baseline: str) -> list
                 value = per_model[name].get(metric)
                 row[name] = value
                 row[f"{name} - {baseline}"] = value - base if value is not None and base is not None else None
+            main = items[baseline].get(task, {})
+            _add_details(row, info.get(task, {}), main if main.get("metric") == metric else {},
+                         (trust or {}).get(task))
             rows.append(row)
+            for group in main.get("groups", {}) if main.get("metric") == metric else ():
+                grouped = dict(row, task=f"{task}[{group}]")
+                for name in results:
+                    g = items[name].get(task, {}).get("groups", {}).get(group)
+                    grouped[name] = g["score"] if g else None
+                    if name != baseline:
+                        base_g = grouped[baseline]
+                        grouped[f"{name} - {baseline}"] = (grouped[name] - base_g if grouped[name] is not None
+                                                           and base_g is not None else None)
+                _add_details(grouped, info.get(task, {}), main["groups"][group], (trust or {}).get(task))
+                grouped["num_items"] = main["groups"][group]["num_items"]
+                rows.append(grouped)
     return rows
+
+
+def _add_details(row: dict[str, Any], info: Mapping[str, Any], main: Mapping[str, Any],
+                 verdict: Mapping[str, Any] | None) -> None:
+    """Where the task sits, the main score's interval and clean score, and the task's trust verdict."""
+    row["category"] = info.get("category", "general")
+    row["level"] = info.get("level")
+    row["score"] = main.get("score")
+    row["ci_low"], row["ci_high"] = main.get("ci_low"), main.get("ci_high")
+    row["clean_score"] = main.get("clean_score")
+    row["exempt"] = info.get("exempt", False)
+    snr = None if verdict is None else verdict.get("snr")
+    row["snr"] = snr if snr is None or math.isfinite(snr) else None  # no noise at all: JSON has no infinity
+    row["trusted"] = None if verdict is None else verdict["trusted"]
+    row["trust_reasons"] = None if verdict is None else "; ".join(verdict["reasons"]) or None
 
 
 def _cell(value: Any, digits: int = 4) -> str:
@@ -83,37 +124,51 @@ def _change(value: float | None, higher_is_better: bool | None) -> str:
 def report_markdown(rows: Sequence[Mapping[str, Any]], models: Sequence[str], baseline: str,
                     skipped: Mapping[str, str] | None = None) -> str:
     later = [m for m in models if m != baseline]
-    header = ["task", "metric", "version", "contamination", "items", baseline]
+    header = ["task", "level", "metric", "version", "contamination", "items", baseline, "95% CI", "clean", "SNR", "trusted"]
     for name in later:
         header += [name, f"{name} − {baseline}"]
     lines = [
         "# Evaluation",
         "",
-        f"Scores of each model on each task. `{baseline}` is the baseline; `X − {baseline}` is the change model X "
-        f"makes (annealing, for `anneal`; a short anneal on candidate mixture NAME, for `ablation/NAME`). "
-        "↑: higher is better, ↓: lower is better. Contamination: the share of the "
-        "task's scored items drawn from eval documents that share an n-gram with the training data.",
-        "",
-        "| " + " | ".join(header) + " |",
-        "|" + "|".join(["---"] * 3 + ["---:"] * (len(header) - 3)) + "|",
+        f"Scores of each model on each task, a table per category. `{baseline}` is the baseline; `X − {baseline}` is "
+        f"the change model X makes (annealing, for `anneal`; a short anneal on candidate mixture NAME, for `ablation/NAME`). "
+        "↑: higher is better, ↓: lower is better. Level: proxy (bits per byte of the gold text), mid (multiple "
+        "choice), production (generated or executed). Contamination: the share of the task's scored items drawn "
+        "from eval documents that share an n-gram with the training data; clean: the score on the other items "
+        "(exempt: generated items, never in any training data). 95% CI: bootstrap over the items. Trusted: the "
+        "task's SNR, monotonicity over training and margin above random meet its level's thresholds "
+        "(evaluate.trust); an untrusted task stays here and says why below its table.",
     ]
-    for row in rows:
-        arrow = {True: " ↑", False: " ↓"}.get(row["higher_is_better"], "")
-        rate = row["contamination_rate"]
-        cells = [row["task"], f"{row['metric']}{arrow}", row["version"] or "–",
-                 "–" if rate is None else f"{rate:.1%}", _cell(row["num_items"]), _cell(row[baseline])]
-        for name in later:
-            cells += [_cell(row[name]), _change(row[f"{name} - {baseline}"], row["higher_is_better"])]
-        lines.append("| " + " | ".join(str(c) for c in cells) + " |")
+    for category in dict.fromkeys(row.get("category", "general") for row in rows):
+        chosen = [row for row in rows if row.get("category", "general") == category]
+        lines += ["", f"## {category}", "", "| " + " | ".join(header) + " |",
+                  "|" + "|".join(["---"] * 4 + ["---:"] * (len(header) - 4)) + "|"]
+        for row in chosen:
+            arrow = {True: " ↑", False: " ↓"}.get(row["higher_is_better"], "")
+            rate = row["contamination_rate"]
+            interval = "–" if row.get("ci_low") is None else f"{row['ci_low']:.3f}–{row['ci_high']:.3f}"
+            clean = "exempt" if row.get("exempt") else _cell(row.get("clean_score"))
+            trusted = {True: "yes", False: "no", None: "–"}[row.get("trusted")]
+            cells = [row["task"], row.get("level") or "–", f"{row['metric']}{arrow}", row["version"] or "–",
+                     "–" if rate is None else f"{rate:.1%}", _cell(row["num_items"]), _cell(row[baseline]),
+                     interval, clean, _cell(row.get("snr"), 2), trusted]
+            for name in later:
+                cells += [_cell(row[name]), _change(row[f"{name} - {baseline}"], row["higher_is_better"])]
+            lines.append("| " + " | ".join(str(c) for c in cells) + " |")
+        reasons = dict.fromkeys((row["task"].split("[")[0], row["trust_reasons"]) for row in chosen
+                                if row.get("trust_reasons"))
+        if reasons:
+            lines += ["", "Not trusted:", ""] + [f"- `{task}`: {why}" for task, why in reasons]
     if skipped:
-        lines += ["", "Tasks not built from these eval files:", ""]
+        lines += ["", "Tasks not built:", ""]
         lines += [f"- `{name}`: {reason}" for name, reason in skipped.items()]
     return "\n".join(lines) + "\n"
 
 
-def write_report(out_dir: Path, results: Mapping[str, Mapping[str, Any]], baseline: str) -> list[dict[str, Any]]:
+def write_report(out_dir: Path, results: Mapping[str, Mapping[str, Any]], baseline: str,
+                 trust: Mapping[str, Mapping[str, Any]] | None = None) -> list[dict[str, Any]]:
     """Write `report.md` and `eval_table.json` (MLflow's split-orient table) into `out_dir`; returns the rows."""
-    rows = report_rows(results, baseline)
+    rows = report_rows(results, baseline, trust)
     skipped = {name: reason for r in results.values() for name, reason in r.get("kiln_skipped_tasks", {}).items()}
     (out_dir / REPORT_FILE).write_text(report_markdown(rows, list(results), baseline, skipped), encoding="utf-8")
     columns = list(dict.fromkeys(key for row in rows for key in row))

@@ -27,7 +27,7 @@ import json
 import random
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -50,7 +50,8 @@ STANDARD_SUITE = ("hellaswag", "arc_easy", "arc_challenge", "piqa", "winogrande"
 CHOICE_VERSION = 1  # bump when a builder's definition changes
 LINES_VERSION = 1
 # The score each kind of task is followed by (the ECG's curve, the regression check), best first.
-PRIMARY_METRICS = {"acc_norm": True, "acc": True, "exact_match": True, "bits_per_byte": False}  # -> higher is better
+PRIMARY_METRICS = {"acc_norm": True, "acc": True, "exact_match": True, "pass_at_1": True, "bits_per_byte": False,
+                   "stereotype_preference": False, "toxic_share": False}  # -> higher is better
 _MAX_TARGET_CHARS = 60  # a line's rest longer than this is not one completion a small model can be judged on
 _MIN_TARGET_CHARS = 3
 
@@ -77,15 +78,26 @@ class LinesTaskConfig(Section):
     max_gen_toks: int = Field(24, ge=1)
 
 
+CATEGORIES = ("reasoning", "coding", "multilingual", "long_context", "safety", "general")
+LEVELS = ("proxy", "mid", "production")
+# A held-out file's tasks, by kind: bits per byte is a continuous metric (proxy), the continuation choice
+# is multiple choice (mid), line completion is generative (production).
+_LEVEL_OF_KIND = {"bits_per_byte": "proxy", "choice": "mid", "lines": "production"}
+
+
 @dataclass(frozen=True)
 class LocalTask:
-    """One task written into the task folder: its lm-eval name, kind, version and item sources."""
+    """One task written into the task folder: its lm-eval name, kind, version and item sources, and where
+    it sits in the suite: its category (`CATEGORIES`) and level (`LEVELS`)."""
 
     name: str
-    kind: str  # "bits_per_byte", "choice" or "lines"
-    eval_file: Path
+    kind: str  # "bits_per_byte", "choice", "lines", or a category task's kind (`tasks.evals.categories`)
+    eval_file: Path | None  # None: generated items (passkey), exempt from decontamination
     version: str
     source_ids: tuple[str, ...]  # the eval document of each item, in item order
+    category: str = "general"
+    level: str = "proxy"
+    groups: tuple[str, ...] = ()  # each item's group (language, passkey length, position bucket): a report row each
 
     def contamination_rate(self, contaminated_ids: set[str]) -> float:
         return sum(i in contaminated_ids for i in self.source_ids) / len(self.source_ids)
@@ -116,6 +128,7 @@ def build_local_suite(eval_paths: Sequence[Path], task_dir: Path, choice: Choice
     suite: list[LocalTask] = []
     skipped: dict[str, str] = {}
     for path in eval_paths:
+        built = len(suite)
         docs = read_eval_docs(path)
         base = task_name_for(path)
         version = _version(BITS_PER_BYTE_VERSION, [{"text": d.text} for d in docs], {})
@@ -137,6 +150,9 @@ def build_local_suite(eval_paths: Sequence[Path], task_dir: Path, choice: Choice
             else:
                 skipped[f"{base}_lines"] = ("no line of its evaluate.lines.domains documents is worth completing "
                                             f"({_MIN_TARGET_CHARS}-{_MAX_TARGET_CHARS} characters after its first word)")
+        # A file of code documents is the coding category's; any other held-out file is general.
+        category = "coding" if all(d.domain == "code" for d in docs) else "general"
+        suite[built:] = [replace(t, category=category, level=_LEVEL_OF_KIND[t.kind]) for t in suite[built:]]
     return suite, skipped
 
 

@@ -37,6 +37,9 @@ class SlurmSettings(Section):
     mem: str | None = runtime_field(None, pattern=r"^\d+[KMGT]?$")  # --mem per node (64G); 0: all of it
     constraint: str | None = runtime_field(None)  # --constraint node features, e.g. "h100&ib"
     gres: str | None = runtime_field(None)  # --gres, e.g. gpu:h100:8, instead of --gpus-per-node
+    # --cpus-per-task of every job's task: a training node's (default: one per process on a CPU-only
+    # cluster, Slurm's default with GPUs) and each data array task's (default 1: a rank is one process)
+    cpus_per_task: int | None = runtime_field(None, gt=0)
     sbatch_lines: tuple[str, ...] = runtime_field(())  # more options, each an #SBATCH line: "--reservation=big"
     container_mounts: tuple[str, ...] = runtime_field(())  # with cluster.image: pyxis --container-mounts, SRC:DST each
     modules: tuple[str, ...] = runtime_field(())  # `module load` each before srun (cuda/12.4, nccl, ...)
@@ -149,4 +152,23 @@ def where_it_ran(launch: dict[str, Any]) -> list[str]:
             resumed = record["attempts"][-1].get("time_to_resume_s")
             line += f", resumed in {resumed:.1f} s" if resumed is not None else ""
         lines.append(line)
+        lines += [f"  {line}" for attempt in record["attempts"] if "tasks" in attempt for line in _job_lines(attempt)]
     return lines
+
+
+def _job_lines(attempt: dict[str, Any]) -> list[str]:
+    """A data pipeline's Slurm job as the scheduler recorded it (`slurm_jobs.journal_launch`): its ranks,
+    whether Kiln adopted it from a driver that died, and each array task's state, node, start and end."""
+    how = " (adopted from a driver that died)" if attempt.get("adopted") else ""
+    head = f"job {attempt['job_id']}{how}, ranks {','.join(map(str, attempt['ranks']))}"
+    if not attempt["tasks"]:
+        return [f"{head}: the scheduler kept no record of it"]
+    return [f"{head}: " + "; ".join(task_line(t) for t in attempt["tasks"])]
+
+
+def task_line(task: dict[str, Any]) -> str:
+    """One array task (or job) as the scheduler recorded it: `task 1 CANCELLED on kiln-n2 16:18:12-16:18:40`."""
+    span = (f" {(task.get('start') or '?').rpartition('T')[2]}-{(task.get('end') or '?').rpartition('T')[2]}"
+            if task.get("start") else "")
+    name = f"task {task['task']}" if task.get("task") is not None else "ran"
+    return f"{name} {task['state']} on {','.join(task['nodes']) or 'no node'}{span}"

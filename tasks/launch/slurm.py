@@ -26,7 +26,6 @@ Without `sbatch` on PATH the script is written and the message says how to submi
 from __future__ import annotations
 
 import logging
-import os
 import re
 import shlex
 import subprocess
@@ -37,6 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kiln.tasks.launch.cluster import container_flags
+from kiln.tasks.launch.slurm_jobs import check_slurm_conf, submit
 from kiln.tasks.launch.launchers import (
     INFRA_DIR,
     LOG_TAIL_CHARS,
@@ -149,6 +149,7 @@ class SlurmLauncher(Launcher):
             workdir=str(self.workdir), env={**c.slurm.env, **self.env}, rdzv_port=c.rdzv_port,
             python="python" if c.image else self.python, command=command,
             torchrun=self.torchrun, slurm=c.slurm, container=self._container_flags(),
+            cpus_per_task=c.slurm.cpus_per_task or (self.nproc_per_node if c.gpus_per_node == 0 else None),
         )
 
     def _container_flags(self) -> str:
@@ -163,23 +164,14 @@ class SlurmLauncher(Launcher):
     def launch(self, command: list[str]) -> LaunchResult:
         """Submit and wait (see the module docstring); raises SlurmJobFailed when the job fails."""
         sbatch = self._client("sbatch")
-        conf = os.environ.get("SLURM_CONF")
-        if sbatch is not None and conf and not Path(conf).is_file():  # each client would retry it for 60 s
-            refused = LaunchError(f"SLURM_CONF={conf} is not a file, so sbatch cannot reach the cluster: export "
-                                  "the path of the cluster's slurm.conf (kiln slurm up prints it for a local one)")
-            refused.retryable = False
-            raise refused
+        if sbatch is not None:
+            check_slurm_conf()
         exclusion = self.plan_exclusion() if sbatch is not None else Exclusion(tuple(self.exclude_hosts()))
         path = self._write(self.filename, self.render(command, exclude=exclusion.hosts))
         if sbatch is None:
             return LaunchResult(self.name, submitted=False, rendered=path,
                                 message=f"sbatch is not on PATH: wrote {path}; submit it with `sbatch {path}`")
-        done = self._run(sbatch, "--parsable", str(path))
-        if done.returncode != 0:
-            refused = LaunchError(f"sbatch rejected {path} (exit {done.returncode}): {done.stderr.strip()}")
-            refused.retryable = False  # the same script is refused the same way: fix the cluster section
-            raise refused
-        job_id = self.job_id = done.stdout.strip().split(";")[0]
+        job_id = self.job_id = submit(path, sbatch=sbatch)  # a refusal raises SubmissionRefused: never resubmitted
         logger.info("submitted Slurm job %s (%s) from %s%s", job_id, self.job_name, path,
                     f", excluding {','.join(exclusion.hosts)}" if exclusion.hosts else "")
         log = self.log_path(job_id)

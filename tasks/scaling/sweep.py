@@ -486,6 +486,65 @@ class TrialLauncher(Protocol):
         """Train `pending`; yield each trial's final (or, after its retries, failed) result as it comes."""
 
 
+def run_trials(cfg: SweepConfig, shards: dict, shards_root: Path, subruns: SubRuns, trials: list[Trial], *,
+               where: TrialLauncher, label: str, what: str, results: dict[str, TrialResult],
+               subrun_of: Callable[[Trial], SubRun] | None = None,
+               on_trial: Callable[[TrialResult, bool], None] | None = None, log_every: int | None = None) -> None:
+    """One phase of trials of `cfg`'s proxy family, each the sub-run `subrun_of(trial)` (default
+    `trial_subrun`): complete ones are reused, the others run where `where` trains them (their
+    workers commit them); each trial's result goes into `results` under its name (one already there
+    is skipped). A failed trial's child run is marked failed and its reason recorded in its folder.
+    The sweep's phases run through it, and so do the research stage's (variant, seed) groups."""
+    subrun_of = subrun_of or trial_subrun
+    if not trials:
+        return
+    with ExitStack() as locks:  # each pending trial's sub-run lock, held until it is committed or failed
+        pending = []
+        for trial in trials:
+            if trial.name in results:
+                continue
+            lock = subruns.lock(subrun_of(trial))
+            lock.acquire()
+            reused = subruns.reuse(subrun_of(trial))
+            if reused is None:
+                locks.callback(lock.release)
+                pending.append(trial)
+                continue
+            lock.release()
+            results[trial.name] = trial_result(reused.stats)
+            if on_trial:
+                on_trial(results[trial.name], True)
+        progress = Progress(what, len(trials), "trials", done=len(trials) - len(pending))
+        started = {}
+        for trial in pending:
+            sub = subrun_of(trial)
+            _, recorder = subruns.begin(sub)
+            started[trial.name] = (sub, recorder, subruns.opened(sub, recorder))
+        pending.sort(key=lambda t: -trial_cost(t))
+        with progress:
+            try:
+                for trial, result in where.run(cfg, shards, shards_root,
+                                               [(t, started[t.name][2]) for t in pending], label):
+                    sub, recorder, run = started.pop(trial.name)
+                    record_trial(recorder, result, log_every or cfg.run.log_every)
+                    if result.status in FINAL_STATUSES:  # its worker committed it
+                        manifest = run.committed()
+                        assert manifest is not None, f"trial {trial.name} ended {result.status} uncommitted"
+                        subruns.recorded(sub, recorder, manifest, failed=not result.ok)
+                    else:
+                        run.record_failure(failure_record(result))  # the reason, for whoever opens the folder
+                        subruns.fail(recorder, result.reason or "failed")
+                    results[trial.name] = result
+                    bad = sum(r.status != "ok" for r in results.values())
+                    progress.advance(note=f"{bad} failed or diverged" if bad else "")
+                    if on_trial:
+                        on_trial(result, False)
+            except BaseException as error:  # the trials still running stop with the sweep: their child runs say so
+                for _, recorder, _ in started.values():
+                    subruns.fail(recorder, f"the sweep stopped before it finished: {type(error).__name__}: {error}")
+                raise
+
+
 def run_sweep(cfg: SweepConfig, shards: dict, shards_root: Path, subruns: SubRuns, *,
               where: TrialLauncher, mixture_folds: int = DEFAULT_FOLDS,
               on_trial: Callable[[TrialResult, bool], None] | None = None,
@@ -500,66 +559,20 @@ def run_sweep(cfg: SweepConfig, shards: dict, shards_root: Path, subruns: SubRun
     retried on its own by `where`; if it still fails it is recorded and left uncommitted, so the next
     attempt of the stage runs it again. `on_trial(result, resumed)` is called once per trial, as it
     is reused (resumed=True) or finishes. Raises `SweepFailedError` when no trial succeeded."""
-    out_dir = subruns.store.root
     results: dict[str, TrialResult] = {}
 
     def run_phase(trials: list[Trial], label: str, what: str) -> None:
-        if not trials:
-            return
-        with ExitStack() as locks:  # each pending trial's sub-run lock, held until it is committed or failed
-            pending = []
-            for trial in trials:
-                if trial.name in results:
-                    continue
-                lock = subruns.lock(trial_subrun(trial))
-                lock.acquire()
-                reused = subruns.reuse(trial_subrun(trial))
-                if reused is None:
-                    locks.callback(lock.release)
-                    pending.append(trial)
-                    continue
-                lock.release()
-                results[trial.name] = trial_result(reused.stats)
-                if on_trial:
-                    on_trial(results[trial.name], True)
-            progress = Progress(what, len(trials), "trials", done=len(trials) - len(pending))
-            started = {}
-            for trial in pending:
-                sub = trial_subrun(trial)
-                _, recorder = subruns.begin(sub)
-                started[trial.name] = (sub, recorder, subruns.opened(sub, recorder))
-            pending.sort(key=lambda t: -trial_cost(t))
-            with progress:
-                try:
-                    for trial, result in where.run(cfg, shards, shards_root,
-                                                   [(t, started[t.name][2]) for t in pending], label):
-                        sub, recorder, run = started.pop(trial.name)
-                        record_trial(recorder, result, log_every or cfg.run.log_every)
-                        if result.status in FINAL_STATUSES:  # its worker committed it
-                            manifest = run.committed()
-                            assert manifest is not None, f"trial {trial.name} ended {result.status} uncommitted"
-                            subruns.recorded(sub, recorder, manifest, failed=not result.ok)
-                        else:
-                            run.record_failure(failure_record(result))  # the reason, for whoever opens the folder
-                            subruns.fail(recorder, result.reason or "failed")
-                        results[trial.name] = result
-                        bad = sum(r.status != "ok" for r in results.values())
-                        progress.advance(note=f"{bad} failed or diverged" if bad else "")
-                        if on_trial:
-                            on_trial(result, False)
-                except BaseException as error:  # the trials still running stop with the sweep: their child runs say so
-                    for _, recorder, _ in started.values():
-                        subruns.fail(recorder, f"the sweep stopped before it finished: {type(error).__name__}: {error}")
-                    raise
+        run_trials(cfg, shards, shards_root, subruns, trials, where=where, label=label, what=what, results=results,
+                   on_trial=on_trial, log_every=log_every)
 
     first = design_trials(cfg, shards["vocab_size"], mixture_folds)
     run_phase(first, "phase1", "sweep (IsoFLOP and mixture trials)")
     second = design_hyper_trials(cfg, [results[t.name] for t in first])
     run_phase(second, "phase2", "sweep (LR x batch trials)")
     ordered = [results[t.name] for t in first + second]
-    (out_dir / TRIALS_FILE).write_text(json.dumps([asdict(r) for r in ordered], indent=2))
+    (subruns.store.root / TRIALS_FILE).write_text(json.dumps([asdict(r) for r in ordered], indent=2))
     if not succeeded(ordered):
-        raise SweepFailedError(_all_failed_message(ordered, out_dir / TRIALS_DIR))
+        raise SweepFailedError(_all_failed_message(ordered, subruns.store.root / TRIALS_DIR))
     return ordered
 
 

@@ -24,3 +24,10 @@ STAGE_MODULES = (collect, clean, dedup, decontaminate, tokenize, sweep, fit, mix
                  anneal_ablation, evaluate, export, dedup_batch)
 
 REGISTRY = Registry([module.STAGE for module in STAGE_MODULES])
+
+
+def registry_or_default(registry: Registry | None) -> Registry:
+    """`registry`, else `REGISTRY` as this module holds it now: read at each call, not bound at import,
+    so a caller that swaps the module's registry (a test's stages, an embedding tool's) is obeyed
+    by config loading, keys and the runner alike."""
+    return REGISTRY if registry is None else registry

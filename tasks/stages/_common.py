@@ -11,6 +11,8 @@ from kiln.tasks.data.executors import ExecutorSettings
 from kiln.tasks.errors import InputError
 from kiln.tasks.settings import KilnConfig
 
+SLURM_LOGS = "logs"  # in a data stage's folder: its Slurm jobs' output, scripts and journal
+
 if TYPE_CHECKING:
     from kiln.tasks.stage import StageContext
 
@@ -22,11 +24,11 @@ def document_headline(stats: dict[str, Any]) -> dict[str, Any]:
 
 def eval_file_paths(cfg: KilnConfig) -> list[Path]:
     """The configured eval files, each checked to exist (decontamination and evaluation read them)."""
-    paths = configured_eval_files(cfg)
+    paths = suite_eval_files(cfg)
     for i, path in enumerate(paths):
         if not path.is_file():
-            raise InputError(f"eval file {path} does not exist (config key evaluate.eval_files[{i}]); "
-                             "fix the path or remove the entry")
+            where = f"evaluate.eval_files[{i}]" if i < len(cfg.evaluate.eval_files) else "evaluate.suite"
+            raise InputError(f"eval file {path} does not exist (config key {where}); fix the path or remove the entry")
     return paths
 
 
@@ -36,11 +38,20 @@ def configured_eval_files(cfg: KilnConfig) -> list[Path]:
     return [locate(p) for p in cfg.evaluate.eval_files]
 
 
+def suite_eval_files(cfg: KilnConfig) -> list[Path]:
+    """Every file of the evaluate suite whose items a model is scored on: the held-out files and the bundled
+    category sets of `evaluate.suite.categories` (decontamination indexes them all; the evaluate stage's key
+    hashes them)."""
+    return [*configured_eval_files(cfg), *(locate(p) for p in cfg.evaluate.suite.files())]
+
+
 def executor_settings(ctx: StageContext) -> ExecutorSettings:
     """Where the stage's data pipelines run: `cluster.executor` and, on Slurm, what its jobs need; each
-    job's launch record goes to the stage's manifest."""
+    job's launch record goes to the stage's manifest, its output files to the stage's `logs/` (committed
+    with the stage: `logs/<job>_<task>.out`)."""
     cluster = ctx.cfg.cluster
     if cluster.executor != "slurm":  # the Slurm fields mean nothing to the other executors
         return ExecutorSettings(cluster.executor, on_job=ctx.recorder.job_launched)
     return ExecutorSettings("slurm", cluster.partition, cluster.time_limit, cluster.slurm, cluster.image,
-                            ctx.recorder.job_launched, job_prefix=f"kiln-{ctx.recorder.stage}-{ctx.recorder.key[:12]}")
+                            ctx.recorder.job_launched, logs_dir=ctx.out_dir / SLURM_LOGS,
+                            job_prefix=f"kiln-{ctx.recorder.stage}-{ctx.recorder.key[:12]}")

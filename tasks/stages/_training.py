@@ -13,6 +13,7 @@ from kiln.tasks.launch.cluster import launch_record
 from kiln.tasks.scaling.fit import PLAN_FILE
 from kiln.tasks.scaling.mix import MIXTURE_FILE
 from kiln.tasks.stage import StageContext
+from kiln.tasks.train.checkpoint import MARKER, checkpoint_dir, steps_on_disk
 
 if TYPE_CHECKING:  # torch-backed: stage modules import training code in their bodies, so that the
     # config tree, keys and cached reruns never load torch
@@ -36,7 +37,8 @@ def plan_mixture(ctx: StageContext) -> Mixture:
 
 
 def run_training(ctx: StageContext, model_cfg: ModelConfig, optim: OptimConfig, run_cfg: TrainRunConfig,
-                 mixture: Mixture, *, init_model_dir: Path | None = None) -> TrainResult:
+                 mixture: Mixture, *, init_model_dir: Path | None = None, branch_from: Path | None = None
+                 ) -> TrainResult:
     """Train into `ctx.out_dir` (the stage's folder, or a sub-run's, whose recorder is then the sub-run's):
     in this process when the layout is one process and `cluster.launcher` is `local`, else through
     the launcher. Layout and launcher are runtime: a run stopped under one resumes under another,
@@ -44,7 +46,8 @@ def run_training(ctx: StageContext, model_cfg: ModelConfig, optim: OptimConfig, 
     `cluster` goes to the recorder (a sub-run's joins its stage's, under the sub-run's name): the
     stage's forecast, set beside its cost, is the sum over the training runs it records. So do the
     settings it trains with (`used.*` params of the recorder's run: the plan's LR and shape where the
-    config says `plan`, the resolved layout)."""
+    config says `plan`, the resolved layout). `init_model_dir` (a model's weights: an anneal) or
+    `branch_from` (a train checkpoint to go on from: an adjustment) start it, as in `train_model`."""
     from kiln.tasks.train.planner import checked_layout, forecast_record  # defers torch
 
     ctx.recorder.record_forecast(forecast_record(model_cfg, mixture.vocab_size, run_cfg, ctx.cfg.train.parallel,
@@ -60,7 +63,7 @@ def run_training(ctx: StageContext, model_cfg: ModelConfig, optim: OptimConfig, 
         # the steps go on while MLflow takes (or its spool keeps) their metrics
         with ctx.recorder.metrics_behind() as on_metrics:
             result = train_model(model_cfg, optim, run_cfg, mixture, out_dir, init_model_dir=init_model_dir,
-                                 on_metrics=on_metrics, on_event=ctx.recorder.event)
+                                 on_metrics=on_metrics, on_event=ctx.recorder.event, branch_from=branch_from)
         ctx.recorder.launched(launch_record("in-process", None, [{"attempt": 1, "job_id": None,
                                                                   "nodes": [socket.gethostname()]}], 0.0))
         return result
@@ -70,8 +73,15 @@ def run_training(ctx: StageContext, model_cfg: ModelConfig, optim: OptimConfig, 
     manifest = write_manifest(mixture, out_dir / LAUNCHED_MIXTURE_FILE, ctx.store.root)
     return train_with_launcher(model_cfg, optim, run_cfg, dims, ctx.cfg.cluster, manifest, ctx.store.root,
                                out_dir, launcher="torchrun" if launcher == "local" else launcher,
-                               init_model_dir=init_model_dir, on_metrics=on_metrics, on_event=ctx.recorder.event,
+                               init_model_dir=init_model_dir, branch_from=branch_from, on_metrics=on_metrics,
+                               on_event=ctx.recorder.event,
                                job_name=job_name(ctx), on_launch=ctx.recorder.launched)
+
+
+def kept_train_steps(train_dir: Path) -> list[int]:
+    """The steps of the committed checkpoints a train run kept, oldest first."""
+    root = train_dir / "checkpoints"
+    return sorted(s for s in steps_on_disk(root) if (checkpoint_dir(root, s) / MARKER).is_file())
 
 
 def job_name(ctx: StageContext) -> str:
@@ -87,7 +97,10 @@ def train_stats(result: TrainResult, *, device: str, world_size: int = 1, **extr
     return {"num_accelerators": world_size if device != "cpu" else 0, "world_size": world_size, "steps": result.steps, "tokens_seen": result.tokens_seen, "num_params": result.num_params,
             "final_train_loss": result.final_train_loss, "val_loss": result.val_loss,
             "val_loss_by_domain": result.val_loss_by_domain, "tokens_per_s": result.tokens_per_s,
-            "resumed_from_step": result.resumed_from_step, "num_rollbacks": result.num_rollbacks, **extra}
+            "resumed_from_step": result.resumed_from_step, "num_rollbacks": result.num_rollbacks,
+            "steps_trained": result.steps_trained,
+            # a data schedule's phases (their steps, context and mixture) and the tokens each source gave in each
+            **({"phases": result.phases, "tokens_by_phase": result.tokens_by_phase} if result.phases else {}), **extra}
 
 
 def train_headline(stats: dict[str, Any]) -> dict[str, Any]:

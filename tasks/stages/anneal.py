@@ -12,13 +12,13 @@ from typing import Any
 from kiln.tasks.constants import SHARDS_FILE
 from kiln.tasks.errors import ConfigError
 from kiln.tasks.stage import Stage, StageContext
-from kiln.tasks.stages._training import planned_lr, run_training, train_headline, train_stats
+from kiln.tasks.stages._training import kept_train_steps, planned_lr, run_training, train_headline, train_stats
 from kiln.tasks.stages.train import (  # the plan may have chosen them (train.model: plan)
     planned_run,
     trained_model_config,
 )
 from kiln.tasks.train.anneal import AnnealConfig, anneal_settings
-from kiln.tasks.train.checkpoint import MARKER, checkpoint_dir, steps_on_disk
+from kiln.tasks.train.checkpoint import checkpoint_dir
 
 START_MODEL_DIR = "start_model"  # a train checkpoint's weights as a model folder (anneal.from_step)
 
@@ -30,12 +30,6 @@ class StartModel:
     model_dir: Path
     step: int
     is_final: bool  # the train stage's final model (its val loss is the anneal's "before")
-
-
-def kept_train_steps(train_dir: Path) -> list[int]:
-    """The steps of the committed checkpoints the train stage kept, oldest first."""
-    root = train_dir / "checkpoints"
-    return sorted(s for s in steps_on_disk(root) if (checkpoint_dir(root, s) / MARKER).is_file())
 
 
 def start_model(ctx: StageContext, from_step: int | None, where: str) -> StartModel:

@@ -23,7 +23,7 @@ from kiln.tasks.evals.evaluate import RESULTS_FILE, evaluate_model
 from kiln.tasks.evals.report import report_markdown, report_rows
 from kiln.tasks.ledger import SubRun
 from kiln.tasks.stage import Stage, StageContext
-from kiln.tasks.stages._common import configured_eval_files, eval_file_paths
+from kiln.tasks.stages._common import eval_file_paths, suite_eval_files
 from kiln.tasks.stages.anneal import anneal_into, start_model
 from kiln.tasks.train.anneal import AnnealAblationConfig
 
@@ -149,7 +149,7 @@ def headline(stats: dict[str, Any]) -> dict[str, Any]:
 STAGE = Stage(
     name="anneal-ablation", description="short anneals of candidate mixtures from one checkpoint, evaluated",
     body=run, inputs=("train", "tokenize", "fit", "decontaminate"), config=AnnealAblationConfig,
-    reads=("evaluate",), external_files=configured_eval_files, resumable=True, headline=headline,
+    reads=("evaluate",), external_files=suite_eval_files, resumable=True, headline=headline,
     # 2: each branch, and the start model's evaluation (baseline/start/), a sub-run with its manifest
     reports=(REPORT_FILE,), version=2,
 )

@@ -24,7 +24,8 @@ def run(ctx: StageContext) -> dict:
 # by their HTTP Content-Type; licence names as PyPI writes them
 # version 5: documents, removed and quarantined records as shards (tasks.data.shards)
 # version 6: a code tree's __pycache__ folders are no input (pip writes them into an installed Kiln's sample)
+# version 7: licence names as package metadata spells them (The MIT License (MIT), MIT Licence, Apache Software License)
 STAGE = Stage(
-    name="collect", description="read sources, check licences", body=run, config=CollectConfig, version=6,
+    name="collect", description="read sources, check licences", body=run, config=CollectConfig, version=7,
     external_files=lambda cfg: source_paths(cfg.collect), headline=document_headline, reports=("compliance.md", "removals.md"),
 )

@@ -12,7 +12,7 @@ from kiln.tasks.evals.evaluate import RESULTS_FILE, EvaluateConfig, evaluate_mod
 from kiln.tasks.evals.report import REPORT_FILE, mlflow_table_tag, write_report
 from kiln.tasks.evals.suite import primary_metric
 from kiln.tasks.stage import Stage, StageContext
-from kiln.tasks.stages._common import configured_eval_files, eval_file_paths
+from kiln.tasks.stages._common import eval_file_paths, suite_eval_files
 from kiln.tasks.stages.anneal_ablation import ablation_results
 
 BASELINE = "train"  # the report's changes are each model's score minus the trained model's
@@ -58,5 +58,5 @@ def headline(stats: dict) -> dict:
 STAGE = Stage(
     name="evaluate", description="lm-eval on held-out tasks: perplexity, multiple choice, code lines", body=run,
     inputs=("anneal", "anneal-ablation", "train", "tokenize", "decontaminate"), config=EvaluateConfig,
-    external_files=configured_eval_files, headline=headline, reports=(REPORT_FILE,), version=3,
+    external_files=suite_eval_files, headline=headline, reports=(REPORT_FILE,), version=3,
 )

@@ -13,22 +13,40 @@ production model is not the better one.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import PositiveFloat, SerializerFunctionWrapHandler, model_serializer, model_validator
+from pydantic import Field, PositiveFloat, SerializerFunctionWrapHandler, model_serializer, model_validator
 
-from kiln.tasks.configbase import Section, runtime_field
+from kiln.tasks.configbase import Reference, Section, added_field, runtime_field
 from kiln.tasks.errors import ConfigError
 from kiln.tasks.scaling.fit import PLAN_FILE, loss_law_from_dict
 from kiln.tasks.scaling.plan import DataBudget, predicted
 from kiln.tasks.scaling.validate import REPORT_FILE as GATE_FILE
 from kiln.tasks.scaling.validate import ValidationGateError
 from kiln.tasks.stage import STATS_FILE, Stage, StageContext
-from kiln.tasks.stages._training import plan_mixture, planned_lr, run_training, train_headline, train_stats
-from kiln.tasks.train.config import ModelConfig, OptimConfig, ParallelDims, TrainRunConfig
+from kiln.tasks.stages._training import (
+    kept_train_steps,
+    plan_mixture,
+    planned_lr,
+    run_training,
+    train_headline,
+    train_stats,
+)
+from kiln.tasks.train.checkpoint import checkpoint_dir
+from kiln.tasks.train.config import DataPhase, ModelConfig, OptimConfig, ParallelDims, TrainRunConfig, check_phases
 
 TRAINED_MODEL_CONFIG = "model/model_config.json"  # the shape train trained, for the stages after it
 PLANNED_RUN_FIELDS = {"steps", "batch_size", "seq_len"}  # under `model: plan`, the plan's unless train.run sets them
+
+
+class Branch(Section):
+    """An adjustment: go on from step `from_step` of the train run of key `prefix` (its kept checkpoint:
+    weights, optimizer, curves), training only the steps after it under this config's schedule. The
+    run's key hashes the prefix's key, the step and everything this config sets: `kiln adjust` writes it."""
+
+    prefix: str = Field(pattern=r"^[0-9a-f]+$", description="the train key of the run this one continues")
+    from_step: int = Field(gt=0, description="the prefix run's kept checkpoint this run goes on from")
 
 
 class TrainConfig(Section):
@@ -43,6 +61,9 @@ class TrainConfig(Section):
     `run.grad_accum` it is runtime: the global batch (`run.batch_size`) is what the key holds, so a
     run stopped under one layout resumes under another. Above one process (or with a `torchrun`,
     `slurm` or `kubernetes` launcher) the stage runs through `cluster.launcher`.
+
+    `phases` is the data schedule (`DataPhase`: each phase's bound, mixture, order and sequence
+    length; see `tasks.train.data_schedule`); none: the mix stage's mixture for every step.
     """
 
     model: ModelConfig | Literal["plan"] = "plan"
@@ -52,6 +73,19 @@ class TrainConfig(Section):
     lr: Literal["plan"] | PositiveFloat = "plan"
     gate_override: str | None = runtime_field(
         None, description="start although the validation gate failed; the reason you give is recorded")
+    phases: list[DataPhase] = added_field([], description="the data schedule: phases of mixture, order and "
+                                                          "sequence length; none: the mix stage's mixture throughout")
+    branch: Branch | None = added_field(None, description="go on from another train run's checkpoint (an "
+                                                          "adjustment, see `kiln adjust`); None: train from step 0")
+
+    @model_validator(mode="after")
+    def _phases_cover_the_run(self) -> TrainConfig:
+        check_phases(self.phases)
+        return self
+
+    def names_used(self) -> list[Reference]:
+        return super().names_used() + [Reference(f"phases.{i}.{ref.key}", ref.kind, ref.names, ref.keyed)
+                                       for i, phase in enumerate(self.phases) for ref in phase.names_used()]
 
     @model_validator(mode="after")
     def _lr_lives_in_train_lr(self) -> TrainConfig:
@@ -116,7 +150,8 @@ def planned_run(ctx: StageContext) -> tuple[ModelConfig, TrainRunConfig, dict[st
     if "seq_len" not in run.model_fields_set:  # the context the law was fitted at
         run = run.model_copy(update={"seq_len": production["seq_len"]})
     model = ModelConfig(**production["model"])
-    model = model.model_copy(update={"max_seq_len": max(model.max_seq_len, run.seq_len)})
+    longest = max([run.seq_len] + [p.seq_len or 0 for p in cfg.phases])  # a data phase may train longer sequences
+    model = model.model_copy(update={"max_seq_len": max(model.max_seq_len, longest)})
     # the plan's batch is in sequences of its own context: keep its tokens per step and in total
     batch = max(1, round(production["batch_size"] * production["seq_len"] / run.seq_len))
     updates = {}
@@ -153,13 +188,37 @@ def run(ctx: StageContext) -> dict:
         departures["lr"] = {"plan": plan["lr"], "config": lr}
     (ctx.out_dir / "plan_departures.json").write_text(json.dumps(departures, indent=2))
     optim = cfg.train.optim.model_copy(update={"lr": lr})
-    result = run_training(ctx, model, optim, run_cfg, plan_mixture(ctx))
+    from kiln.tasks.train.data_schedule import scheduled_mixture  # defers torch
+
+    mixture = scheduled_mixture(plan_mixture(ctx), cfg.train.phases, run_cfg, ctx.out_dir)
+    branch = cfg.train.branch
+    result = run_training(ctx, model, optim, run_cfg, mixture,
+                          branch_from=None if branch is None else branch_checkpoint(ctx, branch, run_cfg.steps))
     restarts = sum(e["kind"] == "process_failure" for e in result.health_events)
     prediction = law_prediction(plan, model, run_cfg)
     stats = train_stats(result, device=run_cfg.device, lr=lr, world_size=result.world_size,
                         num_restarts=restarts, plan_departures=departures, **gate, **prediction)
     stats |= landed(stats)
+    if branch is not None:
+        stats["branch"] = branch.model_dump()
     return stats | against_validate(stats, ctx.read_json("validate", STATS_FILE), plan)
+
+
+def branch_checkpoint(ctx: StageContext, branch: Branch, steps: int) -> Path:
+    """The prefix run's checkpoint of `branch.from_step` (committed, or of a run still training); a
+    ConfigError naming what exists when it is not there."""
+    folder = ctx.store.live_path("train", branch.prefix)
+    if folder is None:
+        raise ConfigError(f"train.branch.prefix={branch.prefix}: no train run of that key in {ctx.store.root}; "
+                          "give the key `kiln status` shows for the run to adjust")
+    kept = kept_train_steps(folder)
+    if branch.from_step not in kept:
+        raise ConfigError(f"train.branch.from_step={branch.from_step}: the run {branch.prefix} kept checkpoints of "
+                          f"steps {kept} (train.run.keep_every keeps more); choose one of them")
+    if branch.from_step >= steps:
+        raise ConfigError(f"train.branch.from_step={branch.from_step} leaves nothing to train: this run has "
+                          f"{steps} steps; raise train.run.steps or branch earlier")
+    return checkpoint_dir(folder / "checkpoints", branch.from_step)
 
 
 def law_prediction(plan: dict[str, Any], model: ModelConfig, run: TrainRunConfig) -> dict[str, Any]:

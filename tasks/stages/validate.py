@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from kiln.tasks.constants import SHARDS_FILE, TOKENIZER_FILE
 from kiln.tasks.errors import TrainingDivergedError
+from kiln.tasks.evals.categories import SuiteConfig
 from kiln.tasks.evals.evaluate import check_wanted_tasks, evaluate_model, suite_task_names
 from kiln.tasks.ledger import SubRun
 from kiln.tasks.scaling import plots
@@ -89,8 +90,9 @@ def run(ctx: StageContext) -> dict:
 
 def capabilities_eval_config(cfg: KilnConfig) -> EvaluateConfig:
     """The evaluate section the capabilities are scored with: the local suite, `validate.capabilities.limit` items."""
+    # The held-out files' tasks only (not the bundled categories): what validate.capabilities was defined on.
     return cfg.evaluate.model_copy(update={"limit": cfg.validate_.capabilities.limit, "standard_suite": False,
-                                           "extra_tasks": []})
+                                           "extra_tasks": [], "suite": SuiteConfig()})
 
 
 def check_capability_tasks(cfg: KilnConfig) -> None:

@@ -93,32 +93,33 @@ class MetricsLogger(TrainCallback):
         self.on_metrics = on_metrics
 
     def on_start(self, trainer: Trainer) -> None:
-        self._t_log, self._steps_at_log = time.perf_counter(), trainer.steps_run
+        self._t_log, self._tokens_at_log = time.perf_counter(), trainer.tokens_run
         if trainer.is_main:
             drop_rows_after(trainer.out_dir / METRICS_LOG, trainer.step)
-        run_cfg = trainer.run_cfg
-        tokens = flops_per_token(trainer.model_cfg, trainer.mixture.vocab_size, run_cfg.seq_len)
-        self._flops_per_step = tokens * trainer.tokens_per_step
+        self._flops_per_token = flops_per_token(trainer.model_cfg, trainer.mixture.vocab_size, trainer.run_cfg.seq_len)
 
     def post_step(self, trainer: Trainer, out: StepOutput) -> None:
         if not (trainer.is_main and trainer.is_log_step(out.step)):
             return
         now = time.perf_counter()
         # every update since the last log counts, rolled-back ones too: they took the time
-        tokens = (trainer.steps_run - self._steps_at_log) * trainer.tokens_per_step
-        tokens_per_s = tokens / max(now - self._t_log, 1e-9)
+        tokens_per_s = (trainer.tokens_run - self._tokens_at_log) / max(now - self._t_log, 1e-9)
         metrics = {"loss": out.loss, "lr": out.lr, "grad_norm": out.grad_norm, "tokens_per_s": tokens_per_s,
                    "peak_memory_mb": peak_memory_mb(trainer.device)}
         peak_tflops = trainer.run_cfg.peak_tflops
         if peak_tflops is not None:
             # per device: the whole job's FLOPs over all its devices' peak
-            steps_per_s = tokens_per_s / trainer.tokens_per_step
-            metrics["mfu"] = self._flops_per_step * steps_per_s / (peak_tflops * 1e12 * trainer.layout.dims.world_size)
+            metrics["mfu"] = self._flops_per_token * tokens_per_s / (peak_tflops * 1e12 * trainer.layout.dims.world_size)
+        phase = trainer.mixture.phase_at(out.step)
+        if phase is not None:  # the data schedule, charted: the phase, its context and its mixture at this step
+            metrics |= {"data/phase": float(trainer.mixture.phases.index(phase)), "data/seq_len": float(phase.seq_len)}
+            metrics |= {f"mixture/{name}": 0.0 for name in trainer.mixture.domains}  # a domain the phase leaves out
+            metrics |= {f"mixture/{name}": d.weight for name, d in phase.domains.items()}
         with (trainer.out_dir / METRICS_LOG).open("a") as log:
             log.write(json.dumps({"step": out.step, **metrics}) + "\n")
         if self.on_metrics is not None:
             self.on_metrics(out.step, metrics)
-        self._t_log, self._steps_at_log = now, trainer.steps_run
+        self._t_log, self._tokens_at_log = now, trainer.tokens_run
 
     def on_end(self, trainer: Trainer, result: TrainResult) -> None:
         if trainer.is_main and result.model_dir is not None and self.on_metrics is not None:

@@ -17,7 +17,7 @@ from typing import Literal, TypeVar
 
 from pydantic import Field, model_validator
 
-from kiln.tasks.configbase import Section, added_field, runtime_field
+from kiln.tasks.configbase import Reference, Section, added_field, runtime_field
 
 FFN_MULTIPLE = 32  # the MLP's hidden width is rounded up to this, for matmul-friendly shapes
 
@@ -286,6 +286,58 @@ class TrainRunConfig(Section):
                 f"train.seq_len={self.seq_len} exceeds model.max_seq_len={model.max_seq_len}: "
                 "lower seq_len or raise max_seq_len"
             )
+
+
+class DataPhase(Section):
+    """One phase of the train stage's data schedule (`train.phases`, see `tasks.train.data_schedule`).
+
+    A phase ends after step `until_step`, or once the run has trained `until_tokens` of its token
+    budget (run.steps x batch x seq_len); the last phase runs to the end and names neither. It draws
+    from `mixture` (domain -> weight, normalised; None: the mix stage's weights), in `order`:
+    `random` windows, or `quality` (a curriculum: each domain's documents in ascending quality score,
+    unscored first, walked through once over the phase), at `seq_len` tokens (None: run.seq_len).
+    """
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$", description="names the phase in metrics, stats and files")
+    until_step: int | None = Field(None, gt=0, description="the phase's last step")
+    until_tokens: float | None = Field(None, gt=0, le=1, description="the share of the run's token budget "
+                                                                      "trained when the phase ends")
+    mixture: dict[str, float] | None = Field(None, description="domain -> weight; None: the mix stage's mixture")
+    order: Literal["random", "quality"] = "random"
+    seq_len: int | None = Field(None, gt=0, description="the phase's sequence length; None: run.seq_len")
+
+    @model_validator(mode="after")
+    def _one_bound(self) -> DataPhase:
+        if self.until_step is not None and self.until_tokens is not None:
+            raise ValueError(f"phase {self.name!r} sets until_step and until_tokens: keep one")
+        if self.mixture is not None and (any(w < 0 for w in self.mixture.values()) or sum(self.mixture.values()) <= 0):
+            raise ValueError(f"phase {self.name!r}: mixture weights must be >= 0 and sum to more than 0")
+        return self
+
+    def names_used(self) -> list[Reference]:
+        return super().names_used() + ([Reference("mixture", "domain", tuple(self.mixture), keyed=True)]
+                                       if self.mixture else [])
+
+
+def check_phases(phases: list[DataPhase]) -> None:
+    """ValueError unless every phase but the last ends (until_step / until_tokens), the last does not,
+    the bounds grow and the names differ."""
+    if not phases:
+        return
+    names = [p.name for p in phases]
+    if len(set(names)) < len(names):
+        raise ValueError(f"train.phases: names {names} repeat; give each phase its own")
+    for p in phases[:-1]:
+        if p.until_step is None and p.until_tokens is None:
+            raise ValueError(f"train.phases: phase {p.name!r} is not the last, so it needs until_step or until_tokens")
+    last = phases[-1]
+    if last.until_step is not None or last.until_tokens is not None:
+        raise ValueError(f"train.phases: the last phase {last.name!r} runs to the end of the run: remove its "
+                         "until_step / until_tokens (or add a phase after it)")
+    for kind in ("until_step", "until_tokens"):
+        bounds = [getattr(p, kind) for p in phases if getattr(p, kind) is not None]
+        if bounds != sorted(set(bounds)):
+            raise ValueError(f"train.phases: {kind} must grow from phase to phase, got {bounds}")
 
 
 class ParallelDims(Section):

@@ -5,6 +5,14 @@ A shard is a raw little-endian array of token ids (documents concatenated, each 
 function of (seed, step, row): each global row gets its own numpy Generator, so a resumed run
 sees exactly the data it would have seen, and the same global batch is produced whatever the
 world size (rank r of w owns rows r*B .. r*B+B-1).
+
+A data schedule is a `Mixture` with `phases`: each phase trains steps up to its `last_step` on its
+own sources (weights, shards) at its own sequence length. A phase's source may be `ordered` (a
+curriculum: its train stream is written in the order it should be read, e.g. ascending quality
+score): step k of an n-step phase then draws its windows from the k-th of n equal slices of that
+stream, so the phase walks through it once, in order. Everything stays a pure function of (seed,
+step, row): a run resumed inside a phase draws exactly what the uninterrupted run drew. What a
+run has drawn so far (tokens per source per phase, `SourceTokens`) is kept in its checkpoints.
 """
 
 from __future__ import annotations
@@ -27,11 +35,35 @@ WEIGHT_TOLERANCE = 1e-6
 
 @dataclass(frozen=True)
 class DomainSource:
-    """One domain's sampling weight and its train / validation shard files."""
+    """One domain's sampling weight and its train / validation shard files. `ordered`: the train
+    stream is a curriculum, read slice by slice through its phase (see the module docstring)."""
 
     weight: float
     train: tuple[Path, ...]
     val: tuple[Path, ...]
+    ordered: bool = False
+
+
+@dataclass(frozen=True)
+class Phase:
+    """One phase of a data schedule: steps up to and including `last_step` (1-based) draw from
+    `domains` by weight, windows of `seq_len` tokens."""
+
+    name: str
+    first_step: int
+    last_step: int
+    seq_len: int
+    domains: dict[str, DomainSource]
+
+    @property
+    def num_steps(self) -> int:
+        return self.last_step - self.first_step + 1
+
+    def summary(self) -> dict:
+        """What a manifest, the stage stats and `mixture_history` record of the phase."""
+        return {"name": self.name, "first_step": self.first_step, "last_step": self.last_step,
+                "seq_len": self.seq_len, "weights": {n: d.weight for n, d in self.domains.items() if d.weight > 0},
+                "ordered": sorted(n for n, d in self.domains.items() if d.ordered and d.weight > 0)}
 
 
 @dataclass(frozen=True)
@@ -42,6 +74,20 @@ class Mixture:
     dtype: str
     vocab_size: int
     eos_id: int
+    phases: tuple[Phase, ...] = ()  # a data schedule; empty: `domains` for every step
+
+    def phase_at(self, step: int) -> Phase | None:
+        """The phase that trains 1-based `step` (the last one past its end); None without a schedule."""
+        for phase in self.phases:
+            if step <= phase.last_step:
+                return phase
+        return self.phases[-1] if self.phases else None
+
+    def for_phase(self, phase: Phase | None) -> Mixture:
+        """The mixture one phase's steps draw from (this one itself without a schedule)."""
+        if phase is None:
+            return self
+        return Mixture(domains=phase.domains, dtype=self.dtype, vocab_size=self.vocab_size, eos_id=self.eos_id)
 
     @classmethod
     def from_manifest(cls, manifest_path: Path, root: Path) -> Mixture:
@@ -72,14 +118,12 @@ class Mixture:
         if not isinstance(domains_raw, dict) or not domains_raw:
             raise InputError(f"{manifest_path}: 'domains' must be a non-empty mapping of domain -> shards")
 
-        domains: dict[str, DomainSource] = {}
-        for name, d in domains_raw.items():
-            where = f"domains.{name}."
+        def source(d: dict, where: str, splits: tuple[str, ...]) -> DomainSource:
             weight = float(need(d, "weight", where))
             if weight < 0:
                 raise InputError(f"{manifest_path}: {where}weight is {weight}; weights must be >= 0")
-            shards = {}
-            for split in ("train", "val"):
+            shards: dict[str, tuple[Path, ...]] = {"val": ()}
+            for split in splits:
                 paths = tuple(root / p for p in need(d, split, where))
                 for p in paths:
                     if not p.is_file():
@@ -90,17 +134,31 @@ class Mixture:
                 shards[split] = paths
             if weight > 0 and not shards["train"]:
                 raise InputError(f"{manifest_path}: {where}train is empty but the domain has weight {weight}")
-            domains[name] = DomainSource(weight=weight, train=shards["train"], val=shards["val"])
+            return DomainSource(weight=weight, train=shards["train"], val=shards["val"], ordered=bool(d.get("ordered")))
 
-        total = sum(d.weight for d in domains.values())
-        if abs(total - 1.0) > WEIGHT_TOLERANCE:
-            weights = ", ".join(f"{n}={d.weight}" for n, d in domains.items())
-            raise InputError(f"{manifest_path}: domain weights sum to {total:.6g}, not 1 ({weights}); fix the mix")
+        def checked(domains: dict[str, DomainSource], where: str) -> dict[str, DomainSource]:
+            total = sum(d.weight for d in domains.values())
+            if abs(total - 1.0) > WEIGHT_TOLERANCE:
+                weights = ", ".join(f"{n}={d.weight}" for n, d in domains.items())
+                raise InputError(f"{manifest_path}: {where}weights sum to {total:.6g}, not 1 ({weights}); fix the mix")
+            return domains
+
+        domains = checked({name: source(d, f"domains.{name}.", ("train", "val"))
+                           for name, d in domains_raw.items()}, "domain ")
+        phases = []
+        for i, p in enumerate(raw.get("phases", [])):
+            where = f"phases[{i}]."
+            phases.append(Phase(
+                name=str(need(p, "name", where)), first_step=int(need(p, "first_step", where)),
+                last_step=int(need(p, "last_step", where)), seq_len=int(need(p, "seq_len", where)),
+                domains=checked({name: source(d, f"{where}domains.{name}.", ("train",))
+                                 for name, d in need(p, "domains", where).items()}, f"{where}domain ")))
         return cls(
             domains=domains,
             dtype=dtype,
             vocab_size=int(need(raw, "vocab_size", "")),
             eos_id=int(need(raw, "eos_id", "")),
+            phases=tuple(phases),
         )
 
 
@@ -109,10 +167,16 @@ def write_manifest(mixture: Mixture, path: Path, root: Path) -> Path:
     def relative(paths: tuple[Path, ...]) -> list[str]:
         return [str(p.resolve().relative_to(root.resolve())) for p in paths]
 
-    domains = {name: {"weight": d.weight, "train": relative(d.train), "val": relative(d.val)}
-               for name, d in mixture.domains.items()}
-    path.write_text(json.dumps({"format": MANIFEST_FORMAT, "dtype": mixture.dtype, "vocab_size": mixture.vocab_size,
-                                "eos_id": mixture.eos_id, "domains": domains}, indent=2) + "\n")
+    def sources(domains: dict[str, DomainSource]) -> dict:
+        return {name: {"weight": d.weight, "train": relative(d.train), "val": relative(d.val), "ordered": d.ordered}
+                for name, d in domains.items()}
+
+    manifest = {"format": MANIFEST_FORMAT, "dtype": mixture.dtype, "vocab_size": mixture.vocab_size,
+                "eos_id": mixture.eos_id, "domains": sources(mixture.domains)}
+    if mixture.phases:
+        manifest["phases"] = [{"name": p.name, "first_step": p.first_step, "last_step": p.last_step,
+                               "seq_len": p.seq_len, "domains": sources(p.domains)} for p in mixture.phases]
+    path.write_text(json.dumps(manifest, indent=2) + "\n")
     return path
 
 
@@ -179,43 +243,73 @@ class _Stream:
         return np.concatenate(pieces).astype(np.int64)
 
 
-def _train_streams(mixture: Mixture) -> tuple[list[str], np.ndarray, list[_Stream]]:
+def _train_streams(mixture: Mixture) -> tuple[list[str], np.ndarray, list[_Stream], list[bool]]:
     names = [n for n, d in mixture.domains.items() if d.weight > 0]
     weights = np.array([mixture.domains[n].weight for n in names], dtype=np.float64)
     cdf = np.cumsum(weights) / weights.sum()
-    return names, cdf, [_Stream(mixture.domains[n].train, mixture.dtype) for n in names]
+    return (names, cdf, [_Stream(mixture.domains[n].train, mixture.dtype) for n in names],
+            [mixture.domains[n].ordered for n in names])
 
 
-def batch_for_step(
-    mixture: Mixture, seed: int, step: int, rank: int, world_size: int, batch_size: int, seq_len: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Inputs and next-token targets, each LongTensor [batch_size, seq_len], for one rank at one step.
-
-    Pure: depends only on the arguments and the shard contents. Each row picks a domain by weight
-    (zero-weight domains never), then a uniformly random window of seq_len + 1 tokens in it.
-    """
-    if not 0 <= rank < world_size:
-        raise ValueError(f"rank {rank} is outside world_size {world_size}")
-    names, cdf, streams = _train_streams(mixture)
+def _row_draws(mixture: Mixture, seed: int, step: int, first_row: int, num_rows: int, seq_len: int,
+               slot: tuple[int, int]) -> tuple[list[str], list[_Stream], list[tuple[int, int]]]:
+    """The domain names, their streams, and (domain, window start) of each row: the random numbers
+    `batch_for_step` and `batch_sources` share. An ordered domain's window lies in slice `slot[0]`
+    of `slot[1]` of its stream; at slot (0, 1) that is the whole stream, drawn as an unordered one."""
+    names, cdf, streams, ordered = _train_streams(mixture)
     for name, stream in zip(names, streams):
         if stream.num_tokens < seq_len + 1:
             raise InputError(
                 f"domain {name!r} has {stream.num_tokens} train tokens, fewer than one window of "
                 f"seq_len + 1 = {seq_len + 1}; give it weight 0 or more data"
             )
-    rows = np.empty((batch_size, seq_len + 1), dtype=np.int64)
-    first_row = rank * batch_size
-    for r in range(batch_size):
-        rng = np.random.default_rng((seed, step, first_row + r))
+    k, n = slot
+    out = []
+    for r in range(first_row, first_row + num_rows):
+        rng = np.random.default_rng((seed, step, r))
         d = min(int(np.searchsorted(cdf, rng.random(), side="right")), len(streams) - 1)
-        start = int(rng.integers(0, streams[d].num_tokens - seq_len))
+        span = streams[d].num_tokens - seq_len
+        if ordered[d]:
+            lo, hi = k * span // n, (k + 1) * span // n
+            out.append((d, lo + int(rng.integers(0, max(1, hi - lo)))))
+        else:
+            out.append((d, int(rng.integers(0, span))))
+    return names, streams, out
+
+
+def draw_batch(
+    mixture: Mixture, seed: int, step: int, rank: int, world_size: int, batch_size: int, seq_len: int,
+    slot: tuple[int, int] = (0, 1),
+) -> tuple[torch.Tensor, torch.Tensor, list[str]]:
+    """Inputs and next-token targets, each LongTensor [batch_size, seq_len], for one rank at one step,
+    and the domain each row came from.
+
+    Pure: depends only on the arguments and the shard contents. Each row picks a domain by weight
+    (zero-weight domains never), then a uniformly random window of seq_len + 1 tokens in it (in an
+    ordered domain, in the slice `slot` = (k, n): the k-th of n, for step k of an n-step phase).
+    """
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is outside world_size {world_size}")
+    names, streams, draws = _row_draws(mixture, seed, step, rank * batch_size, batch_size, seq_len, slot)
+    rows = np.empty((batch_size, seq_len + 1), dtype=np.int64)
+    for r, (d, start) in enumerate(draws):
         rows[r] = streams[d].window(start, seq_len + 1)
     t = torch.from_numpy(rows)
-    return t[:, :-1].contiguous(), t[:, 1:].contiguous()
+    return t[:, :-1].contiguous(), t[:, 1:].contiguous(), [names[d] for d, _ in draws]
+
+
+def batch_for_step(
+    mixture: Mixture, seed: int, step: int, rank: int, world_size: int, batch_size: int, seq_len: int,
+    slot: tuple[int, int] = (0, 1),
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`draw_batch` without the rows' domains."""
+    x, y, _ = draw_batch(mixture, seed, step, rank, world_size, batch_size, seq_len, slot)
+    return x, y
 
 
 def batch_sources(
-    mixture: Mixture, seed: int, step: int, rank: int, world_size: int, batch_size: int, seq_len: int
+    mixture: Mixture, seed: int, step: int, rank: int, world_size: int, batch_size: int, seq_len: int,
+    slot: tuple[int, int] = (0, 1),
 ) -> list[tuple[str, int]]:
     """(domain, first token offset in its train stream) of each row `batch_for_step` returns.
 
@@ -224,13 +318,8 @@ def batch_sources(
     """
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is outside world_size {world_size}")
-    names, cdf, streams = _train_streams(mixture)
-    out = []
-    for r in range(rank * batch_size, (rank + 1) * batch_size):
-        rng = np.random.default_rng((seed, step, r))
-        d = min(int(np.searchsorted(cdf, rng.random(), side="right")), len(streams) - 1)
-        out.append((names[d], int(rng.integers(0, streams[d].num_tokens - seq_len))))
-    return out
+    names, _, draws = _row_draws(mixture, seed, step, rank * batch_size, batch_size, seq_len, slot)
+    return [(names[d], start) for d, start in draws]
 
 
 def validation_batches(

@@ -4,7 +4,7 @@ The config is one JSON object: `model`, `optim`, `train` and `parallel` sections
 as in `ModelConfig`, `OptimConfig`, `TrainRunConfig`, `ParallelDims`), plus `manifest` (a mix
 manifest), `data_root` (what its shard paths are relative to), `out_dir` (checkpoints, resume,
 the final model and metrics go there) and optionally `stop_after` (stop once that many steps
-are done, as a stopped job would), `init_model_dir` (a saved model to start from) and
+are done, as a stopped job would), `init_model_dir` (a saved model to start from), `branch_from` (a checkpoint to go on from) and
 `callbacks` (a list of `CallbackSpec`s as JSON: each rank builds them from their dotted paths
 and hands them to `train_model`). Every rank runs `train_model` with the `parallel` layout and
 registers the scheduler's name for its node (`rank_hosts.node_name`: the Slurm node, the
@@ -36,7 +36,7 @@ from kiln.tasks.train.loop import train_model
 from kiln.tasks.train.trainer import write_result
 
 SECTIONS = {"model": ModelConfig, "optim": OptimConfig, "train": TrainRunConfig, "parallel": ParallelDims}
-OPTIONS = {"stop_after", "callbacks", "init_model_dir"}
+OPTIONS = {"stop_after", "callbacks", "init_model_dir", "branch_from"}
 WORKER_CPU_DIR = "worker_cpu"  # in out_dir: each worker process's CPU seconds (`record_cpu`)
 
 
@@ -98,9 +98,9 @@ def _load(config: Path) -> tuple[dict, Mixture, dict]:
         callbacks = [CallbackSpec.from_json(spec).build() for spec in specs]
     except ConfigError as error:
         raise ConfigError(f"{config}: {error}") from None
-    init = raw.get("init_model_dir")
+    init, branch = raw.get("init_model_dir"), raw.get("branch_from")
     options = {"out_dir": Path(raw["out_dir"]), "stop_after": stop_after, "callbacks": callbacks,
-               "init_model_dir": Path(init) if init else None}
+               "init_model_dir": Path(init) if init else None, "branch_from": Path(branch) if branch else None}
     sections = {}
     for key, cls in SECTIONS.items():
         try:

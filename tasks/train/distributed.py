@@ -32,7 +32,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 from torch.distributed.tensor import DTensor
 
 from kiln.tasks.train.config import ModelConfig, OptimConfig, ParallelDims, TrainRunConfig
-from kiln.tasks.train.data_loader import Mixture, batch_for_step
+from kiln.tasks.train.data_loader import Mixture, draw_batch
 from kiln.tasks.train.loss import objective
 from kiln.tasks.train.model import Transformer, WeightSource, fill_weights, materialize, model_from_state
 from kiln.tasks.train.parallel import (
@@ -236,17 +236,22 @@ class Layout:
         """Refill the (already built) model's shards from `source`: a rollback to step 0."""
         init_weights(self._stages or [model], model_cfg, source)
 
-    def batch(self, mixture: Mixture, seed: int, index: int, rows: int, seq_len: int
-              ) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """This rank's rows of batch `index` and the checksum of the whole global batch."""
+    def batch(self, mixture: Mixture, seed: int, index: int, rows: int, seq_len: int, slot: tuple[int, int] = (0, 1)
+              ) -> tuple[torch.Tensor, torch.Tensor, int, dict[str, int]]:
+        """This rank's rows of batch `index`, the checksum of the whole global batch and how many of
+        its rows each domain gave (`slot`: the step's place in its phase, see `draw_batch`)."""
         dp, dp_rank = self.dims.dp, self.dp_rank
-        x, y = batch_for_step(mixture, seed, index, dp_rank, dp, rows // dp, seq_len)
+        x, y, domains = draw_batch(mixture, seed, index, dp_rank, dp, rows // dp, seq_len, slot)
         checksum = batch_checksum(x, y, dp_rank * (rows // dp))
+        names = sorted(n for n, d in mixture.domains.items() if d.weight > 0)
+        counts = [domains.count(n) for n in names]
         if self.mesh is not None:
-            value = torch.tensor(checksum, dtype=torch.int64, device=self.device)  # nccl reduces device tensors
+            # one collective for both: nccl reduces device tensors
+            value = torch.tensor([checksum, *counts], dtype=torch.int64, device=self.device)
             dist.all_reduce(value, op=dist.ReduceOp.SUM, group=self.mesh["dp"].get_group())
-            checksum = value.item() % CHECKSUM_MOD
-        return x.to(self.device), y.to(self.device), checksum
+            checksum, *counts = value.tolist()
+            checksum %= CHECKSUM_MOD
+        return x.to(self.device), y.to(self.device), checksum, dict(zip(names, counts))
 
     def forward_backward(self, model: nn.Module, schedule: Any, x: torch.Tensor, y: torch.Tensor,
                          grad_accum: int, z_loss: float, mtp_weight: float = 0.0) -> float:

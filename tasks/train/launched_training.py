@@ -49,6 +49,7 @@ FAILED_HOSTS_FILE = "failed_hosts.json"
 def train_with_launcher(model_cfg: ModelConfig, optim_cfg: OptimConfig, run_cfg: TrainRunConfig, dims: ParallelDims,
                         cluster: ClusterSpec, manifest: Path, data_root: Path, out_dir: Path, *,
                         launcher: str = "torchrun", init_model_dir: Path | None = None,
+                        branch_from: Path | None = None,
                         on_metrics: Callable[[int, dict[str, float]], None] | None = None,
                         on_event: Callable[[dict[str, Any]], None] | None = None,
                         callbacks: Sequence[CallbackSpec] = (), job_name: str = "kiln-train",
@@ -64,7 +65,8 @@ def train_with_launcher(model_cfg: ModelConfig, optim_cfg: OptimConfig, run_cfg:
     `tasks.launch.slurm`). Each failure is a `process_failure` event: failed ranks and hosts, the
     job id, what the relaunch excluded, and the measured time from the failure to the relaunched
     job's first step; it joins the worker's own health events (rollbacks) in the result.
-    `init_model_dir` is a saved model to start from (anneal), as in `train_model`; `callbacks` are
+    `init_model_dir` is a saved model to start from (anneal), `branch_from` a checkpoint to go on from (an
+    adjustment), as in `train_model`; `callbacks` are
     built in every worker (see `CallbackSpec`); `timeout_s` bounds each launch. `on_launch(record)`
     gets where it ran (`launch_record`), also written to `out_dir/launch.json`.
     """
@@ -77,6 +79,7 @@ def train_with_launcher(model_cfg: ModelConfig, optim_cfg: OptimConfig, run_cfg:
         "manifest": str(manifest.resolve()), "data_root": str(data_root.resolve()), "out_dir": str(out_dir.resolve()),
         **({"callbacks": [spec.to_json() for spec in callbacks]} if callbacks else {}),
         **({"init_model_dir": str(init_model_dir.resolve())} if init_model_dir is not None else {}),
+        **({"branch_from": str(branch_from.resolve())} if branch_from is not None else {}),
     }
     (out_dir / WORKER_CONFIG).write_text(json.dumps(config, indent=2))
     failures_file = out_dir / FAILED_HOSTS_FILE

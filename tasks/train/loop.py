@@ -70,6 +70,7 @@ def train_model(
     on_event: Callable[[dict[str, Any]], None] | None = None,
     callbacks: Sequence[TrainCallback] = (),
     stop_after: int | None = None,
+    branch_from: Path | None = None,
 ) -> TrainResult:
     """Train for `run_cfg.steps` steps into out_dir (resuming a crashed attempt found there).
 
@@ -80,11 +81,16 @@ def train_model(
     to `health_events.jsonl`; both are called on rank 0 only. `callbacks` run after the health
     monitor and the progress bar, before metric logging and checkpointing (see
     `tasks.train.callbacks`). `stop_after`: return once that many steps are done, as a stopped
-    job would (no final model).
+    job would (no final model). `branch_from`: a checkpoint of another run to go on from when out_dir
+    has none (`Trainer.start`): an adjustment trains only the steps after it.
     """
     model_cfg, optim_cfg, run_cfg = revalidated(model_cfg), revalidated(optim_cfg), revalidated(run_cfg)
     dims = revalidated(dims) if dims is not None else ParallelDims()
     run_cfg.check_fits(model_cfg)
+    for phase in mixture.phases:
+        if phase.seq_len > model_cfg.max_seq_len:
+            raise ValueError(f"data phase {phase.name!r} trains at seq_len {phase.seq_len}, above model.max_seq_len="
+                             f"{model_cfg.max_seq_len}: lower the phase's seq_len or raise max_seq_len")
     dims.check_holds_batch(run_cfg)
     t_start, started_unix = time.perf_counter(), time.time()
     # built first so that a mixture without usable validation data fails before training
@@ -97,7 +103,8 @@ def train_model(
     hooks = Hooks([HealthMonitor(on_event), ProgressBar(), *callbacks, MetricsLogger(on_metrics), Checkpointer()])
 
     with _torch_settings(run_cfg, torch.device(run_cfg.device)):
-        trainer = Trainer.start(model_cfg, optim_cfg, run_cfg, mixture, out_dir, dims, init_model_dir, hooks)
+        trainer = Trainer.start(model_cfg, optim_cfg, run_cfg, mixture, out_dir, dims, init_model_dir, hooks,
+                                branch_from)
         try:
             hooks.on_start(trainer)
             t_train = time.perf_counter()

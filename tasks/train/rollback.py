@@ -19,8 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from kiln.tasks.errors import TrainingDivergedError
 from kiln.tasks.train.checkpoint import delete_checkpoints_after
-from kiln.tasks.train.config import TrainRunConfig
-from kiln.tasks.train.data_loader import Mixture, batch_sources
+from kiln.tasks.train.data_loader import batch_sources
 from kiln.tasks.train.dcp import latest_intact_dcp, read_train_state
 from kiln.tasks.train.health import (
     EVENTS_FILE,
@@ -77,7 +76,7 @@ class HealthMonitor(TrainCallback):
         trainer.layout.barrier()
         trainer.restore(found)
         assert trainer.step == target, (trainer.step, target)
-        skipped = _skipped_data(trainer.mixture, trainer.run_cfg, windows, target + 1, anomaly.step)
+        skipped = _skipped_data(trainer, windows, target + 1, anomaly.step)
         window = SkipWindow(
             first_step=target + 1,
             last_step=anomaly.step,
@@ -109,14 +108,16 @@ def _ranges(values: list[int]) -> list[list[int]]:
     return runs
 
 
-def _skipped_data(
-    mixture: Mixture, run_cfg: TrainRunConfig, windows: list[SkipWindow], first: int, last: int
-) -> dict[str, Any]:
+def _skipped_data(trainer: Trainer, windows: list[SkipWindow], first: int, last: int) -> dict[str, Any]:
     """Which batches steps first..last used before a rollback replaced them: the bad step's rows
     (domain, token offset) in full and a count of rows per domain over all of them."""
-    rows = run_cfg.batch_size
-    indices = [data_index(step, windows) for step in range(first, last + 1)]
-    sources = [batch_sources(mixture, run_cfg.seed, i, 0, 1, rows, run_cfg.seq_len) for i in indices]
+    rows, seed = trainer.run_cfg.batch_size, trainer.run_cfg.seed
+    steps = range(first, last + 1)
+    indices = [data_index(step, windows) for step in steps]
+    sources = []
+    for step, index in zip(steps, indices):
+        _, mixture, seq_len, slot = trainer.data_for(step)
+        sources.append(batch_sources(mixture, seed, index, 0, 1, rows, seq_len, slot))
     return {
         "data_indices": _ranges(indices),
         "bad_batch": [[domain, offset] for domain, offset in sources[-1]],

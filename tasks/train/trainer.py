@@ -82,13 +82,24 @@ class TrainResult:
     rank0_local_numel: int  # parameter elements rank 0 holds: shows how far the model is sharded
     started_unix: float  # when this attempt began (before building the model and loading checkpoints)
     first_step_unix: float | None  # when this attempt's first optimizer step finished: "training resumed"
+    # tokens trained per phase ("all" without a data schedule) per source, over the kept steps
+    tokens_by_phase: dict[str, dict[str, int]] = field(default_factory=dict)
+    phases: list[dict] = field(default_factory=list)  # the data schedule's phases (`Phase.summary`)
+    steps_trained: int = 0  # updates this attempt ran (rolled-back ones included): a branch's suffix
 
 
 def mixture_summary(mixture: Mixture) -> dict:
-    """Each domain's weight and train shard file names: what `mixture_history` compares."""
-    return {
+    """Each domain's weight and train shard file names, and the data schedule's phases when there is
+    one: what `mixture_history` compares."""
+    summary = {
         name: {"weight": d.weight, "train": [p.name for p in d.train]} for name, d in sorted(mixture.domains.items())
     }
+    if mixture.phases:
+        summary["phases"] = [p.summary() for p in mixture.phases]
+    return summary
+
+
+NO_SCHEDULE = "all"  # the one phase name of a run without a data schedule, in `tokens_by_phase`
 
 
 def _identity(model_cfg: ModelConfig, optim_cfg: OptimConfig, run_cfg: TrainRunConfig, vocab_size: int) -> dict:
@@ -155,6 +166,9 @@ class Batch:
     y: torch.Tensor
     checksum: int  # `batch_checksum` of the global batch as drawn
     lr: float  # the scheduled learning rate (times a rollback window's factor): what the curves record
+    phase: str  # the data schedule's phase (NO_SCHEDULE without one)
+    rows_by_domain: dict[str, int]  # rows of the global batch each domain gave
+    seq_len: int
     lr_scale: float = 1.0  # the optimizer runs at lr * lr_scale (testing faults change it)
 
 
@@ -167,6 +181,8 @@ class StepOutput:
     lr: float
     grad_norm: float  # before clipping
     checksum: int
+    phase: str
+    tokens_by_domain: dict[str, int]  # tokens of the global batch per domain
 
 
 @dataclass
@@ -199,11 +215,18 @@ class Trainer:
     resumed_from: int | None = None
     steps_run: int = 0  # updates this attempt ran, rolled-back ones included
     first_step_unix: float | None = None  # when this attempt's first update finished
+    tokens_run: int = 0  # tokens this attempt trained on, rolled-back steps included
+    # the loader's position, kept in every checkpoint: tokens drawn per phase per source over the kept steps
+    source_tokens: dict[str, dict[str, int]] = field(default_factory=dict)
+    phase_mixtures: dict[str, Mixture] = field(default_factory=dict)
 
     @classmethod
     def start(cls, model_cfg: ModelConfig, optim_cfg: OptimConfig, run_cfg: TrainRunConfig, mixture: Mixture,
-              out_dir: Path, dims: ParallelDims, init_model_dir: Path | None, hooks: Hooks) -> Trainer:
-        """Join the layout, build and split the model, and resume from the newest intact checkpoint."""
+              out_dir: Path, dims: ParallelDims, init_model_dir: Path | None, hooks: Hooks,
+              branch_from: Path | None = None) -> Trainer:
+        """Join the layout, build and split the model, and resume from the newest intact checkpoint; with
+        none in out_dir, from `branch_from` (another run's checkpoint, of the same model: the run goes on from
+        its step, weights, optimizer and curves, under this run's schedule)."""
         layout = Layout.create(dims, torch.device(run_cfg.device))
         if layout.is_main:
             out_dir.mkdir(parents=True, exist_ok=True)
@@ -217,8 +240,14 @@ class Trainer:
                       windows_from_events(events), (optimizer.state_dict(), torch.get_rng_state()),
                       mixture_history=[[0, mixture_summary(mixture)]])
         latest = latest_intact_dcp(trainer.ckpt_root)
+        if latest is None and branch_from is not None:
+            prefix = read_train_state(branch_from)["identity"]
+            if (prefix["model"], prefix["vocab_size"]) != (trainer.identity["model"], trainer.identity["vocab_size"]):
+                raise ValueError(f"{branch_from} holds another model (or vocabulary) than this run's: a branch goes on "
+                                 "from the prefix run's weights, so keep its model section and tokenizer")
+            latest = branch_from
         if latest is not None:
-            if read_train_state(latest)["identity"] != trainer.identity:
+            if latest != branch_from and read_train_state(latest)["identity"] != trainer.identity:
                 raise ValueError(
                     f"checkpoints in {trainer.ckpt_root} were written by a run with a different config (model, "
                     "optim, train run or vocabulary); use a fresh out_dir or delete that folder"
@@ -249,7 +278,18 @@ class Trainer:
 
     @property
     def tokens_per_step(self) -> int:
+        """Tokens of one step at `run.seq_len` (a data schedule's phases may train at other lengths)."""
         return self.rows_per_step * self.run_cfg.seq_len
+
+    @property
+    def planned_tokens(self) -> int:
+        """Tokens of all `run.steps` steps, each phase of a data schedule at its own sequence length."""
+        steps, done, tokens = self.run_cfg.steps, 0, 0
+        for phase in self.mixture.phases:
+            last = steps if phase is self.mixture.phases[-1] else min(phase.last_step, steps)
+            tokens += max(0, last - done) * self.rows_per_step * phase.seq_len
+            done = max(done, last)
+        return tokens + (steps - done) * self.tokens_per_step
 
     def is_log_step(self, step: int) -> bool:
         return step % self.run_cfg.log_every == 0 or step == self.run_cfg.steps
@@ -259,9 +299,20 @@ class Trainer:
         step = self.step + 1
         lr = lr_at(self.step, self.optim_cfg, self.run_cfg.steps) * lr_factor(step, self.windows)
         index = data_index(step, self.windows)
-        x, y, checksum = self.layout.batch(self.mixture, self.run_cfg.seed, index, self.rows_per_step,
-                                           self.run_cfg.seq_len)
-        return Batch(step, index, x, y, checksum, lr)
+        name, data, seq_len, slot = self.data_for(step)
+        x, y, checksum, rows = self.layout.batch(data, self.run_cfg.seed, index, self.rows_per_step, seq_len, slot)
+        return Batch(step, index, x, y, checksum, lr, name, rows, seq_len)
+
+    def data_for(self, step: int) -> tuple[str, Mixture, int, tuple[int, int]]:
+        """What 1-based `step` draws from: its phase's name, mixture, sequence length and slot (its
+        place in the phase, see `draw_batch`)."""
+        phase = self.mixture.phase_at(step)
+        if phase is None:
+            return NO_SCHEDULE, self.mixture, self.run_cfg.seq_len, (0, 1)
+        if phase.name not in self.phase_mixtures:
+            self.phase_mixtures[phase.name] = self.mixture.for_phase(phase)
+        slot = (min(step - phase.first_step, phase.num_steps - 1), phase.num_steps)
+        return phase.name, self.phase_mixtures[phase.name], phase.seq_len, slot
 
     def train(self, batch: Batch) -> StepOutput:
         for group in self.optimizer.param_groups:
@@ -271,18 +322,24 @@ class Trainer:
                                      self.run_cfg.grad_accum, grad_clip if grad_clip > 0 else float("inf"),
                                      self.optim_cfg.z_loss, self.optim_cfg.mtp_weight)
         self.steps_run += 1
+        self.tokens_run += self.rows_per_step * batch.seq_len
         if self.first_step_unix is None:
             self.first_step_unix = time.time()
-        return StepOutput(batch.step, loss, batch.lr, grad_norm, batch.checksum)
+        tokens = {name: rows * batch.seq_len for name, rows in batch.rows_by_domain.items()}
+        return StepOutput(batch.step, loss, batch.lr, grad_norm, batch.checksum, batch.phase, tokens)
 
     def record(self, out: StepOutput) -> None:
-        """Keep the update: it joins the curves and `step` moves to it."""
+        """Keep the update: it joins the curves, its tokens the loader's position, and `step` moves to it."""
         for name, value in zip(CURVES, (out.loss, out.lr, out.grad_norm, out.checksum)):
             self.curves[name].append((out.step, value))
+        by_source = self.source_tokens.setdefault(out.phase, {})
+        for name, tokens in out.tokens_by_domain.items():
+            by_source[name] = by_source.get(name, 0) + tokens
         self.step = out.step
 
     def save_checkpoint(self) -> None:
-        train_state = {"identity": self.identity, "curves": self.curves, "mixture_history": self.mixture_history}
+        train_state = {"identity": self.identity, "curves": self.curves, "mixture_history": self.mixture_history,
+                       "source_tokens": self.source_tokens}
         run_cfg = self.run_cfg
         save_dcp(self.ckpt_root, self.step, self.model, self.optimizer, train_state, run_cfg.keep_checkpoints,
                  run_cfg.keep_every)
@@ -295,6 +352,7 @@ class Trainer:
             state = load_dcp(checkpoint, self.model, self.optimizer)
             self.curves = {name: [tuple(p) for p in state["curves"][name]] for name in CURVES}
             self.step = state["step"]
+            self.source_tokens = state.get("source_tokens", {})
         else:
             self.layout.reinitialize(self.model, self.model_cfg, self.initial)
             self.optimizer.load_state_dict(self.fresh_state[0])
@@ -302,6 +360,7 @@ class Trainer:
             state = {}
             self.curves = {name: [] for name in CURVES}
             self.step = 0
+            self.source_tokens = {}
         self.optimizer.zero_grad(set_to_none=True)
         return state
 
@@ -321,7 +380,7 @@ class Trainer:
         tail = [loss for _, loss in self.curves["loss"][-FINAL_LOSS_WINDOW:]]
         return TrainResult(
             steps=run_cfg.steps,
-            tokens_seen=run_cfg.steps * self.tokens_per_step,
+            tokens_seen=self.planned_tokens,
             num_params=count_parameters(self.model_cfg, self.mixture.vocab_size),
             final_train_loss=sum(tail) / len(tail),
             val_loss=sum(val_by_domain.values()) / len(val_by_domain) if val_by_domain else None,
@@ -332,7 +391,7 @@ class Trainer:
             batch_checksum_curve=self.curves["batch_checksum"],
             mixture_history=[tuple(entry) for entry in self.mixture_history],
             wall_s=wall_s,
-            tokens_per_s=self.steps_run * self.tokens_per_step / train_s if train_s > 0 else 0.0,
+            tokens_per_s=self.tokens_run / train_s if train_s > 0 else 0.0,
             model_dir=self.out_dir / "model" if finished else None,
             resumed_from_step=self.resumed_from,
             num_rollbacks=len(self.windows),
@@ -342,6 +401,9 @@ class Trainer:
             rank0_local_numel=self.layout.broadcast(self.layout.local_numel(self.model)),
             started_unix=started_unix,
             first_step_unix=self.first_step_unix,
+            tokens_by_phase=self.source_tokens,
+            steps_trained=self.steps_run,
+            phases=[p.summary() for p in self.mixture.phases],
         )
 
 

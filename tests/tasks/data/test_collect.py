@@ -312,6 +312,18 @@ def test_licences_as_real_data_writes_them(tmp_path):
     assert "| s | GPL-2+ | GPL-2.0-or-later | allowed | 1 |" in markdown
 
 
+def test_licence_names_from_package_metadata_keep_their_documents(tmp_path):
+    # issue 34: on a held-out corpus these spellings were unknown and their documents removed
+    lines = [json.dumps({"text": text, "licence": licence}) for text, licence in [
+        (MIT_GRANT, "The MIT License (MIT)"), (MIT_NOTICE, "MIT Licence"),
+        (GPL_INTRO, "License :: OSI Approved :: Apache Software License")]]
+    stats, out = _collect_one(tmp_path, lines)
+    assert stats["removed"] == {} and stats["quarantined"] == {}
+    assert [(d["licence"], d["metadata"]["licence_as_written"]) for d in shards.records(out)] == [
+        ("MIT", "The MIT License (MIT)"), ("MIT", "MIT Licence"),
+        ("Apache-2.0", "License :: OSI Approved :: Apache Software License")]
+
+
 def test_licence_settings_are_checked_before_anything_is_written(corpus):
     with pytest.raises(ConfigError, match=r"collect.allowed_licences: allowed licence \[1\] 'MIT OR GPL-2\+'"):
         collect_documents(_config(allowed_licences=["MIT", "MIT OR GPL-2+"]), corpus)

@@ -13,6 +13,7 @@ import pytest
 from pydantic import ValidationError
 
 from kiln.tasks.data.collect import CollectConfig, collect_documents
+from kiln.tasks.data.inspection import accounting
 from kiln.tasks.data.sources import SourceConfig
 from tests.fixtures import shards
 
@@ -71,6 +72,9 @@ def test_domain_field_gives_each_record_its_domain_with_the_source_domain_as_fal
     assert [(d["id"], d["domain"]) for d in shards.records(out)] == [
         ("j/1", "news"), ("j/2", "legal"), ("j/3", "misc"), ("j/4", "misc"), ("p/t", "legal")]
     assert stats["by_domain"] == {"legal": 2, "misc": 2, "news": 1}
+    # the removals report counts each record under its own domain, as the shards read back say (issue 37)
+    assert {d: row["kept"]["docs"] for d, row in stats["accounting"].items()} == {"legal": 2, "misc": 2, "news": 1}
+    assert stats["accounting"] == accounting(out)
     quarantined = shards.records(out, "quarantine")
     assert [(q["reason"], q["line"]) for q in quarantined] == [("unknown_domain", 5), ("unknown_domain", 6)]
     assert "'sports', not one of the source's domains ['misc', 'news', 'legal']" in quarantined[0]["detail"]

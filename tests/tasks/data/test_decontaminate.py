@@ -353,3 +353,77 @@ def test_shards_scanned_in_parallel_give_what_one_shard_gives(tmp_path):
     assert outputs[0][0]["removed"] == {"contaminated:licence_qa": 8}
     assert [e["doc_id"] for e in json.loads(outputs[0][3])["benchmarks"]["licence_qa"]["examples"]] == [
         "0-quoted", "0-thirteen", "1-quoted", "1-thirteen", "2-quoted"]
+
+
+# Mixed-script eval items (issue 34): Chinese and Japanese technical text interleaved with Latin terms,
+# paths, identifiers and versions. Each holds fewer than 50 unspaced characters, so character n-grams of
+# the unspaced characters alone never formed one, and fewer than 13 Latin words: nothing found it.
+ZH_NETWORK = (
+    "在 Ubuntu 22.04 上配置静态地址时，先用 sudo 编辑 /etc/network/interfaces 文件，把 eth0 的 "
+    "iface 设为 static，再运行 systemctl restart networking 使配置生效，最后检查地址是否正确，并重新启动服务器。"
+)
+ZH_CODE = (
+    "调用 torch.nn.functional.scaled_dot_product_attention 时，如果 attn_mask 的形状与 query 不一致，"
+    "PyTorch 2.1 会抛出 RuntimeError；请先检查 batch_size、num_heads 和 seq_len 三个维度"
+    "是否与模型的配置完全一致，然后重新运行训练脚本。"
+)
+JA_DOCKER = (
+    "Dockerコンテナを起動するには、docker run -it --rm ubuntu:22.04 bash を実行します。"
+    "イメージがない場合はdocker pullで取得し、docker psでコンテナの状態を確認してください。"
+)
+MIXED_ITEMS = {"zh_network": ZH_NETWORK, "zh_code": ZH_CODE, "ja_docker": JA_DOCKER}
+
+
+def _as_pasted(text: str) -> str:
+    """The item as a web page or wiki carries it: non-breaking spaces around the Latin words, a zero-width
+    space and a soft hyphen inside, full-width punctuation and another line wrapping."""
+    text = text.replace(" ", "\u00a0").replace("，", ",\n").replace("。", "．")
+    return text.replace("network", "net\u00adwork").replace("docker", "\u200bdocker", 1)
+
+
+def test_mixed_script_text_gives_one_token_per_latin_word_inside_character_ngrams():
+    from kiln.tasks.data.decontaminate import mixed_tokens
+
+    tokens = words("用python3运行 /etc/network/interfaces 文件")
+    assert split_scripts(tokens) == (["python3", "etcnetworkinterfaces"], list("用运行文件"))
+    assert mixed_tokens(tokens) == ["用", "python3", "运", "行", "etcnetworkinterfaces", "文", "件"]
+    assert mixed_tokens(words("only latin words here")) == []
+    for item in MIXED_ITEMS.values():
+        spaced, unspaced = split_scripts(words(item))
+        assert len(unspaced) < 50 and len(spaced) < 13  # neither kind of n-gram of old formed
+        assert len(mixed_tokens(words(item))) >= 50
+        assert Grams.of(item, 13, 50).char_grams  # the mixed tokens do
+    # Pure CJK text keeps exactly its old character n-grams; a window of Latin words alone is no character n-gram.
+    zh = "人人生而自由，在尊严和权利上一律平等。他们赋有理性和良心，并应以兄弟关系的精神相对待。"
+    assert len(Grams.of(zh, 13, 10).char_grams) == len(split_scripts(words(zh))[1]) - 10 + 1
+    latin_then_cjk = " ".join(["word"] * 20) + " 中文"
+    assert len(Grams.of(latin_then_cjk, 13, 5).char_grams) == 2  # the windows ending in 中 and in 文
+
+
+def test_mixed_script_items_pasted_with_nbsp_zero_width_and_other_punctuation_are_found(tmp_path):
+    train = [
+        ("zh_blog", "网络配置笔记。\n" + _as_pasted(ZH_NETWORK) + "\nThat is all for today."),
+        ("zh_forum", "Q: attention error\n\n" + _as_pasted(ZH_CODE).upper()),
+        ("ja_wiki", "## 手順\n\n" + _as_pasted(JA_DOCKER) + "\n\n以上です。"),
+        # the same Chinese and Japanese sentences about other software: every Latin word differs
+        ("zh_other", ZH_NETWORK.replace("Ubuntu 22.04", "Debian 12").replace("sudo", "doas")
+         .replace("/etc/network/interfaces", "/etc/systemd/network/10-eth.network").replace("eth0", "enp3s0")
+         .replace("iface", "Address").replace("static", "manual").replace("systemctl restart networking",
+                                                                            "networkctl reload now")
+         ),
+        ("ja_other", JA_DOCKER.replace("Docker", "Podman").replace("docker", "podman")
+         .replace("-it --rm ubuntu:22.04 bash", "-d --name web nginx:1.25 sh")),
+        ("english", GPL_FREEDOM),
+    ]
+    work = tmp_path / "mixed"
+    (work / "out").mkdir(parents=True)
+    evals = work / "mixed_qa.jsonl"
+    evals.write_text("".join(json.dumps({"id": name, "text": text}, ensure_ascii=False) + "\n"
+                             for name, text in MIXED_ITEMS.items()), encoding="utf-8")
+    write_documents(work / "in.jsonl", [Document(i, t, "web", "multilingual", "MIT") for i, t in train])
+    stats = decontaminate_documents(DecontaminateConfig(), [work / "in.jsonl"], [evals], work / "out")
+    assert sorted(r["id"] for r in records(work / "out", "removed")) == ["ja_wiki", "zh_blog", "zh_forum"]
+    assert stats["num_kept"] == 3
+    report = json.loads((work / "out" / "contamination.json").read_text())["benchmarks"]["mixed_qa"]
+    assert sorted(report["contaminated_eval_docs"]) == sorted(MIXED_ITEMS)
+    assert report["num_eval_docs_too_short"] == 0

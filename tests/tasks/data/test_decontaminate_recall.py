@@ -197,3 +197,30 @@ def test_chinese_and_japanese_passages_pasted_into_training_documents_are_found(
     words_only = found("words", char_ngram_size=10_000)  # longer than any text: no character n-gram
     print(f"word n-grams alone: {len(words_only)} of 8 pasted passages found")
     assert len(words_only) < 8 and all(probe.startswith("pasted/") for probe in words_only)
+
+
+def test_mixed_script_ngrams_flag_no_more_clean_cjk_passages_than_character_ngrams_did():
+    """Every 150-character passage of the Chinese and Japanese man pages held out of the corpus (translated
+    man pages: Chinese and Japanese interleaved with option names, paths and commands) against the rest
+    of the multilingual sample, by raw n-gram overlap (no boilerplate rule): the mixed-script n-grams
+    (issue 34) flag exactly the passages that character n-grams of the unspaced characters alone flagged."""
+    from kiln.tasks.data.decontaminate import _CHARS, _hash
+
+    def unspaced_only(text: str, size: int = 50) -> set[int]:  # the character n-grams before issue 34
+        chars = "".join(split_scripts(words(text))[1])
+        return {_hash(chars[i : i + size], _CHARS) for i in range(len(chars) - size + 1)}
+
+    def mixed(text: str) -> set[int]:
+        return set(Grams.of(text, 13, 50).char_grams)
+
+    records = [json.loads(line) for line in (SAMPLE / "multilingual/multilingual.jsonl").read_text().splitlines()]
+    held = [r for r in records if r["metadata"]["fasttext_lang"] in ("zh", "ja")
+            and int(hashlib.sha256(r["id"].encode()).hexdigest(), 16) % 3 == 0]
+    train = [r["text"] for r in records if r not in held]
+    before, after = set().union(*map(unspaced_only, train)), set().union(*map(mixed, train))
+    passages = [r["text"][start : start + 150] for r in held for start in range(0, len(r["text"]) - 150, 75)]
+    flagged_before = [i for i, p in enumerate(passages) if unspaced_only(p) & before]
+    flagged_after = [i for i, p in enumerate(passages) if mixed(p) & after]
+    print(f"{len(passages)} clean passages: flagged {len(flagged_before)} before, {len(flagged_after)} after")
+    assert len(passages) > 300 and len(flagged_before) <= 3
+    assert flagged_after == flagged_before

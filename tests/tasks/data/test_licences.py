@@ -55,6 +55,20 @@ def test_licence_strings_normalise_to_spdx(written, spdx):
         ("CC0 1.0 Universal (CC0 1.0) Public Domain Dedication", "CC0-1.0"),
         ("Public Domain", "LicenseRef-public-domain"),
         ("Creative Commons Attribution 4.0 International", "CC-BY-4.0"),
+        # spellings real package metadata carries (issue 34): a leading "The", the id repeated in
+        # parentheses, British spelling, the Apache classifier without a version
+        ("The MIT License (MIT)", "MIT"),
+        ("the mit license", "MIT"),
+        ("MIT Licence", "MIT"),
+        ("The MIT Licence", "MIT"),
+        ("License :: OSI Approved :: MIT Licence", "MIT"),
+        ("Apache Software License", "Apache-2.0"),
+        ("License :: OSI Approved :: Apache Software License", "Apache-2.0"),
+        ("Apache Licence, Version 2.0", "Apache-2.0"),
+        ("The Apache License, Version 2.0", "Apache-2.0"),
+        ("BSD Licence", "BSD-3-Clause"),
+        ("GNU General Public Licence v3 (GPLv3)", "GPL-3.0-only"),
+        ("The Unlicense (Unlicense)", "Unlicense"),
     ],
 )
 def test_licence_names_as_package_indexes_write_them_map_to_spdx(written, spdx):
@@ -62,7 +76,7 @@ def test_licence_names_as_package_indexes_write_them_map_to_spdx(written, spdx):
     assert POLICY.judge(written).spdx == spdx
 
 
-@pytest.mark.parametrize("written", ["Apache Software License", "Other/Proprietary License", "Freely Distributable"])
+@pytest.mark.parametrize("written", ["Other/Proprietary License", "Freely Distributable", "The License", "Apache License"])
 def test_licence_names_that_do_not_say_which_licence_stay_unknown(written):
     assert POLICY.judge(written).status == "unknown"  # reported as written, never guessed
 

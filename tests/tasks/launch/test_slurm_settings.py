@@ -89,3 +89,26 @@ def test_the_local_cluster_accepts_the_rendered_script_and_refuses_what_its_node
                           (SlurmSettings(sbatch_lines=("--nodelist=no-such-node",)), "node name")):
         done = test_only(refused)
         assert done.returncode != 0 and says in done.stderr.lower(), (refused, done.stderr)
+
+
+def test_cpus_per_task_is_a_setting_of_training_and_data_jobs(slurm_cluster, tmp_path):
+    """`cluster.slurm.cpus_per_task`, a key of its own (no raw sbatch line): a training node's CPUs (with
+    GPUs too) and each data array task's; the local cluster takes what its node has and refuses more."""
+    from kiln.tasks.data.executors import ExecutorSettings, build_executor
+
+    cfg = load_config("configs/tiny.yaml", ["cluster.slurm.cpus_per_task=2"])
+    assert cfg.cluster.slurm.cpus_per_task == 2
+    training = render(tmp_path, SlurmSettings(cpus_per_task=6), gpus_per_node=8)
+    assert "#SBATCH --cpus-per-task=6" in training and "srun --kill-on-bad-exit=1 --cpus-per-task=6" in training
+    assert "#SBATCH --cpus-per-task=1" in render(tmp_path, SlurmSettings())  # CPU-only: one per process, as before
+
+    data = build_executor([], tmp_path / "logs", tasks=4, jobs=2, job_name="kiln_x",
+                          settings=ExecutorSettings("slurm", slurm=SlurmSettings(cpus_per_task=2)))
+    assert "#SBATCH --cpus-per-task=2" in data.get_launch_file_contents(data.get_sbatch_args(2), "true").splitlines()
+    for cpus, accepted in ((slurm_cluster.cpus, True), (slurm_cluster.cpus + 1, False)):
+        script = tmp_path / "data.sbatch"
+        data = build_executor([], tmp_path / "logs", tasks=4, jobs=2, job_name="kiln_x",
+                              settings=ExecutorSettings("slurm", slurm=SlurmSettings(cpus_per_task=cpus, mem="1G")))
+        script.write_text(data.get_launch_file_contents(data.get_sbatch_args(2), "true"))
+        done = subprocess.run(["sbatch", "--test-only", str(script)], capture_output=True, text=True)
+        assert (done.returncode == 0) is accepted, (cpus, done.stderr)

@@ -40,3 +40,6 @@ def test_the_train_run_logs_the_plans_lr_it_used_and_no_unused_optim_lr(tmp_path
     assert float(params["used.optim.lr"]) == PLANNED_LR
     assert params["used.run.steps"] == "2" and params["used.model.d_model"] == str(cfg.train.model.d_model)
     assert params["train.optim.weight_decay"] == params["used.optim.weight_decay"]  # the rest as configured
+    # the bundled config's data schedule: step 1 in phase main, step 2 in the quality curriculum, charted
+    history = MlflowClient(cfg.tracking_uri).get_metric_history(outcome.mlflow_run_id, "data.phase")  # MLflow names: "/" becomes "."
+    assert [(m.step, m.value) for m in history] == [(2, 1.0)] and len(cfg.train.phases) == 2

@@ -1,0 +1,106 @@
+"""The train stage's data schedule: `train.phases` (`DataPhase`s) made into the `Phase`s of a `Mixture`.
+
+Each phase's step range comes from its bound (`until_step`, or `until_tokens`: the share of the
+run's token budget, counting each earlier phase at its own sequence length), its sources from its
+mixture over the mix stage's domains (their train shards), and, for `order: quality`, from a
+curriculum shard per domain written under the run's folder: the domain's train documents sorted by
+the clean stage's quality score, ascending (unscored ones first, as the least known), which the
+loader walks through once over the phase (`tasks.train.data_loader`).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+
+from kiln.tasks.constants import DOC_INDEX_SUFFIX
+from kiln.tasks.errors import ConfigError, InputError
+from kiln.tasks.train.config import DataPhase, TrainRunConfig, check_phases
+from kiln.tasks.train.data_loader import DomainSource, Mixture, Phase
+
+SCHEDULE_DIR = "data_schedule"  # the curriculum shards, under the run's folder
+
+
+def phase_bounds(phases: list[DataPhase], run: TrainRunConfig, where: str) -> list[tuple[int, int, int]]:
+    """(first step, last step, seq_len) of each phase; the last ends at run.steps. A phase bounded by a
+    token share keeps at least one step (and leaves one to each later phase) where the run is long
+    enough; a ConfigError when a phase would be empty or end past the run."""
+    budget = run.steps * run.batch_size * run.seq_len
+    out, done, tokens = [], 0, 0
+    for i, phase in enumerate(phases):
+        seq_len = phase.seq_len or run.seq_len
+        if phase.until_step is not None:
+            last = phase.until_step
+        elif phase.until_tokens is not None:
+            last = done + math.ceil(round((phase.until_tokens * budget - tokens) / (run.batch_size * seq_len), 9))
+        else:
+            last = run.steps
+        later = len(phases) - 1 - i
+        if phase.until_tokens is not None:  # a share rounds: every phase keeps at least one step where it can
+            last = min(max(last, done + 1), run.steps - later)
+        if last <= done or last > run.steps - later:
+            raise ConfigError(f"{where}[{i}] ({phase.name!r}) would train steps {done + 1}..{last} of a "
+                              f"{run.steps}-step run, before {later} more phase(s): move its bound so that every "
+                              "phase holds at least one step")
+        tokens += (last - done) * run.batch_size * seq_len
+        out.append((done + 1, last, seq_len))
+        done = last
+    return out
+
+
+def quality_ordered(train: tuple[Path, ...], dtype: str, out: Path, where: str) -> Path:
+    """Write the documents of the train shards `train` to `out`, ascending by quality score (unscored
+    first, ties in corpus order)."""
+    missing = [str(p.with_suffix(DOC_INDEX_SUFFIX)) for p in train if not p.with_suffix(DOC_INDEX_SUFFIX).is_file()]
+    if missing:
+        raise InputError(f"{where}: order quality reads each shard's document index, and {missing} do not exist "
+                         "(the tokenize stage writes them): re-run tokenize, or use order: random")
+    indexes = [np.load(p.with_suffix(DOC_INDEX_SUFFIX)) for p in train]
+    quality = np.concatenate([ix["quality"] for ix in indexes] or [np.zeros(0)])
+    if not len(quality) or np.isnan(quality).all():
+        raise ConfigError(f"{where}: order quality, but no train document of the domain has a quality_score "
+                          "(set clean.quality_model or clean.quality_training), or use order: random")
+    order = np.argsort(np.where(np.isnan(quality), -np.inf, quality), kind="stable")
+    token_dtype = np.dtype(dtype).newbyteorder("<")
+    docs = []  # (shard tokens, start, end) in corpus order
+    for path, ix in zip(train, indexes):
+        tokens = np.memmap(path, dtype=token_dtype, mode="r") if path.stat().st_size else np.zeros(0, token_dtype)
+        ends = ix["end"]
+        starts = np.concatenate([[0], ends[:-1]])
+        docs += [(tokens, int(s), int(e)) for s, e in zip(starts, ends)]
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out, "wb") as handle:
+        handle.writelines(docs[i][0][docs[i][1]:docs[i][2]].tobytes() for i in order)
+    return out
+
+
+def scheduled_mixture(base: Mixture, phases: list[DataPhase], run: TrainRunConfig, out_dir: Path,
+                      where: str = "train.phases") -> Mixture:
+    """`base` (the mix stage's mixture: its domains, their shards and validation) with the phases of
+    `phases`; `out_dir` holds the curriculum shards. No phases: `base` itself."""
+    if not phases:
+        return base
+    try:
+        check_phases(phases)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+    built = []
+    for i, (phase, (first, last, seq_len)) in enumerate(zip(phases, phase_bounds(phases, run, where))):
+        weights = phase.mixture or {name: d.weight for name, d in base.domains.items()}
+        unknown = sorted(set(weights) - set(base.domains))
+        if unknown:
+            raise ConfigError(f"{where}[{i}].mixture: domains {unknown} are not in the mixture; known: "
+                              f"{sorted(base.domains)}")
+        total = sum(weights.values())
+        domains = {}
+        for name, weight in weights.items():
+            train, ordered = base.domains[name].train, phase.order == "quality" and weight > 0
+            if ordered:
+                train = (quality_ordered(train, base.dtype, out_dir / SCHEDULE_DIR / phase.name / f"{name}.bin",
+                                         f"{where}[{i}] ({phase.name!r}), domain {name!r}"),)
+            domains[name] = DomainSource(weight=weight / total, train=train, val=(), ordered=ordered)
+        built.append(Phase(name=phase.name, first_step=first, last_step=last, seq_len=seq_len, domains=domains))
+    return Mixture(domains=base.domains, dtype=base.dtype, vocab_size=base.vocab_size, eos_id=base.eos_id,
+                   phases=tuple(built))
