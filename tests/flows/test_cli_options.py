@@ -9,7 +9,7 @@ from kiln.flows.cli import NO_CONFIG_COMMANDS, _load, _parse_intermixed, build_p
 
 FIRST = {"stage": "collect", "lineage": "collect", "inspect": "clean", "dedup-batch": "batch.jsonl",
          "export": "anneal", "slurm": "status"}  # the commands whose first argument is no config
-REQUIRED = {"export": ["--out", "hf"]}
+REQUIRED = {"export": ["--out", "hf"], "adjust": ["--from-step", "10"]}
 
 
 def _commands() -> dict[str, argparse.ArgumentParser]:
