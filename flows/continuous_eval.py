@@ -101,7 +101,7 @@ def _mirror_to_mlflow(cfg: KilnConfig, target: EvalTarget, rows: dict[tuple[int,
         logged = {name: tracker.metric_steps(run_id, f"{name}/num_docs") for name in {t for _, t in rows}}
         new: list[int] = []
         for (step, task_name), row in sorted(rows.items()):
-            if step in logged[task_name]:
+            if step in logged[task_name] or row.get("skipped"):  # skipped: nothing scored to log
                 continue
             tracker.log_metrics(run_id, {**row["metrics"], f"{task_name}/eval_wall_s": row["wall_s"]}, step)
             new.append(step)

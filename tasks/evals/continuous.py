@@ -347,11 +347,18 @@ def _score(target: EvalTarget, step: int, tasks: Sequence[str]) -> CheckpointOut
     wall_s = time.perf_counter() - started
     evaluated_at = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     scored = [t for t in results["versions"] if t in tasks]
+    # a task this checkpoint cannot be given (a passkey past its context) is recorded as skipped, with why,
+    # under the version the plan asks for: the step is done for it, not retried at every pass
+    not_built = {t: why for t, why in results.get("kiln_skipped_tasks", {}).items() if t in tasks and t not in scored}
+    wanted_versions = suite_versions(target.evaluate) if not_built else {}
     _record(target, step, results, [
         {"step": step, "task": task, "version": str(results["versions"][task]), "wall_s": wall_s,
          "metrics": {k: v for k, v in metrics.items() if k.startswith(f"{task}/")},
          "marker_sha256": marker_sha256, "evaluated_at": evaluated_at}
-        for task in scored])
+        for task in scored] + [
+        {"step": step, "task": task, "version": wanted_versions.get(task, "unknown"), "wall_s": wall_s, "metrics": {},
+         "skipped": why, "marker_sha256": marker_sha256, "evaluated_at": evaluated_at}
+        for task, why in not_built.items()])
     return CheckpointOutcome(step, True, metrics=metrics, wall_s=wall_s, tasks=tuple(scored))
 
 
