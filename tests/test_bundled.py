@@ -40,7 +40,7 @@ def test_kiln_names_are_kilns_own_files_and_name_them_in_errors(elsewhere):
     assert packaged_name(shipped("data") / "evals" / "heldout.jsonl") == "kiln:data/evals/heldout.jsonl"
     assert packaged_name(elsewhere) is None
     with pytest.raises(ConfigError, match=r"kiln:configs/tinny.yaml: Kiln ships no such file; kiln:configs/ holds "
-                                          r"clusters, default.yaml, examples, models, project, tiny.yaml"):
+                                          r"clusters, default.yaml, examples, models, project, research, tiny.yaml"):
         packaged("kiln:configs/tinny.yaml")
     with pytest.raises(ConfigError, match="Kiln's own files are under kiln:configs/, kiln:infra/, kiln:data/"):
         packaged("kiln:default.yaml")
