@@ -117,14 +117,15 @@ def train_with_launcher(model_cfg: ModelConfig, optim_cfg: OptimConfig, run_cfg:
 
 class LiveReport:
     """While a launched job runs, every `interval_s` (and once more as it ends): the lines rank 0 has
-    appended to `train_metrics.jsonl` since the last look go to `on_metrics`, and those of
-    `health_events.jsonl` (a rollback, giving up) to `on_event`. Only whole lines count (a line being
-    written waits for the next look). A relaunched job logs the steps after its checkpoint again: they
+    appended to `health_events.jsonl` (a rollback, giving up) since the last look go to `on_event`, then
+    those of `train_metrics.jsonl` to `on_metrics`. Only whole lines count (a line being written waits
+    for the next look). A relaunched job logs the steps after its checkpoint again: they
     are reported again, as they ran. A callback that raises is logged, never stops the wait."""
 
     def __init__(self, out_dir: Path, on_metrics: Callable[[int, dict[str, float]], None] | None,
                  on_event: Callable[[dict[str, Any]], None] | None, interval_s: float = 0.5) -> None:
-        self.files = [(out_dir / METRICS_LOG, self._metrics, on_metrics), (out_dir / EVENTS_FILE, on_event, on_event)]
+        # events first at every look: an alert must not wait behind a backlog of metrics
+        self.files = [(out_dir / EVENTS_FILE, on_event, on_event), (out_dir / METRICS_LOG, self._metrics, on_metrics)]
         self.offsets = {path: 0 for path, _, _ in self.files}
         self.interval_s = interval_s
         self._stop = threading.Event()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import time
 
 import pytest
 
@@ -58,7 +59,7 @@ def test_up_restarts_what_stopped_or_died_as_it_was(tmp_path, capsys):
             os.waitpid(server.pid, 0)
             with socket.socket() as squatter:
                 squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-                squatter.bind(("127.0.0.1", ports["mlflow"]))
+                bind_when_free(squatter, ports["mlflow"])
                 squatter.listen()
                 capsys.readouterr()
                 assert main(["up", f"work_dir={home}"]) == 2
@@ -68,3 +69,17 @@ def test_up_restarts_what_stopped_or_died_as_it_was(tmp_path, capsys):
             assert LOG_MARK not in message and "GET /health" not in message  # not the earlier servers' log
         finally:
             main(["down", f"work_dir={home}"])
+
+
+def bind_when_free(sock: socket.socket, port: int, wait_s: float = 20.0) -> None:
+    """Bind `port` once the killed server's last worker has let go of it: SIGKILL to its group returns
+    before every process in it has closed its sockets."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            sock.bind(("127.0.0.1", port))
+            return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)

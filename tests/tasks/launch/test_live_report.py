@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from mlflow.entities import Metric
 from mlflow.tracking import MlflowClient
 
 from kiln.tasks.launch.cluster import ClusterSpec
@@ -36,8 +37,7 @@ def test_metrics_and_a_loss_alert_arrive_while_the_job_runs(slurm_cluster, tmp_p
     seen_live: dict[str, bool] = {}
 
     def on_metrics(step: int, metrics: dict[str, float]) -> None:
-        for name, value in metrics.items():
-            client.log_metric(run_id, name.replace("/", "."), value, step=step)
+        client.log_batch(run_id, [Metric(name.replace("/", "."), value, 0, step) for name, value in metrics.items()])
         if "loss" in metrics and "metrics" not in seen_live:
             in_mlflow = bool(client.get_metric_history(run_id, "loss"))
             seen_live["metrics"] = in_mlflow and not (out / WORKER_RESULT).exists()
