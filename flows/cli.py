@@ -37,10 +37,13 @@ from kiln.flows.image import check_image, find_runtime, installation_problems
 from kiln.flows.project import init_project
 from kiln.flows.servers import (
     ENV_FILE,
+    REAP_EVERY_S,
     read_servers,
     running_work_dirs,
     servers_dir,
+    start_reaper,
     start_servers,
+    stop_reaper,
     stop_servers,
     stop_workers,
 )
@@ -52,8 +55,10 @@ from kiln.tasks.config import (  # noqa: E402
     load_config,
 )
 from kiln.tasks.continuous_state import status_lines
+from kiln.tasks.crashes import reap_tracked, stale_tracked
 from kiln.tasks.data.inspection import REPORT_JSON, render_sample, samples
 from kiln.tasks.errors import KilnError  # noqa: E402
+from kiln.tasks.evals.continuous import seconds
 from kiln.tasks.graph import stage_keys
 from kiln.tasks.launch.cluster import ClusterSpec, where_it_ran
 from kiln.tasks.launch.local_slurm import LocalSlurmCluster
@@ -68,6 +73,7 @@ from kiln.tasks.settings import KilnConfig, open_tracker
 from kiln.tasks.stages import REGISTRY
 from kiln.tasks.stages._common import SLURM_LOGS
 from kiln.tasks.store import Store
+from kiln.tasks.tracking import MlflowTracker
 from kiln.tasks.train.config import ModelConfig
 
 if TYPE_CHECKING:
@@ -396,12 +402,61 @@ def cmd_status(ns: argparse.Namespace) -> int:
     schedule = continuous_eval_schedule()  # with a Prefect server (kiln up's env) that has the deployment
     if schedule is not None:
         print(schedule)
+    stale = _stale(cfg)
+    if stale:
+        print(f"{len(stale)} record(s) a crash left running (kiln reap marks them; kiln up's reaper does every "
+              f"{REAP_EVERY_S} s):")
+        for line in stale:
+            print(f"  stale: {line}")  # whole: the reason is the point
     abandoned = store.abandoned_partials(keys)
     if abandoned:
         print(f"{len(abandoned)} abandoned partial folder(s) of keys this config no longer uses "
               f"(`kiln prune` removes them): {', '.join(str(p.relative_to(store.root)) for p in abandoned)}")
     if ns.json:
         print(json.dumps(keys, indent=2))
+    return 0
+
+
+def _tracker_if_any(cfg: KilnConfig) -> MlflowTracker | None:
+    """The config's MLflow experiment where there is one to read: a server, a configured store, or the
+    work dir's SQLite file once a run created it (reading must not create one)."""
+    uri = cfg.tracking_uri
+    if uri.startswith("sqlite:///") and not Path(uri.removeprefix("sqlite:///")).is_file():
+        return None
+    return open_tracker(cfg)
+
+
+def _stale(cfg: KilnConfig) -> list[str]:
+    """What a crash left running, as `kiln status` lists it: Prefect's records too with a Prefect server."""
+    tracker = _tracker_if_any(cfg)
+    if os.environ.get("PREFECT_API_URL"):
+        from kiln.flows.crashes import stale  # defers prefect
+
+        return stale(tracker)
+    if tracker is None:
+        return []
+    return [f"MLflow run {name} ({run_id}) still RUNNING: {why}" for run_id, (name, why) in stale_tracked(tracker).items()]
+
+
+def cmd_reap(ns: argparse.Namespace) -> int:
+    cfg, _, _ = _load(ns)
+    tracker = _tracker_if_any(cfg)
+    if os.environ.get("PREFECT_API_URL"):
+        from kiln.flows.crashes import reap_crashed, reap_every  # defers prefect
+
+        if ns.every is not None:
+            reap_every(tracker, seconds(ns.every))
+        tasks, runs = reap_crashed(tracker, say=True)
+    elif ns.every is not None:
+        raise KilnError("--every keeps reaping a Prefect server's records: give it one (kiln up, then "
+                        "source <work_dir>/servers/env), or run kiln reap once without --every")
+    else:
+        reaped = reap_tracked(tracker) if tracker is not None else {}
+        for run_id, why in reaped.items():
+            print(f"marked FAILED: MLflow run {run_id}: {why}")
+        tasks, runs = 0, len(reaped)
+    print(f"marked {tasks} Prefect task run(s) and {runs} MLflow run(s) that a crash left running"
+          + ("" if os.environ.get("PREFECT_API_URL") else " (no Prefect server: MLflow's runs only)"))
     return 0
 
 
@@ -544,6 +599,10 @@ def cmd_up(ns: argparse.Namespace) -> int:
         print(f"restarted {', '.join(restarted)} (it had stopped or died) on the port and database it had")
     for server in servers:
         print(f"{server.name:<8} {server.ui:<24} pid {server.pid}  log {server.log}")
+    pid, started = start_reaper(cfg.work_dir, list(ns.args))
+    print(f"{'reaper':<8} {'every ' + str(REAP_EVERY_S) + ' s':<24} pid {pid}  log "
+          f"{servers_dir(cfg.work_dir) / 'reaper.log'}  (marks what a crash left running"
+          f"{', started now' if started else ''})")
     if any(server.name == "postgres" for server in servers):
         print(f"its role and password (owner-only; keep it): {servers_dir(cfg.work_dir) / DATABASE_SECRETS}")
     print(f"\npoint kiln, workers and deployments at them:  source {servers_dir(cfg.work_dir) / ENV_FILE}")
@@ -564,6 +623,9 @@ def cmd_down(ns: argparse.Namespace) -> int:
         print(f"stopped kiln worker(s): pid {', '.join(map(str, workers))} (the flow runs they started go on)")
     if still:
         print(f"kiln worker(s) still running after SIGTERM: pid {', '.join(map(str, still))} (kill them with kill -9)")
+    reaper = stop_reaper(work)
+    if reaper is not None:
+        print(f"stopped the reaper: pid {reaper}")
     stopped = stop_servers(work)
     print(f"stopped: {', '.join(stopped)}" if stopped else f"no kiln servers were running for {work}")
     others = [w for w in running if w != work]
@@ -820,6 +882,12 @@ def build_parser() -> argparse.ArgumentParser:
                     help="e.g. postgresql+asyncpg://user:pass@host/prefect (default: $KILN_PREFECT_DATABASE, else SQLite)")
     up.add_argument("--mlflow-database", default=os.environ.get("KILN_MLFLOW_DATABASE"), metavar="URL",
                     help="e.g. postgresql://user:pass@host/mlflow (default: $KILN_MLFLOW_DATABASE, else SQLite)")
+    reap = add("reap", "Mark what a crash left running (a worker or machine killed, no worker started since): "
+               "MLflow runs RUNNING whose process died, or whose Prefect flow run ended, FAILED, and Prefect task runs "
+               "Running in an ended flow run Crashed, each with the reason; prints each. `kiln up` starts one with "
+               f"--every {REAP_EVERY_S}s beside its servers; `kiln status` lists what it would mark.", cmd_reap)
+    reap.add_argument("--every", metavar="DURATION", help="keep reaping at this interval (30s, 1m) until stopped "
+                      "(needs a Prefect server: PREFECT_API_URL)")
     add("down", "Stop the servers `kiln up` started for a working directory (Kiln's PostgreSQL last; its cluster "
         "is kept): the one given (--work-dir), else this folder's, else the last `kiln up`'s, wherever it was; names "
         "the others still running.", cmd_down,

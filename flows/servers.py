@@ -44,6 +44,8 @@ LAST_STATE_FILE = "servers.last.json"  # what `down` stopped: the next `up` star
 ENV_FILE = "env"
 LOG_MARK = "---- kiln up starts"  # written to a server's log before each start: its tail is this start's
 WORKERS_DIR = "workers"  # under servers/: one file per running `kiln worker` of these servers, named by its pid
+REAPER_FILE = "reaper.json"  # under servers/: the reaper `up` started beside the servers (pid, command)
+REAP_EVERY_S = 30  # how often the reaper marks what a crash left running
 WORKER_STOP_S = 10.0  # how long a worker may take to stop on SIGTERM (`kiln worker` kills its Prefect worker then)
 
 
@@ -377,3 +379,46 @@ def _reap(pid: int) -> None:
         os.waitpid(pid, os.WNOHANG)
     except ChildProcessError:
         pass
+
+
+def start_reaper(work_dir: str | Path, config_args: list[str]) -> tuple[int, bool]:
+    """Start the reaper beside the running servers unless it runs: `kiln reap --every 30s` on the config
+    `config_args` name (its MLflow experiment), pointed at these servers, its output in servers/reaper.log.
+    It marks what a crash left running with no worker or flow around (`flows.crashes`). Returns its pid
+    and whether it was started now."""
+    folder = servers_dir(work_dir)
+    record = folder / REAPER_FILE
+    if record.is_file():
+        pid = json.loads(record.read_text())["pid"]
+        if _alive(pid):
+            return pid, False
+    urls = {s.name: s.url for s in _recorded(folder)}
+    env = {**os.environ, "PREFECT_API_URL": urls["prefect"], "MLFLOW_TRACKING_URI": urls["mlflow"],
+           "PREFECT_HOME": str(folder.parent / "prefect")}
+    command = [sys.executable, "-m", "kiln.flows.cli", "reap", "--every", f"{REAP_EVERY_S}s", *config_args,
+               f"work_dir={folder.parent}"]
+    with open(folder / "reaper.log", "ab") as out:
+        out.write(f"{LOG_MARK} reaper: {time.strftime('%Y-%m-%d %H:%M:%S')} ----\n".encode())
+        out.flush()
+        process = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                   start_new_session=True)
+    _write_private(record, json.dumps({"pid": process.pid, "command": command}))
+    return process.pid, True
+
+
+def stop_reaper(work_dir: str | Path) -> int | None:
+    """Stop the reaper of these servers (SIGTERM, then SIGKILL); returns its pid, None when none ran."""
+    record = servers_dir(work_dir) / REAPER_FILE
+    if not record.is_file():
+        return None
+    pid = json.loads(record.read_text())["pid"]
+    record.unlink()
+    if not _alive(pid):
+        return None
+    _signal_group(pid, signal.SIGTERM)
+    deadline = time.monotonic() + 10
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    _signal_group(pid, signal.SIGKILL)
+    _reap(pid)
+    return pid

@@ -1,0 +1,52 @@
+"""What a crash left RUNNING, with no worker or flow started since: `kiln status` lists it with the reason,
+and `kiln reap` marks it FAILED (tagged crashed, with the reason), on a real MLflow store (SQLite), with
+no Prefect server (MLflow's runs only). A live owner's run and a finished run are left alone."""
+
+from __future__ import annotations
+
+import socket
+
+from mlflow.tracking import MlflowClient
+
+from kiln.flows.cli import main
+from kiln.tasks.config import load_config
+from kiln.tasks.crashes import OWNER_TAG, process_owner
+from kiln.tasks.settings import open_tracker
+from tests.test_crashes import dead_pid
+
+
+def test_status_lists_a_dead_owners_run_and_reap_marks_it_failed(in_repo, tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("PREFECT_API_URL", raising=False)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    args = ["configs/tiny.yaml", f"work_dir={tmp_path}"]
+    tracker = open_tracker(load_config(args[0], args[1:]))
+    pid = dead_pid()
+    here = socket.gethostname()
+    dead = tracker.start_run("train/0123abcd", tags={OWNER_TAG: f"{here}:{pid}"})
+    alive = tracker.start_run("clean/4567", tags={OWNER_TAG: process_owner()})
+    finished = tracker.start_run("collect/89ab", tags={OWNER_TAG: f"{here}:{pid}"})
+    tracker.end_run(finished)
+    reason = f"its process (pid {pid} on {here}) died without ending it: the worker or machine was killed or crashed"
+
+    capsys.readouterr()
+    assert main(["status", *args]) == 0
+    out = capsys.readouterr().out
+    stale = [line.strip() for line in out.splitlines() if line.strip().startswith("stale:")]
+    assert stale == [f"stale: MLflow run train/0123abcd ({dead}) still RUNNING: {reason}"], out
+    assert "1 record(s) a crash left running (kiln reap marks them" in out
+
+    assert main(["reap", *args]) == 0
+    out = capsys.readouterr().out
+    assert out.splitlines() == [f"marked FAILED: MLflow run {dead}: {reason}",
+                                "marked 0 Prefect task run(s) and 1 MLflow run(s) that a crash left running "
+                                "(no Prefect server: MLflow's runs only)"]
+    client = MlflowClient(tracker.uri)
+    assert {run: client.get_run(run).info.status for run in (dead, alive, finished)} == {
+        dead: "FAILED", alive: "RUNNING", finished: "FINISHED"}
+    assert {k: v for k, v in client.get_run(dead).data.tags.items() if k in ("kiln.status", "kiln.error")} == {
+        "kiln.status": "crashed", "kiln.error": reason}
+
+    assert main(["status", *args]) == 0
+    assert "stale:" not in capsys.readouterr().out
+    assert main(["reap", *args]) == 0  # nothing left: a second pass marks nothing
+    assert capsys.readouterr().out.startswith("marked 0 Prefect task run(s) and 0 MLflow run(s)")
