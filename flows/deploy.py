@@ -1,7 +1,8 @@
 """`kiln deploy`, `kiln worker`, `kiln serve`: Kiln's deployments on a real Prefect API.
 
 `deploy` registers every deployment of infra/prefect.yaml (the pipeline, one per stage, continuous
-eval) with `prefect deploy`, creating its work pool first: the process pool by default, or the
+eval) as `prefect deploy --all` would, but from its own process and all at once (a few seconds on a
+warm server, where `prefect deploy` took 18-40 s: benchmarks/deploy.py), creating its work pool first: the process pool by default, or the
 Kubernetes pool (base job template: infra/work-pools/kubernetes.json), onto which every deployment
 then moves. The flows are imported from the installed Kiln package (module entrypoints) and run in
 the *project directory*: the folder `kiln deploy` ran in (on Kubernetes, the image's project folder),
@@ -24,11 +25,12 @@ import asyncio
 import copy
 import json
 import os
+import re
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -61,15 +63,6 @@ def _require_server() -> str:
 def worker_environment() -> dict[str, str]:
     """The environment of a worker and of the flow-run processes it starts."""
     return {**PROCESS_SETTINGS, **os.environ}
-
-
-def _prefect(*args: str, check: bool = True, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    result = subprocess.run([sys.executable, "-m", "prefect", *args],
-                            env={**worker_environment(), **(env or {})}, capture_output=True, text=True)
-    if check and result.returncode != 0:
-        raise KilnError(f"`prefect {' '.join(args)}` failed ({result.returncode}):\n{result.stdout[-2000:]}"
-                        f"{result.stderr[-2000:]}")
-    return result
 
 
 def work_pool(kind: str) -> dict:
@@ -168,14 +161,13 @@ def deploy(continuous_eval_config: str | None = None, overrides: list[str] | Non
     # `prefect deploy` resolves the pull step's {{ $KILN_PROJECT_DIR }} now: this folder, or the image's
     project = str(Path.cwd()) if pool == "process" else work_pool(pool)["job_variables"]["env"][PROJECT_DIR_VARIABLE]
     env = {PROJECT_DIR_VARIABLE: project, **({"KILN_IMAGE": image} if image else {})}
-    with tempfile.TemporaryDirectory(prefix="kiln-deploy-") as tmp:
-        prefect_file = Path(tmp) / "prefect.yaml"
-        prefect_file.write_text(yaml.safe_dump(spec, sort_keys=False))
-        output = _prefect("--no-prompt", "deploy", "--prefect-file", str(prefect_file), "--all", env=env).stdout
+    registered = {"pull": spec.get("pull") or [], "deployments": spec["deployments"]}  # not the unused definitions
+    asyncio.run(register_deployments(resolve_placeholders(registered, env)))
     wanted = [d["name"] for d in spec["deployments"]]
     missing = sorted(set(wanted) - asyncio.run(_deployment_names(name)))
     if missing:
-        raise KilnError(f"`prefect deploy` did not register {', '.join(missing)} on {name}:\n{output[-3000:]}")
+        raise KilnError(f"the Prefect server did not keep {', '.join(missing)} on {name}: deploy again, or look "
+                        "at its log (work_dir/servers/prefect.log)")
     stages = sum(d["entrypoint"].startswith("kiln.flows.stages:") for d in spec["deployments"])
     summary = [f"{len(wanted)} deployments on work pool {name}: kiln-pipeline/pipeline, kiln-<stage>/<stage> for "
                f"each of {stages} stages, {CONTINUOUS_EVAL}" + (f" (image {image})" if image else ""),
@@ -193,6 +185,68 @@ def deploy(continuous_eval_config: str | None = None, overrides: list[str] | Non
     if alert_webhook:
         summary.append(f"alerts to {alert_webhook}: {', '.join(create_alerts(alert_webhook))}")
     return "\n".join(summary)
+
+
+def resolve_placeholders(value: Any, env: dict[str, str]) -> Any:
+    """`value` with each `{{ $NAME }}` (prefect.yaml's environment placeholders) replaced by `env[NAME]`, as
+    `prefect deploy` resolves them when it registers; a placeholder `env` lacks is an error naming it."""
+    if isinstance(value, dict):
+        return {k: resolve_placeholders(v, env) for k, v in value.items()}
+    if isinstance(value, list):
+        return [resolve_placeholders(v, env) for v in value]
+    if isinstance(value, str):
+        for name in re.findall(r"{{\s*\$(\w+)\s*}}", value):
+            if name not in env:
+                raise KilnError(f"{PREFECT_FILE} names ${name}, which kiln deploy does not set")
+            value = re.sub(r"{{\s*\$" + name + r"\s*}}", env[name], value)
+    return value
+
+
+class PullSteps:
+    """What a registered deployment's runs do before they start (prefect.yaml's `pull:`, resolved): the
+    storage `RunnerDeployment` asks for its pull steps, with no code of its own to pull. `prefect deploy`
+    passes the same kind of shim (its private `_PullStepStorage`)."""
+
+    pull_interval = 60
+
+    def __init__(self, steps: list[dict[str, Any]]) -> None:
+        self.steps = steps
+        self.destination = Path.cwd()
+
+    def set_base_path(self, path: Path) -> None:
+        self.destination = path
+
+    async def pull_code(self) -> None:
+        pass
+
+    def to_pull_step(self) -> list[dict[str, Any]]:
+        return self.steps
+
+
+async def register_deployments(spec: dict) -> None:
+    """Register every deployment of `spec` (prefect.yaml, placeholders resolved) as `prefect deploy --all`
+    does, from this process and all at once: each flow is imported once (`prefect deploy` loads every
+    entrypoint again for each deployment, and creates them one by one: 18-40 s for Kiln's 18). An existing
+    deployment's schedules are kept (continuous eval's), as `prefect deploy` keeps them."""
+    from prefect.deployments.runner import EntrypointType, RunnerDeployment
+    from prefect.flows import load_flow_from_entrypoint
+
+    flows = {d["entrypoint"]: None for d in spec["deployments"]}
+    for entrypoint in flows:
+        flows[entrypoint] = load_flow_from_entrypoint(entrypoint)
+    steps = spec.get("pull") or []
+
+    async def register(d: dict) -> None:
+        pool = d["work_pool"]
+        deployment = RunnerDeployment.from_flow(
+            flows[d["entrypoint"]], d["name"], parameters=d.get("parameters"), description=d.get("description"),
+            tags=d.get("tags"), work_pool_name=pool["name"], work_queue_name=pool.get("work_queue_name"),
+            job_variables=pool.get("job_variables"), entrypoint_type=EntrypointType.MODULE_PATH)
+        deployment.entrypoint = d["entrypoint"]  # module:attribute, as prefect.yaml names it
+        deployment.storage = PullSteps(steps)
+        await deployment.aapply()  # no schedules given: an existing deployment keeps its own
+
+    await asyncio.gather(*(register(d) for d in spec["deployments"]))
 
 
 async def _deployment_names(pool: str) -> set[str]:

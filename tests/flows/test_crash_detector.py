@@ -2,7 +2,8 @@
 `kiln up` server: 20 short flow runs that heartbeat and complete in a second stay Completed (a short
 run's heartbeat may reach the server after its Completed event, so the detector's trigger can fire for
 it: its action must not overwrite a final state), while a run whose process is SIGKILLed after its
-first heartbeat is marked Crashed.
+first heartbeat is marked Crashed, and, with no worker nor any flow started since, the reaper `kiln up`
+started beside the servers marks its task run Crashed and its MLflow run FAILED, each with the reason.
 """
 
 from __future__ import annotations
@@ -14,10 +15,10 @@ import time
 from pathlib import Path
 
 import pytest
+from mlflow.tracking import MlflowClient
 
-from kiln.flows.cli import main
 from kiln.flows.servers import servers_dir
-from tests.flows.test_operate import REPO, PrefectApi, free_port
+from tests.flows.test_operate import REPO, PrefectApi
 from tests.processes import kill_tree
 
 # the detector waits three heartbeats of 30 s (Prefect's minimum), then its proactive check runs
@@ -42,35 +43,37 @@ def short() -> None:
 
 print(short(return_state=True).state_details.flow_run_id)
 """
+# a stage as the runner records one: a task run, and an MLflow run owned by this process
 HANGS = """
+import os
 import time
-from prefect import flow
+from prefect import flow, task
+from kiln.tasks.crashes import OWNER_TAG, process_owner
+from kiln.tasks.tracking import MlflowTracker
+
+@task(name="train")
+def train() -> None:
+    tracker = MlflowTracker(os.environ["MLFLOW_TRACKING_URI"], "kiln")
+    tracker.start_run("train/hangs", tags={OWNER_TAG: process_owner()})
+    time.sleep(600)
 
 @flow(name="kiln-hangs")
 def hangs() -> None:
-    time.sleep(600)
+    train()
 
 hangs()
 """
 
 
 @pytest.fixture
-def server(tmp_path):
-    with pytest.MonkeyPatch.context() as patch:
-        patch.chdir(REPO)
-        patch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
-        work = tmp_path / "servers-home"
-        assert main(["up", f"work_dir={work}", "--prefect-port", str(free_port()),
-                     "--mlflow-port", str(free_port())]) == 0
-        try:
-            env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "MLFLOW_"))}
-            for line in (servers_dir(work) / "env").read_text().splitlines():
-                name, value = line.removeprefix("export ").split("=", 1)
-                env[name] = value
-            env["PREFECT_FLOWS_HEARTBEAT_FREQUENCY"] = str(HEARTBEAT_S)
-            yield env
-        finally:
-            assert main(["down", f"work_dir={work}"]) == 0
+def server(kiln_servers):
+    """The servers' environment, as `source servers/env` gives it, with a 30 s heartbeat."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "MLFLOW_"))}
+    for line in (servers_dir(kiln_servers) / "env").read_text().splitlines():
+        name, value = line.removeprefix("export ").split("=", 1)
+        env[name] = value
+    env["PREFECT_FLOWS_HEARTBEAT_FREQUENCY"] = str(HEARTBEAT_S)
+    return env
 
 
 def python(env: dict, code: str, **kwargs) -> subprocess.Popen:
@@ -110,3 +113,20 @@ def test_short_runs_stay_completed_and_a_killed_run_is_crashed(server, tmp_path:
               api.call("POST", "/flow_runs/filter", {"flow_runs": {"id": {"any_": ids}}})}
     assert sorted(states) == sorted(ids)
     assert set(states.values()) == {"Completed"}, states
+
+    # server-side reaping: no worker runs here, no flow starts; the reaper passes every 30 s
+    mlflow = MlflowClient(server["MLFLOW_TRACKING_URI"])
+    deadline = time.monotonic() + 120
+    while True:
+        task_runs = api.call("POST", "/task_runs/filter", {"flow_runs": {"id": {"any_": [killed]}}})
+        runs = mlflow.search_runs([mlflow.get_experiment_by_name("kiln").experiment_id],
+                                  filter_string="attributes.run_name = 'train/hangs'")
+        if [t["state_type"] for t in task_runs] == ["CRASHED"] and [r.info.status for r in runs] == ["FAILED"]:
+            break
+        assert time.monotonic() < deadline, (f"not reaped 120 s after the crash: {[t['state'] for t in task_runs]}, "
+                                             f"{[r.info.status for r in runs]}")
+        time.sleep(2)
+    assert task_runs[0]["state"]["message"].startswith(f"its flow run {crashed['name']} ended Crashed while this "
+                                                       "task ran: no heartbeat for 90s")
+    assert runs[0].data.tags["kiln.status"] == "crashed"
+    assert runs[0].data.tags["kiln.error"].startswith(f"its process (pid {hangs.pid} on ")

@@ -15,7 +15,7 @@ import pytest
 
 from kiln.flows.cli import main
 from kiln.flows.servers import read_servers, servers_dir
-from tests.flows.test_operate import FINAL, REPO, Operated, free_port
+from tests.flows.test_operate import FINAL, Operated
 
 # servers, deployments, a worker and one short pipeline run (collect, clean) of the tiny config
 pytestmark = [pytest.mark.slow, pytest.mark.cluster, pytest.mark.timeout(900)]
@@ -28,23 +28,16 @@ def worker_processes(pid: int) -> list[psutil.Process]:
 
 
 @pytest.fixture
-def operated(tmp_path):
-    with pytest.MonkeyPatch.context() as patch:
-        patch.chdir(REPO)
-        patch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
-        home = tmp_path / "servers-home"
-        assert main(["up", f"work_dir={home}", "--prefect-port", str(free_port()),
-                     "--mlflow-port", str(free_port())]) == 0
-        ops = Operated(tmp_path)
-        try:
-            deployed = ops.kiln("deploy")
-            assert deployed.returncode == 0, deployed.stderr[-3000:]
-            yield ops
-        finally:
-            if ops.worker is not None and ops.worker.poll() is None:
-                ops.kill_worker()
-            ops.webhook.shutdown()
-            main(["down", f"work_dir={home}"])
+def operated(kiln_servers, tmp_path):
+    ops = Operated(tmp_path)
+    try:
+        deployed = ops.kiln("deploy")
+        assert deployed.returncode == 0, deployed.stderr[-3000:]
+        yield ops
+    finally:
+        if ops.worker is not None and ops.worker.poll() is None:
+            ops.kill_worker()
+        ops.webhook.shutdown()
 
 
 def test_a_run_outlives_its_killed_worker_and_workers_stop_on_sigterm(operated, capsys):
