@@ -162,7 +162,7 @@ def deploy(continuous_eval_config: str | None = None, overrides: list[str] | Non
     project = str(Path.cwd()) if pool == "process" else work_pool(pool)["job_variables"]["env"][PROJECT_DIR_VARIABLE]
     env = {PROJECT_DIR_VARIABLE: project, **({"KILN_IMAGE": image} if image else {})}
     registered = {"pull": spec.get("pull") or [], "deployments": spec["deployments"]}  # not the unused definitions
-    asyncio.run(register_deployments(resolve_placeholders(registered, env)))
+    written = asyncio.run(register_deployments(resolve_placeholders(registered, env)))
     wanted = [d["name"] for d in spec["deployments"]]
     missing = sorted(set(wanted) - asyncio.run(_deployment_names(name)))
     if missing:
@@ -170,7 +170,8 @@ def deploy(continuous_eval_config: str | None = None, overrides: list[str] | Non
                         "at its log (work_dir/servers/prefect.log)")
     stages = sum(d["entrypoint"].startswith("kiln.flows.stages:") for d in spec["deployments"])
     summary = [f"{len(wanted)} deployments on work pool {name}: kiln-pipeline/pipeline, kiln-<stage>/<stage> for "
-               f"each of {stages} stages, {CONTINUOUS_EVAL}" + (f" (image {image})" if image else ""),
+               f"each of {stages} stages, {CONTINUOUS_EVAL}" + (f" (image {image})" if image else "") +
+               (f"; {written} registered or changed, the others as they were" if written < len(wanted) else ""),
                f"flows run in {project}: config paths, data paths and work_dir resolve there"]
     if watched is not None:
         summary.append(schedule_continuous_eval(continuous_eval_config, *watched))
@@ -223,18 +224,34 @@ class PullSteps:
         return self.steps
 
 
-async def register_deployments(spec: dict) -> None:
+async def register_deployments(spec: dict) -> int:
     """Register every deployment of `spec` (prefect.yaml, placeholders resolved) as `prefect deploy --all`
-    does, from this process and all at once: each flow is imported once (`prefect deploy` loads every
-    entrypoint again for each deployment, and creates them one by one: 18-40 s for Kiln's 18). An existing
-    deployment's schedules are kept (continuous eval's), as `prefect deploy` keeps them."""
+    does, from this process: each flow is imported once (`prefect deploy` loads every entrypoint again for
+    each deployment, and writes them one by one: 18-40 s for Kiln's 18). A deployment the server already
+    holds as `spec` says is not written again (a redeploy with no change reads one list); an existing
+    deployment's schedules are kept (continuous eval's), as `prefect deploy` keeps them. Returns how many
+    were written."""
+    from prefect.client.orchestration import get_client
     from prefect.deployments.runner import EntrypointType, RunnerDeployment
     from prefect.flows import load_flow_from_entrypoint
+    from prefect.utilities.callables import parameter_schema
 
     flows = {d["entrypoint"]: None for d in spec["deployments"]}
     for entrypoint in flows:
         flows[entrypoint] = load_flow_from_entrypoint(entrypoint)
     steps = spec.get("pull") or []
+    async with get_client() as client:
+        held = {(d.entrypoint, d.name): d for d in await client.read_deployments()}
+
+    def unchanged(d: dict) -> bool:
+        current, flow, pool = held.get((d["entrypoint"], d["name"])), flows[d["entrypoint"]], d["work_pool"]
+        if current is None:
+            return False
+        wanted = {"pull_steps": steps, "parameter_openapi_schema": parameter_schema(flow).model_dump(exclude_unset=True),
+                  "job_variables": pool.get("job_variables") or {}, "work_pool_name": pool["name"],
+                  "work_queue_name": pool.get("work_queue_name"), "parameters": d.get("parameters") or {},
+                  "description": d.get("description") or flow.description, "tags": d.get("tags") or []}
+        return _as_json(wanted) == _as_json({name: getattr(current, name) for name in wanted})
 
     async def register(d: dict) -> None:
         pool = d["work_pool"]
@@ -246,7 +263,13 @@ async def register_deployments(spec: dict) -> None:
         deployment.storage = PullSteps(steps)
         await deployment.aapply()  # no schedules given: an existing deployment keeps its own
 
-    await asyncio.gather(*(register(d) for d in spec["deployments"]))
+    changed = [d for d in spec["deployments"] if not unchanged(d)]
+    await asyncio.gather(*(register(d) for d in changed))
+    return len(changed)
+
+
+def _as_json(value: Any) -> str:
+    return json.dumps(value, sort_keys=True, default=str)
 
 
 async def _deployment_names(pool: str) -> set[str]:

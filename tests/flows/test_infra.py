@@ -198,7 +198,8 @@ def test_kiln_deploy_gives_process_pool_runs_the_alerts_heartbeat(api_url, tmp_p
     """The flow-run process a process worker would start for a deployment run gets the heartbeat setting
     (job env wins over the worker's own environment), and starts in the folder `kiln deploy` ran in (the
     user's project), not in Kiln's checkout. Without a webhook the crashed-run detector is made all the
-    same, and `--continuous-eval CONFIG --every 90s` gives continuous eval its schedule, switched on."""
+    same, and `--continuous-eval CONFIG --every 90s` gives continuous eval its schedule, switched on. A
+    redeploy writes only the deployments that changed, and keeps the schedule."""
     from datetime import timedelta
 
     from prefect.client.orchestration import get_client
@@ -240,4 +241,21 @@ def test_kiln_deploy_gives_process_pool_runs_the_alerts_heartbeat(api_url, tmp_p
     assert deployment.entrypoint == "kiln.flows.pipeline:pipeline"  # from the installed package, wherever it is
     assert deployment.pull_steps == [{"prefect.deployments.steps.set_working_directory": {"directory": str(tmp_path)}}]
     assert config.env["OMP_WAIT_POLICY"] == "PASSIVE"
+
+    # a redeploy with nothing changed writes nothing (and keeps the schedule); from another folder, each changes
+    assert "18 deployments on work pool kiln-process" in summary and "registered or changed" not in summary
+    assert "; 0 registered or changed, the others as they were" in deploy()
+    other = tmp_path / "other"
+    other.mkdir()
+    monkeypatch.chdir(other)
+    assert "registered or changed" not in deploy()
+
+    async def read():
+        async with get_client() as client:
+            return (await client.read_deployment_by_name("kiln-pipeline/pipeline"),
+                    await client.read_deployment_by_name(CONTINUOUS_EVAL))
+
+    deployment, watching = asyncio.run(read())
+    assert deployment.pull_steps == [{"prefect.deployments.steps.set_working_directory": {"directory": str(other)}}]
+    assert [(s.schedule.interval, s.active) for s in watching.schedules] == [(timedelta(seconds=90), True)]
 
