@@ -45,9 +45,11 @@ def load() -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--log", type=Path, default=REPO / "kiln-work" / "bench.log")
-    parser.add_argument("--only", help="run only the benchmarks whose script name contains this")
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     epilog="Expected duration: about 4 minutes on 2 cores (190 s measured at load average 0.6-2).")
+    parser.add_argument("--log", type=Path, default=REPO / "kiln-work" / "bench.log",
+                        help="where each benchmark's full output goes (default: kiln-work/bench.log)")
+    parser.add_argument("--only", help="run only the benchmarks whose script name contains this (default: all)")
     args = parser.parse_args()
     args.log.parent.mkdir(parents=True, exist_ok=True)
     rows = []

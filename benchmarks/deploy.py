@@ -15,8 +15,6 @@ deploy every deployment's registered fields (entrypoint, pull steps, parameter s
 work pool and queue, parameters, description, tags) are read back: they must stay those of the first
 `kiln deploy`, through each `prefect deploy` (which rewrites them all), or the benchmark stops. Prints the medians, the load average, and last
 `RESULT kiln_deploy_s <median seconds>` (goal: at most 10 s on a warm server; issue 35.11).
-Expected duration: about 1 minute for the servers, then 5-40 s per deploy (2 x --repeats of them):
-3-8 minutes with the defaults on a busy 2-core machine.
 """
 
 from __future__ import annotations
@@ -73,7 +71,9 @@ def timed(command: list[str], env: dict, cwd: Path) -> tuple[float, float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     epilog="Expected duration: about a minute for the servers and the first deploy, then "
+                                            "5-45 s per deploy (2 x --repeats of them): 3-8 minutes with the defaults on 2 busy cores.")
     parser.add_argument("--repeats", type=int, default=3,
                         help="timed deploys of each kind, alternating (default: 3; each 5-40 s)")
     parser.add_argument("--tmp", default=None, help="where the servers' work dir goes (default: the system's temp "

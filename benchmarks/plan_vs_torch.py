@@ -29,8 +29,11 @@ CLUSTERS = {"8b": "h100-1node", "70b": "h100-8nodes", "405b": "h100-64nodes"}
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", nargs="+", choices=sorted(CLUSTERS), default=list(CLUSTERS))
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     epilog="Expected duration: a few minutes on CPU (one fake-tensor training step per "
+                                            "model and pipeline rank; 405B's takes the longest).")
+    parser.add_argument("--models", nargs="+", choices=sorted(CLUSTERS), default=list(CLUSTERS),
+                        help="the Llama 3 sizes to check (default: all three)")
     args = parser.parse_args(argv)
     bytes_errors, peak_errors = [], []
     for model in args.models:

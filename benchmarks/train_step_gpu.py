@@ -156,22 +156,25 @@ def peak_memory_gib(device: torch.device) -> float:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     epilog="Expected duration: a few minutes on one H100 (the batch search and compilation "
+                                            "dominate); seconds with --device cpu --preset tiny --no-compile.")
     parser.add_argument("--preset", default="1b", help="model preset name or .yaml path (default 1b)")
     parser.add_argument("--n-kv-heads", type=int, default=None,
                         help="K/V heads (grouped-query attention); default: a quarter of the preset's query heads")
-    parser.add_argument("--precision", choices=("bf16-mixed", "fp32"), default="bf16-mixed")
-    parser.add_argument("--vocab", type=int, default=32000)
+    parser.add_argument("--precision", choices=("bf16-mixed", "fp32"), default="bf16-mixed",
+                        help="training precision (default: bf16-mixed)")
+    parser.add_argument("--vocab", type=int, default=32000, help="vocabulary size (default: 32000)")
     parser.add_argument("--seq-len", type=int, default=None, help="default: the preset's max_seq_len")
     parser.add_argument("--batch", type=int, default=None, help="micro-batch; default: search on CUDA, 2 on CPU")
-    parser.add_argument("--max-batch", type=int, default=64, help="upper bound of the batch search")
-    parser.add_argument("--steps", type=int, default=20, help="timed steps")
-    parser.add_argument("--warmup", type=int, default=5, help="untimed steps first (compilation happens here)")
+    parser.add_argument("--max-batch", type=int, default=64, help="upper bound of the batch search (default: 64)")
+    parser.add_argument("--steps", type=int, default=20, help="timed steps (default: 20)")
+    parser.add_argument("--warmup", type=int, default=5, help="untimed steps first (compilation happens here) (default: 5)")
     parser.add_argument("--no-compile", dest="compile", action="store_false", help="run the model eagerly")
     parser.add_argument("--activation-checkpointing", choices=("none", "selective", "full"), default="none",
-                        help="recompute block activations in backward")
-    parser.add_argument("--peak-tflops", type=float, default=None, help="device peak for MFU (overrides the table)")
-    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+                        help="recompute block activations in backward (default: none)")
+    parser.add_argument("--peak-tflops", type=float, default=None, help="device peak for MFU (default: the table's for the device)")
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="where to train (default: cuda)")
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.exit(2, "no CUDA device: this benchmark needs an H100/H200-class GPU. To check the code path "
