@@ -229,8 +229,8 @@ async def register_deployments(spec: dict) -> int:
     does, from this process: each flow is imported once (`prefect deploy` loads every entrypoint again for
     each deployment, and writes them one by one: 18-40 s for Kiln's 18). A deployment the server already
     holds as `spec` says is not written again (a redeploy with no change reads one list); an existing
-    deployment's schedules are kept (continuous eval's), as `prefect deploy` keeps them. Returns how many
-    were written."""
+    deployment's schedules are kept (continuous eval's), as `prefect deploy` keeps them, and so is the
+    config continuous eval watches (`prefect deploy` reset it). Returns how many were written."""
     from prefect.client.orchestration import get_client
     from prefect.deployments.runner import EntrypointType, RunnerDeployment
     from prefect.flows import load_flow_from_entrypoint
@@ -243,20 +243,28 @@ async def register_deployments(spec: dict) -> int:
     async with get_client() as client:
         held = {(d.entrypoint, d.name): d for d in await client.read_deployments()}
 
+    def parameters(d: dict) -> dict:
+        """The spec's, but the config continuous eval watches (`schedule_continuous_eval`) stays: a redeploy
+        that reset it would leave its schedule scoring Kiln's default config."""
+        current = held.get((d["entrypoint"], d["name"]))
+        watched = current is not None and f"{flows[d['entrypoint']].name}/{d['name']}" == CONTINUOUS_EVAL \
+            and (current.parameters or {}).get("config_path")
+        return dict(current.parameters) if watched else (d.get("parameters") or {})
+
     def unchanged(d: dict) -> bool:
         current, flow, pool = held.get((d["entrypoint"], d["name"])), flows[d["entrypoint"]], d["work_pool"]
         if current is None:
             return False
         wanted = {"pull_steps": steps, "parameter_openapi_schema": parameter_schema(flow).model_dump(exclude_unset=True),
                   "job_variables": pool.get("job_variables") or {}, "work_pool_name": pool["name"],
-                  "work_queue_name": pool.get("work_queue_name"), "parameters": d.get("parameters") or {},
+                  "work_queue_name": pool.get("work_queue_name"), "parameters": parameters(d),
                   "description": d.get("description") or flow.description, "tags": d.get("tags") or []}
         return _as_json(wanted) == _as_json({name: getattr(current, name) for name in wanted})
 
     async def register(d: dict) -> None:
         pool = d["work_pool"]
         deployment = RunnerDeployment.from_flow(
-            flows[d["entrypoint"]], d["name"], parameters=d.get("parameters"), description=d.get("description"),
+            flows[d["entrypoint"]], d["name"], parameters=parameters(d), description=d.get("description"),
             tags=d.get("tags"), work_pool_name=pool["name"], work_queue_name=pool.get("work_queue_name"),
             job_variables=pool.get("job_variables"), entrypoint_type=EntrypointType.MODULE_PATH)
         deployment.entrypoint = d["entrypoint"]  # module:attribute, as prefect.yaml names it

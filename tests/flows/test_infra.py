@@ -242,7 +242,8 @@ def test_kiln_deploy_gives_process_pool_runs_the_alerts_heartbeat(api_url, tmp_p
     assert deployment.pull_steps == [{"prefect.deployments.steps.set_working_directory": {"directory": str(tmp_path)}}]
     assert config.env["OMP_WAIT_POLICY"] == "PASSIVE"
 
-    # a redeploy with nothing changed writes nothing (and keeps the schedule); from another folder, each changes
+    # a redeploy with nothing changed writes nothing (and keeps the schedule and the config it watches); from
+    # another folder, each changes
     assert "18 deployments on work pool kiln-process" in summary and "registered or changed" not in summary
     assert "; 0 registered or changed, the others as they were" in deploy()
     other = tmp_path / "other"
@@ -258,4 +259,5 @@ def test_kiln_deploy_gives_process_pool_runs_the_alerts_heartbeat(api_url, tmp_p
     deployment, watching = asyncio.run(read())
     assert deployment.pull_steps == [{"prefect.deployments.steps.set_working_directory": {"directory": str(other)}}]
     assert [(s.schedule.interval, s.active) for s in watching.schedules] == [(timedelta(seconds=90), True)]
+    assert watching.parameters == {"config_path": "mine.yaml", "overrides": ["continuous_eval.interval=90s"]}
 
