@@ -50,3 +50,47 @@ def test_status_lists_a_dead_owners_run_and_reap_marks_it_failed(in_repo, tmp_pa
     assert "stale:" not in capsys.readouterr().out
     assert main(["reap", *args]) == 0  # nothing left: a second pass marks nothing
     assert capsys.readouterr().out.startswith("marked 0 Prefect task run(s) and 0 MLflow run(s)")
+
+
+def test_a_task_run_its_crashed_flow_run_left_running_is_listed_then_marked(prefect_api, in_repo, tmp_path, capsys,
+                                                                           monkeypatch):
+    """The Prefect side, on a real Prefect API with no worker: a task run still Running in a flow run that
+    ended Crashed is listed by `kiln status` with why, and `kiln reap` marks it Crashed with that reason."""
+    from prefect import flow, task
+    from prefect.client.orchestration import get_client
+    from prefect.settings import PREFECT_API_URL
+    from prefect.states import Crashed, Running
+
+    monkeypatch.setenv("PREFECT_API_URL", PREFECT_API_URL.value())
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+
+    @flow(name="kiln-reap-test")
+    def pipeline() -> None:
+        pass
+
+    @task(name="train")
+    def train() -> None:
+        pass
+
+    died = "no heartbeat for 90s: the worker or its machine died"
+    with get_client(sync_client=True) as client:
+        flow_run = client.create_flow_run(pipeline, state=Running())
+        task_run = client.create_task_run(train, flow_run.id, dynamic_key="0", state=Running())
+        client.set_flow_run_state(flow_run.id, Crashed(message=died), force=True)
+    why = f"its flow run {flow_run.name} ended Crashed while this task ran: {died}"
+    args = ["configs/tiny.yaml", f"work_dir={tmp_path}"]  # no MLflow store there: Prefect's records only
+
+    capsys.readouterr()
+    assert main(["status", *args]) == 0
+    stale = [line.strip() for line in capsys.readouterr().out.splitlines() if str(task_run.id) in line]
+    assert stale == [f"stale: Prefect task run {task_run.name} ({task_run.id}) still Running: {why}"]
+
+    assert main(["reap", *args]) == 0
+    out = capsys.readouterr().out
+    assert [line for line in out.splitlines() if str(task_run.id) in line] == [
+        f"marked Crashed: Prefect task run {task_run.name} ({task_run.id}): {why}"]
+    with get_client(sync_client=True) as client:
+        state = client.read_task_run(task_run.id).state
+    assert (state.type.value, state.message) == ("CRASHED", why)
+    assert main(["status", *args]) == 0
+    assert str(task_run.id) not in capsys.readouterr().out
