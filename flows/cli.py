@@ -67,6 +67,7 @@ from kiln.tasks.scaling.research import decision_table, promoted_config
 from kiln.tasks.settings import KilnConfig, open_tracker
 from kiln.tasks.stages import REGISTRY
 from kiln.tasks.stages._common import SLURM_LOGS
+from kiln.tasks.stages.train import with_longest_phase
 from kiln.tasks.store import Store
 from kiln.tasks.train.config import ModelConfig
 
@@ -646,7 +647,9 @@ def cmd_plan(ns: argparse.Namespace) -> int:
     from kiln.tasks.train.planner import (  # defers torch
         load_preset,
         plan_parallelism,
+        plan_phases,
         plan_presets,
+        render_phase_plans,
         render_plan_report,
         resolve_parallel,
     )
@@ -675,6 +678,8 @@ def cmd_plan(ns: argparse.Namespace) -> int:
         if cfg.train.model == "plan" and not ns.model:
             raise KilnError("train.model is `plan`: its shape comes from the fit; see it with --budget, or give --model")
         model = load_preset(ns.model, ModelConfig) if ns.model else cfg.train.model
+        model = with_longest_phase(model, cfg.train.run, cfg.train.phases)  # a long-context phase raises it
+        phases = [(p.name, p.seq_len or cfg.train.run.seq_len) for p in cfg.train.phases]
         run = cfg.train.run.model_copy(update={"device": "cuda"}) if cluster.gpus_per_node else cfg.train.run
         dims, run = resolve_parallel("auto", model, run, cfg.tokenize.vocab_size, cluster)
         if not cluster.gpus_per_node:
@@ -684,11 +689,13 @@ def cmd_plan(ns: argparse.Namespace) -> int:
         search = plan_parallelism(model, cfg.tokenize.vocab_size, run.seq_len, cluster, global_batch_seqs=run.batch_size,
                                   precision=ns.precision)
     else:
+        phases = []
         missing = [flag for flag, value in (("--model", ns.model), ("--cluster", ns.cluster)) if not value]
         if missing:
             raise KilnError(f"kiln plan needs {', '.join(missing)} (or a CONFIG to plan its train stage)")
         search = plan_presets(ns.model, ns.cluster, ns.vocab_size, ns.seq_len, ns.global_batch_seqs,
                               ns.global_batch_tokens, ns.precision)
+    phase_plans = plan_phases(search, phases) if search.best is not None else []
     verification = None
     if ns.verify and search.best is not None:
         from kiln.tasks.train.verify import render_verification, verify_plan  # defers torch
@@ -696,9 +703,11 @@ def cmd_plan(ns: argparse.Namespace) -> int:
         verification = verify_plan(search)
     if ns.json:
         record = search.to_dict() | ({"verification": verification.to_dict()} if verification else {})
+        record |= {"phases": [p.to_dict() for p in phase_plans]} if phase_plans else {}
         print(json.dumps(record, indent=2))
     else:
-        print(render_plan_report(search) + (render_verification(verification) if verification else ""), end="")
+        print(render_plan_report(search) + render_phase_plans(search, phase_plans)
+              + (render_verification(verification) if verification else ""), end="")
     return 0 if search.best and (verification is None or verification.agrees) else 1
 
 

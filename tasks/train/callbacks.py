@@ -148,6 +148,26 @@ class Checkpointer(TrainCallback):
             trainer.save_checkpoint()
 
 
+BEFORE_PHASE_DIR = "before_phase"  # the model as it stood before each phase that changed its rotary positions
+
+
+def extension_boundaries(trainer: Trainer) -> dict[int, str]:
+    """{the last step before a phase whose rotary settings differ from the previous phase's: that phase}."""
+    phases = trainer.mixture.phases
+    return {p.first_step - 1: p.name for prev, p in zip(phases, phases[1:]) if p.rope != prev.rope}
+
+
+class ExtensionSnapshot(TrainCallback):
+    """The whole model, saved to `before_phase/<phase>/` at the last step before a context-extension phase
+    (one that changes the rotary base or scaling): the pre-extension model the long-context evaluation
+    sets beside the final one. Runs before the checkpoint of that step, so a run resumed from it has it."""
+
+    def post_step(self, trainer: Trainer, out: StepOutput) -> None:
+        phase = extension_boundaries(trainer).get(out.step)
+        if phase is not None:
+            trainer.save_full_model(trainer.out_dir / BEFORE_PHASE_DIR / phase, out.step)
+
+
 class TrainerHandle(TrainCallback):
     """Keeps hold of the trainer, so a caller whose run raised can still read its steps and curve."""
 

@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kiln.tasks.train.config import ModelConfig, OptimConfig, ParallelDims, TrainRunConfig
+from kiln.tasks.train.config import ModelConfig, OptimConfig, ParallelDims, RopeScaling, TrainRunConfig, revalidated
 from kiln.tasks.train.data_loader import Mixture
 from kiln.tasks.train.dcp import latest_intact_dcp, load_dcp, read_train_state, save_dcp
 from kiln.tasks.train.distributed import Layout, clip_grad_norm, make_optimizer
@@ -100,6 +100,14 @@ def mixture_summary(mixture: Mixture) -> dict:
 
 
 NO_SCHEDULE = "all"  # the one phase name of a run without a data schedule, in `tokens_by_phase`
+
+
+def with_rope(model_cfg: ModelConfig, rope: dict | None) -> ModelConfig:
+    """`model_cfg` with a data phase's rotary settings (`Phase.rope`: rope_theta, rope_scaling), if any."""
+    if not rope:
+        return model_cfg
+    update = {k: RopeScaling(**v) if k == "rope_scaling" else v for k, v in rope.items()}
+    return revalidated(model_cfg.model_copy(update=update))
 
 
 def _identity(model_cfg: ModelConfig, optim_cfg: OptimConfig, run_cfg: TrainRunConfig, vocab_size: int) -> dict:
@@ -219,6 +227,7 @@ class Trainer:
     # the loader's position, kept in every checkpoint: tokens drawn per phase per source over the kept steps
     source_tokens: dict[str, dict[str, int]] = field(default_factory=dict)
     phase_mixtures: dict[str, Mixture] = field(default_factory=dict)
+    rope: dict | None = None  # the data phase's rotary settings the model's tables hold now (None: the model's)
 
     @classmethod
     def start(cls, model_cfg: ModelConfig, optim_cfg: OptimConfig, run_cfg: TrainRunConfig, mixture: Mixture,
@@ -291,12 +300,27 @@ class Trainer:
             done = max(done, last)
         return tokens + (steps - done) * self.tokens_per_step
 
+    def model_cfg_at(self, step: int) -> ModelConfig:
+        """The model as 1-based `step` trains it: `model_cfg` with the rotary settings of its data phase."""
+        phase = self.mixture.phase_at(step)
+        return with_rope(self.model_cfg, phase.rope if phase is not None else None)
+
+    def use_rope(self, step: int) -> None:
+        """Give the model the rotary tables of `step`'s phase when they differ from those it holds: applied
+        when a long-context phase starts, on resume inside or after it, and after a rollback."""
+        phase = self.mixture.phase_at(step)
+        rope = phase.rope if phase is not None else None
+        if rope != self.rope:
+            self.layout.set_rope(self.model, self.model_cfg_at(step))
+            self.rope = rope
+
     def is_log_step(self, step: int) -> bool:
         return step % self.run_cfg.log_every == 0 or step == self.run_cfg.steps
 
     def next_batch(self) -> Batch:
         """The batch and learning rate of step `self.step + 1`, after any rollback's skip windows."""
         step = self.step + 1
+        self.use_rope(step)
         lr = lr_at(self.step, self.optim_cfg, self.run_cfg.steps) * lr_factor(step, self.windows)
         index = data_index(step, self.windows)
         name, data, seq_len, slot = self.data_for(step)
@@ -355,6 +379,7 @@ class Trainer:
             self.source_tokens = state.get("source_tokens", {})
         else:
             self.layout.reinitialize(self.model, self.model_cfg, self.initial)
+            self.rope = None  # the refill recomputed the model's own tables
             self.optimizer.load_state_dict(self.fresh_state[0])
             torch.set_rng_state(self.fresh_state[1])
             state = {}
@@ -367,11 +392,19 @@ class Trainer:
     def evaluate_and_save(self, val_batches: dict[str, list[tuple[torch.Tensor, torch.Tensor]]]) -> dict[str, float]:
         """The gathered model's validation loss per domain (on every rank); rank 0 saves it to out_dir/model."""
         val_by_domain: dict[str, float] = {}
-        full = self.layout.full_model(self.model, self.model_cfg, self.mixture.vocab_size)
+        full = self.save_full_model(self.out_dir / "model", self.step)
         if full is not None:
             val_by_domain = evaluate(full, val_batches, self.device)
-            save_model(full, self.model_cfg, self.mixture.vocab_size, self.out_dir / "model")
         return self.layout.broadcast(val_by_domain)
+
+    def save_full_model(self, model_dir: Path, step: int) -> nn.Module | None:
+        """Gather the model (collective) and save it on rank 0 with its config as `step` trained it (the
+        data phase's rotary settings); rank 0 gets the gathered model, the others None."""
+        cfg = self.model_cfg_at(step)
+        full = self.layout.full_model(self.model, cfg, self.mixture.vocab_size)
+        if full is not None:
+            save_model(full, cfg, self.mixture.vocab_size, model_dir)
+        return full
 
     def result(self, val_by_domain: dict[str, float], train_s: float, wall_s: float,
                started_unix: float) -> TrainResult:
