@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kiln.tasks.evals.categories import PasskeyConfig, TokenView, passkey_items
+from kiln.tasks.train.data_loader import mixture_with_weights, validation_batches
 from kiln.tasks.train.model import load_model
 
 
@@ -98,3 +99,39 @@ def extension_report(before: Path, after: Path, windows: torch.Tensor, old_len: 
     report["past_old_len_falls"] = all(report["after"]["loss_by_position"][k] < report["before"]["loss_by_position"][k]
                                        for k in past)
     return report
+
+
+def validation_windows(shards: dict, shards_root: Path, seq_len: int, per_domain: int) -> torch.Tensor:
+    """`per_domain` evenly spaced windows of `seq_len + 1` validation tokens of every domain of the tokenize
+    stage's shards (`shards.json`) long enough to hold one, as one tensor [N, seq_len + 1]."""
+    mixture = mixture_with_weights(shards, shards_root, dict.fromkeys(shards["domains"], 1.0), "evaluate")
+    batches = validation_batches(mixture, seq_len, 1, per_domain)
+    if not batches:
+        raise ValueError(f"no domain has {seq_len + 1} validation tokens: the extension's loss by position needs "
+                         "one window of the new context; give the tokenize stage a larger val split")
+    return torch.cat([torch.cat([pairs[0][0], pairs[0][1][:, -1:]], 1) for pairs in batches.values()])
+
+
+def extension_reports(train_dir: Path, phases: list[dict[str, Any]], snapshots: Path, view: TokenView | None,
+                      shards: dict, shards_root: Path, per_domain: int = 8, buckets: int = 3) -> dict[str, Any]:
+    """A report (`extension_report`) for each phase of a train run's data schedule (`phases`: the phase
+    summaries of its stats) that lengthened the context and left a pre-extension model in `snapshots/<phase>`;
+    the model after it is the run's final one (`train_dir/model`), and passkeys are at the old length, halfway
+    and the new length."""
+    out = {}
+    for prev, phase in zip(phases, phases[1:]):
+        before = snapshots / phase["name"]
+        if not before.is_dir() or phase["seq_len"] <= prev["seq_len"]:
+            continue
+        windows = validation_windows(shards, shards_root, phase["seq_len"], per_domain)
+        out[phase["name"]] = extension_report(before, train_dir / "model", windows, prev["seq_len"], buckets=buckets,
+                                              view=view)
+    return out
+
+
+def tokenizer_view(tokenizer_path: Path, max_len: int) -> TokenView:
+    """The run's tokenizer (tokenize's `tokenizer.json`) as the generated tasks see it."""
+    from tokenizers import Tokenizer  # defers tokenizers
+
+    tokenizer = Tokenizer.from_file(str(tokenizer_path))
+    return TokenView(lambda text: tokenizer.encode(text, add_special_tokens=False).ids, tokenizer.decode, max_len)

@@ -20,6 +20,7 @@ import torch
 
 from kiln.tasks.errors import ConfigError
 from kiln.tasks.progress import Progress
+from kiln.tasks.train.checkpoint import BEFORE_PHASE_DIR
 from kiln.tasks.train.model import flops_per_token
 from kiln.tasks.train.trainer import StepOutput, TrainCallback, Trainer, TrainResult
 
@@ -146,9 +147,6 @@ class Checkpointer(TrainCallback):
     def post_step(self, trainer: Trainer, out: StepOutput) -> None:
         if out.step % trainer.run_cfg.checkpoint_every == 0:
             trainer.save_checkpoint()
-
-
-BEFORE_PHASE_DIR = "before_phase"  # the model as it stood before each phase that changed its rotary positions
 
 
 def extension_boundaries(trainer: Trainer) -> dict[int, str]:

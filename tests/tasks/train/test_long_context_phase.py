@@ -11,13 +11,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
 from kiln.tasks.constants import DOC_INDEX_SUFFIX
 from kiln.tasks.errors import ConfigError
-from kiln.tasks.evals.categories import PasskeyConfig, TokenView
-from kiln.tasks.evals.long_context import bucket_spans, extension_report
+from kiln.tasks.evals.categories import _FILLER
+from kiln.tasks.evals.long_context import bucket_spans, extension_reports, tokenizer_view
 from kiln.tasks.stages.train import TrainConfig, with_longest_phase
-from kiln.tasks.train.callbacks import BEFORE_PHASE_DIR
+from kiln.tasks.train.checkpoint import BEFORE_PHASE_DIR
 from kiln.tasks.train.config import (
     DataPhase,
     LongDocuments,
@@ -26,7 +27,7 @@ from kiln.tasks.train.config import (
     RopeScaling,
     TrainRunConfig,
 )
-from kiln.tasks.train.data_loader import Mixture, validation_batches, write_manifest
+from kiln.tasks.train.data_loader import Mixture, write_manifest
 from kiln.tasks.train.data_schedule import SCHEDULE_DIR, scheduled_mixture
 from kiln.tasks.train.loop import train_model
 from kiln.tasks.train.model import read_model_config, rope_tables
@@ -153,9 +154,14 @@ def topic_documents(rng: np.random.Generator, count: int) -> list[np.ndarray]:
     return [rng.choice(rng.choice(np.arange(1, V), 2, replace=False), int(n)) for n in rng.choice([20, 300], count)]
 
 
-def byte_view(max_len: int) -> TokenView:
-    """A TokenView on the tiny vocabulary: each byte of the text folded onto tokens 1..63."""
-    return TokenView(lambda text: [1 + b % (V - 1) for b in text.encode()], lambda ids: "", max_len)
+def tiny_tokenizer(path: Path) -> Path:
+    """A 64-token BPE (the tiny model's vocabulary) trained on the passkey task's filler and digits."""
+    tokenizer = Tokenizer(models.BPE(unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.train_from_iterator([_FILLER * 3, "The pass key is 0123456789 . " * 3],
+                                  trainers.BpeTrainer(vocab_size=V, special_tokens=["<eos>", "[UNK]"]))
+    tokenizer.save(str(path))
+    return path
 
 
 def test_the_extension_lowers_the_loss_past_the_old_length(tmp_path) -> None:
@@ -168,17 +174,21 @@ def test_the_extension_lowers_the_loss_past_the_old_length(tmp_path) -> None:
                         long_documents=LongDocuments(min_tokens=128, upweight=4))]
     model = with_longest_phase(ModelConfig(d_model=32, n_layers=2, n_heads=2, max_seq_len=32), run, phases)
     mixture = scheduled_mixture(base, phases, run, tmp_path / "run")
-    train_model(model, OptimConfig(lr=1e-2, warmup_steps=5), run, mixture, tmp_path / "run")
+    result = train_model(model, OptimConfig(lr=1e-2, warmup_steps=5), run, mixture, tmp_path / "run")
 
-    x, y = validation_batches(base, 128, 1, 16)["web"][0]
-    windows = torch.cat([x, y[:, -1:]], 1)
+    # as the evaluate stage reads it: the tokenize stage's shards and tokenizer, the train stats' phases
+    shards = {"dtype": "uint16", "vocab_size": V, "eos_id": 0, "domains": {"web": {
+        split: {"shards": [{"path": f"web/{split}.bin"}]} for split in ("train", "val")}}}
+    view = tokenizer_view(tiny_tokenizer(tmp_path / "tokenizer.json"), 128)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        report = extension_report(tmp_path / "run" / BEFORE_PHASE_DIR / "long", tmp_path / "run" / "model", windows,
-                                  32, view=byte_view(128), lengths=[64, 128], passkey=PasskeyConfig(items_per_length=4))
+        reports = extension_reports(tmp_path / "run", result.phases, tmp_path / "run" / BEFORE_PHASE_DIR, view,
+                                    shards, tmp_path / "data", per_domain=16)
     finally:
         torch.set_num_threads(threads)
+    (report,) = reports.values()
+    assert list(reports) == ["long"] and (report["old_seq_len"], report["seq_len"], report["windows"]) == (32, 128, 16)
     assert bucket_spans(32, 128, 3) == [(0, 32), (32, 64), (64, 96), (96, 128)]
     before, after = report["before"]["loss_by_position"], report["after"]["loss_by_position"]
     assert list(before) == ["tokens 0-32", "tokens 32-64", "tokens 64-96", "tokens 96-128"]
@@ -186,6 +196,7 @@ def test_the_extension_lowers_the_loss_past_the_old_length(tmp_path) -> None:
     for bucket in ("tokens 32-64", "tokens 64-96", "tokens 96-128"):
         assert after[bucket] < before[bucket] - 0.05, (bucket, before, after)
     assert report["past_old_len_falls"] is True
-    for side in ("before", "after"):  # passkeys at 64 and 128 tokens, four prompts each
+    for side in ("before", "after"):  # passkeys at the old length, halfway and the new one, 8 prompts each
         accuracy = report[side]["passkey_accuracy"]
-        assert list(accuracy) == ["64 tokens", "128 tokens"] and all(a in (0, 0.25, 0.5, 0.75, 1) for a in accuracy.values())
+        assert list(accuracy) == ["32 tokens", "80 tokens", "128 tokens"]
+        assert all(a * 8 == int(a * 8) and 0 <= a <= 1 for a in accuracy.values())
