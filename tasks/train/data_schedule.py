@@ -6,6 +6,12 @@ mixture over the mix stage's domains (their train shards), and, for `order: qual
 curriculum shard per domain written under the run's folder: the domain's train documents sorted by
 the clean stage's quality score, ascending (unscored ones first, as the least known), which the
 loader walks through once over the phase (`tasks.train.data_loader`).
+
+A long-context phase (`DataPhase.rope_theta` / `rope_scaling`, `long_documents`) carries its rotary
+settings on its `Phase` (`Phase.rope`: what every phase from the first that set them trains with; the
+trainer gives them to the model when the phase starts) and, with `long_documents`, draws from a
+length-weighted shard per domain under the run's folder (`length_weighted`: each long document
+`upweight` times), so windows of long documents are drawn that many times as often.
 """
 
 from __future__ import annotations
