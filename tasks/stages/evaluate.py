@@ -118,6 +118,10 @@ def headline(stats: dict) -> dict:
         for model, metrics in stats["metrics"].items():
             if metric and f"{task}/{metric}" in metrics:
                 out[f"{model}/{task}/{metric}"] = round(metrics[f"{task}/{metric}"], 4)
+    for phase, report in stats.get("long_context_extension", {}).items():
+        past = list(report["before"]["loss_by_position"])[1:]  # the buckets past the old context
+        before, after = (sum(report[side]["loss_by_position"][k] for k in past) / len(past) for side in ("before", "after"))
+        out[f"extension/{phase}/loss_past_{report['old_seq_len']}"] = f"{before:.4f} -> {after:.4f}"
     return out
 
 

@@ -364,6 +364,9 @@ class Trainer:
     def save_checkpoint(self) -> None:
         train_state = {"identity": self.identity, "curves": self.curves, "mixture_history": self.mixture_history,
                        "source_tokens": self.source_tokens}
+        if self.mixture.phase_at(self.step) is not None and self.mixture.phase_at(self.step).rope:
+            # the weights go with the phase's rotary positions: what evaluating or annealing this checkpoint needs
+            train_state["model"] = self.model_cfg_at(self.step).model_dump(mode="json")
         run_cfg = self.run_cfg
         save_dcp(self.ckpt_root, self.step, self.model, self.optimizer, train_state, run_cfg.keep_checkpoints,
                  run_cfg.keep_every)
