@@ -18,7 +18,7 @@ from kiln.tasks.errors import ConfigError
 from kiln.tasks.evals.categories import _FILLER
 from kiln.tasks.evals.long_context import bucket_spans, extension_reports, tokenizer_view
 from kiln.tasks.stages.train import TrainConfig, with_longest_phase
-from kiln.tasks.train.checkpoint import BEFORE_PHASE_DIR
+from kiln.tasks.train.checkpoint import BEFORE_PHASE_DIR, checkpoint_dir
 from kiln.tasks.train.config import (
     DataPhase,
     LongDocuments,
@@ -29,6 +29,7 @@ from kiln.tasks.train.config import (
 )
 from kiln.tasks.train.data_loader import Mixture, write_manifest
 from kiln.tasks.train.data_schedule import SCHEDULE_DIR, scheduled_mixture
+from kiln.tasks.train.dcp import checkpoint_model, read_train_state
 from kiln.tasks.train.loop import train_model
 from kiln.tasks.train.model import read_model_config, rope_tables
 from kiln.tasks.train.trainer import TrainCallback
@@ -132,6 +133,10 @@ def test_rope_changes_when_the_phase_starts_and_on_resume(tmp_path) -> None:
     # the saved models say which positions they were trained with
     assert read_model_config(tmp_path / "full" / "model")[0] == extended
     assert read_model_config(tmp_path / "full" / BEFORE_PHASE_DIR / "long")[0] == MODEL
+    # and so do the checkpoints (what continuous eval, export and an anneal from a step build)
+    steps = {s: ModelConfig.model_validate(checkpoint_model(read_train_state(checkpoint_dir(
+        tmp_path / "full" / "checkpoints", s)))) for s in (4, 6)}
+    assert steps == {4: MODEL, 6: extended}
 
     # stopped at the boundary (its checkpoint holds the short phase's last step), resumed: the resumed
     # attempt's first step already has the extended tables, and the run is bit-identical
