@@ -158,7 +158,14 @@ def extension_boundaries(trainer: Trainer) -> dict[int, str]:
 class ExtensionSnapshot(TrainCallback):
     """The whole model, saved to `before_phase/<phase>/` at the last step before a context-extension phase
     (one that changes the rotary base or scaling): the pre-extension model the long-context evaluation
-    sets beside the final one. Runs before the checkpoint of that step, so a run resumed from it has it."""
+    sets beside the final one. Runs before the checkpoint of that step, so a run resumed from it has it; a
+    run that starts at that step (a branch from another run's checkpoint: an extension as an adjustment)
+    saves what it starts from."""
+
+    def on_start(self, trainer: Trainer) -> None:
+        phase = extension_boundaries(trainer).get(trainer.step)
+        if phase is not None and not (trainer.out_dir / BEFORE_PHASE_DIR / phase).is_dir():
+            trainer.save_full_model(trainer.out_dir / BEFORE_PHASE_DIR / phase, trainer.step)
 
     def post_step(self, trainer: Trainer, out: StepOutput) -> None:
         phase = extension_boundaries(trainer).get(out.step)

@@ -110,6 +110,14 @@ def with_rope(model_cfg: ModelConfig, rope: dict | None) -> ModelConfig:
     return revalidated(model_cfg.model_copy(update=update))
 
 
+def _weights_shape(model_identity: dict) -> dict:
+    """A model identity without what its weights do not depend on: `max_seq_len`, unless positions are learned
+    (a branch may go on from a prefix run's checkpoint to extend its context)."""
+    if model_identity.get("position", "rope") == "learned":
+        return model_identity
+    return {k: v for k, v in model_identity.items() if k != "max_seq_len"}
+
+
 def _identity(model_cfg: ModelConfig, optim_cfg: OptimConfig, run_cfg: TrainRunConfig, vocab_size: int) -> dict:
     identity = {
         "model": model_cfg.identity(),
@@ -251,7 +259,8 @@ class Trainer:
         latest = latest_intact_dcp(trainer.ckpt_root)
         if latest is None and branch_from is not None:
             prefix = read_train_state(branch_from)["identity"]
-            if (prefix["model"], prefix["vocab_size"]) != (trainer.identity["model"], trainer.identity["vocab_size"]):
+            if (_weights_shape(prefix["model"]), prefix["vocab_size"]) != (
+                    _weights_shape(trainer.identity["model"]), trainer.identity["vocab_size"]):
                 raise ValueError(f"{branch_from} holds another model (or vocabulary) than this run's: a branch goes on "
                                  "from the prefix run's weights, so keep its model section and tokenizer")
             latest = branch_from

@@ -205,3 +205,31 @@ def test_the_extension_lowers_the_loss_past_the_old_length(tmp_path) -> None:
         accuracy = report[side]["passkey_accuracy"]
         assert list(accuracy) == ["32 tokens", "80 tokens", "128 tokens"]
         assert all(a * 8 == int(a * 8) and 0 <= a <= 1 for a in accuracy.values())
+
+
+def test_an_adjustment_extends_the_context_of_a_kept_checkpoint(tmp_path) -> None:
+    """A context extension as a segment: the prefix trained at 8 tokens with max_seq_len 8; the branch goes on
+    from its step 4 with a longer phase, a model built for 32 tokens and new rotary positions."""
+    docs = [np.arange(1, 1 + n) % (V - 1) + 1 for n in (40, 70, 30, 90)]
+    base = write_documents(tmp_path / "data", {"train": docs * 3, "val": docs})
+    prefix_run = RUN.model_copy(update={"steps": 4})
+    short = MODEL.model_copy(update={"max_seq_len": 8})
+    train_model(short, OptimConfig(warmup_steps=1), prefix_run, base, tmp_path / "prefix")
+    mixture = scheduled_mixture(base, EXTENSION, RUN, tmp_path / "sched")
+    seen = RopeSeen()
+    branch = train_model(MODEL, OptimConfig(warmup_steps=1), RUN, mixture, tmp_path / "branch", callbacks=[seen],
+                         branch_from=tmp_path / "prefix" / "checkpoints" / "step_0000004")
+    extended = MODEL.model_copy(update={"rope_theta": 50000.0, "rope_scaling": SCALING})
+    assert branch.resumed_from_step == 4 and branch.steps_trained == 4 and sorted(seen.cos) == [5, 6, 7, 8]
+    assert all(torch.equal(seen.cos[s], rope_tables(extended)[0]) for s in range(5, 9))
+    # the branch saved what it started from as the pre-extension model: the prefix's step-4 weights
+    before = torch.load(tmp_path / "branch" / BEFORE_PHASE_DIR / "long" / "model.pt", weights_only=True)
+    prefix = torch.load(tmp_path / "prefix" / "model" / "model.pt", weights_only=True)
+    assert before.keys() == prefix.keys() and all(torch.equal(before[k], prefix[k]) for k in before)
+    assert read_model_config(tmp_path / "branch" / BEFORE_PHASE_DIR / "long")[0] == MODEL
+    # learned positions are weights of max_seq_len rows: that model cannot be stretched by a branch
+    learned = short.model_copy(update={"position": "learned"})
+    train_model(learned, OptimConfig(warmup_steps=1), prefix_run, base, tmp_path / "learned")
+    with pytest.raises(ValueError, match="holds another model"):
+        train_model(MODEL.model_copy(update={"position": "learned"}), OptimConfig(warmup_steps=1), RUN, base,
+                    tmp_path / "learned-branch", branch_from=tmp_path / "learned" / "checkpoints" / "step_0000004")
