@@ -373,7 +373,8 @@ class Trainer:
     def save_checkpoint(self) -> None:
         train_state = {"identity": self.identity, "curves": self.curves, "mixture_history": self.mixture_history,
                        "source_tokens": self.source_tokens}
-        if self.mixture.phase_at(self.step) is not None and self.mixture.phase_at(self.step).rope:
+        phase = self.mixture.phase_at(self.step)
+        if phase is not None and phase.rope:
             # the weights go with the phase's rotary positions: what evaluating or annealing this checkpoint needs
             train_state["model"] = self.model_cfg_at(self.step).model_dump(mode="json")
         run_cfg = self.run_cfg
