@@ -159,7 +159,7 @@ class JobTrials:
 
     def __init__(self, launcher: str, cluster: ClusterSpec, max_parallel: int, jobs_dir: Path, *,
                  poll_s: float = POLL_S, launcher_options: dict[str, Any] | None = None,
-                 committed_dir: Path | None = None) -> None:
+                 committed_dir: Path | None = None, on_submit: Callable[[str], None] | None = None) -> None:
         # absolute: the jobs write their logs there from the nodes, and records name them
         self.launcher, self.max_parallel, self.jobs_dir, self.poll_s = launcher, max_parallel, jobs_dir.resolve(), poll_s
         # where jobs_dir will be once its stage commits (its partial folder renamed): the logs records name
@@ -169,6 +169,7 @@ class JobTrials:
         self.launcher_options = launcher_options or {}
         self._jobs: dict[str, list[dict[str, Any]]] = {}  # trial -> each job given it, in order (`_ran`)
         self._jobs_lock = threading.Lock()
+        self.on_submit = on_submit  # told each Slurm job's id as it is submitted (the stage's lock records it)
 
     def launch_record(self, name: str) -> dict[str, Any] | None:
         """Where trial `name` ran (see `TrialLauncher.launch_record`): each job that was given it, its
@@ -300,6 +301,7 @@ class JobTrials:
                                              backoff_limit_per_index=self.max_restarts, **options)
         if self.launcher == "slurm":
             options["torchrun"] = False  # one process: no rendezvous to pay for
+            options["on_submit"] = self.on_submit
         return make_launcher(self.launcher, self.cluster, folder, **options)
 
     def _command(self, folder: Path) -> list[str]:
