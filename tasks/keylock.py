@@ -69,6 +69,7 @@ class KeyLock:
         self._beat: threading.Thread | None = None
         self._writing = threading.Lock()
         self._job_checked: dict[str, tuple[float, bool]] = {}  # job id -> (when asked, whether it had ended)
+        self.broken: dict | None = None  # the stale owner's record this lock broke to be taken (its jobs may run on)
 
     def _record(self) -> dict:
         record = {"host": socket.gethostname(), "pid": os.getpid(), "token": self.token, "since": time.time()}
@@ -150,6 +151,7 @@ class KeyLock:
             if self.owner() == owner:  # still the same stale owner, not a fresh lock taken meanwhile
                 log.warning("breaking stale lock %s held by %s", self.path, owner)
                 self.path.unlink(missing_ok=True)
+                self.broken = owner
         finally:
             breaker.unlink(missing_ok=True)
 

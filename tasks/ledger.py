@@ -80,6 +80,9 @@ class StageRecorder:
         self.forecasts: dict[str, dict[str, Any]] = {}
         self.launches: dict[str, dict[str, Any]] = {}  # run name -> where it ran (`launched`)
         self.lock: KeyLock | None = None  # the stage key's lock, held while the stage runs (the runner sets it)
+        # Slurm jobs that the stage's previous driver submitted and the scheduler still runs (that driver died
+        # holding the key's lock; the runner read them from it): a stage that launches jobs waits for them
+        self.earlier_jobs: list[str] = []
 
     def job_submitted(self, job_id: str) -> None:
         """A Slurm job this stage (or a sub-run of it) submitted: the stage's lock records it, so a waiter,

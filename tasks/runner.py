@@ -28,7 +28,7 @@ from kiln.tasks.crashes import OWNER_TAG, process_owner
 from kiln.tasks.errors import ConfigError, KilnError, is_retryable
 from kiln.tasks.graph import config_value, stage_identity, stage_keys
 from kiln.tasks.keylock import KeyLock
-from kiln.tasks.launch.slurm_jobs import job_alive, lock_holder
+from kiln.tasks.launch.slurm_jobs import job_alive, live_jobs, lock_holder
 from kiln.tasks.ledger import StageRecorder, launch_tags, merged_launch, numeric_stats
 from kiln.tasks.provenance import code_version, provenance
 from kiln.tasks.settings import KilnConfig
@@ -222,6 +222,12 @@ def _execute(stage: Stage, cfg: KilnConfig, store: Store, tracker: Tracker, regi
     started, cpu = time.perf_counter(), _CpuMeter()
     recorder = StageRecorder(tracker, run_id, stage.name, key, on_event)
     recorder.lock = lock  # the jobs the stage submits are recorded in it
+    broken = lock.broken if lock is not None else None
+    if broken and broken.get("jobs"):  # a driver that died holding the key: which of its jobs still run
+        recorder.earlier_jobs = live_jobs(broken["jobs"])
+        if recorder.earlier_jobs:
+            log.warning("stage %s/%s: the driver that held it (pid %s on %s) is gone, but Slurm still runs its jobs %s",
+                        stage.name, key, broken.get("pid"), broken.get("host"), ", ".join(recorder.earlier_jobs))
     try:
         stats = stage.body(StageContext(cfg, out_dir, inputs, store, recorder))
     except BaseException as error:

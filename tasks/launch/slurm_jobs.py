@@ -13,6 +13,7 @@ memory, and a job that an earlier driver submitted and that still runs is found 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import socket
@@ -26,6 +27,7 @@ from kiln.tasks.errors import ConfigError
 from kiln.tasks.launch.launchers import LaunchError
 
 CLIENT_TIMEOUT_S = 60.0  # one sbatch/squeue/sacct/scontrol call
+logger = logging.getLogger("kiln.launch.slurm")
 JOURNAL_FILE = "slurm_jobs.jsonl"
 _FIELD = re.compile(r"(\w+)=(\S*)")
 _NO_NODE = ("", "(null)", "None assigned")
@@ -87,6 +89,18 @@ def job_alive(job_id: str) -> bool | None:
     if done.returncode != 0:  # an unknown job id is an error to squeue: long gone
         return False if "Invalid job id" in done.stderr else None
     return bool(done.stdout.strip())
+
+
+def wait_for_jobs(job_ids: list[str], what: str, poll_s: float = 2.0) -> None:
+    """Wait until none of `job_ids` is pending or running: `what` (an earlier driver's jobs, still working on
+    what this run would submit again) must not run twice at once. Says so on the terminal, once."""
+    live = live_jobs(job_ids)
+    if live:
+        logger.warning("%s: Slurm still runs job %s, submitted by a driver that died; waiting for it to end "
+                       "(scancel it to stop it)", what, ", ".join(live))
+    while live:
+        time.sleep(poll_s)
+        live = live_jobs(live)
 
 
 def job_state(job_id: str) -> str:

@@ -45,7 +45,7 @@ from kiln.tasks.launch.kubernetes import KubernetesIndexedLauncher
 from kiln.tasks.launch.launchers import LaunchError, sigterm_raises
 from kiln.tasks.launch.registry import make_launcher
 from kiln.tasks.launch.slurm import SlurmJobCancelled
-from kiln.tasks.launch.slurm_jobs import scheduler_records
+from kiln.tasks.launch.slurm_jobs import scheduler_records, wait_for_jobs
 from kiln.tasks.ledger import OpenSubRun
 from kiln.tasks.scaling.sweep import (
     FINAL_STATUSES,
@@ -159,7 +159,8 @@ class JobTrials:
 
     def __init__(self, launcher: str, cluster: ClusterSpec, max_parallel: int, jobs_dir: Path, *,
                  poll_s: float = POLL_S, launcher_options: dict[str, Any] | None = None,
-                 committed_dir: Path | None = None, on_submit: Callable[[str], None] | None = None) -> None:
+                 committed_dir: Path | None = None, on_submit: Callable[[str], None] | None = None,
+                 earlier_jobs: list[str] | None = None) -> None:
         # absolute: the jobs write their logs there from the nodes, and records name them
         self.launcher, self.max_parallel, self.jobs_dir, self.poll_s = launcher, max_parallel, jobs_dir.resolve(), poll_s
         # where jobs_dir will be once its stage commits (its partial folder renamed): the logs records name
@@ -170,6 +171,8 @@ class JobTrials:
         self._jobs: dict[str, list[dict[str, Any]]] = {}  # trial -> each job given it, in order (`_ran`)
         self._jobs_lock = threading.Lock()
         self.on_submit = on_submit  # told each Slurm job's id as it is submitted (the stage's lock records it)
+        # jobs of a driver that died that may still train these trials: waited for before any job is submitted
+        self.earlier_jobs = list(earlier_jobs or [])
 
     def launch_record(self, name: str) -> dict[str, Any] | None:
         """Where trial `name` ran (see `TrialLauncher.launch_record`): each job that was given it, its
@@ -217,6 +220,9 @@ class JobTrials:
 
         if not pending:
             return
+        if self.earlier_jobs:  # never two jobs on one trial: the earlier job commits what it finishes, then resumes none
+            wait_for_jobs(self.earlier_jobs, f"sweep {label}")
+            self.earlier_jobs = []
         shares = deal(pending, self.max_parallel)
         # Kubernetes: one indexed Job holds every share and runs max_parallel of them at once
         units = [shares] if self.launcher == "kubernetes" else [[share] for share in shares]

@@ -23,7 +23,8 @@ def run(ctx: StageContext) -> dict:
         where = PoolTrials(cfg.max_parallel, cluster.max_restarts)
     else:
         where = JobTrials(cluster.launcher, cluster, cfg.max_parallel, ctx.out_dir / JOBS_DIR,
-                          committed_dir=ctx.committed_dir / JOBS_DIR, on_submit=ctx.recorder.job_submitted)
+                          committed_dir=ctx.committed_dir / JOBS_DIR, on_submit=ctx.recorder.job_submitted,
+                          earlier_jobs=ctx.recorder.earlier_jobs)
     results = run_sweep(cfg, ctx.read_json("tokenize", SHARDS_FILE), ctx.inputs["tokenize"], ctx.subruns(),
                         where=where, mixture_folds=ctx.cfg.fit.mixture_folds, committed_as=ctx.committed_dir)
     finished = succeeded(results)

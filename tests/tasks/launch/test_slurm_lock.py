@@ -81,3 +81,40 @@ def test_a_lock_held_in_a_slurm_job_names_the_job_its_node_and_whether_it_runs(s
     assert lock_holder(elsewhere).startswith(f"Slurm job {job} on node {owner['node']} (CANCELLED; ")
     with KeyLock(path, job_alive=job_alive, timeout_s=5.0):  # broken at once, no 60 s wait
         pass
+
+
+@pytest.mark.timeout(300)
+def test_a_rerun_after_a_dead_driver_knows_the_jobs_its_lock_named_that_still_run(
+        slurm_two_nodes, tmp_path, monkeypatch, caplog):
+    """The driver that held a stage's lock was killed (its pid is gone) while a job it submitted still
+    runs: the rerun breaks the stale lock and, from the jobs the lock named, knows which the scheduler
+    still runs (a stage that launches jobs waits for them: JobTrials) and says so; the ended ones it leaves."""
+    from kiln.tasks.config import load_config
+    from kiln.tasks.graph import stage_keys
+    from kiln.tasks.runner import run_pipeline
+    from kiln.tasks.stage import Registry
+    from kiln.tasks.stages import collect as collect_stage
+    from tests.fixtures import toy_stage
+
+    repo = Path(__file__).resolve().parents[3]
+    monkeypatch.chdir(repo)
+    registry = Registry([collect_stage.STAGE, toy_stage.STAGE])
+    cfg = load_config("tests/fixtures/toy.yaml", [f"work_dir={tmp_path}"], registry=registry)
+    key = stage_keys(cfg, registry)["toy-count"]
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    live = subprocess.run(["sbatch", "--parsable", f"--output={tmp_path}/sleep-%j.out", "--wrap", "sleep 120"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    try:
+        wait_for(lambda: job_alive(live))
+        lock = Store(cfg.store_root).lock("toy-count", key).path
+        lock.parent.mkdir(parents=True, exist_ok=True)
+        lock.write_text(json.dumps({"host": socket.gethostname(), "pid": dead.pid, "token": "dead", "since": 0,
+                                    "jobs": ["4242", live]}))
+        with caplog.at_level("WARNING", logger="kiln.tasks.runner"):
+            assert [o.status for o in run_pipeline(cfg, registry=registry)] == ["ran", "ran"]
+        said = [r.getMessage() for r in caplog.records if "is gone, but Slurm still runs" in r.getMessage()]
+        assert said == [f"stage toy-count/{key}: the driver that held it (pid {dead.pid} on {socket.gethostname()}) "
+                        f"is gone, but Slurm still runs its jobs {live}"]
+    finally:
+        subprocess.run(["scancel", live], check=True)

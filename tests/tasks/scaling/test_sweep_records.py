@@ -16,6 +16,7 @@ import pytest
 
 from kiln.tasks.launch.cluster import ClusterSpec, where_it_ran
 from kiln.tasks.launch.local_slurm import free_port
+from kiln.tasks.launch.slurm_jobs import scheduler_records
 from kiln.tasks.ledger import StageRecorder, SubRuns
 from kiln.tasks.scaling.sweep import TRIALS_DIR, TRIALS_FILE, IsoFlopBudget, MixtureDesign, SweepConfig, run_sweep
 from kiln.tasks.scaling.trial_runs import JOBS_DIR, JobTrials
@@ -131,3 +132,23 @@ def test_sweep_trials_record_their_jobs_nodes_attempts_and_committed_logs(two_no
     assert any(line.startswith(f"  job {cancelled[0]}: ran CANCELLED on kiln-n") for line in lines), lines
     assert sum(line.startswith("    log: ") for line in lines) == sum(len(r["attempts"])
                                                                       for r in recorder.launches.values())
+
+
+def test_a_sweep_waits_for_an_earlier_driver_s_live_job_before_submitting_its_own(two_nodes, tmp_path, caplog):
+    """A job the stage's previous (dead) driver submitted may still train these trials: the sweep submits
+    nothing until the scheduler says it has ended, so no trial is trained by two jobs at once."""
+    earlier = subprocess.run(["sbatch", "--parsable", f"--output={tmp_path}/earlier-%j.out", "--wrap", "sleep 30"],
+                             capture_output=True, text=True, check=True).stdout.strip()
+    recorder = StageRecorder(NullTracker(), "run", "sweep", "k")
+    where = JobTrials("slurm", ClusterSpec(rdzv_port=free_port(), max_restarts=0), 2, tmp_path / "out" / JOBS_DIR,
+                      earlier_jobs=[earlier])
+    sweep = small_sweep().model_copy(update={"isoflop": [IsoFlopBudget(flops=1e7, widths=[4])]})
+    with caplog.at_level("WARNING", logger="kiln.launch.slurm"):
+        results = run_sweep(sweep, shards(tmp_path / "tokenize"), tmp_path / "tokenize",
+                            SubRuns(recorder, tmp_path / "out"), where=where)
+    assert all(r.ok for r in results)
+    assert any(f"Slurm still runs job {earlier}, submitted by a driver that died; waiting" in r.getMessage()
+               for r in caplog.records), caplog.text
+    (ended,) = [t["end"] for t in scheduler_records(earlier)]
+    starts = [a["tasks"][0]["start"] for r in recorder.launches.values() for a in r["attempts"]]
+    assert starts and all(start >= ended for start in starts)  # ISO times: none began before it ended
