@@ -285,9 +285,12 @@ class JobTrials:
                 if user_error is not None or not (error.retryable or cancelled):
                     state.fail(user_error or error)
                     return
+                # the launcher's words for a cancelled training job ("not relaunched") are not the sweep's
+                why = (f"Slurm job {error.job_id} ({job.job_name}) on {','.join(error.nodes) or 'no node'} was "
+                       f"cancelled (scancel or preemption); log: {error.log}" if cancelled else str(error).splitlines()[0])
                 logger.warning("sweep job %s %s; resubmitting it for its unfinished trials: %s", name,
-                               "was cancelled" if cancelled else "failed", str(error).splitlines()[0])
-                state.failed([t.name for share in todo for t, _ in share], str(error).splitlines()[0])
+                               "was cancelled" if cancelled else "failed", why)
+                state.failed([t.name for share in todo for t, _ in share], why)
                 continue
             state.ended(job)
             self._ran(todo, job, launched.job_id, launched.log, "COMPLETED")
