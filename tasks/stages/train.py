@@ -330,11 +330,6 @@ def headline(stats: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def trained_model_config(ctx: StageContext) -> ModelConfig:
-    """The shape the train stage trained (its config's, or the plan's under `train.model: plan`)."""
-    return ModelConfig(**ctx.read_json("train", TRAINED_MODEL_CONFIG)["model"])
-
-
 # version 2: DCP checkpoints (version 1's torch.save checkpoints in a partial folder are not resumable)
 # version 3: the key hashes train.lr instead of the unused train.optim.lr
 # version 4: train.parallel no longer holds activation_checkpointing (train.run does)
