@@ -44,7 +44,6 @@ from kiln.tasks.train.config import (
     check_phases_fit,
 )
 
-TRAINED_MODEL_CONFIG = "model/model_config.json"  # the shape train trained, for the stages after it
 PLANNED_RUN_FIELDS = {"steps", "batch_size", "seq_len"}  # under `model: plan`, the plan's unless train.run sets them
 
 
