@@ -80,10 +80,16 @@ class GateReport:
         for row in self.capabilities:
             trend = ", ".join(f"{v:.4f} @ {c:.2g}" for _, c, v in row["proxies"])
             verdict = "continues" if row["continues"] else "BREAKS"
+            decides = row["gated"] and row.get("trusted") is not False
             lines.append(f"  {row['metric']}: proxies {trend} FLOPs; mid-scale {row['midscale']:.4f} @ "
                          f"{row['midscale_compute']:.2g} ({verdict} the trend vs best proxy {row['best_proxy_value']:.4f}"
-                         + (")" if row["gated"] else "; not gated)")
+                         + (")" if decides else "; not gated)" if not row["gated"] else "; not trusted: decides nothing)")
                          + ("" if row["plan_mixture"] is None else f"; on the plan's mixture {row['plan_mixture']:.4f}"))
+            if row.get("trusted") is False:
+                lines.append(f"      not trusted: {'; '.join(row['trust']['reasons'])}")
+        untrusted = [row["metric"] for row in self.capabilities if row["gated"] and row.get("trusted") is False]
+        if untrusted:
+            lines.append(f"  gated metrics of tasks not trusted at this size, left out of the gate: {', '.join(untrusted)}")
         transfer = self.mixture_transfer
         if transfer:
             if transfer.get("spearman") is None:
@@ -138,7 +144,9 @@ def check_gate(val_loss: float, loss_curve: list[tuple[int, float]], predicted: 
     rows: list[CapabilityRow] = []
     if capabilities is not None:
         rows, capability_reasons = capabilities
-        checks["capabilities_continue"] = all(r.continues for r in rows if r.gated)
+        # A task not trusted at this size (`capabilities.row_trust`) decides nothing.
+        checks["capabilities_continue"] = all(r.continues for r in rows if r.gated and r.trusted is not False)
+        checks["capabilities_not_trusted"] = [r.metric for r in rows if r.gated and r.trusted is False]
         reasons += capability_reasons
     if mixture_transfer is not None:
         rho, floor = mixture_transfer.get("spearman"), cfg.mixture_transfer.min_spearman

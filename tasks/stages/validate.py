@@ -16,10 +16,10 @@ from typing import TYPE_CHECKING, Any
 from kiln.tasks.constants import SHARDS_FILE, TOKENIZER_FILE
 from kiln.tasks.errors import TrainingDivergedError
 from kiln.tasks.evals.categories import SuiteConfig
-from kiln.tasks.evals.evaluate import check_wanted_tasks, evaluate_model, suite_task_names
+from kiln.tasks.evals.evaluate import RESULTS_FILE, check_wanted_tasks, evaluate_model, suite_task_names
 from kiln.tasks.ledger import SubRun
 from kiln.tasks.scaling import plots
-from kiln.tasks.scaling.capabilities import ScoredModel, capability_trend
+from kiln.tasks.scaling.capabilities import ScoredModel, capability_items, capability_trend
 from kiln.tasks.scaling.fit import PLAN_FILE, loss_law_from_dict
 from kiln.tasks.scaling.sweep import TRIALS_DIR, TRIALS_FILE, best_isoflop_trials, load_trials
 from kiln.tasks.scaling.transfer import choose_transfer_mixtures, transfer_spearman
@@ -116,16 +116,19 @@ def score_capabilities(ctx: StageContext, midscale_compute: float, reference_run
     def score(name: str, model_dir: Any, compute: float) -> ScoredModel:
         out = ctx.out_dir / CAPABILITIES_DIR / name.replace("/", "-")
         out.mkdir(parents=True, exist_ok=True)  # a resumed attempt scores again into it
-        return ScoredModel(name, compute, evaluate_model(eval_cfg, model_dir, tokenizer, out, tasks=caps.tasks or None))
+        metrics = evaluate_model(eval_cfg, model_dir, tokenizer, out, tasks=caps.tasks or None)
+        return ScoredModel(name, compute, metrics,
+                           capability_items(json.loads((out / RESULTS_FILE).read_text(encoding="utf-8"))))
 
     sweep_dir = ctx.inputs["sweep"]
     best = best_isoflop_trials(ctx.cfg.sweep, load_trials(sweep_dir / TRIALS_FILE)).values()
     proxies = [score(t.name, sweep_dir / TRIALS_DIR / t.name / "model", 6.0 * t.num_params * t.tokens) for t in best]
     validate = score("validate", ctx.out_dir / "model", midscale_compute)
+    trust = caps.trust  # only trusted tasks decide the gate
     if reference_run is None:
-        return capability_trend(proxies, validate, caps)
+        return capability_trend(proxies, validate, caps, trust=trust)
     return capability_trend(proxies, score(reference_run, ctx.out_dir / reference_run / "model", midscale_compute),
-                            caps, plan_model=validate)
+                            caps, plan_model=validate, trust=trust)
 
 
 def mixture_transfer(ctx: StageContext, plan: dict[str, Any], optim: OptimConfig, validate_loss: float
