@@ -63,6 +63,9 @@ class GateReport:
     checks: dict[str, Any] = field(default_factory=dict)  # every check's measured value
     capabilities: list[dict[str, Any]] = field(default_factory=list)  # CapabilityRow.as_dict() per metric
     mixture_transfer: dict[str, Any] | None = None  # predicted and observed losses, spearman
+    # Each capability task's decision accuracy over the mixtures trained at both sizes: `mixtures`, `pairs`,
+    # `by_task` ("task/metric" -> share of pairs ordered alike, None where the validate size ties them all).
+    decision_accuracy: dict[str, Any] | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -98,6 +101,11 @@ class GateReport:
                 lines.append(f"  mixture transfer at the validate size: Spearman {transfer['spearman']:.2f} over "
                              + ", ".join(f"{name} (pred {p:.4f}, obs {transfer['observed'][name]:.4f})"
                                          for name, p in transfer["predicted"].items() if name in transfer["observed"]))
+        decisions = self.decision_accuracy
+        if decisions and decisions["by_task"]:
+            lines.append(f"  decision accuracy (the order of {len(decisions['mixtures'])} mixtures at the sweep's size "
+                         f"holding at this size, {decisions['pairs']} pairs): "
+                         + ", ".join(f"{key} {'–' if v is None else f'{v:.2f}'}" for key, v in decisions["by_task"].items()))
         lines += [f"  - {reason}" for reason in self.reasons]
         return "\n".join(lines)
 
@@ -106,7 +114,8 @@ def check_gate(val_loss: float, loss_curve: list[tuple[int, float]], predicted: 
                health_events: list[dict[str, Any]] = (), grad_norm_curve: list[tuple[int, float]] = (),
                warmup_steps: int = 0, cfg: ValidateConfig | None = None,
                capabilities: tuple[list[CapabilityRow], list[str]] | None = None,
-               mixture_transfer: dict[str, Any] | None = None, law_run: tuple[str, float] | None = None) -> GateReport:
+               mixture_transfer: dict[str, Any] | None = None, law_run: tuple[str, float] | None = None,
+               decision_accuracy: dict[str, Any] | None = None) -> GateReport:
     """The gate's verdict. `capabilities` is `capability_trend`'s rows and reasons; `mixture_transfer`
     holds `predicted`, `observed` and `spearman` (None with a `note` when there is nothing to rank).
     `law_run` (name, val loss) is the run held to the interval when it is not this one: the run at
@@ -157,4 +166,4 @@ def check_gate(val_loss: float, loss_curve: list[tuple[int, float]], predicted: 
                            f"predicted and observed losses (validate.mixture_transfer.min_spearman={floor:g}); the "
                            "plan's mixture is chosen from a ranking that does not hold here")
     return GateReport(not reasons, val_loss, predicted, reasons, checks, [r.as_dict() for r in rows],
-                      mixture_transfer)
+                      mixture_transfer, decision_accuracy)

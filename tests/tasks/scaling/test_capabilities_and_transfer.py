@@ -128,6 +128,15 @@ def test_only_a_trusted_task_decides_the_gate_and_the_report_says_so():
     assert rows[0].trusted is None and len(reasons) == 1
 
 
+def test_the_gate_report_shows_each_tasks_decision_accuracy():
+    decisions = {"mixtures": ["a", "b", "uniform"], "pairs": 3,
+                 "by_task": {"kiln_heldout/bits_per_byte": 2 / 3, "kiln_heldout_choice/acc_norm": None}}
+    report = check_gate(3.0, CURVE, None, decision_accuracy=decisions)
+    assert report.as_dict()["decision_accuracy"] == decisions
+    assert ("  decision accuracy (the order of 3 mixtures at the sweep's size holding at this size, 3 pairs): "
+            "kiln_heldout/bits_per_byte 0.67, kiln_heldout_choice/acc_norm –") in report.describe()
+
+
 def test_the_tolerance_is_relative_to_the_best_proxy():
     # 2.6 x 1.02 = 2.652
     assert capability_trend(PROXIES, midscale(2.65), CapabilityConfig(tolerance=0.02))[1] == []
