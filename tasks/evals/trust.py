@@ -34,6 +34,9 @@ from pydantic import Field
 from kiln.tasks.configbase import Section
 
 
+TRUST_FILE = "trust.json"  # the evaluate stage's output: each task's trust measures and verdict
+
+
 class LevelThresholds(Section):
     min_snr: float | None = Field(None, ge=0)
     min_monotonicity: float | None = Field(None, ge=-1, le=1)

@@ -22,14 +22,13 @@ from kiln.tasks.evals.report import REPORT_FILE, mlflow_table_tag, write_report
 from kiln.tasks.evals.continuous import current_rows, eval_target, evaluate_checkpoint, plan_evaluations, read_recorded
 from kiln.tasks.evals.ecg import curves
 from kiln.tasks.evals.suite import PRIMARY_METRICS, primary_metric
-from kiln.tasks.evals.trust import Verdict, task_verdicts
+from kiln.tasks.evals.trust import TRUST_FILE, Verdict, task_verdicts
 from kiln.tasks.stage import Stage, StageContext
 from kiln.tasks.stages._common import eval_file_paths, suite_eval_files
 from kiln.tasks.scaling.validate import REPORT_FILE as GATE_FILE
 from kiln.tasks.stages.anneal_ablation import ablation_results
 
 BASELINE = "train"  # the report's changes are each model's score minus the trained model's
-TRUST_FILE = "trust.json"  # each task's trust measures and verdict
 
 
 def run(ctx: StageContext) -> dict:
