@@ -30,7 +30,7 @@ from kiln.tasks.bundled import locate
 from kiln.tasks.configbase import Section, added_field, runtime_field
 from kiln.tasks.errors import ConfigError, InputError
 from kiln.tasks.evals.heldout_task import HF_CACHE_DIR, task_name_for
-from kiln.tasks.evals.categories import SuiteConfig, TokenView, build_category_suite
+from kiln.tasks.evals.categories import TOXICITY_MODEL, SuiteConfig, TokenView, build_category_suite
 from kiln.tasks.evals.trust import TrustConfig
 from kiln.tasks.evals.suite import (
     STANDARD_SUITE,
@@ -179,8 +179,10 @@ def evaluate_lm(
         require_hub(online)
         results = _run_lm_eval(lm, task_manager, names, cfg.limit, {task.name: task for task in suite})
     samples = results.pop("samples", {})
-    # The dataset cache is a copy of the documents already beside the task files.
+    # The dataset cache is a copy of the documents already beside the task files; the toxicity classifier
+    # (128 MB a model scored) is trained again from the bundled data whenever the suite is built.
     shutil.rmtree(task_dir / HF_CACHE_DIR, ignore_errors=True)
+    (task_dir / TOXICITY_MODEL).unlink(missing_ok=True)
     kept = {key: results[key] for key in _DETERMINISTIC_KEYS if key in results}
     kept["kiln_tasks"] = {task.name: {"kind": task.kind, "eval_file": task.eval_file and str(task.eval_file),
                                       "num_items": len(task.source_ids), "category": task.category, "level": task.level,

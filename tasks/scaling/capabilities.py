@@ -131,7 +131,8 @@ def row_trust(key: str, points: Sequence[tuple[str, float, float]], models: Sequ
                         margin=margin_above_random(best, infos[0].get("chance"), higher),
                         constant=len(values) >= 2 and len(set(values)) == 1)
     verdict = judge(measures, getattr(trust, infos[0]["level"]))
-    return Verdict(verdict.trusted, [r.replace("vs step", "vs compute") for r in verdict.reasons], measures)
+    reasons = [r.replace("vs step", "vs compute").replace("at every checkpoint", "on every proxy") for r in verdict.reasons]
+    return Verdict(verdict.trusted, reasons, measures)
 
 
 def capability_trend(proxies: Sequence[ScoredModel], midscale: ScoredModel, cfg: CapabilityConfig,

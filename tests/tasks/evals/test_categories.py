@@ -34,7 +34,7 @@ def scored(tmp_path_factory: pytest.TempPathFactory) -> dict:
     started = time.perf_counter()
     metrics = evaluate_model(cfg, root / "model", root / "tokenizer.json", root / "out")
     wall = time.perf_counter() - started
-    return {"cfg": cfg, "metrics": metrics, "wall": wall,
+    return {"cfg": cfg, "metrics": metrics, "wall": wall, "out": root / "out",
             "results": json.loads((root / "out" / RESULTS_FILE).read_text()), "tokenizer": tokenizer}
 
 
@@ -61,6 +61,9 @@ def test_every_category_and_level_is_scored(scored):
     assert 0 <= m["kiln_coding_pass1/pass_at_1"] <= 1 and m["kiln_coding_pass1/num_docs"] == 4
     assert m["kiln_bias_pairs/stereotype_preference"] in (0, 0.25, 0.5, 0.75, 1)
     assert 0 <= m["kiln_toxicity/toxic_share"] <= 1 and 0 <= m["kiln_toxicity/toxicity"] <= 1
+    # The classifier (128 MB) is not kept: the suite's items are, and it is trained again from them.
+    assert not (scored["out"] / "tasks" / "toxicity.ftz").exists()
+    assert (scored["out"] / "tasks" / "kiln_toxicity.yaml").is_file()
     for bucket in ("tokens 0-16", "tokens 16-32", "tokens 32-48", "tokens 48-64"):
         assert m[f"kiln_position[{bucket}]/bits_per_byte"] > 0
     # The names the stage lists without a model are the names it scores, and those it could not build here.
