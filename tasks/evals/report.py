@@ -86,6 +86,7 @@ def report_rows(results: Mapping[str, Mapping[str, Any]], baseline: str,
                                                            and base_g is not None else None)
                 _add_details(grouped, info.get(task, {}), main["groups"][group], (trust or {}).get(task))
                 grouped["num_items"] = main["groups"][group]["num_items"]
+                grouped["decision_accuracy"] = None  # measured on the task's whole score, not a group's
                 rows.append(grouped)
     return rows
 
@@ -101,7 +102,8 @@ def _add_details(row: dict[str, Any], info: Mapping[str, Any], main: Mapping[str
     row["exempt"] = info.get("exempt", False)
     snr = None if verdict is None else verdict.get("snr")
     row["snr"] = snr if snr is None or math.isfinite(snr) else None  # no noise at all: JSON has no infinity
-    row["decision_accuracy"] = None if verdict is None else verdict.get("decision_accuracy")
+    # Of the main metric only: the one whose ranking the decision accuracy measured.
+    row["decision_accuracy"] = None if verdict is None or not main else verdict.get("decision_accuracy")
     row["trusted"] = None if verdict is None else verdict["trusted"]
     row["trust_reasons"] = None if verdict is None else "; ".join(verdict["reasons"]) or None
 

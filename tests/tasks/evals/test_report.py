@@ -91,6 +91,10 @@ def test_grouped_rows_intervals_clean_scores_and_trust_per_category(tmp_path):
     # The decision accuracy: a column of the table, and a table of its own (one row per task, not per group).
     assert by[("kiln_multilingual", "bits_per_byte")]["decision_accuracy"] == pytest.approx(2 / 3)
     assert by[("kiln_heldout_choice", "acc_norm")]["decision_accuracy"] is None
+    trust["kiln_heldout_choice"]["decision_accuracy"] = 0.5  # the main metric's row only, not acc's
+    rows = write_report(tmp_path, {"train": train}, baseline="train", trust=trust, decision_note="From 3 mixtures.")
+    assert [(r["task"], r["metric"]) for r in rows if r["decision_accuracy"] is not None] == [
+        ("kiln_heldout_choice", "acc_norm"), ("kiln_multilingual", "bits_per_byte")]
     assert markdown.split("## Decision accuracy\n\n")[1].startswith(
         "Decision accuracy: from 3 mixtures at two sizes.\n\n| task | metric | decision accuracy |\n|---|---|---:|\n"
         "| kiln_multilingual | bits_per_byte | 0.67 |\n")
