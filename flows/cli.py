@@ -57,7 +57,7 @@ from kiln.tasks.errors import KilnError  # noqa: E402
 from kiln.tasks.graph import stage_keys
 from kiln.tasks.launch.cluster import ClusterSpec, where_it_ran
 from kiln.tasks.launch.local_slurm import LocalSlurmCluster
-from kiln.tasks.launch.slurm_jobs import JobJournal, live_jobs
+from kiln.tasks.launch.slurm_jobs import JobJournal, job_alive, live_jobs, lock_holder
 from kiln.tasks.lineage import as_json, lineage, locate, render_table
 from kiln.tasks.runner import StageOutcome
 from kiln.tasks.scaling.plan import budget_from_accelerators, budget_report
@@ -332,10 +332,9 @@ def _stage_state(store: Store, stage: Stage, key: str, room: int) -> tuple[str, 
         return _cut(f"damaged ({'; '.join(problems)}): the next run redoes it", room), {}
     if not store.partial_path(stage.name, key).exists():
         return "missing", {}
-    lock = store.lock(stage.name, key)
+    lock = store.lock(stage.name, key, job_alive=job_alive)
     if lock.held():
-        owner = lock.owner() or {}
-        return f"running (pid {owner.get('pid')} on {owner.get('host')})", {}
+        return _cut(f"running (held by {lock_holder(lock.owner() or {})})", room), {}
     live = _live_jobs(store.partial_path(stage.name, key))
     failure = store.failure(stage.name, key)
     if failure is not None and not live:
