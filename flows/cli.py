@@ -519,8 +519,11 @@ def cmd_continuous_eval(ns: argparse.Namespace) -> int:
                          f"{r['best_step']} (noise {r['noise']:.4f})" for r in summary["regressions"])
         still = "".join(f"\n  open regression: {r['task']} {r['metric']} since step {r['since']}"
                         for r in summary["open_regressions"] if r not in summary["regressions"])
+        left_out = (f"\n  regressions of tasks the evaluate stage judged not trusted, left out of the alerts: "
+                    f"{', '.join(summary['not_trusted'])}" if summary.get("not_trusted") else "")
         print(f"{stage} {summary['key']}: evaluated steps {summary['evaluated'] or 'none new'}; "
-              f"{len(summary['recorded'])} steps recorded in {summary['state_file']}{skipped}{elsewhere}{events}{still}")
+              f"{len(summary['recorded'])} steps recorded in {summary['state_file']}{skipped}{elsewhere}{events}{still}"
+              f"{left_out}")
     ecg = next((s["ecg"] for s in summaries.values() if s["ecg"]), None)
     if ecg:
         print(f"ECG (each task's score against the step): {ecg}")
