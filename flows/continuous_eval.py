@@ -42,7 +42,14 @@ from prefect.runtime import flow_run
 from kiln.flows.alerts import TEXT, regression_text
 from kiln.flows.environment import apply_run_settings
 from kiln.tasks.config import default_config_path, load_config
-from kiln.tasks.continuous_state import WATCHED, anneal_offset, ecg_path, eval_targets, watched_complete
+from kiln.tasks.continuous_state import (
+    WATCHED,
+    anneal_offset,
+    ecg_path,
+    eval_targets,
+    evaluate_trust,
+    watched_complete,
+)
 from kiln.tasks.evals.continuous import (
     EvalTarget,
     current_rows,
@@ -55,11 +62,9 @@ from kiln.tasks.evals.continuous import (
     suite_versions,
 )
 from kiln.tasks.evals.evaluate import suite_tasks
-from kiln.tasks.evals.ecg import RegressionEvent, all_events, curves, open_regressions, plot_ecg
+from kiln.tasks.evals.ecg import RegressionEvent, all_events, curves, open_regressions, plot_ecg, trusted_events
 from kiln.tasks.graph import stage_keys
 from kiln.tasks.settings import KilnConfig, open_tracker
-from kiln.tasks.stages.evaluate import TRUST_FILE
-from kiln.tasks.store import Store
 
 RUN_STAGE = "continuous-eval"
 
@@ -133,14 +138,6 @@ def _publish_ecg(path: Path, events: list[tuple[str, RegressionEvent]]) -> None:
     create_markdown_artifact("\n".join(lines) + "\n", key="kiln-ecg", description="Kiln continuous eval: the ECG")
 
 
-def evaluate_trust(cfg: KilnConfig, keys: dict[str, str]) -> dict[str, bool]:
-    """Each task's trust verdict from the evaluate stage's output, once it is committed; {} before."""
-    path = Store(cfg.store_root).path("evaluate", keys["evaluate"]) / TRUST_FILE
-    if not path.is_file():
-        return {}
-    return {task: bool(verdict["trusted"]) for task, verdict in json.loads(path.read_text(encoding="utf-8")).items()}
-
-
 def _emit(config_path: str | None, stage: str, key: str, event: RegressionEvent) -> None:
     emit_event(event=event.event, resource={"prefect.resource.id": f"kiln.eval.{config_name(config_path)}"},
                payload={**event.payload(), "stage": stage, "stage_key": key, TEXT: regression_text(event, stage)})
@@ -165,9 +162,16 @@ def continuous_eval(config_path: str | None = None,
     # Tasks the evaluate stage judged not trusted leave the regression alerts (and are drawn faint).
     trusted = evaluate_trust(cfg, keys)
     categories = {task.name: task.category for task in suite_tasks(targets[0].evaluate)}
-    events = [(stage, e) for stage in series for e in all_events(series[stage], ce.regression_sigmas, ce.min_change)
-              if trusted.get(e.task, True)]
+    events, not_trusted = [], {}
+    for stage in series:
+        kept, not_trusted[stage] = trusted_events(all_events(series[stage], ce.regression_sigmas, ce.min_change),
+                                                  trusted)
+        events += [(stage, e) for e in kept]
     logger = get_run_logger()
+    for stage, tasks in not_trusted.items():
+        if tasks:
+            logger.info("%s: regressions of %s left out of the alerts: the evaluate stage judged them not trusted",
+                        stage, ", ".join(tasks))
     for stage, event in events:
         if (event.step, event.task) in summaries[stage]["scored_now"]:  # an event is emitted once, with its score
             _emit(config_path, stage, keys[stage], event)
@@ -187,6 +191,7 @@ def continuous_eval(config_path: str | None = None,
         summary["regressions"] = [e.payload() for where, e in events
                                   if where == stage and (e.step, e.task) in scored_now]
         summary["open_regressions"] = [e.payload() for e in open_regressions(e for w, e in events if w == stage)]
+        summary["not_trusted"] = not_trusted[stage]  # tasks whose regressions were left out: not trusted
         summary["ecg"] = str(path) if path.is_file() else None
         summary["ecg_drawn"] = drawn is not None
     paused = _pause_when_done(finished, summaries)

@@ -149,6 +149,20 @@ def all_events(series: Mapping[str, Curve], sigmas: float | None, min_change: fl
     return sorted(found, key=lambda e: (e.step, e.task))
 
 
+def trusted_events(events: Iterable[RegressionEvent], trusted: Mapping[str, bool]
+                   ) -> tuple[list[RegressionEvent], list[str]]:
+    """The events that may alert: those of tasks not judged untrusted (`trusted`: the evaluate stage's verdict
+    per task; a task it has not judged, or before it ran, alerts); and the tasks not trusted whose events
+    were left out, sorted."""
+    kept, left_out = [], set()
+    for event in events:
+        if trusted.get(event.task, True):
+            kept.append(event)
+        else:
+            left_out.add(event.task)
+    return kept, sorted(left_out)
+
+
 def open_regressions(events: Iterable[RegressionEvent]) -> list[RegressionEvent]:
     """The regressions that started and have not cleared: each task's last event, where it is a start."""
     last: dict[str, RegressionEvent] = {}

@@ -102,6 +102,32 @@ class LocalTask:
     def contamination_rate(self, contaminated_ids: set[str]) -> float:
         return sum(i in contaminated_ids for i in self.source_ids) / len(self.source_ids)
 
+    def selected(self, limit: int | None) -> list[int]:
+        """The items scored under `limit` (`selected_items`), ascending."""
+        return selected_items(self.groups, len(self.source_ids), limit)
+
+
+def selected_items(groups: Sequence[str], num_items: int, limit: int | None) -> list[int]:
+    """Which of a task's `num_items` items are scored under `evaluate.limit`, ascending: all without a limit;
+    an ungrouped task its first `limit`; a grouped task (a row per language, length or bucket) is sampled by
+    group (stratified): its groups in turn, each group's items in their order, `limit` items but never fewer
+    than one per group, so every group gets a score however small the limit (12 languages at limit 10: 12
+    items, one each; at limit 24: two each)."""
+    if limit is None or limit >= num_items:
+        return list(range(num_items))
+    if not any(groups):
+        return list(range(limit))
+    by_group: dict[str, list[int]] = {}
+    for index, group in enumerate(groups):
+        by_group.setdefault(group, []).append(index)
+    want = max(limit, len(by_group))
+    chosen: list[int] = []
+    for k in range(max(len(items) for items in by_group.values())):
+        chosen += [items[k] for items in by_group.values() if k < len(items)]
+        if len(chosen) >= want:
+            break
+    return sorted(chosen[:want])
+
 
 def primary_metric(metrics: Sequence[str]) -> str | None:
     """The metric a task's curve follows: the first of `PRIMARY_METRICS` the task reports."""
