@@ -879,8 +879,9 @@ def build_parser() -> argparse.ArgumentParser:
     servers_args = "a config file or work_dir=DIR: only its work_dir is used"
     up = add("up", "Start a local Prefect server and MLflow tracking server (127.0.0.1; their records in SQLite "
              "under work_dir/servers, in a PostgreSQL of Kiln's own with --database postgres, or in your database "
-             "given by URL), wait until both are healthy, and write work_dir/servers/env for `source`. Servers "
-             "of an earlier `up` that died are started again as they were.", cmd_up, args_help=servers_args)
+             "given by URL), wait until both are healthy, and write work_dir/servers/env for `source`; beside them, "
+             "a reaper (kiln reap --every 30s) marks what a crash left running. Servers of an earlier `up` that "
+             "died are started again as they were.", cmd_up, args_help=servers_args)
     up.add_argument("--database", choices=["sqlite", "postgres"], default=os.environ.get("KILN_DATABASE"),
                     help="postgres: a local PostgreSQL cluster under work_dir/servers/postgres (created on first use; "
                          "Debian's postgresql package), for many concurrent runs; sqlite: the embedded default "
@@ -899,8 +900,8 @@ def build_parser() -> argparse.ArgumentParser:
                f"--every {REAP_EVERY_S}s beside its servers; `kiln status` lists what it would mark.", cmd_reap)
     reap.add_argument("--every", metavar="DURATION", help="keep reaping at this interval (30s, 1m) until stopped "
                       "(needs a Prefect server: PREFECT_API_URL)")
-    add("down", "Stop the servers `kiln up` started for a working directory (Kiln's PostgreSQL last; its cluster "
-        "is kept): the one given (--work-dir), else this folder's, else the last `kiln up`'s, wherever it was; names "
+    add("down", "Stop the servers `kiln up` started for a working directory, their workers and reaper (Kiln's "
+        "PostgreSQL last; its cluster is kept): the one given (--work-dir), else this folder's, else the last `kiln up`'s, wherever it was; names "
         "the others still running.", cmd_down,
         args_help=servers_args)
     slurm = add("slurm", "Start, stop or show a local Slurm cluster (this machine's slurmctld and slurmd, in "
