@@ -602,10 +602,11 @@ def cmd_up(ns: argparse.Namespace) -> int:
         print(f"restarted {', '.join(restarted)} (it had stopped or died) on the port and database it had")
     for server in servers:
         print(f"{server.name:<8} {server.ui:<24} pid {server.pid}  log {server.log}")
-    pid, started = start_reaper(cfg.work_dir, list(ns.args))
+    pid, restarted_reaper = start_reaper(cfg.work_dir, list(ns.args))
+    if restarted_reaper:
+        print("restarted the reaper (it had died)")
     print(f"{'reaper':<8} {'every ' + str(REAP_EVERY_S) + ' s':<24} pid {pid}  log "
-          f"{servers_dir(cfg.work_dir) / 'reaper.log'}  (marks what a crash left running"
-          f"{', started now' if started else ''})")
+          f"{servers_dir(cfg.work_dir) / 'reaper.log'}  (marks what a crash left running)")
     if any(server.name == "postgres" for server in servers):
         print(f"its role and password (owner-only; keep it): {servers_dir(cfg.work_dir) / DATABASE_SECRETS}")
     print(f"\npoint kiln, workers and deployments at them:  source {servers_dir(cfg.work_dir) / ENV_FILE}")

@@ -385,10 +385,11 @@ def start_reaper(work_dir: str | Path, config_args: list[str]) -> tuple[int, boo
     """Start the reaper beside the running servers unless it runs: `kiln reap --every 30s` on the config
     `config_args` name (its MLflow experiment), pointed at these servers, its output in servers/reaper.log.
     It marks what a crash left running with no worker or flow around (`flows.crashes`). Returns its pid
-    and whether it was started now."""
+    and whether it was started again now after it died (`down` removes its record: not a restart)."""
     folder = servers_dir(work_dir)
     record = folder / REAPER_FILE
-    if record.is_file():
+    died = record.is_file()
+    if died:
         pid = json.loads(record.read_text())["pid"]
         if _alive(pid):
             return pid, False
@@ -403,7 +404,7 @@ def start_reaper(work_dir: str | Path, config_args: list[str]) -> tuple[int, boo
         process = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                    start_new_session=True)
     _write_private(record, json.dumps({"pid": process.pid, "command": command}))
-    return process.pid, True
+    return process.pid, died
 
 
 def stop_reaper(work_dir: str | Path) -> int | None:
