@@ -94,3 +94,37 @@ def test_a_task_run_its_crashed_flow_run_left_running_is_listed_then_marked(pref
     assert (state.type.value, state.message) == ("CRASHED", why)
     assert main(["status", *args]) == 0
     assert str(task_run.id) not in capsys.readouterr().out
+
+
+def test_kiln_up_keeps_one_reaper_restarts_a_dead_one_and_down_stops_it(tmp_path):
+    """The reaper's life beside the servers' record (its passes are tested above and in
+    test_crash_detector.py): one per work dir, started again if it died (and said so), stopped by down."""
+    import json
+    import os
+    import signal
+
+    from kiln.flows.servers import REAPER_FILE, servers_dir, start_reaper, stop_reaper
+    from kiln.tasks.keylock import pid_alive
+
+    folder = servers_dir(tmp_path)
+    folder.mkdir(parents=True)
+    (folder / "servers.json").write_text(json.dumps([  # servers nobody answers for: the reaper's passes wait
+        {"name": "prefect", "pid": 0, "url": "http://127.0.0.1:9/api", "ui": "", "health": "", "log": ""},
+        {"name": "mlflow", "pid": 0, "url": "http://127.0.0.1:9", "ui": "", "health": "", "log": ""}]))
+    first, restarted = start_reaper(tmp_path, ["configs/tiny.yaml"])
+    try:
+        assert not restarted and pid_alive(first)
+        assert start_reaper(tmp_path, ["configs/tiny.yaml"]) == (first, False)  # running: the same one
+        os.kill(first, signal.SIGKILL)
+        os.waitpid(first, 0)
+        second, restarted = start_reaper(tmp_path, ["configs/tiny.yaml"])
+        assert restarted and second != first and pid_alive(second)
+        assert json.loads((folder / REAPER_FILE).read_text())["command"][-5:] == [
+            "reap", "--every", "30s", "configs/tiny.yaml", f"work_dir={tmp_path.resolve()}"]
+        assert stop_reaper(tmp_path) == second and not pid_alive(second) and not (folder / REAPER_FILE).exists()
+        assert stop_reaper(tmp_path) is None
+        third, restarted = start_reaper(tmp_path, [])  # after down: a start, not a restart
+        assert not restarted
+        assert stop_reaper(tmp_path) == third
+    finally:
+        stop_reaper(tmp_path)
