@@ -18,6 +18,7 @@ import shutil
 import sys
 import time
 import traceback
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -403,6 +404,8 @@ def cmd_status(ns: argparse.Namespace) -> int:
     if schedule is not None:
         print(schedule)
     stale = _stale(cfg)
+    if stale[:1] and stale[0].startswith("not checked:"):
+        print(f"records a crash left running: {stale.pop(0)}")
     if stale:
         print(f"{len(stale)} record(s) a crash left running (kiln reap marks them; kiln up's reaper does every "
               f"{REAP_EVERY_S} s):")
@@ -427,7 +430,11 @@ def _tracker_if_any(cfg: KilnConfig) -> MlflowTracker | None:
 
 
 def _stale(cfg: KilnConfig) -> list[str]:
-    """What a crash left running, as `kiln status` lists it: Prefect's records too with a Prefect server."""
+    """What a crash left running, as `kiln status` lists it: Prefect's records too with a Prefect server.
+    A tracking server that does not answer is said, not waited for (its client retries for minutes)."""
+    uri = cfg.tracking_uri
+    if uri.startswith(("http://", "https://")) and not _answers(uri.rstrip("/") + "/health"):
+        return [f"not checked: the MLflow server at {uri} does not answer (kiln up restarts it)"]
     tracker = _tracker_if_any(cfg)
     if os.environ.get("PREFECT_API_URL"):
         from kiln.flows.crashes import stale  # defers prefect
@@ -436,6 +443,14 @@ def _stale(cfg: KilnConfig) -> list[str]:
     if tracker is None:
         return []
     return [f"MLflow run {name} ({run_id}) still RUNNING: {why}" for run_id, (name, why) in stale_tracked(tracker).items()]
+
+
+def _answers(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=3) as response:
+            return response.status == 200
+    except OSError:
+        return False
 
 
 def cmd_reap(ns: argparse.Namespace) -> int:
