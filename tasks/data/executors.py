@@ -85,7 +85,7 @@ from kiln.tasks.launch.slurm_jobs import (
     submit,
 )
 from kiln.tasks.ledger import RankRecords, rank_key
-from kiln.tasks.store import recorded_sha256
+from kiln.tasks.store import adopt_noted, recorded_sha256, take_noted
 
 logger = logging.getLogger("kiln.data.executors")
 Kind = Literal["local", "slurm", "ray"]
@@ -306,9 +306,12 @@ class RankLedger:
 
     def record(self, rank: int, result: dict[str, Any], cpu_s: float, driver_pid: int) -> None:
         """Rank `rank` is done (its outputs written): its summary, the CPU seconds it took, and whether its
-        process was outside the driver's process tree (where the stage runner cannot measure it)."""
+        process was outside the driver's process tree (where the stage runner cannot measure it), and the
+        sha256 of the files it wrote, hashed as they were written (`store.take_noted`: a process runs one
+        rank at a time), for the driver's commit."""
         self.records.put(rank, self.keys[rank], {"result": result, "cpu_s": cpu_s,
-                                                 "outside_driver": not _in_process_tree(driver_pid)})
+                                                 "outside_driver": not _in_process_tree(driver_pid),
+                                                 "written_sha256": take_noted()})
 
     def mark_completed(self, logging_dir: Path) -> set[int]:
         """Set datatrove's completion markers in `logging_dir` from the ledger, stale records removed: a
@@ -334,6 +337,8 @@ class RankLedger:
         records = [self.done(rank) for rank in range(len(self.keys))]
         missing = [rank for rank, record in enumerate(records) if record is None]
         assert not missing, f"ranks {missing} have no record for their key in {self.folder}"
+        for record in records:  # the files the ranks wrote need not be read again at commit
+            adopt_noted(record.get("written_sha256", []))
         return ShardRun([r["result"] for r in records], sum(r["cpu_s"] for r in records if r["outside_driver"]))
 
 
