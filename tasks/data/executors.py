@@ -152,7 +152,7 @@ def build_executor(
     common = {"tasks": tasks, "logging_dir": str(logging_dir), "skip_completed": True}
     if settings.kind == "local":
         multiprocess.set_forkserver_preload(_FORKSERVER_PRELOAD)  # only until the forkserver has started
-        return LocalPipelineExecutor(pipeline, workers=jobs, **common)
+        return _LocalExecutor(pipeline, workers=jobs, **common)
     tasks_per_job = math.ceil(tasks / jobs)
     if settings.kind == "ray":
         return _RayExecutor(pipeline, tasks_per_job=tasks_per_job, **common)
@@ -517,6 +517,32 @@ class _SlurmExecutor(SlurmPipelineExecutor):
         if "mem" in args:  # cluster.slurm.mem replaces datatrove's per-CPU default (sbatch refuses both)
             args.pop("mem-per-cpu")
         return args
+
+
+class _LocalExecutor(LocalPipelineExecutor):
+    """datatrove's local executor; one worker runs its ranks in this process, one after another, as
+    datatrove's does, but without the `multiprocess.Manager` datatrove starts first (a server process
+    whose queue only numbers the workers: a tenth of a second a job, as long as a small shard's work)."""
+
+    def run(self) -> PipelineStats:
+        if self.workers != 1 or self.depends:
+            return super().run()
+        self._launched = True
+        ranks = self.get_incomplete_ranks(range(self.local_rank_offset, self.local_rank_offset + self.local_tasks))
+        if not ranks:
+            return PipelineStats()
+        self.save_executor_as_json()
+        pipeline, stats = self.pipeline, []
+        try:
+            for rank in ranks:
+                self.pipeline = deepcopy(pipeline)  # as datatrove's: each rank starts from the steps' fresh state
+                stats.append(self._run_for_rank(rank, 0))
+        finally:
+            self.pipeline = pipeline
+        merged = sum(stats, start=PipelineStats())
+        with self.logging_dir.open("stats.json", "wt") as handle:
+            merged.save_to_disk(handle)
+        return merged
 
 
 class _RayExecutor(RayPipelineExecutor):
