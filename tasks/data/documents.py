@@ -114,13 +114,18 @@ _HUGE = 2.0**63  # orjson reads an integer literal outside int64 and uint64 as a
 
 
 def _holds_huge_float(value: Any) -> bool:
+    # A plain loop, no generator: it runs on every record parsed, and most values are strings.
     kind = type(value)
     if kind is float:
         return not -_HUGE < value < _HUGE
-    if kind is dict:
-        return any(_holds_huge_float(item) for item in value.values() if type(item) is not str)
-    if kind is list:
-        return any(_holds_huge_float(item) for item in value if type(item) is not str)
+    if kind is dict or kind is list:
+        for item in value.values() if kind is dict else value:
+            item_kind = type(item)
+            if item_kind is float:
+                if not -_HUGE < item < _HUGE:
+                    return True
+            elif (item_kind is dict or item_kind is list) and _holds_huge_float(item):
+                return True
     return False
 
 
