@@ -53,7 +53,9 @@ def continuation(stage: str, identity: dict[str, Any]) -> str | None:
         + (f" {p['mixture']}" if p.get("mixture") else "") + (f" order {p['order']}" if p.get("order", "random") != "random" else "")
         + (f" seq_len {p['seq_len']}" if p.get("seq_len") else "") for p in phases) or "the mix stage's mixture"
     steps = section.get("run", {}).get("steps", "plan")
-    return f"{stage} {branch['prefix']} up to step {branch['from_step']}, then schedule {schedule} to step {steps}"
+    batches = section.get("batches") or []
+    joined = f", with new batches {', '.join(batches)}" if batches else ""
+    return f"{stage} {branch['prefix']} up to step {branch['from_step']}, then schedule {schedule}{joined} to step {steps}"
 
 
 def _sha256(data: Any) -> str:

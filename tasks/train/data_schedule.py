@@ -6,11 +6,20 @@ mixture over the mix stage's domains (their train shards), and, for `order: qual
 curriculum shard per domain written under the run's folder: the domain's train documents sorted by
 the clean stage's quality score, ascending (unscored ones first, as the least known), which the
 loader walks through once over the phase (`tasks.train.data_loader`).
+
+New data batches (`train.batches`, each the batch stage's decontaminated, tokenized output) join the
+same mixture (`with_batches`): in every phase, each batch's documents of a domain are a source of their
+own, `batch/<name>/<domain>`, beside the domain's corpus, and the domain's weight is split between
+them by train tokens, so a batch token is drawn as often as a corpus token of its domain and the
+domain weights stay as configured. A source of its own is what the loader already counts: the
+tokens each batch gave in each phase are in the checkpoint and the stats (`tokens_by_phase`).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -104,3 +113,61 @@ def scheduled_mixture(base: Mixture, phases: list[DataPhase], run: TrainRunConfi
         built.append(Phase(name=phase.name, first_step=first, last_step=last, seq_len=seq_len, domains=domains))
     return Mixture(domains=base.domains, dtype=base.dtype, vocab_size=base.vocab_size, eos_id=base.eos_id,
                    phases=tuple(built))
+
+
+@dataclass(frozen=True)
+class NewBatch:
+    """A delivered batch a run may draw from: its name and its train token shards per domain."""
+
+    name: str
+    train: dict[str, tuple[Path, ...]]
+
+
+def batch_source(batch: str, domain: str) -> str:
+    """The loader's name of a batch's documents of one domain (a source of the mixture)."""
+    return f"batch/{batch}/{domain}"
+
+
+def _tokens(paths: tuple[Path, ...], dtype: str) -> int:
+    return sum(p.stat().st_size for p in paths) // np.dtype(dtype).itemsize
+
+
+def with_batches(mixture: Mixture, batches: Sequence[NewBatch], where: str = "train.batches") -> Mixture:
+    """`mixture` with each batch's documents beside their domain's in every phase (and in the mixture of a
+    run without phases), the domain's weight split by train tokens; a ConfigError for a batch of a
+    domain the mixture lacks (its weight would be a new mixture's decision, not a batch's)."""
+    if not batches:
+        return mixture
+    names = [b.name for b in batches]
+    if len(set(names)) != len(names):
+        raise ConfigError(f"{where}: batch names {names} repeat; each batch joins once")
+    for i, batch in enumerate(batches):
+        unknown = sorted(set(batch.train) - set(mixture.domains))
+        if unknown:
+            raise ConfigError(f"{where}[{i}] (batch {batch.name!r}) holds domains {unknown} that the mixture lacks "
+                              f"(it has {sorted(mixture.domains)}): a new domain needs a mixture that weighs it "
+                              "(collect it into the corpus and run mix), not a batch")
+
+    def joined(domains: dict[str, DomainSource]) -> dict[str, DomainSource]:
+        out: dict[str, DomainSource] = {}
+        for name, source in domains.items():
+            parts = [(batch_source(b.name, name), b.train[name]) for b in batches if b.train.get(name)]
+            counts = [_tokens(source.train, mixture.dtype)] + [_tokens(paths, mixture.dtype) for _, paths in parts]
+            total = sum(counts) or 1
+            out[name] = replace(source, weight=source.weight * counts[0] / total)
+            out |= {part: DomainSource(weight=source.weight * count / total, train=paths, val=())
+                    for (part, paths), count in zip(parts, counts[1:])}
+        return out
+
+    return Mixture(domains=joined(mixture.domains), dtype=mixture.dtype, vocab_size=mixture.vocab_size,
+                   eos_id=mixture.eos_id, phases=tuple(replace(p, domains=joined(p.domains)) for p in mixture.phases))
+
+
+def tokens_by_batch(tokens_by_phase: dict[str, dict[str, int]], batches: Sequence[str]) -> dict[str, dict[str, int]]:
+    """The tokens each batch gave in each phase (over every domain), from the loader's per-source count."""
+    out: dict[str, dict[str, int]] = {}
+    for batch in batches:
+        prefix = batch_source(batch, "")
+        out[batch] = {phase: sum(t for source, t in by_source.items() if source.startswith(prefix))
+                      for phase, by_source in tokens_by_phase.items()}
+    return out
