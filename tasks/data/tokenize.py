@@ -255,7 +255,7 @@ def tokenize_corpus(cfg: TokenizeConfig, input_dir: Path, out_dir: Path, executo
         for result in fix.results:
             results[result["shard"]] = result
         executor_cpu_s += fix.outside_cpu_s
-    shutil.rmtree(out_dir / WORK_DIR)
+    shutil.rmtree(out_dir / WORK_DIR, ignore_errors=True)  # none with no shard to encode (a batch deduplicated away)
     run = ShardRun(results, executor_cpu_s)
 
     counts = run.counts()

@@ -30,7 +30,7 @@ from kiln.tasks.data.quality_training import REPORT_FILE as CLASSIFIER_REPORT
 from kiln.tasks.data.shards import shard_paths
 from kiln.tasks.data.sources import Source
 from kiln.tasks.data.tokenize import tokenize_corpus
-from kiln.tasks.errors import ConfigError
+from kiln.tasks.errors import ConfigError, InputError
 from kiln.tasks.stage import Stage, StageContext
 from kiln.tasks.stages._common import eval_file_paths, executor_settings
 
@@ -54,7 +54,11 @@ def _batch_clean(ctx: StageContext) -> Any:
     cfg = ctx.cfg.clean
     report = ctx.inputs["clean"] / CLASSIFIER_REPORT
     if not report.is_file():
-        return cfg
+        if cfg.quality_training is not None or (cfg.quality_model is not None and cfg.quality_top_fraction is not None):
+            raise InputError(f"{ctx.inputs['clean']} has no {CLASSIFIER_REPORT}, so the quality model or threshold the "
+                             "corpus was cleaned with (clean.quality_training, clean.quality_top_fraction) is not known: "
+                             "rerun the clean stage under this config")
+        return cfg.model_copy(update={"quality_top_fraction": None})  # no model: no threshold to resolve
     resolved = json.loads(report.read_text(encoding="utf-8"))
     return cfg.model_copy(update={"quality_model": resolved["model"], "quality_threshold": resolved["threshold"],
                                   "quality_training": None, "quality_top_fraction": None})
