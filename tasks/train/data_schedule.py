@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kiln.tasks.constants import DOC_INDEX_SUFFIX
+from kiln.tasks.constants import BATCH_PREFIX, DOC_INDEX_SUFFIX
 from kiln.tasks.errors import ConfigError, InputError
 from kiln.tasks.train.config import DataPhase, TrainRunConfig, check_phases
 from kiln.tasks.train.data_loader import DomainSource, Mixture, Phase
@@ -125,7 +125,7 @@ class NewBatch:
 
 def batch_source(batch: str, domain: str) -> str:
     """The loader's name of a batch's documents of one domain (a source of the mixture)."""
-    return f"batch/{batch}/{domain}"
+    return f"{BATCH_PREFIX}{batch}/{domain}"
 
 
 def _tokens(paths: tuple[Path, ...], dtype: str) -> int:
@@ -171,3 +171,43 @@ def tokens_by_batch(tokens_by_phase: dict[str, dict[str, int]], batches: Sequenc
         out[batch] = {phase: sum(t for source, t in by_source.items() if source.startswith(prefix))
                       for phase, by_source in tokens_by_phase.items()}
     return out
+
+
+def _domain_weights(weights: dict[str, float]) -> dict[str, float]:
+    """Weights by domain, each new batch's share (`batch/<name>/<domain>`) folded into its domain's."""
+    out: dict[str, float] = {}
+    for name, weight in weights.items():
+        domain = name.split("/")[2] if name.startswith(BATCH_PREFIX) else name
+        out[domain] = out.get(domain, 0.0) + weight
+    return out
+
+
+def upweighted_phases(phases: list[DataPhase], schedule: list[dict], from_step: int, weights: dict[str, float],
+                      domain: str, factor: float = 2.0) -> list[dict]:
+    """`train.phases` for an adjustment from `from_step` that trains the rest of the run on the mixture of
+    the phase holding `from_step`, with `domain` weighted `factor` times (a domain at weight 0 gets the
+    mean weight of the others): the phases before it as they ran, each ending at its last step, the one
+    holding `from_step` ending there, then the new phase `more-<domain>` to the end.
+
+    `schedule` is the running schedule's phases (`Phase.summary`: steps and weights), [] for a run
+    without one; `weights` the mixture's domain weights (a run without phases trains on them)."""
+    out: list[dict] = []
+    current = dict(weights)
+    for phase, ran in zip(phases, schedule):
+        if ran["first_step"] > from_step:
+            break
+        entry = phase.model_dump(exclude_none=True, exclude_defaults=True, exclude={"name", "until_tokens"})
+        out.append({"name": phase.name, **entry, "until_step": min(ran["last_step"], from_step)})
+        current = ran["weights"]
+    if not out:
+        out = [{"name": "main", "until_step": from_step}]
+    current = _domain_weights(current)
+    others = [w for d, w in current.items() if d != domain and w > 0]
+    boosted = current.get(domain, 0.0) * factor or (sum(others) / len(others) if others else 1.0)
+    mixture = {d: round(boosted if d == domain else w, 4) for d, w in {**current, domain: 0.0}.items()}
+    name, names = f"more-{domain}", {p["name"] for p in out}
+    while name in names:
+        name += "-2"
+    new = {"name": name, "mixture": {d: w for d, w in mixture.items() if w > 0}}
+    seq_len = out[-1].get("seq_len")
+    return out + [new | ({"seq_len": seq_len} if seq_len else {})]
