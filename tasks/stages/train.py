@@ -352,6 +352,8 @@ def headline(stats: dict[str, Any]) -> dict[str, Any]:
         out["predicted"] = f"{stats['predicted_val_loss']:.4f} [{low:.4f}, {high:.4f}]"
         out["landed"] = stats["landed"]
     out["vs_validate"] = (f"{'<=' if stats['at_most_validate'] else '>'} {stats['validate_val_loss']:.4f}")
+    for name, batch in stats.get("batches", {}).items():  # the tokens each new batch gave, over its phases
+        out[f"batch {name}"] = sum(batch["tokens_by_phase"].values())
     return out
 
 
