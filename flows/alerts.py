@@ -112,9 +112,11 @@ def stage_event_text(event: str, payload: Mapping[str, Any], stage: str, key: st
     return _sentence(f"{where} {what}", url)
 
 
-def adjust_command(config: str, from_step: int, changes: list[str]) -> str:
-    """The `kiln adjust` command line that goes on from `from_step` under `changes`, quoted for a POSIX shell."""
-    return " ".join(["kiln", "adjust", shlex.quote(config), "--from-step", str(from_step),
+def adjust_command(config: str, from_step: int, changes: list[str], work_dir: str | None = None) -> str:
+    """The `kiln adjust` command line that goes on from `from_step` under `changes` (in `work_dir`, if given),
+    quoted for a POSIX shell."""
+    where = ["--work-dir", shlex.quote(work_dir)] if work_dir else []
+    return " ".join(["kiln", "adjust", shlex.quote(config), *where, "--from-step", str(from_step),
                      *(shlex.quote(change) for change in changes)])
 
 

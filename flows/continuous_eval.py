@@ -170,7 +170,9 @@ def upweight(cfg: KilnConfig, config_path: str, overrides: list[str], event: Reg
     summary = ([entry for entry in history if entry[0] < event.step] or history[:1])[-1][1]
     weights = {name: source["weight"] for name, source in summary.items() if name != "phases"}
     phases = upweighted_phases(cfg.train.phases, summary.get("phases", []), event.step, weights, domain)
-    return domain, adjust_command(config_path, event.step, [*overrides, phases_override(phases)])
+    work_dir = [o.partition("=")[2] for o in overrides if o.startswith("work_dir=")]
+    changes = [o for o in overrides if not o.startswith("work_dir=")]
+    return domain, adjust_command(config_path, event.step, [*changes, phases_override(phases)], *work_dir[-1:])
 
 
 @flow(name="kiln-continuous-eval", validate_parameters=True,

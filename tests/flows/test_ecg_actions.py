@@ -76,7 +76,8 @@ def test_a_regression_alert_names_the_domain_and_a_kiln_adjust_command_that_pars
     event = RegressionEvent("started", "kiln_heldout_code", "bits_per_byte", step, 2.5, 2.0, 10, 0.1, step)
     domains = {"kiln_heldout_code": "code"}
     assert mixture_domains(history) == list(WEIGHTS)
-    domain, command = upweight(cfg, config_path, [], event, "train", history, domains)
+    work_dir = str(tmp_path / "work")
+    domain, command = upweight(cfg, config_path, [f"work_dir={work_dir}"], event, "train", history, domains)
     text = regression_text(event, "train", domain, command)
     assert domain == "code" and "Its training domain is code." in text
     assert text.splitlines()[-1] == command  # on a line of its own: it copies whole
@@ -86,9 +87,9 @@ def test_a_regression_alert_names_the_domain_and_a_kiln_adjust_command_that_pars
     assert argv[:2] == ["kiln", "adjust"]
     ns = _parse_intermixed(build_parser(), argv[1:])
     config, changes = _split_args(ns.args)
-    assert (config, ns.from_step) == (config_path, step)
+    assert (config, ns.from_step, ns.work_dir) == (config_path, step, work_dir)
     assert len(changes) == 1 and changes[0].startswith("train.phases=[")
-    prefix, adjusted = adjustment(config, changes, ns.from_step)
+    prefix, adjusted = adjustment(config, changes, ns.from_step, ns.work_dir)
     assert prefix == stage_keys(cfg)["train"]  # the run that regressed
     new = load_config(config, adjusted)
     assert [p.model_dump(exclude_none=True, exclude_defaults=True) for p in new.train.phases] == expected
