@@ -1,4 +1,4 @@
-"""Stage `batch` (on demand, `kiln stage batch CONFIG batch.name=NAME 'batch.sources=[...]'`): bring a
+"""Stage `batch` (on demand, `kiln batch PATH --name NAME --domain DOMAIN [CONFIG]`): bring a
 newly delivered data batch up to the corpus the production run trains on, so that `train.batches` can
 make it eligible at the next adjustment point (`kiln adjust ... train.batches=[KEY]`).
 
@@ -68,8 +68,9 @@ def run(ctx: StageContext) -> dict:
     batch = ctx.cfg.batch
     if batch.name is None or not batch.sources:
         raise ConfigError("the batch stage needs batch.name=NAME and batch.sources=[...] (declared as "
-                          "collect.sources are), e.g. kiln stage batch CONFIG batch.name=june "
-                          "'batch.sources=[{name: june, path: /data/june, format: jsonl, domain: web}]'")
+                          "collect.sources are): kiln batch PATH --name june --domain web CONFIG, or kiln stage batch "
+                          "CONFIG batch.name=june 'batch.sources=[{name: june, path: /data/june, format: jsonl, "
+                          "domain: web}]'")
     evals = eval_file_paths(ctx.cfg)  # first: a missing eval file is told before any document is read
     executor = executor_settings(ctx)
     folders = {step: ctx.out_dir / step for step in STEPS}

@@ -242,8 +242,8 @@ def new_batches(ctx: StageContext) -> list:
         where = f"train.batches[{i}]={key}"
         if not store.is_complete("batch", key):
             raise ConfigError(f"{where}: no complete batch of that key in {store.root}; a batch is eligible once the "
-                              "batch stage has decontaminated and tokenized it (kiln stage batch CONFIG batch.name=... "
-                              "batch.sources=[...] prints its key)")
+                              "batch stage has decontaminated and tokenized it (`kiln batch PATH --name NAME --domain DOMAIN "
+                              "CONFIG` prints its key)")
         manifest = store.manifest("batch", key)
         made = (manifest["inputs"]["tokenize"], manifest["inputs"]["decontaminate"])
         if made != (tokenize, decontaminate):

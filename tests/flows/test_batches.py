@@ -119,6 +119,9 @@ def test_a_new_batch_joins_at_the_adjustment_counted_per_phase_and_its_contamina
 
     # The batch stage: 5 documents delivered; the one quoting the eval passage is removed by decontamination,
     # the 4 others are tokenized with the corpus's tokenizer into the train split.
+    with pytest.raises(ConfigError, match="needs batch.name=NAME and batch.sources"):
+        run_stage("batch", load_config(tiny, [o for o in overrides if not o.startswith("batch.")]), store=store,
+                  keys={**keys, "batch": "ba7c000000ff"})
     run_stage("batch", load_config(tiny, overrides), store=store, keys=keys)
     batch = store.manifest("batch", BATCH_KEY)
     stats = batch["stats"]
