@@ -21,6 +21,9 @@ PREFIX = "step_"
 TMP_PREFIX = ".tmp_"
 TRAIN_STATE_FILE = "train_state.json"  # beside a checkpoint's tensors: its step, curves, loader position, mixtures
 METRICS_FILE = "metrics.json"  # a finished run's result, in its folder (`tasks.train.trainer.write_metrics`)
+# beside the checkpoints: the whole model as it stood before each data phase that changed its rotary
+# positions (a context extension), `before_phase/<phase>/`, for the long-context evaluation
+BEFORE_PHASE_DIR = "before_phase"
 
 
 def sha256_file(path: Path) -> str:
