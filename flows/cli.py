@@ -57,7 +57,7 @@ from kiln.tasks.errors import KilnError  # noqa: E402
 from kiln.tasks.graph import stage_keys
 from kiln.tasks.launch.cluster import ClusterSpec, where_it_ran
 from kiln.tasks.launch.local_slurm import LocalSlurmCluster
-from kiln.tasks.launch.slurm_jobs import JobJournal, live_jobs
+from kiln.tasks.launch.slurm_jobs import JobJournal, job_alive, live_jobs, lock_holder
 from kiln.tasks.lineage import as_json, lineage, locate, render_table
 from kiln.tasks.runner import StageOutcome
 from kiln.tasks.scaling.plan import budget_from_accelerators, budget_report
@@ -67,6 +67,7 @@ from kiln.tasks.scaling.research import decision_table, promoted_config
 from kiln.tasks.settings import KilnConfig, open_tracker
 from kiln.tasks.stages import REGISTRY
 from kiln.tasks.stages._common import SLURM_LOGS
+from kiln.tasks.stages.train import with_longest_phase
 from kiln.tasks.store import Store
 from kiln.tasks.train.config import ModelConfig
 
@@ -332,10 +333,9 @@ def _stage_state(store: Store, stage: Stage, key: str, room: int) -> tuple[str, 
         return _cut(f"damaged ({'; '.join(problems)}): the next run redoes it", room), {}
     if not store.partial_path(stage.name, key).exists():
         return "missing", {}
-    lock = store.lock(stage.name, key)
+    lock = store.lock(stage.name, key, job_alive=job_alive)
     if lock.held():
-        owner = lock.owner() or {}
-        return f"running (pid {owner.get('pid')} on {owner.get('host')})", {}
+        return _cut(f"running (held by {lock_holder(lock.owner() or {})})", room), {}
     live = _live_jobs(store.partial_path(stage.name, key))
     failure = store.failure(stage.name, key)
     if failure is not None and not live:
@@ -455,6 +455,20 @@ def cmd_dedup_batch(ns: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_batch(ns: argparse.Namespace) -> int:
+    """Bring a newly delivered batch through collect, clean, dedup, decontaminate and tokenize (the batch stage),
+    and say how a production run takes it in."""
+    source = {"name": ns.name, "path": str(Path(ns.path).resolve()), "format": ns.format, "domain": ns.domain}
+    if ns.licence:
+        source["licence"] = ns.licence
+    sources = "batch.sources=[{" + ", ".join(f"{k}: {json.dumps(v)}" for k, v in source.items()) + "}]"
+    outcome = _run_one_stage("batch", ns, (f"batch.name={ns.name}", sources))
+    config_path, _ = _split_args(ns.args)
+    print(f"\nbatch {outcome.key}: {outcome.path}\neligible at the next adjustment point: kiln adjust "
+          f"{shlex.quote(config_path)} --from-step N train.batches=[{outcome.key}]")
+    return 0
+
+
 def cmd_research(ns: argparse.Namespace) -> int:
     """Run (or reuse) the research stage, print its decision table, and with --promote write the production
     config with that variant applied."""
@@ -519,8 +533,11 @@ def cmd_continuous_eval(ns: argparse.Namespace) -> int:
                          f"{r['best_step']} (noise {r['noise']:.4f})" for r in summary["regressions"])
         still = "".join(f"\n  open regression: {r['task']} {r['metric']} since step {r['since']}"
                         for r in summary["open_regressions"] if r not in summary["regressions"])
+        left_out = (f"\n  regressions of tasks the evaluate stage judged not trusted, left out of the alerts: "
+                    f"{', '.join(summary['not_trusted'])}" if summary.get("not_trusted") else "")
         print(f"{stage} {summary['key']}: evaluated steps {summary['evaluated'] or 'none new'}; "
-              f"{len(summary['recorded'])} steps recorded in {summary['state_file']}{skipped}{elsewhere}{events}{still}")
+              f"{len(summary['recorded'])} steps recorded in {summary['state_file']}{skipped}{elsewhere}{events}{still}"
+              f"{left_out}")
     ecg = next((s["ecg"] for s in summaries.values() if s["ecg"]), None)
     if ecg:
         print(f"ECG (each task's score against the step): {ecg}")
@@ -646,7 +663,9 @@ def cmd_plan(ns: argparse.Namespace) -> int:
     from kiln.tasks.train.planner import (  # defers torch
         load_preset,
         plan_parallelism,
+        plan_phases,
         plan_presets,
+        render_phase_plans,
         render_plan_report,
         resolve_parallel,
     )
@@ -675,6 +694,8 @@ def cmd_plan(ns: argparse.Namespace) -> int:
         if cfg.train.model == "plan" and not ns.model:
             raise KilnError("train.model is `plan`: its shape comes from the fit; see it with --budget, or give --model")
         model = load_preset(ns.model, ModelConfig) if ns.model else cfg.train.model
+        model = with_longest_phase(model, cfg.train.run, cfg.train.phases)  # a long-context phase raises it
+        phases = [(p.name, p.seq_len or cfg.train.run.seq_len) for p in cfg.train.phases]
         run = cfg.train.run.model_copy(update={"device": "cuda"}) if cluster.gpus_per_node else cfg.train.run
         dims, run = resolve_parallel("auto", model, run, cfg.tokenize.vocab_size, cluster)
         if not cluster.gpus_per_node:
@@ -684,11 +705,13 @@ def cmd_plan(ns: argparse.Namespace) -> int:
         search = plan_parallelism(model, cfg.tokenize.vocab_size, run.seq_len, cluster, global_batch_seqs=run.batch_size,
                                   precision=ns.precision)
     else:
+        phases = []
         missing = [flag for flag, value in (("--model", ns.model), ("--cluster", ns.cluster)) if not value]
         if missing:
             raise KilnError(f"kiln plan needs {', '.join(missing)} (or a CONFIG to plan its train stage)")
         search = plan_presets(ns.model, ns.cluster, ns.vocab_size, ns.seq_len, ns.global_batch_seqs,
                               ns.global_batch_tokens, ns.precision)
+    phase_plans = plan_phases(search, phases) if search.best is not None else []
     verification = None
     if ns.verify and search.best is not None:
         from kiln.tasks.train.verify import render_verification, verify_plan  # defers torch
@@ -696,9 +719,11 @@ def cmd_plan(ns: argparse.Namespace) -> int:
         verification = verify_plan(search)
     if ns.json:
         record = search.to_dict() | ({"verification": verification.to_dict()} if verification else {})
+        record |= {"phases": [p.to_dict() for p in phase_plans]} if phase_plans else {}
         print(json.dumps(record, indent=2))
     else:
-        print(render_plan_report(search) + (render_verification(verification) if verification else ""), end="")
+        print(render_plan_report(search) + render_phase_plans(search, phase_plans)
+              + (render_verification(verification) if verification else ""), end="")
     return 0 if search.best and (verification is None or verification.agrees) else 1
 
 
@@ -752,6 +777,14 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--until", metavar="STAGE", help="stop after this stage (e.g. tokenize)")
     add("stage", "Run one stage as its own Prefect flow; its inputs must already be complete.", cmd_stage,
         first=("name", "the stage name (kiln status lists them)"))
+    batch = add("batch", "Bring a new data batch through collect, clean, dedup (against the persisted index), decontaminate and "
+                "tokenize (the corpus's tokenizer); the result is a store entry of stage batch, which "
+                "`kiln adjust CONFIG --from-step N train.batches=[KEY]` makes eligible after step N.", cmd_batch,
+                first=("path", "the new documents: a file or folder, read as a collect source of --format"))
+    batch.add_argument("--name", required=True, help="the batch's name (its sources are batch/NAME/DOMAIN in the accounting)")
+    batch.add_argument("--domain", required=True, help="the domain of its documents (one the mixture has)")
+    batch.add_argument("--format", default="jsonl", help="the source format, as collect.sources take it (default jsonl)")
+    batch.add_argument("--licence", help="an SPDX licence, where the documents carry none of their own")
     adjust = add("adjust", "Change a production run from a step on without retraining what came before: the train "
                            "run of CONFIG goes on from its kept checkpoint of --from-step under CONFIG plus the "
                            "changes (key=value: the data schedule train.phases, train.run.steps, ...), as a new "

@@ -33,13 +33,13 @@ from kiln.tasks.errors import InputError
 from kiln.tasks.train.checkpoint import (
     MARKER,
     TMP_PREFIX,
+    TRAIN_STATE_FILE,
     checkpoint_dir,
     commit_checkpoint,
     sha256_file,
     steps_on_disk,
 )
 
-TRAIN_STATE_FILE = "train_state.json"
 # optimizer state keyed by parameter name (torchtitan's choice): param groups differ between
 # layouts and pipeline stages, so DCP's default keying by group index cannot reshard across them
 FLAT_OPTIMIZER = StateDictOptions(flatten_optimizer_state_dict=True)
@@ -139,6 +139,13 @@ def latest_intact_dcp(root: Path, before: int | None = None) -> Path | None:
 def read_train_state(path: Path) -> dict[str, Any]:
     """The JSON `train_state` saved with the checkpoint at `path`, with its "step"."""
     return json.loads((path / TRAIN_STATE_FILE).read_text())
+
+
+def checkpoint_model(state: dict[str, Any]) -> dict[str, Any]:
+    """The model config (as a dict) a checkpoint's weights go with: the one its step trained with (a data
+    phase may have changed the rotary positions), else, for checkpoints written before that was kept, the
+    run's own (its identity's)."""
+    return state.get("model") or state["identity"]["model"]
 
 
 def load_dcp(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:

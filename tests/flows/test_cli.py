@@ -116,6 +116,18 @@ def test_plan_picks_fsdp_for_7b_on_one_h100_node(in_repo, capsys):
     assert "Chosen: dp=8 tp=1 pp=1 cp=1" in capsys.readouterr().out
 
 
+def test_plan_of_a_config_prices_its_long_context_phase_and_suggests_context_parallelism(in_repo, capsys):
+    phases = ("train.phases=[{name: short, until_step: 30}, {name: long, seq_len: 262144, rope_scaling: "
+              "{kind: yarn, factor: 32, original_max_seq_len: 8192}}]")
+    assert main(["plan", "configs/tiny.yaml", "--model", "8b", "--cluster", "h100-1node", "train.run.seq_len=8192",
+                 "train.run.batch_size=8", phases]) == 0
+    out = capsys.readouterr().out
+    assert "Chosen: dp=8 tp=1 pp=1 cp=1" in out  # the run's 8192-token sequences fit unsplit
+    assert "Data phases at another sequence length:\n  phase 'long': 8 sequences of 262,144 tokens" in out
+    assert ("A rank cannot hold one 262,144-token sequence (no layout with cp=1 fits): use context parallelism, "
+            "cp=8") in out
+
+
 def test_plan_explains_when_nothing_fits(in_repo, capsys):
     assert main(["plan", "--model", "70b", "--cluster", "h100-1node", "--seq-len", "4096",
                  "--global-batch-seqs", "1024"]) == 1
@@ -251,6 +263,13 @@ def test_status_shows_continuous_eval_per_series(in_repo, tmp_path, capsys):
     assert (f"  train   {keys['train']}  scored 2 (20, 40), pending 1 (60), missed 0; open regressions: {code} "
             "bits_per_byte since step 40 (3.61 against its best 3.06 at step 20)") in out
     assert f"  anneal  {keys['anneal']}  the stage has not started" in out
+    # Once the evaluate stage has judged the task not trusted, its regression is no longer an open one.
+    trust_file = store.path("evaluate", keys["evaluate"]) / "trust.json"
+    trust_file.parent.mkdir(parents=True)
+    trust_file.write_text(json.dumps({code: {"trusted": False, "reasons": ["SNR 0.50 < 2.0"]}}))
+    assert main(args) == 0
+    assert "pending 1 (60), missed 0; open regressions: none" in capsys.readouterr().out
+    trust_file.unlink()
     train.state_file.write_text("".join(json.dumps(row) + "\n" for row in rows if row["step"] == 40))
     assert main(args) == 0
     assert ("scored 1 (40), pending 1 (60), missed 1 (20) (pruned before scoring: train.run.keep_every keeps "
