@@ -26,7 +26,8 @@ import hashlib
 import json
 import random
 import re
-from collections.abc import Sequence
+from collections import Counter
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -317,3 +318,19 @@ def _write_lines_task(path: Path, items: list[dict[str, Any]], task_dir: Path, n
         "metadata": {"version": version},
     })
     return LocalTask(name, "lines", path, version, tuple(item["source_id"] for item in items))
+
+
+CATEGORY_DOMAINS = {"coding": "code", "multilingual": "multilingual"}  # a category task's training domain
+
+
+def task_domains(tasks: Sequence[LocalTask], domains: Collection[str]) -> dict[str, str]:
+    """The training domain each task measures, where one of `domains` (the mixture's) does: the most common
+    domain of its eval documents, else its category's (`CATEGORY_DOMAINS`). A task without one is left out."""
+    out: dict[str, str] = {}
+    for task in tasks:
+        found = Counter(d.domain for d in read_eval_docs(task.eval_file) if d.domain in domains) if task.eval_file else None
+        if found:
+            out[task.name] = found.most_common(1)[0][0]
+        elif CATEGORY_DOMAINS.get(task.category) in domains:
+            out[task.name] = CATEGORY_DOMAINS[task.category]
+    return out

@@ -123,4 +123,4 @@ def test_the_plot_has_a_panel_per_task_and_the_anneal_curve_after_trainings(tmp_
                                                          0.1, 10))])
     data = path.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
-    assert [p.name for p in path.parent.iterdir()] == ["ecg.png"]  # written whole, then renamed
+    assert sorted(p.name for p in path.parent.iterdir()) == ["ecg.json", "ecg.png"]  # written whole, then renamed; its data beside it
