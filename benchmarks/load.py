@@ -347,7 +347,7 @@ def main() -> None:
         return
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="Expected duration: minutes per backend (its servers start, 18 deployments register, the runs "
+        epilog="Expected duration: minutes per backend (its servers start, the deployments register, the runs "
                "and records go through two kills), at most --timeout-s per backend for the runs and records.")
     parser.add_argument("--backends", default="sqlite,postgres",
                         help="the servers' databases to load, comma-separated: sqlite, postgres (default: both)")
