@@ -167,3 +167,35 @@ def test_kv_cache_bytes_count_only_what_a_window_keeps():
     assert kv_cache_bytes_per_token(full) == 2 * 32 * 4 * 2  # K and V, kv_dim 32, 4 layers, bf16
     local = full.model_copy(update={"sliding_window": 64, "global_every": 2})
     assert kv_cache_bytes_per_token(local) == pytest.approx(2 * 32 * 2 * (2 * 256 + 2 * 64) / 256)  # 2 global, 2 local layers
+
+
+# small budgets (16 to 66 steps): the LR sweep's choice is what is tested, not the decision
+SMALL_SCALES = [ResearchScale(width=8, flops=2e7), ResearchScale(width=8, flops=4e7), ResearchScale(width=12, flops=8e7)]
+
+
+def test_an_lr_sweep_tunes_each_variant_and_scale_at_seed_0_and_trains_the_other_seeds_at_the_best(shards, tmp_path):
+    data, root = shards
+    cfg = ResearchConfig(variants={"warm": {"optim.warmup_steps": 0}}, scales=SMALL_SCALES, seeds=2, lr_sweep=[8.0])
+    s = resolve_study(cfg, sweep(), None, PRODUCTION_FLOPS)
+    runs = run_study(s, data, root, subruns(tmp_path), "tok", where=PoolTrials(2))
+    # per variant: seed 0 at multipliers 1 and 8 at 3 scales, seed 1 at the chosen one: 2 x (6 + 3)
+    assert len(runs) == 18 and committed(tmp_path) == 18
+    for name in (BASELINE, "warm"):
+        for scale in (s.scale_name(x) for x in SMALL_SCALES):
+            tried = {r.multiplier: res.val_loss for r, res in runs if (r.variant, r.scale, r.seed) == (name, scale, 0)}
+            assert set(tried) == {1.0, 8.0}
+            [(later, result)] = [(r, res) for r, res in runs if (r.variant, r.scale, r.seed) == (name, scale, 1)]
+            assert later.multiplier == min(tried, key=tried.get)
+            assert result.lr == pytest.approx(s.sweep.lr_at(later.trial.width) * later.multiplier)
+    # the baseline's 400-step warmup keeps its LR far below lr in these 16-66 steps: 8x is better everywhere
+    assert {r.multiplier for r, _ in runs if r.variant == BASELINE and r.seed == 1} == {8.0}
+    chosen = chosen_runs(runs)
+    assert len(chosen) == 12  # (2 variants x 3 scales x 2 seeds): seed 0 at the chosen multiplier only
+    for (name, scale, seed), result in chosen.items():
+        assert result.lr == next(res.lr for r, res in runs if (r.variant, r.scale, r.seed) == (name, scale, 1))
+    decision = decide_study(s, chosen, bytes_per_token=1.0)
+    assert decision["lr_sweep"] == [8.0]
+    # rerun: the sweep's runs are found committed, none trains again
+    again = StopAfter(PoolTrials(2), 10_000)
+    run_study(s, data, root, subruns(tmp_path), "tok", where=again)
+    assert again.pending == 0
