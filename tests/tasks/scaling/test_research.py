@@ -19,6 +19,7 @@ from kiln.tasks.scaling.research import (
     RUNS_KIND,
     ResearchConfig,
     ResearchScale,
+    bytes_per_token_by_domain,
     chosen_runs,
     decide_study,
     kv_cache_bytes_per_token,
@@ -31,6 +32,7 @@ from kiln.tasks.scaling.trial_runs import PoolTrials
 from kiln.tasks.store import MANIFEST_FILE
 from kiln.tasks.tracker import NullTracker
 from kiln.tasks.train.config import ModelConfig, OptimConfig, TrainRunConfig
+from tests.fixtures.continuous_eval import EOS, write_tokenizer
 
 VOCAB = 32
 SCALES = [ResearchScale(width=8, flops=2e8), ResearchScale(width=12, flops=4e8), ResearchScale(width=16, flops=8e8)]
@@ -199,3 +201,20 @@ def test_an_lr_sweep_tunes_each_variant_and_scale_at_seed_0_and_trains_the_other
     again = StopAfter(PoolTrials(2), 10_000)
     run_study(s, data, root, subruns(tmp_path), "tok", where=again)
     assert again.pending == 0
+
+
+def test_bits_per_byte_divide_each_domain_by_its_own_bytes_per_token(tmp_path):
+    tokenizer = write_tokenizer(tmp_path / "tokenizer.json")
+    eos = tokenizer.token_to_id(EOS)
+    texts = {"prose": ["the cat sat on the mat", "a dog ran"], "german": ["Grüße aus München, schöne Straße"],
+             "code": ["def f(x):\n    return x * 2\n"]}
+    shards: dict = {"dtype": "uint16", "domains": {}}
+    expected = {}
+    for domain, docs in texts.items():
+        ids = [t for doc in docs for t in [*tokenizer.encode(doc).ids, eos]]
+        np.array(ids, dtype="<u2").tofile(tmp_path / f"{domain}.bin")
+        shards["domains"][domain] = {"val": {"shards": [{"path": f"{domain}.bin"}]}}
+        expected[domain] = sum(len(doc.encode("utf-8")) for doc in docs) / len(ids)  # EOS: a token of no bytes
+    ratios = bytes_per_token_by_domain(shards, tmp_path, tmp_path / "tokenizer.json")
+    assert ratios == pytest.approx(expected, rel=1e-12)
+    assert len(set(ratios.values())) == 3  # one corpus-wide ratio would misstate two of them
