@@ -6,6 +6,10 @@ its unfinished runs when run again; the costs are priced and measured."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -33,6 +37,7 @@ from kiln.tasks.store import MANIFEST_FILE
 from kiln.tasks.tracker import NullTracker
 from kiln.tasks.train.config import ModelConfig, OptimConfig, TrainRunConfig
 from tests.fixtures.continuous_eval import EOS, write_tokenizer
+from tests.processes import kill_tree
 
 VOCAB = 32
 SCALES = [ResearchScale(width=8, flops=2e8), ResearchScale(width=12, flops=4e8), ResearchScale(width=16, flops=8e8)]
@@ -218,3 +223,47 @@ def test_bits_per_byte_divide_each_domain_by_its_own_bytes_per_token(tmp_path):
     ratios = bytes_per_token_by_domain(shards, tmp_path, tmp_path / "tokenizer.json")
     assert ratios == pytest.approx(expected, rel=1e-12)
     assert len(set(ratios.values())) == 3  # one corpus-wide ratio would misstate two of them
+
+
+KILLED_STUDY = """
+import json, sys
+from pathlib import Path
+from kiln.tasks.scaling.research import ResearchConfig, resolve_study, run_study
+from kiln.tasks.scaling.trial_runs import PoolTrials
+from tests.tasks.scaling.test_research import PRODUCTION_FLOPS, SMALL_SCALES, subruns, sweep
+
+if __name__ == "__main__":
+    root, store = Path(sys.argv[1]), Path(sys.argv[2])
+    study = resolve_study(ResearchConfig(variants={"warm": {"optim.warmup_steps": 0}}, scales=SMALL_SCALES, seeds=2),
+                          sweep(), None, PRODUCTION_FLOPS)
+    run_study(study, json.loads((root / "shards.json").read_text()), root, subruns(store), "tok", where=PoolTrials(1))
+"""
+
+
+@pytest.mark.slow
+def test_a_study_killed_with_sigkill_reruns_only_its_unfinished_runs(tmp_path):
+    """The study's process and its trial worker SIGKILLed (a lost machine), not interrupted: their
+    locks and partial folders are left behind, and the rerun still trains only what was not committed."""
+    root, store = tmp_path / "tokenize", tmp_path / "store"
+    (root / "shards.json").write_text(json.dumps(markov_shards(root)))
+    script = tmp_path / "study.py"
+    script.write_text(KILLED_STUDY)
+    repo = Path(__file__).resolve().parents[3]
+    study_process = subprocess.Popen([sys.executable, str(script), str(root), str(store)], cwd=repo,
+                                     env={**os.environ, "PYTHONPATH": str(repo)})
+    try:
+        deadline = time.monotonic() + 240
+        while committed(store) < 3 and study_process.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert study_process.poll() is None, "the study ended before it was killed"
+    finally:
+        kill_tree(study_process.pid)
+        study_process.wait()
+    done = committed(store)
+    assert 3 <= done < 12  # 2 variants x 3 scales x 2 seeds
+    s = resolve_study(ResearchConfig(variants={"warm": {"optim.warmup_steps": 0}}, scales=SMALL_SCALES, seeds=2),
+                      sweep(), None, PRODUCTION_FLOPS)
+    again = StopAfter(PoolTrials(2), 10_000)
+    runs = run_study(s, json.loads((root / "shards.json").read_text()), root, subruns(store), "tok", where=again)
+    assert again.pending == 12 - done and committed(store) == 12 and len(runs) == 12
+    assert all(res.ok for _, res in runs)
