@@ -1,7 +1,9 @@
 """A research study at tiny sizes on CPU, on a first-order Markov corpus (each token has 2 possible
 successors, so a model can learn it in a few hundred steps): a null variant comes out inconclusive, a
-crippling weight decay is rejected, a 4x deeper model is promoted; a study killed mid-way trains only
-its unfinished runs when run again; the costs are priced and measured."""
+crippling weight decay is rejected, a warmup the baseline lacks time for is promoted; a study killed
+mid-way (interrupted, or SIGKILLed with its worker) trains only its unfinished runs when run again;
+an LR sweep tunes each variant and scale at seed 0; the costs are priced and measured; each domain's
+bits per byte uses its own bytes per token."""
 
 from __future__ import annotations
 
