@@ -57,7 +57,7 @@ from kiln.tasks.errors import KilnError  # noqa: E402
 from kiln.tasks.graph import stage_keys
 from kiln.tasks.launch.cluster import ClusterSpec, where_it_ran
 from kiln.tasks.launch.local_slurm import LocalSlurmCluster
-from kiln.tasks.launch.slurm_jobs import JobJournal, live_jobs
+from kiln.tasks.launch.slurm_jobs import JobJournal, job_alive, live_jobs, lock_holder
 from kiln.tasks.lineage import as_json, lineage, locate, render_table
 from kiln.tasks.runner import StageOutcome
 from kiln.tasks.scaling.plan import budget_from_accelerators, budget_report
@@ -67,6 +67,7 @@ from kiln.tasks.scaling.research import decision_table, promoted_config
 from kiln.tasks.settings import KilnConfig, open_tracker
 from kiln.tasks.stages import REGISTRY
 from kiln.tasks.stages._common import SLURM_LOGS
+from kiln.tasks.stages.train import with_longest_phase
 from kiln.tasks.store import Store
 from kiln.tasks.train.config import ModelConfig
 
@@ -332,10 +333,9 @@ def _stage_state(store: Store, stage: Stage, key: str, room: int) -> tuple[str, 
         return _cut(f"damaged ({'; '.join(problems)}): the next run redoes it", room), {}
     if not store.partial_path(stage.name, key).exists():
         return "missing", {}
-    lock = store.lock(stage.name, key)
+    lock = store.lock(stage.name, key, job_alive=job_alive)
     if lock.held():
-        owner = lock.owner() or {}
-        return f"running (pid {owner.get('pid')} on {owner.get('host')})", {}
+        return _cut(f"running (held by {lock_holder(lock.owner() or {})})", room), {}
     live = _live_jobs(store.partial_path(stage.name, key))
     failure = store.failure(stage.name, key)
     if failure is not None and not live:
@@ -657,7 +657,9 @@ def cmd_plan(ns: argparse.Namespace) -> int:
     from kiln.tasks.train.planner import (  # defers torch
         load_preset,
         plan_parallelism,
+        plan_phases,
         plan_presets,
+        render_phase_plans,
         render_plan_report,
         resolve_parallel,
     )
@@ -686,6 +688,8 @@ def cmd_plan(ns: argparse.Namespace) -> int:
         if cfg.train.model == "plan" and not ns.model:
             raise KilnError("train.model is `plan`: its shape comes from the fit; see it with --budget, or give --model")
         model = load_preset(ns.model, ModelConfig) if ns.model else cfg.train.model
+        model = with_longest_phase(model, cfg.train.run, cfg.train.phases)  # a long-context phase raises it
+        phases = [(p.name, p.seq_len or cfg.train.run.seq_len) for p in cfg.train.phases]
         run = cfg.train.run.model_copy(update={"device": "cuda"}) if cluster.gpus_per_node else cfg.train.run
         dims, run = resolve_parallel("auto", model, run, cfg.tokenize.vocab_size, cluster)
         if not cluster.gpus_per_node:
@@ -695,11 +699,13 @@ def cmd_plan(ns: argparse.Namespace) -> int:
         search = plan_parallelism(model, cfg.tokenize.vocab_size, run.seq_len, cluster, global_batch_seqs=run.batch_size,
                                   precision=ns.precision)
     else:
+        phases = []
         missing = [flag for flag, value in (("--model", ns.model), ("--cluster", ns.cluster)) if not value]
         if missing:
             raise KilnError(f"kiln plan needs {', '.join(missing)} (or a CONFIG to plan its train stage)")
         search = plan_presets(ns.model, ns.cluster, ns.vocab_size, ns.seq_len, ns.global_batch_seqs,
                               ns.global_batch_tokens, ns.precision)
+    phase_plans = plan_phases(search, phases) if search.best is not None else []
     verification = None
     if ns.verify and search.best is not None:
         from kiln.tasks.train.verify import render_verification, verify_plan  # defers torch
@@ -707,9 +713,11 @@ def cmd_plan(ns: argparse.Namespace) -> int:
         verification = verify_plan(search)
     if ns.json:
         record = search.to_dict() | ({"verification": verification.to_dict()} if verification else {})
+        record |= {"phases": [p.to_dict() for p in phase_plans]} if phase_plans else {}
         print(json.dumps(record, indent=2))
     else:
-        print(render_plan_report(search) + (render_verification(verification) if verification else ""), end="")
+        print(render_plan_report(search) + render_phase_plans(search, phase_plans)
+              + (render_verification(verification) if verification else ""), end="")
     return 0 if search.best and (verification is None or verification.agrees) else 1
 
 

@@ -9,6 +9,11 @@ waiters cannot both break it and one of them delete the other's fresh lock.
 
 `fcntl.flock` would be simpler, but it does not reach across machines on every shared
 filesystem (Lustre and some NFS setups ignore it), and a stale `flock` cannot be seen.
+
+An owner that runs inside a Slurm job records the job and its node (`slurm_job_id`, `node`), and
+the jobs it submits while it holds the lock (`add_jobs`), so that a waiter or `kiln status` says
+which job holds the key and whether the scheduler still runs it; given `job_alive` (the scheduler's
+word, from a layer that may ask it), an owner whose Slurm job has ended is stale at once.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import socket
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
 
@@ -28,6 +34,7 @@ log = logging.getLogger(__name__)
 HEARTBEAT_S = 5.0
 STALE_AFTER_S = 60.0
 POLL_S = 0.2
+JOB_CHECK_S = 5.0  # how often a waiter asks the scheduler whether the owner's Slurm job still runs
 
 
 class LockTimeout(TimeoutError):
@@ -49,18 +56,38 @@ class KeyLock:
     """`with KeyLock(path): ...` holds `path` exclusively; waits (polling) while another owner holds it."""
 
     def __init__(self, path: Path, *, timeout_s: float | None = None, heartbeat_s: float = HEARTBEAT_S,
-                 stale_after_s: float = STALE_AFTER_S, on_wait=None) -> None:
+                 stale_after_s: float = STALE_AFTER_S, on_wait=None,
+                 job_alive: Callable[[str], bool | None] | None = None) -> None:
         self.path = Path(path)
         self.timeout_s = timeout_s
         self.heartbeat_s = heartbeat_s
         self.stale_after_s = stale_after_s
         self.on_wait = on_wait  # called once with the owner's record when this caller has to wait
+        self.job_alive = job_alive  # whether a Slurm job still runs (None: the scheduler cannot say)
         self.token = uuid.uuid4().hex
         self._stop = threading.Event()
         self._beat: threading.Thread | None = None
+        self._writing = threading.Lock()
+        self._job_checked: dict[str, tuple[float, bool]] = {}  # job id -> (when asked, whether it had ended)
+        self.broken: dict | None = None  # the stale owner's record this lock broke to be taken (its jobs may run on)
 
     def _record(self) -> dict:
-        return {"host": socket.gethostname(), "pid": os.getpid(), "token": self.token, "since": time.time()}
+        record = {"host": socket.gethostname(), "pid": os.getpid(), "token": self.token, "since": time.time()}
+        if os.environ.get("SLURM_JOB_ID"):  # this process is (part of) a Slurm job: the job holds the key
+            record |= {"slurm_job_id": os.environ["SLURM_JOB_ID"],
+                       "node": os.environ.get("SLURMD_NODENAME") or socket.gethostname()}
+        return record
+
+    def add_jobs(self, job_ids: list[str]) -> None:
+        """Record jobs this owner submitted (Slurm job ids) in the lock, while it holds it."""
+        with self._writing:
+            owner = self.owner()
+            if not owner or owner.get("token") != self.token:
+                return
+            owner["jobs"] = [*owner.get("jobs", []), *(str(j) for j in job_ids)]
+            temporary = self.path.with_name(f"{self.path.name}.{self.token}")
+            temporary.write_text(json.dumps(owner))
+            os.replace(temporary, self.path)  # one rename: a reader sees the old record or the new, whole
 
     def _try_create(self) -> bool:
         try:
@@ -90,6 +117,8 @@ class KeyLock:
         return owner is not None and not self._is_stale(owner)
 
     def _is_stale(self, owner: dict) -> bool:
+        if owner.get("slurm_job_id") and self._job_ended(owner["slurm_job_id"]):
+            return True  # the Slurm job that held it has ended, on whichever node it ran
         if owner.get("host") == socket.gethostname() and isinstance(owner.get("pid"), int):
             if not pid_alive(owner["pid"]):
                 return True
@@ -98,6 +127,15 @@ class KeyLock:
         except FileNotFoundError:
             return False
         return age > self.stale_after_s
+
+    def _job_ended(self, job_id: str) -> bool:
+        """Whether the scheduler says Slurm job `job_id` has ended (asked at most every JOB_CHECK_S)."""
+        if self.job_alive is None:
+            return False
+        checked = self._job_checked.get(job_id)
+        if checked is None or time.monotonic() - checked[0] > JOB_CHECK_S:
+            checked = self._job_checked[job_id] = (time.monotonic(), self.job_alive(job_id) is False)
+        return checked[1]
 
     def _break_stale(self, owner: dict) -> None:
         breaker = self.path.with_name(self.path.name + ".break")
@@ -113,6 +151,7 @@ class KeyLock:
             if self.owner() == owner:  # still the same stale owner, not a fresh lock taken meanwhile
                 log.warning("breaking stale lock %s held by %s", self.path, owner)
                 self.path.unlink(missing_ok=True)
+                self.broken = owner
         finally:
             breaker.unlink(missing_ok=True)
 

@@ -79,6 +79,18 @@ class StageRecorder:
         self.parent, self.name = parent, name
         self.forecasts: dict[str, dict[str, Any]] = {}
         self.launches: dict[str, dict[str, Any]] = {}  # run name -> where it ran (`launched`)
+        self.lock: KeyLock | None = None  # the stage key's lock, held while the stage runs (the runner sets it)
+        # Slurm jobs that the stage's previous driver submitted and the scheduler still runs (that driver died
+        # holding the key's lock; the runner read them from it): a stage that launches jobs waits for them
+        self.earlier_jobs: list[str] = []
+
+    def job_submitted(self, job_id: str) -> None:
+        """A Slurm job this stage (or a sub-run of it) submitted: the stage's lock records it, so a waiter,
+        `kiln status` and a rerun after this process died know which jobs hold the key's work."""
+        if self.parent is not None:
+            self.parent.job_submitted(job_id)
+        elif self.lock is not None:
+            self.lock.add_jobs([job_id])
 
     def launched(self, record: dict[str, Any], run: str | None = None) -> None:
         """Where one training run of this stage ran (`tasks.train.launched_training.launch_record`):

@@ -51,7 +51,11 @@ def continuation(stage: str, identity: dict[str, Any]) -> str | None:
         f"{p['name']}" + (f" (to step {p['until_step']})" if p.get("until_step") else "")
         + (f" (to {p['until_tokens']:.0%} of the tokens)" if p.get("until_tokens") else "")
         + (f" {p['mixture']}" if p.get("mixture") else "") + (f" order {p['order']}" if p.get("order", "random") != "random" else "")
-        + (f" seq_len {p['seq_len']}" if p.get("seq_len") else "") for p in phases) or "the mix stage's mixture"
+        + (f" seq_len {p['seq_len']}" if p.get("seq_len") else "")
+        + (f" rope_theta {p['rope_theta']:g}" if p.get("rope_theta") else "")
+        + (f" rope_scaling {p['rope_scaling']['kind']} x{p['rope_scaling']['factor']:g}" if p.get("rope_scaling") else "")
+        + (f" long documents (>= {p['long_documents']['min_tokens']} tokens) x{p['long_documents']['upweight']}"
+           if p.get("long_documents") else "") for p in phases) or "the mix stage's mixture"
     steps = section.get("run", {}).get("steps", "plan")
     return f"{stage} {branch['prefix']} up to step {branch['from_step']}, then schedule {schedule} to step {steps}"
 

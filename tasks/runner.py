@@ -27,6 +27,8 @@ from kiln.tasks.configbase import Section, is_runtime
 from kiln.tasks.crashes import OWNER_TAG, process_owner
 from kiln.tasks.errors import ConfigError, KilnError, is_retryable
 from kiln.tasks.graph import config_value, stage_identity, stage_keys
+from kiln.tasks.keylock import KeyLock
+from kiln.tasks.launch.slurm_jobs import job_alive, live_jobs, lock_holder
 from kiln.tasks.ledger import StageRecorder, launch_tags, merged_launch, numeric_stats
 from kiln.tasks.provenance import code_version, provenance
 from kiln.tasks.settings import KilnConfig
@@ -190,10 +192,10 @@ def run_stage(stage: Stage | str, cfg: KilnConfig, *, store: Store | None = None
     started = time.perf_counter()
 
     def waiting(owner: dict) -> None:
-        log.warning("stage %s/%s is being computed by %s (pid %s); waiting to reuse it",
-                    stage.name, key, owner.get("host"), owner.get("pid"))
+        log.warning("stage %s/%s is being computed by %s; waiting to reuse it", stage.name, key, lock_holder(owner))
 
-    with store.lock(stage.name, key, timeout_s=cfg.orchestration.lock_timeout_s, on_wait=waiting):
+    with store.lock(stage.name, key, timeout_s=cfg.orchestration.lock_timeout_s, on_wait=waiting,
+                    job_alive=job_alive) as lock:
         if store.is_complete(stage.name, key):
             manifest = store.manifest(stage.name, key)
             run_id = manifest["mlflow_run_id"]
@@ -204,12 +206,12 @@ def run_stage(stage: Stage | str, cfg: KilnConfig, *, store: Store | None = None
                 tracker.end_run(run_id)
             return StageOutcome(stage.name, key, "cached", time.perf_counter() - started,
                                 manifest["stats"].get("headline", {}), str(store.path(stage.name, key)), run_id)
-        return _execute(stage, cfg, store, tracker, registry, keys, parent_run_id, flow_run_id, attempt, on_event)
+        return _execute(stage, cfg, store, tracker, registry, keys, parent_run_id, flow_run_id, attempt, on_event, lock)
 
 
 def _execute(stage: Stage, cfg: KilnConfig, store: Store, tracker: Tracker, registry: Registry,
              keys: dict[str, str], parent_run_id: str | None, flow_run_id: str | None, attempt: int,
-             on_event: Callable[[str, dict[str, Any]], None] | None) -> StageOutcome:
+             on_event: Callable[[str, dict[str, Any]], None] | None, lock: KeyLock | None = None) -> StageOutcome:
     key = keys[stage.name]
     inputs = {i: store.path(i, keys[i]) for i in stage.inputs}
     run_id = tracker.start_run(_run_name(stage.name, attempt), parent_id=parent_run_id,
@@ -219,6 +221,13 @@ def _execute(stage: Stage, cfg: KilnConfig, store: Store, tracker: Tracker, regi
     out_dir = store.begin(stage.name, key, resumable=stage.resumable)
     started, cpu = time.perf_counter(), _CpuMeter()
     recorder = StageRecorder(tracker, run_id, stage.name, key, on_event)
+    recorder.lock = lock  # the jobs the stage submits are recorded in it
+    broken = lock.broken if lock is not None else None
+    if broken and broken.get("jobs"):  # a driver that died holding the key: which of its jobs still run
+        recorder.earlier_jobs = live_jobs(broken["jobs"])
+        if recorder.earlier_jobs:
+            log.warning("stage %s/%s: the driver that held it (pid %s on %s) is gone, but Slurm still runs its jobs %s",
+                        stage.name, key, broken.get("pid"), broken.get("host"), ", ".join(recorder.earlier_jobs))
     try:
         stats = stage.body(StageContext(cfg, out_dir, inputs, store, recorder))
     except BaseException as error:

@@ -81,6 +81,12 @@ class StageContext:
     def read_json(self, stage: str, filename: str) -> Any:
         return json.loads((self.inputs[stage] / filename).read_text())
 
+    @property
+    def committed_dir(self) -> Path:
+        """The folder `out_dir` (the partial folder) becomes once the stage commits: where a path the
+        stage records (a job's log) lies for whoever reads the record."""
+        return self.store.path(self.recorder.stage, self.recorder.key)
+
     def subruns(self, root: Path | None = None) -> SubRuns:
         """The stage's sub-runs, in its folder (or in `root`: the store, for one that several keys share)."""
         return self.recorder.subruns(root or self.out_dir)

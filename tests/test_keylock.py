@@ -60,3 +60,26 @@ def test_the_owner_keeps_its_lock_fresh(tmp_path):
         os.utime(path, (old, old))
         time.sleep(0.5)
         assert time.time() - path.stat().st_mtime < 5
+
+
+def test_the_jobs_a_stage_submits_are_recorded_in_its_lock(tmp_path):
+    """A data stage's Slurm journal and a sub-run's recorder tell the stage's lock each job they submit
+    (issue 37): a rerun and `kiln status` see which jobs hold the key's work. The journal pickled into
+    a job's executor does not carry the driver's lock."""
+    import copy
+
+    from kiln.tasks.launch.slurm_jobs import JobJournal
+    from kiln.tasks.ledger import StageRecorder, SubRun
+    from kiln.tasks.tracker import NullTracker
+
+    with KeyLock(tmp_path / ".k.lock") as lock:
+        recorder = StageRecorder(NullTracker(), "run", "clean", "k")
+        recorder.lock = lock
+        journal = JobJournal(tmp_path / "logs", on_submitted=recorder.job_submitted)
+        journal.submitted("kiln_clean", "41", [0, 1])
+        _, trial = recorder.subruns(tmp_path).begin(SubRun("trials", "t1", {"lr": 1}))
+        trial.job_submitted("42")
+        assert lock.owner()["jobs"] == ["41", "42"]
+        assert lock.owner()["token"] == lock.token and lock.held()
+        assert copy.deepcopy(journal).on_submitted is None
+    assert not (tmp_path / ".k.lock").exists()

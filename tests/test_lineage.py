@@ -8,11 +8,13 @@ import pytest
 
 from kiln.tasks.config import load_config
 from kiln.tasks.errors import KilnError
-from kiln.tasks.lineage import as_json, lineage, locate, render_table
+from kiln.tasks.lineage import as_json, continuation, lineage, locate, render_table
 from kiln.tasks.runner import run_pipeline
 from kiln.tasks.stage import Registry
 from kiln.tasks.stages import collect as collect_stage
+from kiln.tasks.stages.train import Branch, TrainConfig
 from kiln.tasks.store import Store
+from kiln.tasks.train.config import DataPhase, LongDocuments, RopeScaling
 from tests.fixtures import toy_stage
 
 REPO = Path(__file__).resolve().parents[1]
@@ -48,3 +50,13 @@ def test_a_bad_reference_or_a_broken_chain_is_a_clear_error(built):
     shutil.rmtree(collect.path)
     with pytest.raises(KilnError, match=f"collect/{collect.key} is not complete"):
         lineage(store, "toy-count", toy.key)
+
+
+def test_an_adjustment_that_extends_the_context_says_so_in_its_lineage() -> None:
+    train = TrainConfig(branch=Branch(prefix="af80929deb48", from_step=20), phases=[
+        DataPhase(name="main", until_step=20),
+        DataPhase(name="long", seq_len=256, rope_scaling=RopeScaling(kind="yarn", factor=4, original_max_seq_len=64),
+                  long_documents=LongDocuments(min_tokens=256, upweight=4))])
+    assert continuation("train", {"train": train.identity()}) == (
+        "train af80929deb48 up to step 20, then schedule main (to step 20) -> long seq_len 256 rope_scaling yarn x4 "
+        "long documents (>= 256 tokens) x4 to step plan")

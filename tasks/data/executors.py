@@ -122,6 +122,8 @@ class ExecutorSettings:
     image: str | None = None  # cluster.image: Slurm jobs run in it (pyxis); None: in this interpreter's environment
     # told where each pipeline's job ran (`launch_record`: the Slurm job id and nodes), for the stage's record
     on_job: Callable[[dict[str, Any]], None] | None = field(default=None, compare=False)
+    # told each Slurm job id as it is submitted (the stage's lock records the jobs that hold its work)
+    on_submit: Callable[[str], None] | None = field(default=None, compare=False)
     # where Slurm jobs' output (`<job>_<task>.out`), scripts and journal go: the stage's `logs/`, committed
     # with it; None: the pipeline's logging_dir's `slurm_logs`
     logs_dir: Path | None = None
@@ -186,7 +188,8 @@ def run_pipeline(
     (`ShardTask`, `RecordRank`, or a writer that saves its summary there)."""
     if len(ledger.keys) != tasks:
         raise ValueError(f"{job_name}: {tasks} tasks but {len(ledger.keys)} rank keys")
-    journal = JobJournal(slurm_logs_dir(settings, logging_dir)) if settings.kind == "slurm" else None
+    journal = (JobJournal(slurm_logs_dir(settings, logging_dir), on_submitted=settings.on_submit)
+               if settings.kind == "slurm" else None)
     if journal is not None:
         _adopt_live_jobs(journal, job_name)  # an earlier driver's job still running these ranks: wait for it
     done = ledger.mark_completed(logging_dir)

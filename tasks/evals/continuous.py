@@ -312,7 +312,7 @@ def _score(target: EvalTarget, step: int, tasks: Sequence[str]) -> CheckpointOut
     # Imported here: torch.distributed.checkpoint takes a second to import and the config loads this module.
     from torch.distributed.checkpoint.api import CheckpointException
 
-    from kiln.tasks.train.dcp import load_model_weights, read_train_state  # defers torch
+    from kiln.tasks.train.dcp import checkpoint_model, load_model_weights, read_train_state  # defers torch
     from kiln.tasks.train.model import Transformer, save_model  # torch: only where a checkpoint is scored; defers torch
 
     started = time.perf_counter()
@@ -324,8 +324,8 @@ def _score(target: EvalTarget, step: int, tasks: Sequence[str]) -> CheckpointOut
     if path is None:
         return skipped("no longer on disk: pruned by training before it was evaluated")
     try:
-        identity = read_train_state(path)["identity"]
-        model_cfg, vocab_size = ModelConfig.model_validate(identity["model"]), int(identity["vocab_size"])
+        state = read_train_state(path)
+        model_cfg, vocab_size = ModelConfig.model_validate(checkpoint_model(state)), int(state["identity"]["vocab_size"])
         model = Transformer(model_cfg, vocab_size)
         load_model_weights(path, model)
         marker_sha256 = sha256_file(path / MARKER)

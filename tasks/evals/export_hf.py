@@ -39,7 +39,7 @@ from kiln.tasks.lineage import lineage_manifests
 from kiln.tasks.store import Store
 from kiln.tasks.train.checkpoint import MARKER
 from kiln.tasks.train.config import ModelConfig
-from kiln.tasks.train.dcp import load_model_weights, read_train_state
+from kiln.tasks.train.dcp import checkpoint_model, load_model_weights, read_train_state
 from kiln.tasks.train.model import CONFIG_FILE, MODEL_FILE, Transformer, load_model
 
 WEIGHTS_FILE = "model.safetensors"
@@ -141,8 +141,9 @@ def load_kiln_model(path: Path) -> tuple[Transformer, str]:
     if (path / MARKER).is_file():
         # imported here: torch.distributed.checkpoint takes a second to import
 
-        identity = read_train_state(path)["identity"]
-        model = Transformer(ModelConfig.model_validate(identity["model"]), int(identity["vocab_size"]))
+        train_state = read_train_state(path)
+        model = Transformer(ModelConfig.model_validate(checkpoint_model(train_state)),
+                            int(train_state["identity"]["vocab_size"]))
         state = load_model_weights(path, model)
         return model.eval(), f"training checkpoint {path} (step {state.get('step', '?')})"
     raise InputError(f"{path} holds no Kiln model: pass a model folder (model.pt and {CONFIG_FILE}), a train or "

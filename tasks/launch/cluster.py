@@ -147,8 +147,10 @@ def where_it_ran(launch: dict[str, Any]) -> list[str]:
         line = f"{run}: {record['launcher']}{jobs} on {','.join(record['nodes']) or 'no node recorded'}"
         failed = [a for a in record["attempts"] if a.get("failed")]
         if failed:
-            line += "; " + "; ".join(f"attempt {a['attempt']} failed on {','.join(a.get('failed_hosts') or []) or '?'}"
-                                     for a in failed)
+            # a sweep trial's attempt says how its job ended (a cancelled job blames no node)
+            line += "; " + "; ".join(f"attempt {a['attempt']} failed "
+                                     + (f"(job {a['job_id']} {a['state']})" if a.get("state") else
+                                        f"on {','.join(a.get('failed_hosts') or []) or '?'}") for a in failed)
             resumed = record["attempts"][-1].get("time_to_resume_s")
             line += f", resumed in {resumed:.1f} s" if resumed is not None else ""
         lines.append(line)
@@ -160,10 +162,12 @@ def _job_lines(attempt: dict[str, Any]) -> list[str]:
     """A data pipeline's Slurm job as the scheduler recorded it (`slurm_jobs.journal_launch`): its ranks,
     whether Kiln adopted it from a driver that died, and each array task's state, node, start and end."""
     how = " (adopted from a driver that died)" if attempt.get("adopted") else ""
-    head = f"job {attempt['job_id']}{how}, ranks {','.join(map(str, attempt['ranks']))}"
+    ranks = f", ranks {','.join(map(str, attempt['ranks']))}" if "ranks" in attempt else ""
+    head = f"job {attempt['job_id']}{how}{ranks}"
+    log = [f"  log: {attempt['log']}"] if attempt.get("log") else []
     if not attempt["tasks"]:
-        return [f"{head}: the scheduler kept no record of it"]
-    return [f"{head}: " + "; ".join(task_line(t) for t in attempt["tasks"])]
+        return [f"{head}: the scheduler kept no record of it", *log]
+    return [f"{head}: " + "; ".join(task_line(t) for t in attempt["tasks"]), *log]
 
 
 def task_line(task: dict[str, Any]) -> str:

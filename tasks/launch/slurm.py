@@ -31,7 +31,7 @@ import shlex
 import subprocess
 import sys
 import time
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -130,8 +130,9 @@ class SlurmLauncher(Launcher):
     filename = "train.sbatch"
 
     def __init__(self, *args, template_dir: Path = INFRA_DIR, poll_s: float = POLL_S, python: str = sys.executable,
-                 torchrun: bool = True, **kwargs) -> None:
+                 torchrun: bool = True, on_submit: Callable[[str], None] | None = None, **kwargs) -> None:
         super().__init__(*args, **kwargs)
+        self.on_submit = on_submit  # told the job's id as soon as sbatch gives it (the stage's lock records it)
         self.template_dir = template_dir
         self.poll_s = poll_s
         self.python = python
@@ -172,6 +173,8 @@ class SlurmLauncher(Launcher):
             return LaunchResult(self.name, submitted=False, rendered=path,
                                 message=f"sbatch is not on PATH: wrote {path}; submit it with `sbatch {path}`")
         job_id = self.job_id = submit(path, sbatch=sbatch)  # a refusal raises SubmissionRefused: never resubmitted
+        if self.on_submit is not None:
+            self.on_submit(job_id)
         logger.info("submitted Slurm job %s (%s) from %s%s", job_id, self.job_name, path,
                     f", excluding {','.join(exclusion.hosts)}" if exclusion.hosts else "")
         log = self.log_path(job_id)

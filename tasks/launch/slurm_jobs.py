@@ -13,11 +13,13 @@ memory, and a job that an earlier driver submitted and that still runs is found 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import socket
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +27,7 @@ from kiln.tasks.errors import ConfigError
 from kiln.tasks.launch.launchers import LaunchError
 
 CLIENT_TIMEOUT_S = 60.0  # one sbatch/squeue/sacct/scontrol call
+logger = logging.getLogger("kiln.launch.slurm")
 JOURNAL_FILE = "slurm_jobs.jsonl"
 _FIELD = re.compile(r"(\w+)=(\S*)")
 _NO_NODE = ("", "(null)", "None assigned")
@@ -74,6 +77,52 @@ def live_jobs(job_ids: list[str]) -> list[str]:
         if done.returncode == 0 and done.stdout.strip():
             live.append(job_id)
     return live
+
+
+def job_alive(job_id: str) -> bool | None:
+    """Whether the scheduler still has job `job_id` pending or running (None: no Slurm client here, or it
+    did not answer): `KeyLock`'s test of an owner that runs inside a Slurm job."""
+    try:
+        done = run_client("squeue", "--noheader", "--jobs", job_id, "--format", "%T")
+    except FileNotFoundError:
+        return None
+    if done.returncode != 0:  # an unknown job id is an error to squeue: long gone
+        return False if "Invalid job id" in done.stderr else None
+    return bool(done.stdout.strip())
+
+
+def wait_for_jobs(job_ids: list[str], what: str, poll_s: float = 2.0) -> None:
+    """Wait until none of `job_ids` is pending or running: `what` (an earlier driver's jobs, still working on
+    what this run would submit again) must not run twice at once. Says so on the terminal, once."""
+    live = live_jobs(job_ids)
+    if live:
+        logger.warning("%s: Slurm still runs job %s, submitted by a driver that died; waiting for it to end "
+                       "(scancel it to stop it)", what, ", ".join(live))
+    while live:
+        time.sleep(poll_s)
+        live = live_jobs(live)
+
+
+def job_state(job_id: str) -> str:
+    """How the scheduler says job `job_id` stands now (`RUNNING`, `CANCELLED`, ...; an array's states
+    joined), or `unknown to the scheduler`."""
+    try:
+        records = scheduler_records(job_id)
+    except FileNotFoundError:
+        return "unknown: no Slurm client here"
+    return ",".join(sorted({r["state"] for r in records})) or "unknown to the scheduler"
+
+
+def lock_holder(owner: dict[str, Any]) -> str:
+    """Who holds a key's lock (`KeyLock.owner()`), for a waiter's message and `kiln status`: its process,
+    the Slurm job it runs in and that job's node, the jobs it submitted, each with its state now."""
+    text = f"pid {owner.get('pid')} on {owner.get('host')}"
+    if owner.get("slurm_job_id"):
+        text = (f"Slurm job {owner['slurm_job_id']} on node {owner.get('node')} "
+                f"({job_state(owner['slurm_job_id'])}; {text})")
+    if owner.get("jobs"):
+        text += ", which submitted " + ", ".join(f"job {j} ({job_state(j)})" for j in owner["jobs"])
+    return text
 
 
 def scheduler_records(job_id: str) -> list[dict[str, Any]]:
@@ -141,14 +190,21 @@ class JobJournal:
     scheduler recorded of it once it ended. Append-only, one JSON object a line, so a driver killed
     between the two leaves its live job named for the next one."""
 
-    def __init__(self, folder: Path) -> None:
+    def __init__(self, folder: Path, on_submitted: Callable[[str], None] | None = None) -> None:
         self.folder = Path(folder)
         self.path = self.folder / JOURNAL_FILE
+        self.on_submitted = on_submitted  # told each job id as it is submitted (the stage's lock records it)
+
+    def __getstate__(self) -> dict[str, Any]:
+        # a job's pickled executor carries its journal; the driver's callback (and the lock behind it) stays here
+        return {**self.__dict__, "on_submitted": None}
 
     def submitted(self, job_name: str, job_id: str, ranks: list[int]) -> None:
         self._append({"event": "submitted", "job_name": job_name, "job_id": job_id, "ranks": ranks,
                       "host": socket.gethostname(), "pid": os.getpid(),
                       "at": time.strftime("%Y-%m-%dT%H:%M:%S")})
+        if self.on_submitted is not None:
+            self.on_submitted(job_id)
 
     def ended(self, job_id: str, tasks: list[dict[str, Any]], **extra: Any) -> None:
         """What the scheduler recorded of job `job_id` (`scheduler_records`), and what Kiln did (`adopted`)."""

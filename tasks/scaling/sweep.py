@@ -44,7 +44,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal, Protocol
 
@@ -55,6 +55,7 @@ from kiln.tasks.configbase import Reference, Section, runtime_field
 from kiln.tasks.errors import ConfigError, KilnError, TrainingDivergedError
 from kiln.tasks.ledger import OpenSubRun, StageRecorder, SubRun, SubRuns
 from kiln.tasks.progress import Progress
+from kiln.tasks.store import Store
 from kiln.tasks.train.config import ModelConfig, OptimConfig, TrainRunConfig
 
 if TYPE_CHECKING:  # torch-backed: imported where trials run, so that the config tree stays light
@@ -409,13 +410,17 @@ def train_trial(trial_fn: TrialFn, cfg: SweepConfig, trial: Trial, mixture: Mixt
     committed = run.committed()
     if committed is not None:
         return trial_result(committed["stats"])
-    with (run.folder / ATTEMPTS_FILE).open("a") as attempts:  # which job, host and process trained it, and when
+    with (run.folder / ATTEMPTS_FILE).open("a") as attempts:  # which job, node and process trained it, and when
         attempts.write(json.dumps({"job_id": os.environ.get("SLURM_JOB_ID") or os.environ.get("KILN_JOB_ID"),
+                                   # the scheduler's node name (a Slurm node need not be named as its host)
+                                   "node": os.environ.get("SLURMD_NODENAME") or socket.gethostname(),
                                    "host": socket.gethostname(), "pid": os.getpid(), "started_unix": time.time()})
                        + "\n")
+    cpu = time.process_time()
     result = trial_fn(cfg, trial, mixture, run.folder)
     if result.status in FINAL_STATUSES:
-        run.commit(trial_stats(result), wall_s=result.wall_s, launch=launch_record(launcher, run.folder))
+        run.commit(trial_stats(result), wall_s=result.wall_s,
+                   launch={**launch_record(launcher, run.folder), "cpu_s": time.process_time() - cpu})
     else:
         run.record_failure(failure_record(result))
     return result
@@ -485,6 +490,10 @@ class TrialLauncher(Protocol):
             label: str) -> Iterator[Finished]:
         """Train `pending`; yield each trial's final (or, after its retries, failed) result as it comes."""
 
+    def launch_record(self, name: str) -> dict | None:
+        """Where trial `name` ran, once its phase has ended (`tasks.launch.cluster.launch_record`'s shape: its
+        jobs, nodes and attempts as the scheduler recorded them, each job's log); None: in the stage's processes."""
+
 
 def run_trials(cfg: SweepConfig, shards: dict, shards_root: Path, subruns: SubRuns, trials: list[Trial], *,
                where: TrialLauncher, label: str, what: str, results: dict[str, TrialResult],
@@ -521,6 +530,7 @@ def run_trials(cfg: SweepConfig, shards: dict, shards_root: Path, subruns: SubRu
             _, recorder = subruns.begin(sub)
             started[trial.name] = (sub, recorder, subruns.opened(sub, recorder))
         pending.sort(key=lambda t: -trial_cost(t))
+        ran: list[tuple[Trial, StageRecorder]] = []
         with progress:
             try:
                 for trial, result in where.run(cfg, shards, shards_root,
@@ -539,16 +549,23 @@ def run_trials(cfg: SweepConfig, shards: dict, shards_root: Path, subruns: SubRu
                     progress.advance(note=f"{bad} failed or diverged" if bad else "")
                     if on_trial:
                         on_trial(result, False)
+                    ran.append((trial, recorder))
             except BaseException as error:  # the trials still running stop with the sweep: their child runs say so
                 for _, recorder, _ in started.values():
                     subruns.fail(recorder, f"the sweep stopped before it finished: {type(error).__name__}: {error}")
                 raise
+        # where each ran, once the phase's jobs have ended (a job trains several trials; its end is the scheduler's
+        # record of them all): the stage's manifest's launch.runs[trials/<name>] and the trial's child run's tags
+        for trial, recorder in ran:
+            record = getattr(where, "launch_record", lambda _: None)(trial.name)
+            if record is not None:
+                recorder.launched(record)
 
 
 def run_sweep(cfg: SweepConfig, shards: dict, shards_root: Path, subruns: SubRuns, *,
               where: TrialLauncher, mixture_folds: int = DEFAULT_FOLDS,
               on_trial: Callable[[TrialResult, bool], None] | None = None,
-              log_every: int | None = None) -> list[TrialResult]:
+              log_every: int | None = None, committed_as: Path | None = None) -> list[TrialResult]:
     """Run both phases, each trial a sub-run of the stage (`subruns`, in `trials/<name>/`): complete
     ones are reused (their manifests hold their results), the others run where `where` trains them,
     whose workers commit each as it finishes; write `trials.json` beside them; return results in
@@ -558,7 +575,12 @@ def run_sweep(cfg: SweepConfig, shards: dict, shards_root: Path, subruns: SubRun
     divergence, so it is not run again). One that failed (an exception, a killed process or job) is
     retried on its own by `where`; if it still fails it is recorded and left uncommitted, so the next
     attempt of the stage runs it again. `on_trial(result, resumed)` is called once per trial, as it
-    is reused (resumed=True) or finishes. Raises `SweepFailedError` when no trial succeeded."""
+    is reused (resumed=True) or finishes. Raises `SweepFailedError` when no trial succeeded.
+
+    `committed_as`: the folder `subruns`' root becomes when its stage commits (the stage's partial
+    folder is renamed): a failed trial's reason names its job's log there (in `trials.json`, the
+    results and its failure record), since the sweep's returning is what lets the stage commit. A
+    sweep that fails keeps the partial folder, and the reasons name it."""
     results: dict[str, TrialResult] = {}
 
     def run_phase(trials: list[Trial], label: str, what: str) -> None:
@@ -570,10 +592,24 @@ def run_sweep(cfg: SweepConfig, shards: dict, shards_root: Path, subruns: SubRun
     second = design_hyper_trials(cfg, [results[t.name] for t in first])
     run_phase(second, "phase2", "sweep (LR x batch trials)")
     ordered = [results[t.name] for t in first + second]
+    if committed_as is not None and succeeded(ordered):
+        ordered = [_committed_reason(r, subruns.store, Path(committed_as)) for r in ordered]
     (subruns.store.root / TRIALS_FILE).write_text(json.dumps([asdict(r) for r in ordered], indent=2))
     if not succeeded(ordered):
         raise SweepFailedError(_all_failed_message(ordered, subruns.store.root / TRIALS_DIR))
     return ordered
+
+
+def _committed_reason(result: TrialResult, store: Store, committed_as: Path) -> TrialResult:
+    """`result` with the paths into `store`'s root in its reason (a job's log) named where they will be once
+    the stage commits (`run_sweep`'s `committed_as`), its failure record too."""
+    root = store.root.resolve()
+    if not result.reason or str(root) not in result.reason:
+        return result
+    moved = replace(result, reason=result.reason.replace(str(root), str(committed_as.resolve())))
+    if moved.status not in FINAL_STATUSES and store.failure(TRIALS_DIR, moved.name) is not None:
+        store.record_failure(TRIALS_DIR, moved.name, failure_record(moved))
+    return moved
 
 
 def record_trial(recorder: StageRecorder, trial: TrialResult, log_every: int) -> None:

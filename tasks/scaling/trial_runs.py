@@ -45,6 +45,7 @@ from kiln.tasks.launch.kubernetes import KubernetesIndexedLauncher
 from kiln.tasks.launch.launchers import LaunchError, sigterm_raises
 from kiln.tasks.launch.registry import make_launcher
 from kiln.tasks.launch.slurm import SlurmJobCancelled
+from kiln.tasks.launch.slurm_jobs import scheduler_records, wait_for_jobs
 from kiln.tasks.ledger import OpenSubRun
 from kiln.tasks.scaling.sweep import (
     FINAL_STATUSES,
@@ -157,17 +158,71 @@ class JobTrials:
     nodes have any). `jobs_dir` holds each phase's job files, scripts and logs."""
 
     def __init__(self, launcher: str, cluster: ClusterSpec, max_parallel: int, jobs_dir: Path, *,
-                 poll_s: float = POLL_S, launcher_options: dict[str, Any] | None = None) -> None:
-        self.launcher, self.max_parallel, self.jobs_dir, self.poll_s = launcher, max_parallel, jobs_dir, poll_s
+                 poll_s: float = POLL_S, launcher_options: dict[str, Any] | None = None,
+                 committed_dir: Path | None = None, on_submit: Callable[[str], None] | None = None,
+                 earlier_jobs: list[str] | None = None) -> None:
+        # absolute: the jobs write their logs there from the nodes, and records name them
+        self.launcher, self.max_parallel, self.jobs_dir, self.poll_s = launcher, max_parallel, jobs_dir.resolve(), poll_s
+        # where jobs_dir will be once its stage commits (its partial folder renamed): the logs records name
+        self.committed_dir = committed_dir.resolve() if committed_dir is not None else self.jobs_dir
         self.cluster = cluster.model_copy(update={"nodes": 1, "gpus_per_node": min(cluster.gpus_per_node, 1)})
         self.max_restarts = cluster.max_restarts
         self.launcher_options = launcher_options or {}
+        self._jobs: dict[str, list[dict[str, Any]]] = {}  # trial -> each job given it, in order (`_ran`)
+        self._jobs_lock = threading.Lock()
+        self.on_submit = on_submit  # told each Slurm job's id as it is submitted (the stage's lock records it)
+        # jobs of a driver that died that may still train these trials: waited for before any job is submitted
+        self.earlier_jobs = list(earlier_jobs or [])
+
+    def launch_record(self, name: str) -> dict[str, Any] | None:
+        """Where trial `name` ran (see `TrialLauncher.launch_record`): each job that was given it, its
+        nodes, state, start and end as the scheduler recorded them (`scheduler_records`) and its log,
+        named where it lies once the stage commits. Every job but the last failed it (the trial was
+        resubmitted); the last too when the trial never committed. Its CPU seconds are the trial's own
+        (its committed manifest's), spent in jobs outside the stage's processes."""
+        with self._jobs_lock:
+            jobs = list(self._jobs.get(name, []))
+        if not jobs:
+            return None
+        committed = jobs[-1]["run"].committed()
+        attempts = []
+        for number, job in enumerate(jobs, 1):
+            tasks = job["tasks"]
+            nodes = sorted({n for t in tasks for n in t["nodes"]})
+            failed = number < len(jobs) or committed is None
+            state = ",".join(sorted({t["state"] for t in tasks})) or job["state"]
+            attempts.append({"attempt": number, "job_id": job["job_id"], "nodes": nodes, "tasks": tasks,
+                             "state": state, "failed": failed,
+                             # a node is blamed for a job that died on it, not for one someone cancelled
+                             "failed_hosts": nodes if failed and state not in ("COMPLETED", "CANCELLED") else [],
+                             "log": job["log"]})
+        cpu_s = float((committed or {}).get("launch", {}).get("cpu_s", 0.0))
+        return {"launcher": self.launcher, "job_name": jobs[-1]["job_name"], "job_ids": [a["job_id"] for a in attempts],
+                "nodes": sorted({n for a in attempts for n in a["nodes"]}), "attempts": attempts,
+                "worker_cpu_s": cpu_s}
+
+    def _ran(self, todo: list[Pending], job: Launcher, job_id: str | None, log: Path | None, state: str) -> None:
+        """Job `job_id` was given the trials of `todo` and has ended: what the scheduler recorded of it."""
+        if job_id is None:  # never submitted (a refusal): nothing ran
+            return
+        tasks = scheduler_records(job_id) if self.launcher == "slurm" else []
+        if log is not None and log.resolve().is_relative_to(self.jobs_dir):
+            log = self.committed_dir / log.resolve().relative_to(self.jobs_dir)
+        entry = {"job_id": job_id, "job_name": job.job_name, "tasks": tasks, "state": state,
+                 "log": str(log) if log is not None else None}
+        with self._jobs_lock:
+            for share in todo:
+                for trial, run in share:
+                    self._jobs.setdefault(trial.name, []).append({**entry, "run": run})
 
     def run(self, cfg: SweepConfig, shards: dict, shards_root: Path, pending: Pending,
             label: str = "trials") -> Iterator[Finished]:
 
         if not pending:
             return
+        if self.earlier_jobs:  # never two jobs on one trial: the earlier job commits what it finishes, then resumes none
+            wait_for_jobs(self.earlier_jobs, f"sweep {label}")
+            self.earlier_jobs = []
         shares = deal(pending, self.max_parallel)
         # Kubernetes: one indexed Job holds every share and runs max_parallel of them at once
         units = [shares] if self.launcher == "kubernetes" else [[share] for share in shares]
@@ -221,6 +276,7 @@ class JobTrials:
                 launched = job.launch(self._command(folder))
             except LaunchError as error:
                 state.ended(job)
+                self._ran(todo, job, error.job_id, error.log, getattr(error, "state", "FAILED"))
                 if state.stopping.is_set():
                     return
                 user_error = _user_error([run for share in todo for _, run in share])
@@ -229,11 +285,15 @@ class JobTrials:
                 if user_error is not None or not (error.retryable or cancelled):
                     state.fail(user_error or error)
                     return
+                # the launcher's words for a cancelled training job ("not relaunched") are not the sweep's
+                why = (f"Slurm job {error.job_id} ({job.job_name}) on {','.join(error.nodes) or 'no node'} was "
+                       f"cancelled (scancel or preemption); log: {error.log}" if cancelled else str(error).splitlines()[0])
                 logger.warning("sweep job %s %s; resubmitting it for its unfinished trials: %s", name,
-                               "was cancelled" if cancelled else "failed", str(error).splitlines()[0])
-                state.failed([t.name for share in todo for t, _ in share], str(error).splitlines()[0])
+                               "was cancelled" if cancelled else "failed", why)
+                state.failed([t.name for share in todo for t, _ in share], why)
                 continue
             state.ended(job)
+            self._ran(todo, job, launched.job_id, launched.log, "COMPLETED")
             if not launched.submitted:
                 state.fail(ConfigError(f"cluster.launcher={self.launcher}: {launched.message}. The sweep waits for "
                                        "its jobs, so the client must be on PATH where Kiln runs"))
@@ -250,6 +310,7 @@ class JobTrials:
                                              backoff_limit_per_index=self.max_restarts, **options)
         if self.launcher == "slurm":
             options["torchrun"] = False  # one process: no rendezvous to pay for
+            options["on_submit"] = self.on_submit
         return make_launcher(self.launcher, self.cluster, folder, **options)
 
     def _command(self, folder: Path) -> list[str]:

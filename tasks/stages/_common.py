@@ -53,5 +53,5 @@ def executor_settings(ctx: StageContext) -> ExecutorSettings:
     if cluster.executor != "slurm":  # the Slurm fields mean nothing to the other executors
         return ExecutorSettings(cluster.executor, on_job=ctx.recorder.job_launched)
     return ExecutorSettings("slurm", cluster.partition, cluster.time_limit, cluster.slurm, cluster.image,
-                            ctx.recorder.job_launched, logs_dir=ctx.out_dir / SLURM_LOGS,
+                            ctx.recorder.job_launched, ctx.recorder.job_submitted, logs_dir=ctx.out_dir / SLURM_LOGS,
                             job_prefix=f"kiln-{ctx.recorder.stage}-{ctx.recorder.key[:12]}")

@@ -13,12 +13,10 @@ from kiln.tasks.constants import SHARDS_FILE
 from kiln.tasks.errors import ConfigError
 from kiln.tasks.stage import Stage, StageContext
 from kiln.tasks.stages._training import kept_train_steps, planned_lr, run_training, train_headline, train_stats
-from kiln.tasks.stages.train import (  # the plan may have chosen them (train.model: plan)
-    planned_run,
-    trained_model_config,
-)
+from kiln.tasks.stages.train import planned_run  # the plan may have chosen them (train.model: plan)
 from kiln.tasks.train.anneal import AnnealConfig, anneal_settings
 from kiln.tasks.train.checkpoint import checkpoint_dir
+from kiln.tasks.train.config import ModelConfig
 
 START_MODEL_DIR = "start_model"  # a train checkpoint's weights as a model folder (anneal.from_step)
 
@@ -42,16 +40,25 @@ def start_model(ctx: StageContext, from_step: int | None, where: str) -> StartMo
     if from_step not in kept:
         raise ConfigError(f"{where}={from_step}: the train run kept no checkpoint of step {from_step}; it kept steps "
                           f"{kept} (train.run.keep_every keeps more), or null for its final model")
-    from kiln.tasks.train.dcp import load_model_weights  # defers torch
+    from kiln.tasks.train.dcp import checkpoint_model, load_model_weights, read_train_state  # defers torch
     from kiln.tasks.train.model import Transformer, save_model  # defers torch
 
-    model_cfg = trained_model_config(ctx)
+    checkpoint = checkpoint_dir(train_dir / "checkpoints", from_step)
+    # the model as that step trained it: a long-context phase's rotary positions only from its first step on
+    model_cfg = ModelConfig.model_validate(checkpoint_model(read_train_state(checkpoint)))
     vocab_size = ctx.read_json("tokenize", SHARDS_FILE)["vocab_size"]
     model = Transformer(model_cfg, vocab_size)
-    load_model_weights(checkpoint_dir(train_dir / "checkpoints", from_step), model)
+    load_model_weights(checkpoint, model)
     model_dir = ctx.out_dir / START_MODEL_DIR
     save_model(model, model_cfg, vocab_size, model_dir)
     return StartModel(model_dir, from_step, False)
+
+
+def start_model_config(start: StartModel) -> ModelConfig:
+    """The config saved with the start model (the final model's, or its checkpoint step's)."""
+    from kiln.tasks.train.model import read_model_config  # defers torch
+
+    return read_model_config(start.model_dir)[0]
 
 
 def anneal_into(ctx: StageContext, cfg: AnnealConfig, start: StartModel, where: str) -> dict[str, Any]:
@@ -63,7 +70,7 @@ def anneal_into(ctx: StageContext, cfg: AnnealConfig, start: StartModel, where: 
     optim, run_cfg = anneal_settings(cfg, ctx.cfg.train.optim, train_run, planned_lr(ctx))
     mixture, selections = anneal_mixture(ctx.read_json("tokenize", SHARDS_FILE), ctx.inputs["tokenize"], cfg.mixture,
                                          f"{where}.mixture", ctx.out_dir)
-    result = run_training(ctx, trained_model_config(ctx), optim, run_cfg, mixture, init_model_dir=start.model_dir)
+    result = run_training(ctx, start_model_config(start), optim, run_cfg, mixture, init_model_dir=start.model_dir)
     before = ctx.read_json("train", "metrics.json")["val_loss"] if start.is_final else None
     return train_stats(result, device=run_cfg.device, world_size=result.world_size, start_lr=optim.lr,
                        schedule=cfg.schedule, from_step=start.step, val_loss_before=before,

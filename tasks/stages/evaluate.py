@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from kiln.tasks.constants import TOKENIZER_FILE
+from kiln.tasks.constants import SHARDS_FILE, TOKENIZER_FILE
 from kiln.tasks.continuous_state import anneal_offset
 from kiln.tasks.data.decontaminate import read_contamination
 from kiln.tasks.evals.evaluate import RESULTS_FILE, EvaluateConfig, evaluate_model
@@ -23,9 +23,10 @@ from kiln.tasks.evals.continuous import current_rows, eval_target, evaluate_chec
 from kiln.tasks.evals.ecg import curves
 from kiln.tasks.evals.suite import PRIMARY_METRICS, primary_metric
 from kiln.tasks.evals.trust import Verdict, task_verdicts
-from kiln.tasks.stage import Stage, StageContext
+from kiln.tasks.stage import STATS_FILE, Stage, StageContext
 from kiln.tasks.stages._common import eval_file_paths, suite_eval_files
 from kiln.tasks.stages.anneal_ablation import ablation_results
+from kiln.tasks.train.checkpoint import BEFORE_PHASE_DIR
 
 BASELINE = "train"  # the report's changes are each model's score minus the trained model's
 TRUST_FILE = "trust.json"  # each task's trust measures and verdict
@@ -57,7 +58,23 @@ def run(ctx: StageContext) -> dict:
                     "primary_metric": primary_metric([r["metric"] for r in rows if r["task"] == task]),
                     "trusted": verdicts[task].trusted if task in verdicts else None}
              for task, version in versions.items()}
-    return {"metrics": metrics, "tasks": tasks}
+    extension = long_context_extension(ctx, tokenizer)
+    return {"metrics": metrics, "tasks": tasks, **({"long_context_extension": extension} if extension else {})}
+
+
+def long_context_extension(ctx: StageContext, tokenizer: Path) -> dict:
+    """Loss by position past the old context and passkeys at several lengths, of the model before each of the
+    train run's context-extension phases (the model it saved at the phase's start) and of the trained model
+    (`tasks.evals.long_context`); nothing when its data schedule extended no context."""
+    train = ctx.inputs["train"]
+    phases = ctx.read_json("train", STATS_FILE).get("phases", [])
+    if not (train / BEFORE_PHASE_DIR).is_dir() or not phases:
+        return {}
+    from kiln.tasks.evals.long_context import extension_reports, tokenizer_view  # defers torch
+
+    view = tokenizer_view(tokenizer, max(p["seq_len"] for p in phases))
+    return extension_reports(train, phases, train / BEFORE_PHASE_DIR, view, ctx.read_json("tokenize", SHARDS_FILE),
+                             ctx.inputs["tokenize"])
 
 
 def trust_verdicts(ctx: StageContext, tokenizer: Path, metrics: dict[str, dict], baseline: dict) -> dict[str, Verdict]:
@@ -101,6 +118,10 @@ def headline(stats: dict) -> dict:
         for model, metrics in stats["metrics"].items():
             if metric and f"{task}/{metric}" in metrics:
                 out[f"{model}/{task}/{metric}"] = round(metrics[f"{task}/{metric}"], 4)
+    for phase, report in stats.get("long_context_extension", {}).items():
+        past = list(report["before"]["loss_by_position"])[1:]  # the buckets past the old context
+        before, after = (sum(report[side]["loss_by_position"][k] for k in past) / len(past) for side in ("before", "after"))
+        out[f"extension/{phase}/loss_past_{report['old_seq_len']}"] = f"{before:.4f} -> {after:.4f}"
     return out
 
 

@@ -61,7 +61,9 @@ def run(ctx: StageContext) -> dict:
     if cluster.launcher == "local":
         where = PoolTrials(cfg.max_parallel, cluster.max_restarts)
     else:
-        where = JobTrials(cluster.launcher, cluster, cfg.max_parallel, ctx.out_dir / JOBS_DIR)
+        where = JobTrials(cluster.launcher, cluster, cfg.max_parallel, ctx.out_dir / JOBS_DIR,
+                          committed_dir=ctx.committed_dir / JOBS_DIR, on_submit=ctx.recorder.job_submitted,
+                          earlier_jobs=ctx.recorder.earlier_jobs)
     runs = run_study(study, shards, ctx.inputs["tokenize"], ctx.subruns(ctx.store.root), ctx.inputs["tokenize"].name,
                      where=where)
     (ctx.out_dir / RUNS_FILE).write_text(json.dumps(

@@ -22,9 +22,11 @@ def run(ctx: StageContext) -> dict:
     if cluster.launcher == "local":
         where = PoolTrials(cfg.max_parallel, cluster.max_restarts)
     else:
-        where = JobTrials(cluster.launcher, cluster, cfg.max_parallel, ctx.out_dir / JOBS_DIR)
+        where = JobTrials(cluster.launcher, cluster, cfg.max_parallel, ctx.out_dir / JOBS_DIR,
+                          committed_dir=ctx.committed_dir / JOBS_DIR, on_submit=ctx.recorder.job_submitted,
+                          earlier_jobs=ctx.recorder.earlier_jobs)
     results = run_sweep(cfg, ctx.read_json("tokenize", SHARDS_FILE), ctx.inputs["tokenize"], ctx.subruns(),
-                        where=where, mixture_folds=ctx.cfg.fit.mixture_folds)
+                        where=where, mixture_folds=ctx.cfg.fit.mixture_folds, committed_as=ctx.committed_dir)
     finished = succeeded(results)
     best = min(finished, key=lambda r: r.val_loss)
     return {"num_trials": len(results), "num_ok": len(finished), "launcher": cluster.launcher,

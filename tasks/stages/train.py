@@ -34,9 +34,16 @@ from kiln.tasks.stages._training import (
     train_stats,
 )
 from kiln.tasks.train.checkpoint import checkpoint_dir
-from kiln.tasks.train.config import DataPhase, ModelConfig, OptimConfig, ParallelDims, TrainRunConfig, check_phases
+from kiln.tasks.train.config import (
+    DataPhase,
+    ModelConfig,
+    OptimConfig,
+    ParallelDims,
+    TrainRunConfig,
+    check_phases,
+    check_phases_fit,
+)
 
-TRAINED_MODEL_CONFIG = "model/model_config.json"  # the shape train trained, for the stages after it
 PLANNED_RUN_FIELDS = {"steps", "batch_size", "seq_len"}  # under `model: plan`, the plan's unless train.run sets them
 
 
@@ -84,6 +91,8 @@ class TrainConfig(Section):
     @model_validator(mode="after")
     def _phases_cover_the_run(self) -> TrainConfig:
         check_phases(self.phases)
+        if self.model != "plan":
+            check_phases_fit(self.phases, self.model)
         return self
 
     def names_used(self) -> list[Reference]:
@@ -145,16 +154,15 @@ def planned_run(ctx: StageContext) -> tuple[ModelConfig, TrainRunConfig, dict[st
     production = plan["runs"].get("production")
     run = cfg.run
     if cfg.model != "plan":
-        departures = {} if production is None else _departures(production, cfg.model, run)
-        return cfg.model, run, departures
+        model = with_longest_phase(cfg.model, run, cfg.phases)
+        departures = {} if production is None else _departures(production, model, run)
+        return model, run, departures
     if production is None:
         raise ConfigError("train.model: plan, but the fit could not plan a production run: "
                           f"{plan['refused'].get('production', 'no production run in the plan')}")
     if "seq_len" not in run.model_fields_set:  # the context the law was fitted at
         run = run.model_copy(update={"seq_len": production["seq_len"]})
-    model = ModelConfig(**production["model"])
-    longest = max([run.seq_len] + [p.seq_len or 0 for p in cfg.phases])  # a data phase may train longer sequences
-    model = model.model_copy(update={"max_seq_len": max(model.max_seq_len, longest)})
+    model = with_longest_phase(ModelConfig(**production["model"]), run, cfg.phases)
     # the plan's batch is in sequences of its own context: keep its tokens per step and in total
     batch = max(1, round(production["batch_size"] * production["seq_len"] / run.seq_len))
     updates = {}
@@ -164,6 +172,23 @@ def planned_run(ctx: StageContext) -> tuple[ModelConfig, TrainRunConfig, dict[st
         updates["steps"] = max(1, round(production["tokens"] / (updates.get("batch_size", run.batch_size) * run.seq_len)))
     run = run.model_copy(update=updates)
     return model, run, _departures(production, model, run)
+
+
+def with_longest_phase(model: ModelConfig, run: TrainRunConfig, phases: list[DataPhase]) -> ModelConfig:
+    """`model` built to hold the longest sequences the run trains: a data phase may train longer ones than
+    `model.max_seq_len` (a long-context extension, x4 say), which raises it. A ConfigError when a phase
+    changes rotary positions of a model without them, or would stretch learned positions."""
+    try:
+        check_phases_fit(phases, model)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+    longest = max([run.seq_len] + [p.seq_len or 0 for p in phases])
+    if longest <= model.max_seq_len:
+        return model
+    if model.position == "learned":
+        raise ConfigError(f"train.phases train {longest}-token sequences, but model.max_seq_len={model.max_seq_len} "
+                          "and model.position='learned' has no embedding past it: raise model.max_seq_len")
+    return model.model_copy(update={"max_seq_len": longest})
 
 
 def _departures(production: dict[str, Any], model: ModelConfig, run: TrainRunConfig) -> dict[str, Any]:
@@ -302,11 +327,6 @@ def headline(stats: dict[str, Any]) -> dict[str, Any]:
         out["landed"] = stats["landed"]
     out["vs_validate"] = (f"{'<=' if stats['at_most_validate'] else '>'} {stats['validate_val_loss']:.4f}")
     return out
-
-
-def trained_model_config(ctx: StageContext) -> ModelConfig:
-    """The shape the train stage trained (its config's, or the plan's under `train.model: plan`)."""
-    return ModelConfig(**ctx.read_json("train", TRAINED_MODEL_CONFIG)["model"])
 
 
 # version 2: DCP checkpoints (version 1's torch.save checkpoints in a partial folder are not resumable)

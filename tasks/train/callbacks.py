@@ -20,6 +20,7 @@ import torch
 
 from kiln.tasks.errors import ConfigError
 from kiln.tasks.progress import Progress
+from kiln.tasks.train.checkpoint import BEFORE_PHASE_DIR
 from kiln.tasks.train.model import flops_per_token
 from kiln.tasks.train.trainer import StepOutput, TrainCallback, Trainer, TrainResult
 
@@ -146,6 +147,30 @@ class Checkpointer(TrainCallback):
     def post_step(self, trainer: Trainer, out: StepOutput) -> None:
         if out.step % trainer.run_cfg.checkpoint_every == 0:
             trainer.save_checkpoint()
+
+
+def extension_boundaries(trainer: Trainer) -> dict[int, str]:
+    """{the last step before a phase whose rotary settings differ from the previous phase's: that phase}."""
+    phases = trainer.mixture.phases
+    return {p.first_step - 1: p.name for prev, p in zip(phases, phases[1:]) if p.rope != prev.rope}
+
+
+class ExtensionSnapshot(TrainCallback):
+    """The whole model, saved to `before_phase/<phase>/` at the last step before a context-extension phase
+    (one that changes the rotary base or scaling): the pre-extension model the long-context evaluation
+    sets beside the final one. Runs before the checkpoint of that step, so a run resumed from it has it; a
+    run that starts at that step (a branch from another run's checkpoint: an extension as an adjustment)
+    saves what it starts from."""
+
+    def on_start(self, trainer: Trainer) -> None:
+        phase = extension_boundaries(trainer).get(trainer.step)
+        if phase is not None and not (trainer.out_dir / BEFORE_PHASE_DIR / phase).is_dir():
+            trainer.save_full_model(trainer.out_dir / BEFORE_PHASE_DIR / phase, trainer.step)
+
+    def post_step(self, trainer: Trainer, out: StepOutput) -> None:
+        phase = extension_boundaries(trainer).get(out.step)
+        if phase is not None:
+            trainer.save_full_model(trainer.out_dir / BEFORE_PHASE_DIR / phase, out.step)
 
 
 class TrainerHandle(TrainCallback):

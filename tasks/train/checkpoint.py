@@ -19,6 +19,9 @@ from pathlib import Path
 MARKER = "COMPLETE"
 PREFIX = "step_"
 TMP_PREFIX = ".tmp_"
+# beside the checkpoints: the whole model as it stood before each data phase that changed its rotary
+# positions (a context extension), `before_phase/<phase>/`, for the long-context evaluation
+BEFORE_PHASE_DIR = "before_phase"
 
 
 def sha256_file(path: Path) -> str:

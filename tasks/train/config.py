@@ -288,6 +288,15 @@ class TrainRunConfig(Section):
             )
 
 
+class LongDocuments(Section):
+    """A length-aware selection (a long-context phase's data): every train document of at least
+    `min_tokens` tokens (its end-of-document token included) is read `upweight` times in the phase's
+    stream, so its windows are drawn `upweight` times as often as a shorter document's tokens."""
+
+    min_tokens: int = Field(gt=0, description="a document this long or longer counts as long")
+    upweight: int = Field(4, ge=2, description="how many times each long document is in the phase's stream")
+
+
 class DataPhase(Section):
     """One phase of the train stage's data schedule (`train.phases`, see `tasks.train.data_schedule`).
 
@@ -296,6 +305,12 @@ class DataPhase(Section):
     from `mixture` (domain -> weight, normalised; None: the mix stage's weights), in `order`:
     `random` windows, or `quality` (a curriculum: each domain's documents in ascending quality score,
     unscored first, walked through once over the phase), at `seq_len` tokens (None: run.seq_len).
+
+    A long-context extension is a phase with a longer `seq_len` and new rotary positions:
+    `rope_theta` (a new base) and/or `rope_scaling` (linear, NTK-aware or YaRN, the model's own
+    options), applied to the model when the phase starts and kept by every later phase that sets
+    none (the model is built with `max_seq_len` of the longest phase). `long_documents` upweights
+    long documents in the phase's data.
     """
 
     name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$", description="names the phase in metrics, stats and files")
@@ -305,6 +320,15 @@ class DataPhase(Section):
     mixture: dict[str, float] | None = Field(None, description="domain -> weight; None: the mix stage's mixture")
     order: Literal["random", "quality"] = "random"
     seq_len: int | None = Field(None, gt=0, description="the phase's sequence length; None: run.seq_len")
+    rope_theta: float | None = added_field(None, gt=0, description="the rotary base from this phase on; None: "
+                                                                   "the previous phase's (at first model.rope_theta)")
+    rope_scaling: RopeScaling | None = added_field(None, description="rotary scaling from this phase on; None: the "
+                                                                     "previous phase's (at first model.rope_scaling)")
+    long_documents: LongDocuments | None = added_field(None, description="upweight long documents in this phase")
+
+    @property
+    def changes_rope(self) -> bool:
+        return self.rope_theta is not None or self.rope_scaling is not None
 
     @model_validator(mode="after")
     def _one_bound(self) -> DataPhase:
@@ -312,6 +336,9 @@ class DataPhase(Section):
             raise ValueError(f"phase {self.name!r} sets until_step and until_tokens: keep one")
         if self.mixture is not None and (any(w < 0 for w in self.mixture.values()) or sum(self.mixture.values()) <= 0):
             raise ValueError(f"phase {self.name!r}: mixture weights must be >= 0 and sum to more than 0")
+        if self.long_documents is not None and self.order == "quality":
+            raise ValueError(f"phase {self.name!r}: order quality walks each document once, so long_documents "
+                             "cannot upweight any: keep one of them")
         return self
 
     def names_used(self) -> list[Reference]:
@@ -338,6 +365,26 @@ def check_phases(phases: list[DataPhase]) -> None:
         bounds = [getattr(p, kind) for p in phases if getattr(p, kind) is not None]
         if bounds != sorted(set(bounds)):
             raise ValueError(f"train.phases: {kind} must grow from phase to phase, got {bounds}")
+
+
+def check_phases_fit(phases: list[DataPhase], model: ModelConfig, where: str = "train.phases") -> None:
+    """ValueError when a phase changes rotary positions of a model without them (`model.position` not rope)."""
+    for i, phase in enumerate(phases):
+        if phase.changes_rope and model.position != "rope":
+            raise ValueError(f"{where}[{i}] ({phase.name!r}) sets rope_theta / rope_scaling, but model.position="
+                             f"{model.position!r} has no rotary positions: use position: rope, or drop them")
+
+
+def phase_model(model: ModelConfig, phases: list[DataPhase], max_seq_len: int | None = None) -> ModelConfig:
+    """`model` as it trains after `phases` (the phases started so far, in order): the rotary base and scaling
+    of the last phase that set them; `max_seq_len` if given."""
+    update: dict = {} if max_seq_len is None else {"max_seq_len": max_seq_len}
+    for phase in phases:
+        if phase.rope_theta is not None:
+            update["rope_theta"] = phase.rope_theta
+        if phase.rope_scaling is not None:
+            update["rope_scaling"] = phase.rope_scaling
+    return revalidated(model.model_copy(update=update)) if update else model
 
 
 class ParallelDims(Section):

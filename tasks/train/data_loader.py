@@ -54,6 +54,12 @@ class Phase:
     last_step: int
     seq_len: int
     domains: dict[str, DomainSource]
+    # the rotary settings in force from this phase on, when a phase (this one or an earlier one) changed
+    # them: {"rope_theta": ..., "rope_scaling": RopeScaling's fields or None}; None: the model's own
+    rope: dict | None = None
+    # a length-aware selection: {"min_tokens", "upweight", "by_domain": {domain: {"long_documents",
+    # "long_tokens", "other_tokens"}}} (see `tasks.train.data_schedule.length_weighted`)
+    long_documents: dict | None = None
 
     @property
     def num_steps(self) -> int:
@@ -61,9 +67,10 @@ class Phase:
 
     def summary(self) -> dict:
         """What a manifest, the stage stats and `mixture_history` record of the phase."""
-        return {"name": self.name, "first_step": self.first_step, "last_step": self.last_step,
-                "seq_len": self.seq_len, "weights": {n: d.weight for n, d in self.domains.items() if d.weight > 0},
-                "ordered": sorted(n for n, d in self.domains.items() if d.ordered and d.weight > 0)}
+        summary = {"name": self.name, "first_step": self.first_step, "last_step": self.last_step,
+                   "seq_len": self.seq_len, "weights": {n: d.weight for n, d in self.domains.items() if d.weight > 0},
+                   "ordered": sorted(n for n, d in self.domains.items() if d.ordered and d.weight > 0)}
+        return summary | {k: v for k, v in (("rope", self.rope), ("long_documents", self.long_documents)) if v}
 
 
 @dataclass(frozen=True)
@@ -152,7 +159,8 @@ class Mixture:
                 name=str(need(p, "name", where)), first_step=int(need(p, "first_step", where)),
                 last_step=int(need(p, "last_step", where)), seq_len=int(need(p, "seq_len", where)),
                 domains=checked({name: source(d, f"{where}domains.{name}.", ("train",))
-                                 for name, d in need(p, "domains", where).items()}, f"{where}domain ")))
+                                 for name, d in need(p, "domains", where).items()}, f"{where}domain "),
+                rope=p.get("rope"), long_documents=p.get("long_documents")))
         return cls(
             domains=domains,
             dtype=dtype,
@@ -175,7 +183,10 @@ def write_manifest(mixture: Mixture, path: Path, root: Path) -> Path:
                 "eos_id": mixture.eos_id, "domains": sources(mixture.domains)}
     if mixture.phases:
         manifest["phases"] = [{"name": p.name, "first_step": p.first_step, "last_step": p.last_step,
-                               "seq_len": p.seq_len, "domains": sources(p.domains)} for p in mixture.phases]
+                               "seq_len": p.seq_len, "domains": sources(p.domains),
+                               **({"rope": p.rope} if p.rope else {}),
+                               **({"long_documents": p.long_documents} if p.long_documents else {})}
+                              for p in mixture.phases]
     path.write_text(json.dumps(manifest, indent=2) + "\n")
     return path
 

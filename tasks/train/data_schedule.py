@@ -6,6 +6,12 @@ mixture over the mix stage's domains (their train shards), and, for `order: qual
 curriculum shard per domain written under the run's folder: the domain's train documents sorted by
 the clean stage's quality score, ascending (unscored ones first, as the least known), which the
 loader walks through once over the phase (`tasks.train.data_loader`).
+
+A long-context phase (`DataPhase.rope_theta` / `rope_scaling`, `long_documents`) carries its rotary
+settings on its `Phase` (`Phase.rope`: what every phase from the first that set them trains with; the
+trainer gives them to the model when the phase starts) and, with `long_documents`, draws from a
+length-weighted shard per domain under the run's folder (`length_weighted`: each long document
+`upweight` times), so windows of long documents are drawn that many times as often.
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ import numpy as np
 
 from kiln.tasks.constants import DOC_INDEX_SUFFIX
 from kiln.tasks.errors import ConfigError, InputError
-from kiln.tasks.train.config import DataPhase, TrainRunConfig, check_phases
+from kiln.tasks.train.config import DataPhase, LongDocuments, TrainRunConfig, check_phases
 from kiln.tasks.train.data_loader import DomainSource, Mixture, Phase
 
 SCHEDULE_DIR = "data_schedule"  # the curriculum shards, under the run's folder
@@ -76,6 +82,39 @@ def quality_ordered(train: tuple[Path, ...], dtype: str, out: Path, where: str) 
     return out
 
 
+def _documents(train: tuple[Path, ...], dtype: str, where: str, why: str) -> list[tuple[np.ndarray, int, int]]:
+    """(shard tokens, start, end) of every document of the train shards `train`, in corpus order."""
+    missing = [str(p.with_suffix(DOC_INDEX_SUFFIX)) for p in train if not p.with_suffix(DOC_INDEX_SUFFIX).is_file()]
+    if missing:
+        raise InputError(f"{where}: {why} reads each shard's document index, and {missing} do not exist "
+                         "(the tokenize stage writes them): re-run tokenize")
+    token_dtype = np.dtype(dtype).newbyteorder("<")
+    docs = []
+    for path in train:
+        tokens = np.memmap(path, dtype=token_dtype, mode="r") if path.stat().st_size else np.zeros(0, token_dtype)
+        ends = np.load(path.with_suffix(DOC_INDEX_SUFFIX))["end"]
+        starts = np.concatenate([[0], ends[:-1]])
+        docs += [(tokens, int(s), int(e)) for s, e in zip(starts, ends)]
+    return docs
+
+
+def length_weighted(train: tuple[Path, ...], dtype: str, long: LongDocuments, out: Path, where: str) -> tuple[Path, dict]:
+    """Write the train shards' documents to `out` once in corpus order, then each document of at least
+    `long.min_tokens` tokens `long.upweight - 1` more times, a pass per repeat (so copies of one document are
+    a whole pass apart, never adjacent: a window spanning a document and its copy would teach copying).
+    Returns `out` and its counts: long documents, their tokens and the other documents' tokens (each once)."""
+    docs = _documents(train, dtype, where, "long_documents")
+    long_docs = [d for d in docs if d[2] - d[1] >= long.min_tokens]
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out, "wb") as handle:
+        handle.writelines(t[s:e].tobytes() for t, s, e in docs)
+        for _ in range(long.upweight - 1):
+            handle.writelines(t[s:e].tobytes() for t, s, e in long_docs)
+    long_tokens = sum(e - s for _, s, e in long_docs)
+    return out, {"long_documents": len(long_docs), "long_tokens": long_tokens,
+                 "other_tokens": sum(e - s for _, s, e in docs) - long_tokens}
+
+
 def scheduled_mixture(base: Mixture, phases: list[DataPhase], run: TrainRunConfig, out_dir: Path,
                       where: str = "train.phases") -> Mixture:
     """`base` (the mix stage's mixture: its domains, their shards and validation) with the phases of
@@ -86,8 +125,13 @@ def scheduled_mixture(base: Mixture, phases: list[DataPhase], run: TrainRunConfi
         check_phases(phases)
     except ValueError as error:
         raise ConfigError(str(error)) from None
-    built = []
+    built, rope = [], {}
     for i, (phase, (first, last, seq_len)) in enumerate(zip(phases, phase_bounds(phases, run, where))):
+        if phase.rope_theta is not None:
+            rope["rope_theta"] = phase.rope_theta
+        if phase.rope_scaling is not None:
+            rope["rope_scaling"] = phase.rope_scaling.model_dump(mode="json")
+        long, by_domain = phase.long_documents, {}
         weights = phase.mixture or {name: d.weight for name, d in base.domains.items()}
         unknown = sorted(set(weights) - set(base.domains))
         if unknown:
@@ -100,7 +144,14 @@ def scheduled_mixture(base: Mixture, phases: list[DataPhase], run: TrainRunConfi
             if ordered:
                 train = (quality_ordered(train, base.dtype, out_dir / SCHEDULE_DIR / phase.name / f"{name}.bin",
                                          f"{where}[{i}] ({phase.name!r}), domain {name!r}"),)
+            elif long is not None and weight > 0:
+                train, by_domain[name] = length_weighted(
+                    train, base.dtype, long, out_dir / SCHEDULE_DIR / phase.name / f"{name}.bin",
+                    f"{where}[{i}] ({phase.name!r}), domain {name!r}")
+                train = (train,)
             domains[name] = DomainSource(weight=weight / total, train=train, val=(), ordered=ordered)
-        built.append(Phase(name=phase.name, first_step=first, last_step=last, seq_len=seq_len, domains=domains))
+        built.append(Phase(name=phase.name, first_step=first, last_step=last, seq_len=seq_len, domains=domains,
+                           rope=dict(rope) or None,
+                           long_documents=None if long is None else long.model_dump() | {"by_domain": by_domain}))
     return Mixture(domains=base.domains, dtype=base.dtype, vocab_size=base.vocab_size, eos_id=base.eos_id,
                    phases=tuple(built))

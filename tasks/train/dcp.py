@@ -141,6 +141,13 @@ def read_train_state(path: Path) -> dict[str, Any]:
     return json.loads((path / TRAIN_STATE_FILE).read_text())
 
 
+def checkpoint_model(state: dict[str, Any]) -> dict[str, Any]:
+    """The model config (as a dict) a checkpoint's weights go with: the one its step trained with (a data
+    phase may have changed the rotary positions), else, for checkpoints written before that was kept, the
+    run's own (its identity's)."""
+    return state.get("model") or state["identity"]["model"]
+
+
 def load_dcp(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """Load the checkpoint at `path` into model, optimizer and the torch RNG, resharding to whatever
     layout they have (collective); returns its train_state."""

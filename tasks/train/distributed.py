@@ -34,7 +34,7 @@ from torch.distributed.tensor import DTensor
 from kiln.tasks.train.config import ModelConfig, OptimConfig, ParallelDims, TrainRunConfig
 from kiln.tasks.train.data_loader import Mixture, draw_batch
 from kiln.tasks.train.loss import objective
-from kiln.tasks.train.model import Transformer, WeightSource, fill_weights, materialize, model_from_state
+from kiln.tasks.train.model import Transformer, WeightSource, fill_weights, materialize, model_from_state, reset_rope
 from kiln.tasks.train.parallel import (
     TransformerStage,
     apply_activation_checkpointing,
@@ -235,6 +235,12 @@ class Layout:
     def reinitialize(self, model: nn.Module, model_cfg: ModelConfig, source: WeightSource) -> None:
         """Refill the (already built) model's shards from `source`: a rollback to step 0."""
         init_weights(self._stages or [model], model_cfg, source)
+
+    def set_rope(self, model: nn.Module, model_cfg: ModelConfig) -> None:
+        """Recompute this rank's RoPE tables for `model_cfg` (a data phase that changes the rotary base
+        or scaling, see `Trainer.use_rope`); every part of the model this rank holds."""
+        for part in self._stages or [model]:
+            reset_rope(part, model_cfg)
 
     def batch(self, mixture: Mixture, seed: int, index: int, rows: int, seq_len: int, slot: tuple[int, int] = (0, 1)
               ) -> tuple[torch.Tensor, torch.Tensor, int, dict[str, int]]:

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from kiln.tasks.errors import InputError
-from kiln.tasks.train.callbacks import Checkpointer, MetricsLogger, ProgressBar
+from kiln.tasks.train.callbacks import Checkpointer, ExtensionSnapshot, MetricsLogger, ProgressBar
 from kiln.tasks.train.config import ModelConfig, OptimConfig, ParallelDims, TrainRunConfig, revalidated
 from kiln.tasks.train.data_loader import Mixture, validation_batches
 from kiln.tasks.train.plots import LOSS_PLOT, plot_loss_curve
@@ -100,7 +100,8 @@ def train_model(
             f"no domain has a validation shard of at least seq_len + 1 = {run_cfg.seq_len + 1} "
             "tokens, so there is no validation loss: give the tokenize stage a larger val split"
         )
-    hooks = Hooks([HealthMonitor(on_event), ProgressBar(), *callbacks, MetricsLogger(on_metrics), Checkpointer()])
+    hooks = Hooks([HealthMonitor(on_event), ProgressBar(), *callbacks, MetricsLogger(on_metrics), ExtensionSnapshot(),
+                   Checkpointer()])
 
     with _torch_settings(run_cfg, torch.device(run_cfg.device)):
         trainer = Trainer.start(model_cfg, optim_cfg, run_cfg, mixture, out_dir, dims, init_model_dir, hooks,

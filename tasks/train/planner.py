@@ -528,6 +528,102 @@ def _why(search: PlanSearch) -> str:
     return "; ".join(notes)
 
 
+@dataclass(frozen=True)
+class PhasePlan:
+    """A data phase at another sequence length than the run's (a long-context extension), priced: the run's
+    chosen layout at the phase's length (`as_planned`, None when it cannot split the sequence), and when
+    that does not fit, the planner's best layout at that length (`suggested`) and its best with cp = 1
+    (`unsplit`: None means no rank can hold a sequence whole)."""
+
+    name: str
+    seq_len: int
+    global_batch_seqs: int
+    as_planned: Plan | None
+    suggested: Plan | None
+    unsplit: Plan | None
+
+    @property
+    def single_rank_fits(self) -> bool:
+        return self.fits or self.unsplit is not None
+
+    @property
+    def fits(self) -> bool:
+        return self.as_planned is not None and self.as_planned.fits
+
+    def message(self, layout: CandidateLayout) -> str:
+        """What `kiln plan` says of the phase: it fits, or what to run it with (context parallelism when a
+        rank cannot hold its sequences)."""
+        head = (f"phase {self.name!r}: {self.global_batch_seqs} sequences of {self.seq_len:,} tokens "
+                f"({self.global_batch_seqs * self.seq_len:,} tokens per step)")
+        planned = self.as_planned
+        if planned is not None and planned.fits:
+            return f"{head}: the chosen layout holds it, {_gib(planned.memory.total)} GiB per device, " \
+                   f"{planned.time.total:.2f} s per step"
+        why = (f"the chosen layout {planned.rejected}" if planned is not None else
+               f"the chosen layout's cp={layout.cp} does not divide {self.seq_len}")
+        best = self.suggested
+        if best is None:
+            return (f"{head}: {why}, and no layout of this cluster holds it: add nodes, shorten the phase's "
+                    "seq_len or use a smaller model")
+        dims = best.layout_dims().model_dump(exclude_defaults=True)
+        run_as = (f"resume the phase under train.parallel={dims} with train.run.grad_accum="
+                  f"{best.num_microbatches} and activation_checkpointing={best.layout.checkpointing} (the layout "
+                  "is runtime: a run resumes from its checkpoints under another)")
+        found = f"{best.layout.describe()}, {_gib(best.memory.total)} GiB per device, {best.time.total:.2f} s per step"
+        if self.unsplit is None:
+            return (f"{head}: {why}. A rank cannot hold one {self.seq_len:,}-token sequence (no layout with cp=1 "
+                    f"fits): use context parallelism, cp={best.layout.cp}: {found}; {run_as}")
+        if best.layout.cp > 1:
+            u = self.unsplit
+            return (f"{head}: {why}. Context parallelism is the fastest that fits: cp={best.layout.cp}: {found} "
+                    f"(unsplit, at best {u.layout.describe()}, {u.time.total:.2f} s per step); {run_as}")
+        return f"{head}: {why}. Best at this length: {found}; {run_as}"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "seq_len": self.seq_len, "fits": self.fits,
+                "single_rank_fits": self.single_rank_fits,
+                **{k: None if p is None else p.to_dict() for k, p in (("as_planned", self.as_planned),
+                                                                       ("suggested", self.suggested),
+                                                                       ("unsplit", self.unsplit))}}
+
+
+def plan_phases(search: PlanSearch, phases: list[tuple[str, int]]) -> list[PhasePlan]:
+    """Each data phase (name, seq_len) whose length differs from the run's `search.seq_len`, priced with the
+    run's chosen layout (the same global batch in sequences, as the phase trains it) and, when that does not
+    fit, searched again at its length. The model must hold the longest phase (`model.max_seq_len`)."""
+    best = search.require_best()
+    lo, out = best.layout, []
+    usable, reserved = int(search.cluster.memory_gb * GIB), int(search.cluster.reserved_gb * GIB)
+    for name, seq_len in phases:
+        if seq_len == search.seq_len:
+            continue
+        planned = None
+        if seq_len % lo.cp == 0:
+            mem = estimate_memory(search.model, search.vocab_size, seq_len, lo, best.num_microbatches, reserved,
+                                  search.precision)
+            reason = (f"needs {mem.total / GIB:.1f} GiB per device > {search.cluster.memory_gb:g} GiB "
+                      f"({_largest_part(mem)})") if mem.total > usable else None
+            time = estimate_step_time(search.model, search.vocab_size, seq_len, search.global_batch_seqs, lo,
+                                      search.cluster, search.precision)
+            planned = Plan(lo, best.num_microbatches, mem, time, search.global_batch_seqs * seq_len, usable, reason)
+        suggested = unsplit = None
+        if planned is None or not planned.fits:
+            again = plan_parallelism(search.model, search.vocab_size, seq_len, search.cluster,
+                                     global_batch_seqs=search.global_batch_seqs, precision=search.precision)
+            suggested = again.best
+            unsplit = next((p for p in again.ranked if p.layout.cp == 1), None)
+        out.append(PhasePlan(name, seq_len, search.global_batch_seqs, planned, suggested, unsplit))
+    return out
+
+
+def render_phase_plans(search: PlanSearch, plans: list[PhasePlan]) -> str:
+    """The report's section on the data phases at other lengths (nothing when there are none)."""
+    if not plans or search.best is None:
+        return ""
+    return "\nData phases at another sequence length:\n" + "".join(
+        f"  {p.message(search.best.layout)}\n" for p in plans)
+
+
 def resolve_parallel(parallel: ParallelDims | Literal["auto"], model: ModelConfig, run: TrainRunConfig,
                      vocab_size: int, cluster: ClusterSpec) -> tuple[ParallelDims, TrainRunConfig]:
     """The layout a training stage runs with, and its run settings with the layout's runtime fields.

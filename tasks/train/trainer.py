@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kiln.tasks.train.config import ModelConfig, OptimConfig, ParallelDims, TrainRunConfig
+from kiln.tasks.train.config import ModelConfig, OptimConfig, ParallelDims, RopeScaling, TrainRunConfig, revalidated
 from kiln.tasks.train.data_loader import Mixture
 from kiln.tasks.train.dcp import latest_intact_dcp, load_dcp, read_train_state, save_dcp
 from kiln.tasks.train.distributed import Layout, clip_grad_norm, make_optimizer
@@ -100,6 +100,22 @@ def mixture_summary(mixture: Mixture) -> dict:
 
 
 NO_SCHEDULE = "all"  # the one phase name of a run without a data schedule, in `tokens_by_phase`
+
+
+def with_rope(model_cfg: ModelConfig, rope: dict | None) -> ModelConfig:
+    """`model_cfg` with a data phase's rotary settings (`Phase.rope`: rope_theta, rope_scaling), if any."""
+    if not rope:
+        return model_cfg
+    update = {k: RopeScaling(**v) if k == "rope_scaling" else v for k, v in rope.items()}
+    return revalidated(model_cfg.model_copy(update=update))
+
+
+def _weights_shape(model_identity: dict) -> dict:
+    """A model identity without what its weights do not depend on: `max_seq_len`, unless positions are learned
+    (a branch may go on from a prefix run's checkpoint to extend its context)."""
+    if model_identity.get("position", "rope") == "learned":
+        return model_identity
+    return {k: v for k, v in model_identity.items() if k != "max_seq_len"}
 
 
 def _identity(model_cfg: ModelConfig, optim_cfg: OptimConfig, run_cfg: TrainRunConfig, vocab_size: int) -> dict:
@@ -219,6 +235,7 @@ class Trainer:
     # the loader's position, kept in every checkpoint: tokens drawn per phase per source over the kept steps
     source_tokens: dict[str, dict[str, int]] = field(default_factory=dict)
     phase_mixtures: dict[str, Mixture] = field(default_factory=dict)
+    rope: dict | None = None  # the data phase's rotary settings the model's tables hold now (None: the model's)
 
     @classmethod
     def start(cls, model_cfg: ModelConfig, optim_cfg: OptimConfig, run_cfg: TrainRunConfig, mixture: Mixture,
@@ -242,7 +259,8 @@ class Trainer:
         latest = latest_intact_dcp(trainer.ckpt_root)
         if latest is None and branch_from is not None:
             prefix = read_train_state(branch_from)["identity"]
-            if (prefix["model"], prefix["vocab_size"]) != (trainer.identity["model"], trainer.identity["vocab_size"]):
+            if (_weights_shape(prefix["model"]), prefix["vocab_size"]) != (
+                    _weights_shape(trainer.identity["model"]), trainer.identity["vocab_size"]):
                 raise ValueError(f"{branch_from} holds another model (or vocabulary) than this run's: a branch goes on "
                                  "from the prefix run's weights, so keep its model section and tokenizer")
             latest = branch_from
@@ -291,12 +309,27 @@ class Trainer:
             done = max(done, last)
         return tokens + (steps - done) * self.tokens_per_step
 
+    def model_cfg_at(self, step: int) -> ModelConfig:
+        """The model as 1-based `step` trains it: `model_cfg` with the rotary settings of its data phase."""
+        phase = self.mixture.phase_at(step)
+        return with_rope(self.model_cfg, phase.rope if phase is not None else None)
+
+    def use_rope(self, step: int) -> None:
+        """Give the model the rotary tables of `step`'s phase when they differ from those it holds: applied
+        when a long-context phase starts, on resume inside or after it, and after a rollback."""
+        phase = self.mixture.phase_at(step)
+        rope = phase.rope if phase is not None else None
+        if rope != self.rope:
+            self.layout.set_rope(self.model, self.model_cfg_at(step))
+            self.rope = rope
+
     def is_log_step(self, step: int) -> bool:
         return step % self.run_cfg.log_every == 0 or step == self.run_cfg.steps
 
     def next_batch(self) -> Batch:
         """The batch and learning rate of step `self.step + 1`, after any rollback's skip windows."""
         step = self.step + 1
+        self.use_rope(step)
         lr = lr_at(self.step, self.optim_cfg, self.run_cfg.steps) * lr_factor(step, self.windows)
         index = data_index(step, self.windows)
         name, data, seq_len, slot = self.data_for(step)
@@ -340,6 +373,10 @@ class Trainer:
     def save_checkpoint(self) -> None:
         train_state = {"identity": self.identity, "curves": self.curves, "mixture_history": self.mixture_history,
                        "source_tokens": self.source_tokens}
+        phase = self.mixture.phase_at(self.step)
+        if phase is not None and phase.rope:
+            # the weights go with the phase's rotary positions: what evaluating or annealing this checkpoint needs
+            train_state["model"] = self.model_cfg_at(self.step).model_dump(mode="json")
         run_cfg = self.run_cfg
         save_dcp(self.ckpt_root, self.step, self.model, self.optimizer, train_state, run_cfg.keep_checkpoints,
                  run_cfg.keep_every)
@@ -355,6 +392,7 @@ class Trainer:
             self.source_tokens = state.get("source_tokens", {})
         else:
             self.layout.reinitialize(self.model, self.model_cfg, self.initial)
+            self.rope = None  # the refill recomputed the model's own tables
             self.optimizer.load_state_dict(self.fresh_state[0])
             torch.set_rng_state(self.fresh_state[1])
             state = {}
@@ -367,11 +405,19 @@ class Trainer:
     def evaluate_and_save(self, val_batches: dict[str, list[tuple[torch.Tensor, torch.Tensor]]]) -> dict[str, float]:
         """The gathered model's validation loss per domain (on every rank); rank 0 saves it to out_dir/model."""
         val_by_domain: dict[str, float] = {}
-        full = self.layout.full_model(self.model, self.model_cfg, self.mixture.vocab_size)
+        full = self.save_full_model(self.out_dir / "model", self.step)
         if full is not None:
             val_by_domain = evaluate(full, val_batches, self.device)
-            save_model(full, self.model_cfg, self.mixture.vocab_size, self.out_dir / "model")
         return self.layout.broadcast(val_by_domain)
+
+    def save_full_model(self, model_dir: Path, step: int) -> nn.Module | None:
+        """Gather the model (collective) and save it on rank 0 with its config as `step` trained it (the
+        data phase's rotary settings); rank 0 gets the gathered model, the others None."""
+        cfg = self.model_cfg_at(step)
+        full = self.layout.full_model(self.model, cfg, self.mixture.vocab_size)
+        if full is not None:
+            save_model(full, cfg, self.mixture.vocab_size, model_dir)
+        return full
 
     def result(self, val_by_domain: dict[str, float], train_s: float, wall_s: float,
                started_unix: float) -> TrainResult:

@@ -116,6 +116,18 @@ def test_plan_picks_fsdp_for_7b_on_one_h100_node(in_repo, capsys):
     assert "Chosen: dp=8 tp=1 pp=1 cp=1" in capsys.readouterr().out
 
 
+def test_plan_of_a_config_prices_its_long_context_phase_and_suggests_context_parallelism(in_repo, capsys):
+    phases = ("train.phases=[{name: short, until_step: 30}, {name: long, seq_len: 262144, rope_scaling: "
+              "{kind: yarn, factor: 32, original_max_seq_len: 8192}}]")
+    assert main(["plan", "configs/tiny.yaml", "--model", "8b", "--cluster", "h100-1node", "train.run.seq_len=8192",
+                 "train.run.batch_size=8", phases]) == 0
+    out = capsys.readouterr().out
+    assert "Chosen: dp=8 tp=1 pp=1 cp=1" in out  # the run's 8192-token sequences fit unsplit
+    assert "Data phases at another sequence length:\n  phase 'long': 8 sequences of 262,144 tokens" in out
+    assert ("A rank cannot hold one 262,144-token sequence (no layout with cp=1 fits): use context parallelism, "
+            "cp=8") in out
+
+
 def test_plan_explains_when_nothing_fits(in_repo, capsys):
     assert main(["plan", "--model", "70b", "--cluster", "h100-1node", "--seq-len", "4096",
                  "--global-batch-seqs", "1024"]) == 1

@@ -180,3 +180,43 @@ def test_a_refused_data_submission_is_one_line_never_retried_and_says_fix_the_co
     assert main(["status", TINY, *overrides]) == 0
     out = capfd.readouterr().out
     assert "failed (fix the config, then rerun): SubmissionRefused: sbatch rejected" in out, out
+
+
+def test_a_killed_driver_s_job_that_ends_before_the_rerun_is_its_record_and_the_lock_named_it(
+        slurm_cluster, in_repo, tmp_path):
+    """The driver is killed while its job runs, and the job finishes before anyone reruns: the lock the
+    dead driver left names the job (and `kiln status` with it), and the rerun records that job, not `runs {}`,
+    and submits nothing."""
+    from kiln.tasks.keylock import KeyLock
+
+    cfg, store, keys = _collected(tmp_path)
+    journal = store.partial_path("clean", keys["clean"]) / "logs" / JOURNAL_FILE
+    driver = subprocess.Popen([sys.executable, "-c", (
+        "from kiln.tasks.config import load_config; from kiln.tasks.runner import run_stage; "
+        f"run_stage('clean', load_config({TINY!r}, {_overrides(tmp_path)!r}))")], env=os.environ.copy())
+    try:
+        deadline = time.monotonic() + 180
+        while not journal.is_file() and time.monotonic() < deadline and driver.poll() is None:
+            time.sleep(0.2)
+        assert journal.is_file(), "the driver never submitted its job"
+    finally:
+        kill_tree(driver.pid)  # SIGKILL, as when its machine dies
+        driver.wait()
+    (job,) = JobJournal(journal.parent).jobs()
+    lock = store.lock("clean", keys["clean"])
+    assert lock.owner()["pid"] == driver.pid and lock.owner()["jobs"] == [job["job_id"]]
+    deadline = time.monotonic() + 300
+    while _squeue("--jobs", job["job_id"], "--format", "%i") and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not _squeue("--jobs", job["job_id"], "--format", "%i"), "the job did not end"
+    assert not KeyLock(lock.path).held()  # its pid is gone
+
+    assert run_stage("clean", cfg, store=store, keys=keys).status == "ran"
+    committed = store.path("clean", keys["clean"]) / "logs"
+    submitted = [json.loads(line) for line in (committed / JOURNAL_FILE).read_text().splitlines()
+                 if json.loads(line)["event"] == "submitted"]
+    assert [s["job_id"] for s in submitted] == [job["job_id"]]  # nothing ran twice
+    record = store.manifest("clean", keys["clean"])["launch"]["runs"]["kiln_clean"]
+    assert record["job_ids"] == [job["job_id"]] and not record["attempts"][0]["adopted"]
+    assert [t["state"] for t in record["attempts"][0]["tasks"]] == ["COMPLETED", "COMPLETED"]
+    assert sorted(p.name for p in committed.glob("*.out")) == [f"{job['job_id']}_0.out", f"{job['job_id']}_1.out"]

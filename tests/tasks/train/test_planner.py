@@ -39,7 +39,9 @@ from kiln.tasks.train.planner import (
     load_preset,
     load_section_file,
     plan_parallelism,
+    plan_phases,
     preset_vocab_size,
+    render_phase_plans,
     render_plan_report,
     resolve_parallel,
 )
@@ -418,3 +420,32 @@ def test_no_forecast_without_accelerators_or_for_a_layout_that_cannot_hold_the_b
                    "(a configs/clusters/*.yaml preset) to get one"}
     skipped = forecast_record(model, 512, run, ParallelDims(dp=3), ClusterSpec(gpus_per_node=8))["skipped"]
     assert skipped.startswith("train.parallel={'dp': 3}: train.run.batch_size=8 (the global batch")
+
+
+def test_a_long_context_phase_is_priced_and_gets_context_parallelism_when_a_rank_cannot_hold_it() -> None:
+    model = preset("8b").model_copy(update={"max_seq_len": 262144})
+    search = plan_parallelism(model, 32000, 8192, H100, global_batch_seqs=8)
+    assert search.require_best().layout.cp == 1
+    phases = plan_phases(search, [("base", 8192), ("x4", 32768), ("x32", 262144)])
+    assert [p.name for p in phases] == ["x4", "x32"]  # a phase at the run's own length is the plan above
+    x4, x32 = phases
+    # 8 sequences of 262,144 tokens: the run's layout is far over 80 GiB, and no layout with cp = 1 fits
+    assert not x32.fits and x32.unsplit is None and not x32.single_rank_fits
+    assert x32.as_planned.memory.total > 80 * 2**30
+    assert x32.suggested.fits and x32.suggested.layout.cp > 1
+    assert 262144 % x32.suggested.layout.cp == 0
+    text = render_phase_plans(search, [x4, x32])
+    assert (f"phase 'x32': 8 sequences of 262,144 tokens (2,097,152 tokens per step): the chosen layout needs "
+            f"{x32.as_planned.memory.total / 2**30:.1f} GiB per device > 80 GiB") in text
+    assert (f"A rank cannot hold one 262,144-token sequence (no layout with cp=1 fits): use context parallelism, "
+            f"cp={x32.suggested.layout.cp}: {x32.suggested.layout.describe()}") in text
+    assert f"resume the phase under train.parallel={x32.suggested.layout_dims().model_dump(exclude_defaults=True)}" in text
+    record = json.loads(json.dumps(x32.to_dict()))
+    assert record["single_rank_fits"] is False and record["suggested"]["layout"]["cp"] == x32.suggested.layout.cp
+    # a shorter phase the chosen layout holds says so, with its price
+    small = plan_parallelism(preset("1b").model_copy(update={"max_seq_len": 8192}), 32000, 2048, H100,
+                             global_batch_seqs=64)
+    (fits,) = plan_phases(small, [("long", 8192)])
+    assert fits.fits and fits.suggested is None
+    assert "phase 'long': 64 sequences of 8,192 tokens (524,288 tokens per step): the chosen layout holds it" in \
+        render_phase_plans(small, [fits])
