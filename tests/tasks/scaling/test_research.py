@@ -182,6 +182,7 @@ def test_kv_cache_bytes_count_only_what_a_window_keeps():
 SMALL_SCALES = [ResearchScale(width=8, flops=2e7), ResearchScale(width=8, flops=4e7), ResearchScale(width=12, flops=8e7)]
 
 
+@pytest.mark.slow  # 18 tiny runs in 4 process pools: ~75 s on 2 busy cores
 def test_an_lr_sweep_tunes_each_variant_and_scale_at_seed_0_and_trains_the_other_seeds_at_the_best(shards, tmp_path):
     data, root = shards
     cfg = ResearchConfig(variants={"warm": {"optim.warmup_steps": 0}}, scales=SMALL_SCALES, seeds=2, lr_sweep=[8.0])
