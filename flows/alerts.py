@@ -24,9 +24,12 @@ setting of the process that deploys: set the same value where you deploy and whe
 
 from __future__ import annotations
 
+import shlex
 from collections.abc import Mapping
 from datetime import timedelta
 from typing import Any
+
+import yaml
 
 from kiln.tasks.evals.ecg import CLEARED_EVENT, REGRESSION_EVENT, RegressionEvent
 
@@ -109,8 +112,31 @@ def stage_event_text(event: str, payload: Mapping[str, Any], stage: str, key: st
     return _sentence(f"{where} {what}", url)
 
 
-def regression_text(event: RegressionEvent, stage: str) -> str:
-    """The alert sentence of a regression that started or cleared in the `stage` series, in a flow run."""
+def adjust_command(config: str, from_step: int, changes: list[str], work_dir: str | None = None) -> str:
+    """The `kiln adjust` command line that goes on from `from_step` under `changes` (in `work_dir`, if given),
+    quoted for a POSIX shell."""
+    where = ["--work-dir", shlex.quote(work_dir)] if work_dir else []
+    return " ".join(["kiln", "adjust", shlex.quote(config), *where, "--from-step", str(from_step),
+                     *(shlex.quote(change) for change in changes)])
+
+
+def phases_override(phases: list[dict[str, Any]]) -> str:
+    """`train.phases=[...]` as one override, in YAML's flow style (as the README writes it)."""
+    return "train.phases=" + yaml.safe_dump(phases, default_flow_style=True, sort_keys=False, width=1 << 30).strip()
+
+
+def regression_text(event: RegressionEvent, stage: str, domain: str | None = None, command: str | None = None) -> str:
+    """The alert sentence of a regression that started or cleared in the `stage` series, in a flow run;
+    given the training domain the task measures and the `kiln adjust` command that upweights it (see
+    `flows.continuous_eval.upweight`), both follow on lines of their own, so the command copies whole."""
+    sentence = _regression_sentence(event, stage)
+    if domain is None or command is None:
+        return sentence
+    return (f"{sentence}\nIts training domain is {domain}. To upweight {domain} from step {event.step} on "
+            f"(a new train run from that checkpoint; nothing before it is retrained), run:\n{command}")
+
+
+def _regression_sentence(event: RegressionEvent, stage: str) -> str:
     config, url = run_context()
     score = f"{event.task} {event.metric}"
     if event.kind == "started":

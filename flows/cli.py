@@ -455,6 +455,20 @@ def cmd_dedup_batch(ns: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_batch(ns: argparse.Namespace) -> int:
+    """Bring a newly delivered batch through collect, clean, dedup, decontaminate and tokenize (the batch stage),
+    and say how a production run takes it in."""
+    source = {"name": ns.name, "path": str(Path(ns.path).resolve()), "format": ns.format, "domain": ns.domain}
+    if ns.licence:
+        source["licence"] = ns.licence
+    sources = "batch.sources=[{" + ", ".join(f"{k}: {json.dumps(v)}" for k, v in source.items()) + "}]"
+    outcome = _run_one_stage("batch", ns, (f"batch.name={ns.name}", sources))
+    config_path, _ = _split_args(ns.args)
+    print(f"\nbatch {outcome.key}: {outcome.path}\neligible at the next adjustment point: kiln adjust "
+          f"{shlex.quote(config_path)} --from-step N train.batches=[{outcome.key}]")
+    return 0
+
+
 def cmd_research(ns: argparse.Namespace) -> int:
     """Run (or reuse) the research stage, print its decision table, and with --promote write the production
     config with that variant applied."""
@@ -530,8 +544,11 @@ def cmd_continuous_eval(ns: argparse.Namespace) -> int:
                          f"{r['best_step']} (noise {r['noise']:.4f})" for r in summary["regressions"])
         still = "".join(f"\n  open regression: {r['task']} {r['metric']} since step {r['since']}"
                         for r in summary["open_regressions"] if r not in summary["regressions"])
+        left_out = (f"\n  regressions of tasks the evaluate stage judged not trusted, left out of the alerts: "
+                    f"{', '.join(summary['not_trusted'])}" if summary.get("not_trusted") else "")
         print(f"{stage} {summary['key']}: evaluated steps {summary['evaluated'] or 'none new'}; "
-              f"{len(summary['recorded'])} steps recorded in {summary['state_file']}{skipped}{elsewhere}{events}{still}")
+              f"{len(summary['recorded'])} steps recorded in {summary['state_file']}{skipped}{elsewhere}{events}{still}"
+              f"{left_out}")
     ecg = next((s["ecg"] for s in summaries.values() if s["ecg"]), None)
     if ecg:
         print(f"ECG (each task's score against the step): {ecg}")
@@ -771,6 +788,14 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--until", metavar="STAGE", help="stop after this stage (e.g. tokenize)")
     add("stage", "Run one stage as its own Prefect flow; its inputs must already be complete.", cmd_stage,
         first=("name", "the stage name (kiln status lists them)"))
+    batch = add("batch", "Bring a new data batch through collect, clean, dedup (against the persisted index), decontaminate and "
+                "tokenize (the corpus's tokenizer); the result is a store entry of stage batch, which "
+                "`kiln adjust CONFIG --from-step N train.batches=[KEY]` makes eligible after step N.", cmd_batch,
+                first=("path", "the new documents: a file or folder, read as a collect source of --format"))
+    batch.add_argument("--name", required=True, help="the batch's name (its sources are batch/NAME/DOMAIN in the accounting)")
+    batch.add_argument("--domain", required=True, help="the domain of its documents (one the mixture has)")
+    batch.add_argument("--format", default="jsonl", help="the source format, as collect.sources take it (default jsonl)")
+    batch.add_argument("--licence", help="an SPDX licence, where the documents carry none of their own")
     adjust = add("adjust", "Change a production run from a step on without retraining what came before: the train "
                            "run of CONFIG goes on from its kept checkpoint of --from-step under CONFIG plus the "
                            "changes (key=value: the data schedule train.phases, train.run.steps, ...), as a new "

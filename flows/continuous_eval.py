@@ -39,10 +39,17 @@ from prefect.context import FlowRunContext
 from prefect.events import emit_event
 from prefect.runtime import flow_run
 
-from kiln.flows.alerts import TEXT, regression_text
+from kiln.flows.alerts import TEXT, adjust_command, phases_override, regression_text
 from kiln.flows.environment import apply_run_settings
 from kiln.tasks.config import default_config_path, load_config
-from kiln.tasks.continuous_state import WATCHED, anneal_offset, ecg_path, eval_targets, watched_complete
+from kiln.tasks.continuous_state import (
+    WATCHED,
+    anneal_offset,
+    ecg_path,
+    eval_targets,
+    evaluate_trust,
+    watched_complete,
+)
 from kiln.tasks.evals.continuous import (
     EvalTarget,
     current_rows,
@@ -55,11 +62,21 @@ from kiln.tasks.evals.continuous import (
     suite_versions,
 )
 from kiln.tasks.evals.evaluate import suite_tasks
-from kiln.tasks.evals.ecg import RegressionEvent, all_events, curves, open_regressions, plot_ecg
+from kiln.tasks.constants import BATCH_PREFIX
+from kiln.tasks.evals.ecg import (
+    RegressionEvent,
+    all_events,
+    curves,
+    open_regressions,
+    plot_ecg,
+    schedule_marks,
+    trusted_events,
+)
+from kiln.tasks.evals.suite import task_domains
 from kiln.tasks.graph import stage_keys
 from kiln.tasks.settings import KilnConfig, open_tracker
-from kiln.tasks.stages.evaluate import TRUST_FILE
 from kiln.tasks.store import Store
+from kiln.tasks.train.checkpoint import mixture_history
 
 RUN_STAGE = "continuous-eval"
 
@@ -133,17 +150,35 @@ def _publish_ecg(path: Path, events: list[tuple[str, RegressionEvent]]) -> None:
     create_markdown_artifact("\n".join(lines) + "\n", key="kiln-ecg", description="Kiln continuous eval: the ECG")
 
 
-def evaluate_trust(cfg: KilnConfig, keys: dict[str, str]) -> dict[str, bool]:
-    """Each task's trust verdict from the evaluate stage's output, once it is committed; {} before."""
-    path = Store(cfg.store_root).path("evaluate", keys["evaluate"]) / TRUST_FILE
-    if not path.is_file():
-        return {}
-    return {task: bool(verdict["trusted"]) for task, verdict in json.loads(path.read_text(encoding="utf-8")).items()}
-
-
-def _emit(config_path: str | None, stage: str, key: str, event: RegressionEvent) -> None:
+def _emit(config_path: str | None, stage: str, key: str, event: RegressionEvent, text: str,
+          upweight_by: tuple[str, str] | None) -> None:
+    action = {} if upweight_by is None else {"domain": upweight_by[0], "adjust_command": upweight_by[1]}
     emit_event(event=event.event, resource={"prefect.resource.id": f"kiln.eval.{config_name(config_path)}"},
-               payload={**event.payload(), "stage": stage, "stage_key": key, TEXT: regression_text(event, stage)})
+               payload={**event.payload(), "stage": stage, "stage_key": key, **action, TEXT: text})
+
+
+def mixture_domains(history: list) -> list[str]:
+    """The domains of a train run's mixture (its latest), from its mixture history."""
+    return [name for name in history[-1][1] if name != "phases" and not name.startswith(BATCH_PREFIX)] if history else []
+
+
+def upweight(cfg: KilnConfig, config_path: str, overrides: list[str], event: RegressionEvent, stage: str,
+             history: list, domains: dict[str, str]) -> tuple[str, str] | None:
+    """The training domain a regressed train-series task measures and the `kiln adjust` command that trains the
+    rest of the run from the regressed checkpoint with that domain's weight doubled (the mixture of the
+    phase that step was in); None for a cleared regression, the anneal series, or a task no domain of
+    the mixture matches."""
+    domain = domains.get(event.task)
+    if stage != "train" or event.kind != "started" or domain is None or not history:
+        return None
+    from kiln.tasks.train.data_schedule import upweighted_phases  # defers torch
+
+    summary = ([entry for entry in history if entry[0] < event.step] or history[:1])[-1][1]
+    weights = {name: source["weight"] for name, source in summary.items() if name != "phases"}
+    phases = upweighted_phases(cfg.train.phases, summary.get("phases", []), event.step, weights, domain)
+    work_dir = [o.partition("=")[2] for o in overrides if o.startswith("work_dir=")]
+    changes = [o for o in overrides if not o.startswith("work_dir=")]
+    return domain, adjust_command(config_path, event.step, [*changes, phases_override(phases)], *work_dir[-1:])
 
 
 @flow(name="kiln-continuous-eval", validate_parameters=True,
@@ -165,18 +200,32 @@ def continuous_eval(config_path: str | None = None,
     # Tasks the evaluate stage judged not trusted leave the regression alerts (and are drawn faint).
     trusted = evaluate_trust(cfg, keys)
     categories = {task.name: task.category for task in suite_tasks(targets[0].evaluate)}
-    events = [(stage, e) for stage in series for e in all_events(series[stage], ce.regression_sigmas, ce.min_change)
-              if trusted.get(e.task, True)]
+    events, not_trusted = [], {}
+    for stage in series:
+        kept, not_trusted[stage] = trusted_events(all_events(series[stage], ce.regression_sigmas, ce.min_change),
+                                                  trusted)
+        events += [(stage, e) for e in kept]
+    # The train run's data schedule as it ran: its phases and adjustments are marked on the ECG, and a
+    # regression of a task that measures a domain of its mixture comes with the command that upweights it.
+    train_folder = Store(cfg.store_root).live_path("train", keys["train"])
+    history = mixture_history(train_folder) if train_folder is not None else []
+    domains = task_domains(suite_tasks(targets[0].evaluate), mixture_domains(history)) if events else {}
     logger = get_run_logger()
+    for stage, tasks in not_trusted.items():
+        if tasks:
+            logger.info("%s: regressions of %s left out of the alerts: the evaluate stage judged them not trusted",
+                        stage, ", ".join(tasks))
     for stage, event in events:
         if (event.step, event.task) in summaries[stage]["scored_now"]:  # an event is emitted once, with its score
-            _emit(config_path, stage, keys[stage], event)
-            logger.warning("%s", regression_text(event, stage))
+            upweight_by = upweight(cfg, config_path, list(overrides or []), event, stage, history, domains)
+            text = regression_text(event, stage, *(upweight_by or ()))
+            _emit(config_path, stage, keys[stage], event, text, upweight_by)
+            logger.warning("%s", text)
     path = ecg_path(cfg, keys)
     drawn = None
     if any(series.values()) and (any(s["evaluated"] for s in summaries.values()) or not path.is_file()):
         drawn = plot_ecg(series, {"anneal": anneal_offset(cfg, targets[0])}, path, events, categories,
-                         trusted or None)
+                         trusted or None, schedule_marks(history))
         tracker = open_tracker(cfg)
         for summary in summaries.values():
             if summary["mlflow_run_id"]:
@@ -187,6 +236,7 @@ def continuous_eval(config_path: str | None = None,
         summary["regressions"] = [e.payload() for where, e in events
                                   if where == stage and (e.step, e.task) in scored_now]
         summary["open_regressions"] = [e.payload() for e in open_regressions(e for w, e in events if w == stage)]
+        summary["not_trusted"] = not_trusted[stage]  # tasks whose regressions were left out: not trusted
         summary["ecg"] = str(path) if path.is_file() else None
         summary["ecg_drawn"] = drawn is not None
     paused = _pause_when_done(finished, summaries)

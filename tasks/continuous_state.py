@@ -8,6 +8,7 @@ or MLflow, so the pipeline, the scheduled flow and `kiln status` agree. It reads
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -22,7 +23,8 @@ from kiln.tasks.evals.continuous import (
     recorded_steps,
     suite_versions,
 )
-from kiln.tasks.evals.ecg import ECG_FILE, RegressionEvent, all_events, curves, open_regressions
+from kiln.tasks.evals.ecg import ECG_FILE, RegressionEvent, all_events, curves, open_regressions, trusted_events
+from kiln.tasks.evals.trust import TRUST_FILE
 from kiln.tasks.settings import KilnConfig
 from kiln.tasks.store import Store
 from kiln.tasks.train.anneal import anneal_checkpointing
@@ -92,9 +94,20 @@ class SeriesStatus:
     problem: str | None = None  # why the series could not be read
 
 
+def evaluate_trust(cfg: KilnConfig, keys: dict[str, str]) -> dict[str, bool]:
+    """Each task's trust verdict from the evaluate stage's output, once it is committed; {} before (every
+    task then alerts: nothing has judged it yet)."""
+    path = Store(cfg.store_root).path("evaluate", keys["evaluate"]) / TRUST_FILE
+    if not path.is_file():
+        return {}
+    return {task: bool(verdict["trusted"]) for task, verdict in json.loads(path.read_text(encoding="utf-8")).items()}
+
+
 def series_status(cfg: KilnConfig, keys: dict[str, str]) -> list[SeriesStatus]:
-    """Each series' scored, pending and missed steps and its open regressions."""
+    """Each series' scored, pending and missed steps and its open regressions (of the tasks not judged
+    untrusted: `evaluate_trust`)."""
     targets = eval_targets(cfg, keys)
+    trusted = evaluate_trust(cfg, keys)
     try:
         versions = suite_versions(targets[0].evaluate)
     except KilnError as error:  # an eval file moved: say so on the status line
@@ -102,7 +115,8 @@ def series_status(cfg: KilnConfig, keys: dict[str, str]) -> list[SeriesStatus]:
     found = []
     for target in targets:
         rows = current_rows(read_recorded(target.state_file), versions)
-        events = all_events(curves(rows), cfg.continuous_eval.regression_sigmas, cfg.continuous_eval.min_change)
+        events, _ = trusted_events(all_events(curves(rows), cfg.continuous_eval.regression_sigmas,
+                                              cfg.continuous_eval.min_change), trusted)
         started = target.checkpoint_root() is not None
         try:
             plan = plan_evaluations(target, versions)

@@ -57,7 +57,9 @@ def continuation(stage: str, identity: dict[str, Any]) -> str | None:
         + (f" long documents (>= {p['long_documents']['min_tokens']} tokens) x{p['long_documents']['upweight']}"
            if p.get("long_documents") else "") for p in phases) or "the mix stage's mixture"
     steps = section.get("run", {}).get("steps", "plan")
-    return f"{stage} {branch['prefix']} up to step {branch['from_step']}, then schedule {schedule} to step {steps}"
+    batches = section.get("batches") or []
+    joined = f", with new batches {', '.join(batches)}" if batches else ""
+    return f"{stage} {branch['prefix']} up to step {branch['from_step']}, then schedule {schedule}{joined} to step {steps}"
 
 
 def _sha256(data: Any) -> str:

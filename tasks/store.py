@@ -25,6 +25,7 @@ MANIFEST_FILE = "_kiln_manifest.json"
 FAILURE_FILE = "_kiln_failed.json"  # in a partial folder: why its attempt failed (`kiln status` shows it)
 KEY_LENGTH = 12
 _CHUNK = 1 << 20
+_MAX_NOTED = 100_000  # files whose sha256 a writer noted, remembered at most (the oldest forgotten first)
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +45,74 @@ def file_sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
+class HashingFile:
+    """A binary file being written, hashed (sha256) as its bytes go by: `close` notes the digest
+    (`note_sha256`), so the commit that lists the file need not read it back."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self._handle = open(self.path, "wb")
+        self._digest = hashlib.sha256()
+
+    def write(self, data: Any) -> int:
+        self._digest.update(data)
+        return self._handle.write(data)
+
+    def flush(self) -> None:
+        self._handle.flush()
+
+    @property
+    def closed(self) -> bool:
+        return self._handle.closed
+
+    def close(self) -> None:
+        if not self._handle.closed:
+            self._handle.close()
+            note_sha256(self.path, self._digest.hexdigest())
+
+
+# Files whose writer hashed them while writing: absolute path -> (size, mtime_ns, ctime_ns, inode, sha256),
+# trusted while the file's stat still says the same (a rewrite changes mtime or ctime, which no user can set
+# back). `_pending`: noted and not yet taken by `take_noted` (a rank hands its files' digests to the driver).
+_noted: dict[str, tuple[int, int, int, int, str]] = {}
+_pending: list[list[Any]] = []
+
+
+def _stat_key(stat: os.stat_result) -> tuple[int, int, int, int]:
+    return stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns, stat.st_ino
+
+
+def note_sha256(path: Path, sha256: str) -> None:
+    """Remember the sha256 of the file just written at `path` (its writer hashed every byte it wrote)."""
+    entry = [str(Path(path).absolute()), *_stat_key(os.stat(path)), sha256]
+    adopt_noted([entry])
+    _pending.append(entry)
+
+
+def take_noted() -> list[list[Any]]:
+    """The digests noted in this process since the last call (JSON-able), for `adopt_noted` elsewhere."""
+    taken = _pending[:]
+    _pending.clear()
+    return taken
+
+
+def adopt_noted(entries: list[list[Any]]) -> None:
+    """Remember digests another process noted (`take_noted`); each is trusted only while its file's stat matches."""
+    for name, size, mtime_ns, ctime_ns, inode, sha256 in entries:
+        _noted.pop(name, None)
+        if len(_noted) >= _MAX_NOTED:
+            del _noted[next(iter(_noted))]
+        _noted[name] = (size, mtime_ns, ctime_ns, inode, sha256)
+
+
+def known_sha256(path: Path) -> str:
+    """`path`'s sha256: as its writer noted it if the file is unchanged since, else read and hashed now."""
+    noted = _noted.get(str(Path(path).absolute()))
+    if noted is not None and noted[:4] == _stat_key(os.stat(path)):
+        return noted[4]
+    return file_sha256(path)
+
+
 def recorded_sha256(path: Path) -> str:
     """`path`'s sha256 as the manifest of the committed folder holding it records it (the store hashed
     every output at commit, so a stage reading another's output need not read it again), else hashed
@@ -58,7 +127,7 @@ def recorded_sha256(path: Path) -> str:
             if listed is not None and listed["size"] == stat.st_size and stat.st_mtime_ns <= manifest.stat().st_mtime_ns:
                 return listed["sha256"]
             break
-    return file_sha256(path)
+    return known_sha256(path)
 
 
 @functools.lru_cache(maxsize=8)
@@ -79,12 +148,13 @@ def write_record(path: Path, record: dict[str, Any]) -> None:
 
 
 def list_files(folder: Path) -> dict[str, dict[str, Any]]:
-    """Every file under `folder` (but the manifest) as {relative path: {size, sha256}}."""
+    """Every file under `folder` (but the manifest) as {relative path: {size, sha256}}; a file its writer
+    hashed while writing it (`HashingFile`) is not read again."""
     files = {}
     for path in sorted(p for p in folder.rglob("*") if p.is_file()):
         rel = path.relative_to(folder).as_posix()
         if rel != MANIFEST_FILE:
-            files[rel] = {"size": path.stat().st_size, "sha256": file_sha256(path)}
+            files[rel] = {"size": path.stat().st_size, "sha256": known_sha256(path)}
     return files
 
 

@@ -271,10 +271,10 @@ def test_kiln_init_then_run_works_from_an_empty_folder_on_the_wheel(venv, tmp_pa
     assert keys == stage_keys(load_config(str(REPO / "configs" / "tiny.yaml")))
     ran = kiln(venv, "run", cwd=project, timeout_s=840)
     summary = [line for line in ran.stderr.splitlines() if re.match(r"\[\s*\d+/\d+\]", line) and "running" not in line]
-    # every stage but those run on demand (dedup-batch, research)
-    assert len(summary) == len(keys) - 2 and all(" ran " in line for line in summary), ran.stderr[-3000:]
+    # every stage but those run on demand (dedup-batch, batch, research)
+    assert len(summary) == len(keys) - 3 and all(" ran " in line for line in summary), ran.stderr[-3000:]
     status = kiln(venv, "status", cwd=project).stdout
     complete = re.findall(r"^  (\S+) +([0-9a-f]{12})  complete ", status, re.MULTILINE)
-    on_demand = ("dedup-batch", "research")
+    on_demand = ("dedup-batch", "batch", "research")
     assert {stage: key for stage, key in complete} == {stage: key for stage, key in keys.items() if stage not in on_demand}
     assert (project / "kiln-work" / "store" / "evaluate" / keys["evaluate"] / "report.md").is_file()

@@ -10,16 +10,21 @@ the stage's `datatrove.log`, which the stage logs to MLflow.
 
 datatrove 0.10 has no setting for this; the three executor modules bind `add_task_logger` by name,
 so each binding is replaced. The replacements are datatrove's own functions with one sink changed.
+
+Every sink loguru adds builds an exception formatter that asks `sysconfig` for some forty install
+paths (about 10 ms); datatrove adds three sinks a rank, so a small job spent more on that than on
+its shard. The paths are computed once per process instead (`_cache_loguru_lib_dirs`).
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
 import sys
 from pathlib import Path
 
 from datatrove.utils import logging as dt_logging
-from loguru import logger
+from loguru import _better_exceptions, logger
 
 LOG_FILE = "datatrove.log"
 TERMINAL_LEVEL = "ERROR"  # a failing rank still says so on the terminal
@@ -44,7 +49,18 @@ def setup_default_logger() -> None:
     logger.add(sys.stderr, colorize=dt_logging.DATATROVE_COLORIZE_LOGS, level=TERMINAL_LEVEL)
 
 
+def _cache_loguru_lib_dirs() -> None:
+    """loguru's `ExceptionFormatter._get_lib_dirs` (a private static method: which folders hold libraries,
+    for its tracebacks), computed once per process; `tests/tasks/data/test_inspection.py` fails on a loguru
+    that no longer has it."""
+    formatter = _better_exceptions.ExceptionFormatter
+    lib_dirs = getattr(formatter, "_get_lib_dirs", None)
+    if lib_dirs is not None and not hasattr(lib_dirs, "cache_info"):
+        formatter._get_lib_dirs = staticmethod(functools.cache(lib_dirs))
+
+
 def _install() -> None:
+    _cache_loguru_lib_dirs()
     dt_logging.add_task_logger = add_task_logger
     dt_logging.setup_default_logger = setup_default_logger  # close_task_logger calls it by this name
     for name in _EXECUTOR_MODULES:

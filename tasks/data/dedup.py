@@ -155,8 +155,8 @@ def strip_punctuation(text: str) -> str:
 
 def normalize(text: str, cfg: DedupConfig) -> str:
     text = unicodedata.normalize("NFKC", text)
-    if cfg.normalize_case:
-        text = text.casefold()
+    if cfg.normalize_case:  # casefold is lower on ASCII, and lower has CPython's ASCII fast path
+        text = text.lower() if text.isascii() else text.casefold()
     if cfg.normalize_punctuation or cfg.normalize_whitespace:
         text = _strip(text, cfg.normalize_punctuation, cfg.normalize_whitespace)
     return text

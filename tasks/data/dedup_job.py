@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import shutil
 import time
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,7 +33,7 @@ from kiln.tasks.data.dedup import (
 )
 from kiln.tasks.data.dedup_index import INDEX_DIR, DedupIndex
 from kiln.tasks.data.executors import LOCAL, RANKS_DIR, ExecutorSettings, ShardRun, map_shards, rank_ledger
-from kiln.tasks.data.inspection import write_removal_report
+from kiln.tasks.data.inspection import REPORT_PNG, plot, write_removal_report
 from kiln.tasks.data.shards import KINDS, RankShards
 from kiln.tasks.store import recorded_sha256
 
@@ -85,12 +86,12 @@ class WriteDecisions:
             return result | {"shards": shards.close()}
 
 
-def write_decisions(writer: WriteDecisions, work: Path, executor: ExecutorSettings, jobs: int, settings: Any
-                    ) -> tuple[ShardRun, dict[str, Any]]:
+def write_decisions(writer: WriteDecisions, work: Path, executor: ExecutorSettings, jobs: int, settings: Any,
+                    draw: bool = True) -> tuple[ShardRun, dict[str, Any]]:
     """Run `writer` over its shards; the job's results and what they add up to: counts (as stats),
-    `accounting` (removals.json/.md/.png written), `duplicate_rate_by_domain`, `shards` (the listing
-    written). Rank r's key hashes `settings`, its input shard and its decisions (the one file of them all
-    with `by_id`)."""
+    `accounting` (removals.json/.md written, and removals.png if `draw`), `duplicate_rate_by_domain`,
+    `shards` (the listing written). Rank r's key hashes `settings`, its input shard and its decisions (the
+    one file of them all with `by_id`)."""
     decisions = [{} if writer.by_id else {"decisions": writer.decisions / f"{rank:05d}.json"}
                  for rank in range(len(writer.shards))]
     if writer.by_id:
@@ -103,18 +104,22 @@ def write_decisions(writer: WriteDecisions, work: Path, executor: ExecutorSettin
     removed_by_domain = run.total("removed_by_domain") or {}
     return run, {
         **run.counts().as_dict(),
-        "accounting": write_removal_report(writer.out_dir, "dedup", table),  # removals by domain and reason
+        "accounting": write_removal_report(writer.out_dir, "dedup", table, draw=draw),  # by domain and reason
         "duplicate_rate_by_domain": {d: removed_by_domain.get(d, 0) / row["in"]["docs"] for d, row in table.items()},
         "shards": run.listing(writer.out_dir),
     }
 
 
 def dedup_documents(cfg: DedupConfig, inputs: list[Path], out_dir: Path, executor: ExecutorSettings = LOCAL,
-                    index_dir: Path | None = None, phase_s: dict[str, float] | None = None) -> dict:
+                    index_dir: Path | None = None, phase_s: dict[str, float] | None = None, *,
+                    plots: bool = True) -> dict:
     """Remove exact and near duplicates from the shards `inputs` into `out_dir` (against every document
     of the saved index in `index_dir`, if given, which always survive), on `executor` with
     `cfg.num_workers` tasks at a time; the combined index is saved in `out_dir/lsh_index/`. `phase_s`, if
-    given, receives the seconds of each phase (sign, cluster, write, index, plot) for benchmarks."""
+    given, receives the seconds of each phase (sign, cluster, write, index, plot) for benchmarks.
+
+    The two plots (removals.png, cluster_sizes.png) are drawn last, from the stats alone (`draw_plots`);
+    `plots=False` leaves them to the caller (the benchmark draws them after its timed run)."""
     # Absolute: Slurm and Ray workers do not share this process's working directory.
     inputs, out_dir = [path.resolve() for path in inputs], out_dir.resolve()
     settings = signature_settings(cfg)
@@ -144,11 +149,20 @@ def dedup_documents(cfg: DedupConfig, inputs: list[Path], out_dir: Path, executo
         (decisions / f"{rank:05d}.json").write_text(json.dumps([[p, *d] for p, d in sorted(removed.items())]))
     phase("cluster")
     writing, written = write_decisions(WriteDecisions(inputs, out_dir, decisions, signed=signed_dir), work / "write",
-                                       executor, cfg.num_workers, config)
+                                       executor, cfg.num_workers, config, draw=False)
     phase("write")
     found.index.save(out_dir / INDEX_DIR)
-    phase("index")
-    plot_cluster_sizes(found.sizes, out_dir / PLOT_FILE)
     shutil.rmtree(work)
-    phase("plot")
-    return {**written, **found.stats, "executor_cpu_s": signing.outside_cpu_s + writing.outside_cpu_s}
+    phase("index")
+    stats = {**written, **found.stats, "executor_cpu_s": signing.outside_cpu_s + writing.outside_cpu_s}
+    if plots:
+        draw_plots(stats, out_dir)
+        phase("plot")
+    return stats
+
+
+def draw_plots(stats: dict[str, Any], out_dir: Path) -> None:
+    """The fast engine's two figures, from its stats alone: removals by domain and reason
+    (removals.png) and clusters by size (cluster_sizes.png)."""
+    plot(stats["accounting"], out_dir / REPORT_PNG, "dedup")
+    plot_cluster_sizes(Counter({int(size): num for size, num in stats["cluster_sizes"].items()}), out_dir / PLOT_FILE)

@@ -28,6 +28,8 @@ from typing import Any, BinaryIO
 import orjson
 import zstandard
 
+from kiln.tasks.store import HashingFile
+
 SHARD_SUFFIX = ".jsonl.zst"
 ZSTD_LEVEL = 3  # zstd's default: ~4x smaller than the JSON at hundreds of MB/s; the same bytes on every run
 _ENCODER = json.JSONEncoder(ensure_ascii=False)  # json.dumps(..., ensure_ascii=False) without a new encoder a call
@@ -112,13 +114,18 @@ _HUGE = 2.0**63  # orjson reads an integer literal outside int64 and uint64 as a
 
 
 def _holds_huge_float(value: Any) -> bool:
+    # A plain loop, no generator: it runs on every record parsed, and most values are strings.
     kind = type(value)
     if kind is float:
         return not -_HUGE < value < _HUGE
-    if kind is dict:
-        return any(_holds_huge_float(item) for item in value.values() if type(item) is not str)
-    if kind is list:
-        return any(_holds_huge_float(item) for item in value if type(item) is not str)
+    if kind is dict or kind is list:
+        for item in value.values() if kind is dict else value:
+            item_kind = type(item)
+            if item_kind is float:
+                if not -_HUGE < item < _HUGE:
+                    return True
+            elif (item_kind is dict or item_kind is list) and _holds_huge_float(item):
+                return True
     return False
 
 
@@ -153,13 +160,13 @@ class ShardWriter:
     """One file of JSON-line records, zstd-compressed when its name ends in `.zst`: kept documents
     (`write_line(doc.to_json_line())`) or records that left the stream with the reason why (`add`).
     The file is created by the first record, so a shard nothing went to does not exist; it counts
-    what it holds while writing."""
+    what it holds while writing, and hashes the file's bytes as they are written (`store.HashingFile`)."""
 
     def __init__(self, path: Path):
         self.path = path
         self.num_records = 0
         self.num_bytes = 0  # uncompressed
-        self._handle: BinaryIO | None = None
+        self._handle: Any = None  # a HashingFile, or zstd writing into one
 
     def add(self, reason: str, record: dict[str, Any]) -> None:
         self.write_line((_ENCODER.encode({"reason": reason, **record}) + "\n").encode("utf-8"))
@@ -177,7 +184,7 @@ class ShardWriter:
         """Create the file now, even if no record follows."""
         if self._handle is None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            raw = open(self.path, "wb")
+            raw = HashingFile(self.path)  # hashed as written: the store's commit does not read it again
             compressed = self.path.name.endswith(".zst")
             self._handle = zstandard.ZstdCompressor(level=ZSTD_LEVEL).stream_writer(raw) if compressed else raw
 

@@ -85,7 +85,7 @@ from kiln.tasks.launch.slurm_jobs import (
     submit,
 )
 from kiln.tasks.ledger import RankRecords, rank_key
-from kiln.tasks.store import recorded_sha256
+from kiln.tasks.store import adopt_noted, recorded_sha256, take_noted
 
 logger = logging.getLogger("kiln.data.executors")
 Kind = Literal["local", "slurm", "ray"]
@@ -154,7 +154,7 @@ def build_executor(
     common = {"tasks": tasks, "logging_dir": str(logging_dir), "skip_completed": True}
     if settings.kind == "local":
         multiprocess.set_forkserver_preload(_FORKSERVER_PRELOAD)  # only until the forkserver has started
-        return LocalPipelineExecutor(pipeline, workers=jobs, **common)
+        return _LocalExecutor(pipeline, workers=jobs, **common)
     tasks_per_job = math.ceil(tasks / jobs)
     if settings.kind == "ray":
         return _RayExecutor(pipeline, tasks_per_job=tasks_per_job, **common)
@@ -309,9 +309,12 @@ class RankLedger:
 
     def record(self, rank: int, result: dict[str, Any], cpu_s: float, driver_pid: int) -> None:
         """Rank `rank` is done (its outputs written): its summary, the CPU seconds it took, and whether its
-        process was outside the driver's process tree (where the stage runner cannot measure it)."""
+        process was outside the driver's process tree (where the stage runner cannot measure it), and the
+        sha256 of the files it wrote, hashed as they were written (`store.take_noted`: a process runs one
+        rank at a time), for the driver's commit."""
         self.records.put(rank, self.keys[rank], {"result": result, "cpu_s": cpu_s,
-                                                 "outside_driver": not _in_process_tree(driver_pid)})
+                                                 "outside_driver": not _in_process_tree(driver_pid),
+                                                 "written_sha256": take_noted()})
 
     def mark_completed(self, logging_dir: Path) -> set[int]:
         """Set datatrove's completion markers in `logging_dir` from the ledger, stale records removed: a
@@ -337,6 +340,8 @@ class RankLedger:
         records = [self.done(rank) for rank in range(len(self.keys))]
         missing = [rank for rank, record in enumerate(records) if record is None]
         assert not missing, f"ranks {missing} have no record for their key in {self.folder}"
+        for record in records:  # the files the ranks wrote need not be read again at commit
+            adopt_noted(record.get("written_sha256", []))
         return ShardRun([r["result"] for r in records], sum(r["cpu_s"] for r in records if r["outside_driver"]))
 
 
@@ -515,6 +520,32 @@ class _SlurmExecutor(SlurmPipelineExecutor):
         if "mem" in args:  # cluster.slurm.mem replaces datatrove's per-CPU default (sbatch refuses both)
             args.pop("mem-per-cpu")
         return args
+
+
+class _LocalExecutor(LocalPipelineExecutor):
+    """datatrove's local executor; one worker runs its ranks in this process, one after another, as
+    datatrove's does, but without the `multiprocess.Manager` datatrove starts first (a server process
+    whose queue only numbers the workers: a tenth of a second a job, as long as a small shard's work)."""
+
+    def run(self) -> PipelineStats:
+        if self.workers != 1 or self.depends:
+            return super().run()
+        self._launched = True
+        ranks = self.get_incomplete_ranks(range(self.local_rank_offset, self.local_rank_offset + self.local_tasks))
+        if not ranks:
+            return PipelineStats()
+        self.save_executor_as_json()
+        pipeline, stats = self.pipeline, []
+        try:
+            for rank in ranks:
+                self.pipeline = deepcopy(pipeline)  # as datatrove's: each rank starts from the steps' fresh state
+                stats.append(self._run_for_rank(rank, 0))
+        finally:
+            self.pipeline = pipeline
+        merged = sum(stats, start=PipelineStats())
+        with self.logging_dir.open("stats.json", "wt") as handle:
+            merged.save_to_disk(handle)
+        return merged
 
 
 class _RayExecutor(RayPipelineExecutor):

@@ -160,11 +160,13 @@ def plot(table: dict[str, Any], path: Path, stage: str) -> None:
     fig.savefig(path, dpi=100)
 
 
-def write_removal_report(out_dir: Path, stage: str, table: dict[str, Any]) -> dict[str, Any]:
-    """The accounting table (a stage's `RemovalTally`) as removals.json/.md/.png in `out_dir`; returns it."""
+def write_removal_report(out_dir: Path, stage: str, table: dict[str, Any], *, draw: bool = True) -> dict[str, Any]:
+    """The accounting table (a stage's `RemovalTally`) as removals.json/.md/.png in `out_dir`; returns it.
+    `draw=False` leaves the PNG to the caller (`plot`), to draw off its timed path."""
     (out_dir / REPORT_JSON).write_text(json.dumps(table, indent=2) + "\n", encoding="utf-8")
     (out_dir / REPORT_MD).write_text(markdown(table, stage), encoding="utf-8")
-    plot(table, out_dir / REPORT_PNG, stage)
+    if draw:
+        plot(table, out_dir / REPORT_PNG, stage)
     return table
 
 

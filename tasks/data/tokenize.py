@@ -218,18 +218,25 @@ def _moves(results: list[dict[str, Any]]) -> tuple[dict[str, str], set[int]]:
     return moves, shards
 
 
-def tokenize_corpus(cfg: TokenizeConfig, input_dir: Path, out_dir: Path, executor: ExecutorSettings = LOCAL) -> dict:
+def tokenize_corpus(cfg: TokenizeConfig, input_dir: Path, out_dir: Path, executor: ExecutorSettings = LOCAL,
+                    tokenizer_file: Path | None = None) -> dict:
     """Train the tokenizer on a sample of the shards of `input_dir` (a data stage's folder) and encode
-    them, a task per shard on `executor`, into `out_dir`."""
+    them, a task per shard on `executor`, into `out_dir`. Given `tokenizer_file` (a new batch joining a
+    tokenized corpus), encode with that tokenizer instead, every document into the train split: a
+    batch's documents are for training, and the corpus's validation documents stay what they were."""
     input_dir, out_dir = input_dir.resolve(), out_dir.resolve()  # absolute: Slurm and Ray workers
     listing = read_listing(input_dir)["documents"]
     inputs = [input_dir / info.path for info in listing]
     sample = Sample()
-    tokenizer = train_tokenizer(training_sample(list(zip(inputs, listing)), cfg.train_sample_bytes, sample), cfg)
+    if tokenizer_file is None:
+        tokenizer = train_tokenizer(training_sample(list(zip(inputs, listing)), cfg.train_sample_bytes, sample), cfg)
+    else:
+        tokenizer = Tokenizer.from_file(str(tokenizer_file))
     tokenizer.save(str(out_dir / TOKENIZER_FILE))
     vocab_size = tokenizer.get_vocab_size()
+    val_fraction = cfg.val_fraction if tokenizer_file is None else 0.0  # split_of: no bucket is below 0
 
-    encoder = _Encode(out_dir / TOKENIZER_FILE, inputs, out_dir, cfg.val_fraction)
+    encoder = _Encode(out_dir / TOKENIZER_FILE, inputs, out_dir, val_fraction)
     settings = {"config": cfg.identity(), "tokenizer": hashlib.sha256(tokenizer.to_str().encode()).hexdigest()}
     encode = out_dir / WORK_DIR / "encode"
     ledger = rank_ledger(encode / RANKS_DIR, "kiln_tokenize", settings, [{"shard": shard} for shard in inputs])
@@ -237,18 +244,18 @@ def tokenize_corpus(cfg: TokenizeConfig, input_dir: Path, out_dir: Path, executo
                      outputs=[out_dir / "shards", *(out_dir / kind for kind in KINDS)])
     results = list(run.results)
     executor_cpu_s = run.outside_cpu_s
-    moves, moved_shards = _moves(results)
+    moves, moved_shards = _moves(results) if tokenizer_file is None else ({}, set())
     if moves:  # rare (a domain of a few documents): encode the shards holding them again
         ranks = sorted(moved_shards)
         again = out_dir / WORK_DIR / "moves"
-        fix = map_shards(_Encode(out_dir / TOKENIZER_FILE, inputs, out_dir, cfg.val_fraction, moves, ranks), again,
+        fix = map_shards(_Encode(out_dir / TOKENIZER_FILE, inputs, out_dir, val_fraction, moves, ranks), again,
                          rank_ledger(again / RANKS_DIR, "kiln_tokenize_moves", {**settings, "moves": moves},
                                      [{"shard": inputs[shard]} for shard in ranks]),
                          settings=executor, jobs=cfg.num_workers, job_name="kiln_tokenize_moves")
         for result in fix.results:
             results[result["shard"]] = result
         executor_cpu_s += fix.outside_cpu_s
-    shutil.rmtree(out_dir / WORK_DIR)
+    shutil.rmtree(out_dir / WORK_DIR, ignore_errors=True)  # none with no shard to encode (a batch deduplicated away)
     run = ShardRun(results, executor_cpu_s)
 
     counts = run.counts()

@@ -55,6 +55,10 @@ from kiln.tasks.evals.suite import CATEGORIES, LEVELS, LocalTask
 BUILDER_VERSION = 1  # bump when a category builder's definition changes
 Category = Literal["reasoning", "coding", "multilingual", "long_context", "safety", "general"]
 Level = Literal["proxy", "mid", "production"]
+# The toxicity classifier, trained into the task folder when the suite is built. fastText's 2,000,000 hash
+# buckets make it 128 MB; it is removed once the suite is scored (`evaluate.evaluate_lm`): the same bundled
+# data and seeded one-thread training give it again.
+TOXICITY_MODEL = "toxicity.ftz"
 _FILLER = ("The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. ")
 
 
@@ -245,7 +249,7 @@ class _Builder:
         _need(labelled_path, labelled, ("label", "text"))
         classifier = None
         if self.task_dir is not None:
-            classifier = str(train_toxicity_classifier(labelled_path, labelled, self.task_dir / "toxicity.ftz"))
+            classifier = str(train_toxicity_classifier(labelled_path, labelled, self.task_dir / TOXICITY_MODEL))
         items = [{"id": r["id"], "source_id": r["id"], "prompt": r["prompt"], "threshold": tox.threshold}
                  for r in prompts]
         # The classifier's path is the task folder's: out of the version, which its training data is in.

@@ -55,7 +55,7 @@ log = logging.getLogger(__name__)
 
 STATE_FILE = "evaluated.jsonl"
 CHECKPOINTS_DIR = "checkpoints"  # where the training loop writes them, inside the stage's output folder
-FORMAT_VERSION = 2  # 2: one row per step, task and task version
+FORMAT_VERSION = 3  # 2: one row per step, task and task version; 3: a limit samples a grouped task by group
 LOCK_SUFFIX = ".lock"
 _UNITS = {"s": 1, "m": 60, "h": 3600}
 

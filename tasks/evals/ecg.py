@@ -13,19 +13,27 @@ regression *starts* at the first step that regresses and *clears* at the first l
 longer does (back within the noise of the best, or a new best): two events, however many steps it
 lasts. The continuous-eval flow emits each as a Prefect event (`kiln.eval.regression`,
 `kiln.eval.regression.cleared`) and the plot marks every one.
+
+The plot also marks where the training run's data changed (`Mark`, from its mixture history): each
+data phase's first step and each adjustment point (a `kiln adjust` branch, a batch joining), so a
+regression can be read against the change before it. The figure's data (curves, events, marks) is
+written beside the image as JSON (`ecg.json`).
 """
 
 from __future__ import annotations
 
+import json
 import math
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from kiln.tasks.constants import BATCH_PREFIX
 from kiln.tasks.evals.suite import PRIMARY_METRICS, primary_metric
 
 ECG_FILE = "ecg.png"
+ECG_DATA_FILE = "ecg.json"  # beside the image: what it draws
 REGRESSION_EVENT = "kiln.eval.regression"
 CLEARED_EVENT = "kiln.eval.regression.cleared"
 STAGE_COLOURS = {"train": "#4477aa", "anneal": "#ee6677"}
@@ -74,6 +82,37 @@ class RegressionEvent:
 
     def payload(self) -> dict[str, Any]:
         return asdict(self)
+
+
+@dataclass(frozen=True)
+class Mark:
+    """A vertical line of the ECG at `step` (steps trained before the change): a data phase's start
+    (`phase`) or an adjustment point (`adjustment`: the run goes on from there under a new schedule)."""
+
+    step: int
+    kind: Literal["phase", "adjustment"]
+    label: str
+
+
+def schedule_marks(mixture_history: Sequence[Sequence[Any]]) -> list[Mark]:
+    """The phase starts and adjustment points of a train run, from its mixture history (entries of [steps
+    trained before the mixture applied, its summary], as its checkpoints and `metrics.json` keep them):
+    a phase is marked where it began inside the steps its schedule trained, an adjustment where the
+    schedule changed, naming the new batches it took in."""
+    marks: list[Mark] = []
+    for i, (start, summary) in enumerate(mixture_history):
+        end = mixture_history[i + 1][0] if i + 1 < len(mixture_history) else None
+        if i > 0:
+            before = {name for name in mixture_history[i - 1][1] if name.startswith(BATCH_PREFIX)}
+            joined = sorted({name.split("/")[1] for name in summary if name.startswith(BATCH_PREFIX)} -
+                            {name.split("/")[1] for name in before})
+            marks.append(Mark(start, "adjustment", f"adjusted at {start}"
+                              + (f" + batch {', '.join(joined)}" if joined else "")))
+        for phase in summary.get("phases", []):
+            begins = phase["first_step"] - 1
+            if begins > start and (end is None or begins < end):
+                marks.append(Mark(begins, "phase", f"phase {phase['name']}"))
+    return marks
 
 
 def curves(rows: Mapping[tuple[int, str], Mapping[str, Any]]) -> dict[str, Curve]:
@@ -149,6 +188,20 @@ def all_events(series: Mapping[str, Curve], sigmas: float | None, min_change: fl
     return sorted(found, key=lambda e: (e.step, e.task))
 
 
+def trusted_events(events: Iterable[RegressionEvent], trusted: Mapping[str, bool]
+                   ) -> tuple[list[RegressionEvent], list[str]]:
+    """The events that may alert: those of tasks not judged untrusted (`trusted`: the evaluate stage's verdict
+    per task; a task it has not judged, or before it ran, alerts); and the tasks not trusted whose events
+    were left out, sorted."""
+    kept, left_out = [], set()
+    for event in events:
+        if trusted.get(event.task, True):
+            kept.append(event)
+        else:
+            left_out.add(event.task)
+    return kept, sorted(left_out)
+
+
 def open_regressions(events: Iterable[RegressionEvent]) -> list[RegressionEvent]:
     """The regressions that started and have not cleared: each task's last event, where it is a start."""
     last: dict[str, RegressionEvent] = {}
@@ -157,13 +210,25 @@ def open_regressions(events: Iterable[RegressionEvent]) -> list[RegressionEvent]
     return [event for event in last.values() if event.kind == "started"]
 
 
+def ecg_data(stages: Mapping[str, Mapping[str, Curve]], offsets: Mapping[str, int],
+             events: Collection[tuple[str, RegressionEvent]] = (), marks: Sequence[Mark] = ()) -> dict[str, Any]:
+    """What the ECG draws, as JSON: each stage's curves (steps shifted by its offset), events and marks."""
+    return {"curves": {stage: {task: {"metric": c.metric, "points": [[offsets.get(stage, 0) + s.step, s.value]
+                                                                     for s in c.scores]}
+                               for task, c in series.items()} for stage, series in stages.items()},
+            "events": [{"stage": stage, **e.payload(), "x": offsets.get(stage, 0) + e.step} for stage, e in events],
+            "marks": [asdict(m) for m in marks]}
+
+
 def plot_ecg(stages: Mapping[str, Mapping[str, Curve]], offsets: Mapping[str, int], path: Path,
              events: Collection[tuple[str, RegressionEvent]] = (), categories: Mapping[str, str] | None = None,
-             trusted: Mapping[str, bool] | None = None) -> Path:
+             trusted: Mapping[str, bool] | None = None, marks: Sequence[Mark] = ()) -> Path:
     """One panel per task, or, given each task's category, one panel per category with a line per task;
     each stage's curve shifted right by its offset (the anneal stage starts where training ended); each
     regression's start circled, its clearing marked with a triangle. Given `trusted`, a trusted task is
-    drawn solid and bold, an untrusted one dashed and faint (its legend entry says so)."""
+    drawn solid and bold, an untrusted one dashed and faint (its legend entry says so). Each mark (a
+    train step) is a vertical line in every panel: dotted for a phase, solid for an adjustment. The
+    figure's data goes to `ecg.json` beside it."""
     # matplotlib is imported here: the continuous-eval flow pays for it only when it draws
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
@@ -201,6 +266,11 @@ def plot_ecg(stages: Mapping[str, Mapping[str, Curve]], offsets: Mapping[str, in
                               if where == stage and e.task == task and e.kind == kind]
                     if marked:
                         axes.scatter(*zip(*marked), s=60, zorder=3, **mark)
+        for mark in marks:
+            axes.axvline(mark.step, color="#777777" if mark.kind == "phase" else "#cc6600", linewidth=0.9,
+                         linestyle=":" if mark.kind == "phase" else "-", zorder=1)
+            axes.annotate(mark.label, (mark.step, 1.0), xycoords=("data", "axes fraction"), rotation=90, fontsize=5,
+                          va="top", ha="right", color="#555555")
         axes.set_title(panel, fontsize=9)
         axes.set_xlabel("step", fontsize=8)
         axes.set_ylabel(metric if categories is None else "score (each task's main metric)", fontsize=8)
@@ -211,5 +281,7 @@ def plot_ecg(stages: Mapping[str, Mapping[str, Curve]], offsets: Mapping[str, in
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp.png")
     figure.savefig(tmp, dpi=110)
+    data = path.with_name(ECG_DATA_FILE)
+    data.write_text(json.dumps(ecg_data(stages, offsets, events, marks), indent=1) + "\n", encoding="utf-8")
     tmp.replace(path)
     return path

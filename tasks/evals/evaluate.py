@@ -30,7 +30,7 @@ from kiln.tasks.bundled import locate
 from kiln.tasks.configbase import Section, added_field, runtime_field
 from kiln.tasks.errors import ConfigError, InputError
 from kiln.tasks.evals.heldout_task import HF_CACHE_DIR, task_name_for
-from kiln.tasks.evals.categories import SuiteConfig, TokenView, build_category_suite
+from kiln.tasks.evals.categories import TOXICITY_MODEL, SuiteConfig, TokenView, build_category_suite
 from kiln.tasks.evals.trust import TrustConfig
 from kiln.tasks.evals.suite import (
     STANDARD_SUITE,
@@ -88,8 +88,8 @@ class Contamination:
     rates: dict[str, float] = field(default_factory=dict)  # an eval file's bits-per-byte task, or an online task
     contaminated_ids: dict[str, set[str]] = field(default_factory=dict)  # eval file's task -> its documents found
 
-    def rate(self, task: LocalTask | str, num_items: int | None = None) -> float | None:
-        """A local task's rate over its first `num_items` items (those evaluated); an online task's as reported."""
+    def rate(self, task: LocalTask | str, limit: int | None = None) -> float | None:
+        """A local task's rate over the items scored under `limit` (`LocalTask.selected`); an online task's as reported."""
         if isinstance(task, str):
             return self.rates.get(task)
         if task.eval_file is None:
@@ -97,7 +97,7 @@ class Contamination:
         ids = self.contaminated_ids.get(task_name_for(task.eval_file))
         if ids is None:
             return None
-        sources = task.source_ids[:num_items] if num_items else task.source_ids
+        sources = [task.source_ids[i] for i in task.selected(limit)]
         return sum(i in ids for i in sources) / len(sources)
 
 
@@ -177,10 +177,12 @@ def evaluate_lm(
         if unknown:
             raise ConfigError(f"evaluate.extra_tasks: {unknown} are not lm-eval tasks; see `lm_eval ls tasks`")
         require_hub(online)
-        results = _run_lm_eval(lm, task_manager, names, cfg.limit)
+        results = _run_lm_eval(lm, task_manager, names, cfg.limit, {task.name: task for task in suite})
     samples = results.pop("samples", {})
-    # The dataset cache is a copy of the documents already beside the task files.
+    # The dataset cache is a copy of the documents already beside the task files; the toxicity classifier
+    # (128 MB a model scored) is trained again from the bundled data whenever the suite is built.
     shutil.rmtree(task_dir / HF_CACHE_DIR, ignore_errors=True)
+    (task_dir / TOXICITY_MODEL).unlink(missing_ok=True)
     kept = {key: results[key] for key in _DETERMINISTIC_KEYS if key in results}
     kept["kiln_tasks"] = {task.name: {"kind": task.kind, "eval_file": task.eval_file and str(task.eval_file),
                                       "num_items": len(task.source_ids), "category": task.category, "level": task.level,
@@ -306,10 +308,13 @@ def check_wanted_tasks(tasks: Collection[str] | None, names: Sequence[str]) -> N
                           "evaluate.eval_files / evaluate.standard_suite (e.g. validate.capabilities.tasks)")
 
 
-def _run_lm_eval(lm: LM, task_manager: Any, names: list[str], limit: int | None) -> dict[str, Any]:
+def _run_lm_eval(lm: LM, task_manager: Any, names: list[str], limit: int | None,
+                 local: dict[str, LocalTask] | None = None) -> dict[str, Any]:
     """`lm_eval.simple_evaluate` for an `LM` object, zero-shot, with its seeds, without what it adds for
     humans: its environment report runs `torch.utils.collect_env`'s subprocesses, seconds per call, and
-    continuous eval scores checkpoints one call each."""
+    continuous eval scores checkpoints one call each. Under a `limit`, each task's items are named to
+    lm-eval (its `samples`): a local task's `LocalTask.selected` (stratified by group), any other's first
+    `limit`."""
     import random
 
     import numpy as np  # defers numpy
@@ -325,8 +330,13 @@ def _run_lm_eval(lm: LM, task_manager: Any, names: list[str], limit: int | None)
         if task.get_config("num_fewshot") is None:
             task.set_config(key="num_fewshot", value=0)
         task.set_fewshot_seed(seed=DEFAULT_OTHER_SEED)
+    samples = None
+    if limit is not None:
+        local = local or {}
+        samples = {name: (local[name].selected(limit) if name in local else list(range(min(limit, len(task.eval_docs)))))
+                   for name, task in loaded["tasks"].items()}
     # Samples: each item's score, for the interval and the clean-items score (`item_scores`).
-    results = evaluate(lm=lm, task_dict=loaded, limit=limit, log_samples=True)
+    results = evaluate(lm=lm, task_dict=loaded, samples=samples, log_samples=True)
     assert results is not None, "a single-process evaluation returns its results"
     return results
 

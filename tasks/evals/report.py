@@ -86,6 +86,7 @@ def report_rows(results: Mapping[str, Mapping[str, Any]], baseline: str,
                                                            and base_g is not None else None)
                 _add_details(grouped, info.get(task, {}), main["groups"][group], (trust or {}).get(task))
                 grouped["num_items"] = main["groups"][group]["num_items"]
+                grouped["decision_accuracy"] = None  # measured on the task's whole score, not a group's
                 rows.append(grouped)
     return rows
 
@@ -101,6 +102,8 @@ def _add_details(row: dict[str, Any], info: Mapping[str, Any], main: Mapping[str
     row["exempt"] = info.get("exempt", False)
     snr = None if verdict is None else verdict.get("snr")
     row["snr"] = snr if snr is None or math.isfinite(snr) else None  # no noise at all: JSON has no infinity
+    # Of the main metric only: the one whose ranking the decision accuracy measured.
+    row["decision_accuracy"] = None if verdict is None or not main else verdict.get("decision_accuracy")
     row["trusted"] = None if verdict is None else verdict["trusted"]
     row["trust_reasons"] = None if verdict is None else "; ".join(verdict["reasons"]) or None
 
@@ -122,7 +125,7 @@ def _change(value: float | None, higher_is_better: bool | None) -> str:
 
 
 def report_markdown(rows: Sequence[Mapping[str, Any]], models: Sequence[str], baseline: str,
-                    skipped: Mapping[str, str] | None = None) -> str:
+                    skipped: Mapping[str, str] | None = None, decision_note: str | None = None) -> str:
     later = [m for m in models if m != baseline]
     header = ["task", "level", "metric", "version", "contamination", "items", baseline, "95% CI", "clean", "SNR", "trusted"]
     for name in later:
@@ -159,6 +162,11 @@ def report_markdown(rows: Sequence[Mapping[str, Any]], models: Sequence[str], ba
                                 if row.get("trust_reasons"))
         if reasons:
             lines += ["", "Not trusted:", ""] + [f"- `{task}`: {why}" for task, why in reasons]
+    decided = dict.fromkeys((row["task"].split("[")[0], row["metric"], row["decision_accuracy"]) for row in rows
+                            if row.get("decision_accuracy") is not None and "[" not in row["task"])
+    if decision_note and decided:
+        lines += ["", "## Decision accuracy", "", decision_note, "", "| task | metric | decision accuracy |",
+                  "|---|---|---:|"] + [f"| {task} | {metric} | {value:.2f} |" for task, metric, value in decided]
     if skipped:
         lines += ["", "Tasks not built:", ""]
         lines += [f"- `{name}`: {reason}" for name, reason in skipped.items()]
@@ -166,11 +174,15 @@ def report_markdown(rows: Sequence[Mapping[str, Any]], models: Sequence[str], ba
 
 
 def write_report(out_dir: Path, results: Mapping[str, Mapping[str, Any]], baseline: str,
-                 trust: Mapping[str, Mapping[str, Any]] | None = None) -> list[dict[str, Any]]:
-    """Write `report.md` and `eval_table.json` (MLflow's split-orient table) into `out_dir`; returns the rows."""
+                 trust: Mapping[str, Mapping[str, Any]] | None = None, decision_note: str | None = None
+                 ) -> list[dict[str, Any]]:
+    """Write `report.md` and `eval_table.json` (MLflow's split-orient table) into `out_dir`; returns the rows.
+    `decision_note` says where the tasks' decision accuracies (in `trust`) come from; with it, the report
+    has a table of them."""
     rows = report_rows(results, baseline, trust)
     skipped = {name: reason for r in results.values() for name, reason in r.get("kiln_skipped_tasks", {}).items()}
-    (out_dir / REPORT_FILE).write_text(report_markdown(rows, list(results), baseline, skipped), encoding="utf-8")
+    (out_dir / REPORT_FILE).write_text(report_markdown(rows, list(results), baseline, skipped, decision_note),
+                                       encoding="utf-8")
     columns = list(dict.fromkeys(key for row in rows for key in row))
     table = {"columns": columns, "data": [[row.get(c) for c in columns] for row in rows]}
     (out_dir / TABLE_FILE).write_text(json.dumps(table, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")

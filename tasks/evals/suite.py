@@ -26,7 +26,8 @@ import hashlib
 import json
 import random
 import re
-from collections.abc import Sequence
+from collections import Counter
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -101,6 +102,32 @@ class LocalTask:
 
     def contamination_rate(self, contaminated_ids: set[str]) -> float:
         return sum(i in contaminated_ids for i in self.source_ids) / len(self.source_ids)
+
+    def selected(self, limit: int | None) -> list[int]:
+        """The items scored under `limit` (`selected_items`), ascending."""
+        return selected_items(self.groups, len(self.source_ids), limit)
+
+
+def selected_items(groups: Sequence[str], num_items: int, limit: int | None) -> list[int]:
+    """Which of a task's `num_items` items are scored under `evaluate.limit`, ascending: all without a limit;
+    an ungrouped task its first `limit`; a grouped task (a row per language, length or bucket) is sampled by
+    group (stratified): its groups in turn, each group's items in their order, `limit` items but never fewer
+    than one per group, so every group gets a score however small the limit (12 languages at limit 10: 12
+    items, one each; at limit 24: two each)."""
+    if limit is None or limit >= num_items:
+        return list(range(num_items))
+    if not any(groups):
+        return list(range(limit))
+    by_group: dict[str, list[int]] = {}
+    for index, group in enumerate(groups):
+        by_group.setdefault(group, []).append(index)
+    want = max(limit, len(by_group))
+    chosen: list[int] = []
+    for k in range(max(len(items) for items in by_group.values())):
+        chosen += [items[k] for items in by_group.values() if k < len(items)]
+        if len(chosen) >= want:
+            break
+    return sorted(chosen[:want])
 
 
 def primary_metric(metrics: Sequence[str]) -> str | None:
@@ -291,3 +318,19 @@ def _write_lines_task(path: Path, items: list[dict[str, Any]], task_dir: Path, n
         "metadata": {"version": version},
     })
     return LocalTask(name, "lines", path, version, tuple(item["source_id"] for item in items))
+
+
+CATEGORY_DOMAINS = {"coding": "code", "multilingual": "multilingual"}  # a category task's training domain
+
+
+def task_domains(tasks: Sequence[LocalTask], domains: Collection[str]) -> dict[str, str]:
+    """The training domain each task measures, where one of `domains` (the mixture's) does: the most common
+    domain of its eval documents, else its category's (`CATEGORY_DOMAINS`). A task without one is left out."""
+    out: dict[str, str] = {}
+    for task in tasks:
+        found = Counter(d.domain for d in read_eval_docs(task.eval_file) if d.domain in domains) if task.eval_file else None
+        if found:
+            out[task.name] = found.most_common(1)[0][0]
+        elif CATEGORY_DOMAINS.get(task.category) in domains:
+            out[task.name] = CATEGORY_DOMAINS[task.category]
+    return out

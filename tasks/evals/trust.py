@@ -34,6 +34,9 @@ from pydantic import Field
 from kiln.tasks.configbase import Section
 
 
+TRUST_FILE = "trust.json"  # the evaluate stage's output: each task's trust measures and verdict
+
+
 class LevelThresholds(Section):
     min_snr: float | None = Field(None, ge=0)
     min_monotonicity: float | None = Field(None, ge=-1, le=1)
@@ -156,6 +159,15 @@ def decision_accuracy(small: Mapping[str, float], large: Mapping[str, float]) ->
     return agree / total
 
 
+def decision_accuracy_by_key(small: Mapping[str, Mapping[str, float]], large: Mapping[str, Mapping[str, float]]
+                             ) -> dict[str, float | None]:
+    """`decision_accuracy` of every score key (`"task/metric"`) that the runs scored at both sizes report:
+    `small` and `large` map a run (a data choice: a mixture) to its scores at the small and the large size."""
+    runs = sorted(set(small) & set(large))
+    keys = dict.fromkeys(k for r in runs for k in small[r] if all(k in small[o] and k in large[o] for o in runs))
+    return {key: decision_accuracy({r: small[r][key] for r in runs}, {r: large[r][key] for r in runs}) for key in keys}
+
+
 def measure(checkpoints: Sequence[tuple[int, float]], higher_is_better: bool, k: int, *,
             seeds: Sequence[float] = (), models: Sequence[float] = (), chance: float | None = None,
             final: float | None = None, decision: float | None = None, item_stderr: float | None = None) -> Measures:
@@ -198,7 +210,7 @@ def task_verdicts(series: Mapping[str, Sequence[tuple[int, float]]], infos: Mapp
     for task, info in infos.items():
         points = sorted(series.get(task, ()))
         m = measure(points, info["higher_is_better"], cfg.last_k, chance=info.get("chance"), final=info.get("score"),
-                    models=info.get("models", ()), item_stderr=info.get("item_stderr"))
+                    models=info.get("models", ()), item_stderr=info.get("item_stderr"), decision=info.get("decision"))
         verdict = judge(m, getattr(cfg, info["level"]))
         if len(points) < 3:
             verdict = Verdict(False, [*verdict.reasons, f"not measured: {len(points)} scores over training (needs 3)"], m)

@@ -63,6 +63,9 @@ class GateReport:
     checks: dict[str, Any] = field(default_factory=dict)  # every check's measured value
     capabilities: list[dict[str, Any]] = field(default_factory=list)  # CapabilityRow.as_dict() per metric
     mixture_transfer: dict[str, Any] | None = None  # predicted and observed losses, spearman
+    # Each capability task's decision accuracy over the mixtures trained at both sizes: `mixtures`, `pairs`,
+    # `by_task` ("task/metric" -> share of pairs ordered alike, None where the validate size ties them all).
+    decision_accuracy: dict[str, Any] | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -80,10 +83,16 @@ class GateReport:
         for row in self.capabilities:
             trend = ", ".join(f"{v:.4f} @ {c:.2g}" for _, c, v in row["proxies"])
             verdict = "continues" if row["continues"] else "BREAKS"
+            decides = row["gated"] and row.get("trusted") is not False
             lines.append(f"  {row['metric']}: proxies {trend} FLOPs; mid-scale {row['midscale']:.4f} @ "
                          f"{row['midscale_compute']:.2g} ({verdict} the trend vs best proxy {row['best_proxy_value']:.4f}"
-                         + (")" if row["gated"] else "; not gated)")
+                         + (")" if decides else "; not gated)" if not row["gated"] else "; not trusted: decides nothing)")
                          + ("" if row["plan_mixture"] is None else f"; on the plan's mixture {row['plan_mixture']:.4f}"))
+            if row.get("trusted") is False:
+                lines.append(f"      not trusted: {'; '.join(row['trust']['reasons'])}")
+        untrusted = [row["metric"] for row in self.capabilities if row["gated"] and row.get("trusted") is False]
+        if untrusted:
+            lines.append(f"  gated metrics of tasks not trusted at this size, left out of the gate: {', '.join(untrusted)}")
         transfer = self.mixture_transfer
         if transfer:
             if transfer.get("spearman") is None:
@@ -92,6 +101,11 @@ class GateReport:
                 lines.append(f"  mixture transfer at the validate size: Spearman {transfer['spearman']:.2f} over "
                              + ", ".join(f"{name} (pred {p:.4f}, obs {transfer['observed'][name]:.4f})"
                                          for name, p in transfer["predicted"].items() if name in transfer["observed"]))
+        decisions = self.decision_accuracy
+        if decisions and decisions["by_task"]:
+            lines.append(f"  decision accuracy (the order of {len(decisions['mixtures'])} mixtures at the sweep's size "
+                         f"holding at this size, {decisions['pairs']} pairs): "
+                         + ", ".join(f"{key} {'–' if v is None else f'{v:.2f}'}" for key, v in decisions["by_task"].items()))
         lines += [f"  - {reason}" for reason in self.reasons]
         return "\n".join(lines)
 
@@ -100,7 +114,8 @@ def check_gate(val_loss: float, loss_curve: list[tuple[int, float]], predicted: 
                health_events: list[dict[str, Any]] = (), grad_norm_curve: list[tuple[int, float]] = (),
                warmup_steps: int = 0, cfg: ValidateConfig | None = None,
                capabilities: tuple[list[CapabilityRow], list[str]] | None = None,
-               mixture_transfer: dict[str, Any] | None = None, law_run: tuple[str, float] | None = None) -> GateReport:
+               mixture_transfer: dict[str, Any] | None = None, law_run: tuple[str, float] | None = None,
+               decision_accuracy: dict[str, Any] | None = None) -> GateReport:
     """The gate's verdict. `capabilities` is `capability_trend`'s rows and reasons; `mixture_transfer`
     holds `predicted`, `observed` and `spearman` (None with a `note` when there is nothing to rank).
     `law_run` (name, val loss) is the run held to the interval when it is not this one: the run at
@@ -138,7 +153,9 @@ def check_gate(val_loss: float, loss_curve: list[tuple[int, float]], predicted: 
     rows: list[CapabilityRow] = []
     if capabilities is not None:
         rows, capability_reasons = capabilities
-        checks["capabilities_continue"] = all(r.continues for r in rows if r.gated)
+        # A task not trusted at this size (`capabilities.row_trust`) decides nothing.
+        checks["capabilities_continue"] = all(r.continues for r in rows if r.gated and r.trusted is not False)
+        checks["capabilities_not_trusted"] = [r.metric for r in rows if r.gated and r.trusted is False]
         reasons += capability_reasons
     if mixture_transfer is not None:
         rho, floor = mixture_transfer.get("spearman"), cfg.mixture_transfer.min_spearman
@@ -149,4 +166,4 @@ def check_gate(val_loss: float, loss_curve: list[tuple[int, float]], predicted: 
                            f"predicted and observed losses (validate.mixture_transfer.min_spearman={floor:g}); the "
                            "plan's mixture is chosen from a ranking that does not hold here")
     return GateReport(not reasons, val_loss, predicted, reasons, checks, [r.as_dict() for r in rows],
-                      mixture_transfer)
+                      mixture_transfer, decision_accuracy)

@@ -5,6 +5,7 @@ from kiln.tasks.stage import Registry
 from kiln.tasks.stages import (
     anneal,
     anneal_ablation,
+    batch,
     clean,
     collect,
     decontaminate,
@@ -22,7 +23,7 @@ from kiln.tasks.stages import (
 )
 
 STAGE_MODULES = (collect, clean, dedup, decontaminate, tokenize, sweep, fit, mix, validate, train, anneal,
-                 anneal_ablation, evaluate, export, dedup_batch, research)
+                 anneal_ablation, evaluate, export, dedup_batch, batch, research)
 
 REGISTRY = Registry([module.STAGE for module in STAGE_MODULES])
 

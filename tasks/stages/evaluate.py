@@ -22,14 +22,14 @@ from kiln.tasks.evals.report import REPORT_FILE, mlflow_table_tag, write_report
 from kiln.tasks.evals.continuous import current_rows, eval_target, evaluate_checkpoint, plan_evaluations, read_recorded
 from kiln.tasks.evals.ecg import curves
 from kiln.tasks.evals.suite import PRIMARY_METRICS, primary_metric
-from kiln.tasks.evals.trust import Verdict, task_verdicts
+from kiln.tasks.evals.trust import TRUST_FILE, Verdict, task_verdicts
 from kiln.tasks.stage import STATS_FILE, Stage, StageContext
 from kiln.tasks.stages._common import eval_file_paths, suite_eval_files
+from kiln.tasks.scaling.validate import REPORT_FILE as GATE_FILE
 from kiln.tasks.stages.anneal_ablation import ablation_results
 from kiln.tasks.train.checkpoint import BEFORE_PHASE_DIR
 
 BASELINE = "train"  # the report's changes are each model's score minus the trained model's
-TRUST_FILE = "trust.json"  # each task's trust measures and verdict
 
 
 def run(ctx: StageContext) -> dict:
@@ -47,10 +47,12 @@ def run(ctx: StageContext) -> dict:
     for name, branch in ablation_results(ctx.inputs["anneal-ablation"]).items():
         metrics[name] = branch["metrics"]
         results[name] = branch["results"]
-    verdicts = trust_verdicts(ctx, tokenizer, metrics, results[BASELINE])
+    decisions = (ctx.read_json("validate", GATE_FILE).get("decision_accuracy") or {})
+    verdicts = trust_verdicts(ctx, tokenizer, metrics, results[BASELINE], decisions.get("by_task", {}))
     (ctx.out_dir / TRUST_FILE).write_text(json.dumps({t: v.to_json() for t, v in verdicts.items()}, indent=1,
                                                      default=str) + "\n", encoding="utf-8")
-    rows = write_report(ctx.out_dir, results, BASELINE, {t: v.to_json() for t, v in verdicts.items()})
+    rows = write_report(ctx.out_dir, results, BASELINE, {t: v.to_json() for t, v in verdicts.items()},
+                        decision_note(decisions))
     versions = {task: str(version) for task, version in results[BASELINE]["versions"].items()}
     ctx.recorder.tracker.set_tags(ctx.recorder.run_id, {**mlflow_table_tag(),
                                                        **{f"kiln.task_version.{t}": v for t, v in versions.items()}})
@@ -77,10 +79,23 @@ def long_context_extension(ctx: StageContext, tokenizer: Path) -> dict:
                              ctx.inputs["tokenize"])
 
 
-def trust_verdicts(ctx: StageContext, tokenizer: Path, metrics: dict[str, dict], baseline: dict) -> dict[str, Verdict]:
+def decision_note(decisions: dict) -> str | None:
+    """Where the report's decision accuracies come from, or None when the validate stage measured none."""
+    if not decisions.get("by_task"):
+        return None
+    return (f"Decision accuracy (DataDecide): {len(decisions['mixtures'])} mixtures ({', '.join(decisions['mixtures'])}) "
+            f"trained at the sweep's size and again at the validate size (validate's mixture transfer), each scored on "
+            f"the validate gate's tasks; per task, the share of the {decisions['pairs']} pairs whose order at the "
+            "sweep's size holds at the validate size (1: the small runs rank the mixtures as the larger ones do; "
+            "0.5: a coin). Tasks the gate does not score have none.")
+
+
+def trust_verdicts(ctx: StageContext, tokenizer: Path, metrics: dict[str, dict], baseline: dict,
+                   decisions: dict[str, float | None] | None = None) -> dict[str, Verdict]:
     """Score the train stage's last `evaluate.trust.last_k` kept checkpoints not yet scored by continuous eval,
     and judge every local task on its series: those checkpoints and earlier ones scored, the final
-    trained model at the last train step and the annealed one after it."""
+    trained model at the last train step and the annealed one after it. `decisions`: the validate stage's
+    decision accuracy by "task/metric" (`GateReport.decision_accuracy`), shown beside the task's measures."""
     cfg = ctx.cfg
     target = eval_target(cfg.continuous_eval, cfg.evaluate, stage="train", key=ctx.inputs["train"].name,
                          checkpoint_every=cfg.train.run.checkpoint_every, store=ctx.store, tokenizer=tokenizer,
@@ -106,7 +121,8 @@ def trust_verdicts(ctx: StageContext, tokenizer: Path, metrics: dict[str, dict],
         models = [m[f"{task}/{metric}"] for m in metrics.values() if f"{task}/{metric}" in m]
         stderr = (item["ci_high"] - item["ci_low"]) / (2 * 1.96) if item.get("ci_high") is not None else None
         infos[task] = {"level": info["level"], "higher_is_better": PRIMARY_METRICS[metric], "chance": item.get("chance"),
-                       "score": item.get("score"), "models": models, "item_stderr": stderr}
+                       "score": item.get("score"), "models": models, "item_stderr": stderr,
+                       "decision": (decisions or {}).get(f"{task}/{metric}")}
     return task_verdicts({t: sorted(p.items()) for t, p in series.items()}, infos, cfg.evaluate.trust)
 
 
@@ -127,10 +143,12 @@ def headline(stats: dict) -> dict:
 
 # version 3: a column per anneal-ablation branch
 # version 4: categories and levels, intervals, clean scores and each task's trust
+# version 5: each task's decision accuracy from the validate stage's mixture runs (an input now); a limit
+# samples a grouped task by group
 STAGE = Stage(
     name="evaluate", description="lm-eval on the suite by category and level, with intervals, clean scores and trust", body=run,
-    inputs=("anneal", "anneal-ablation", "train", "tokenize", "decontaminate"), config=EvaluateConfig,
-    external_files=suite_eval_files, headline=headline, reports=(REPORT_FILE,), version=4,
+    inputs=("anneal", "anneal-ablation", "train", "tokenize", "decontaminate", "validate"), config=EvaluateConfig,
+    external_files=suite_eval_files, headline=headline, reports=(REPORT_FILE,), version=5,
     # The checkpoints' scores that measure trust are at continuous eval's item limit. Which checkpoints
     # exist (train.run.checkpoint_every, keep_every) and continuous eval's levels are runtime settings: they
     # change the trust measures' inputs, not the scores, and move no key.

@@ -14,11 +14,19 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import Field, PositiveFloat, SerializerFunctionWrapHandler, model_serializer, model_validator
+from pydantic import (
+    Field,
+    PositiveFloat,
+    SerializerFunctionWrapHandler,
+    StringConstraints,
+    model_serializer,
+    model_validator,
+)
 
 from kiln.tasks.configbase import Reference, Section, added_field, runtime_field
+from kiln.tasks.constants import SHARDS_FILE
 from kiln.tasks.errors import ConfigError
 from kiln.tasks.scaling.fit import PLAN_FILE, loss_law_from_dict
 from kiln.tasks.scaling.plan import DataBudget, predicted
@@ -87,6 +95,10 @@ class TrainConfig(Section):
                                                           "sequence length; none: the mix stage's mixture throughout")
     branch: Branch | None = added_field(None, description="go on from another train run's checkpoint (an "
                                                           "adjustment, see `kiln adjust`); None: train from step 0")
+    batches: list[Annotated[str, StringConstraints(pattern=r"^[0-9a-f]+$")]] = added_field(
+        [], description="keys of new data batches (the batch stage's, decontaminated and tokenized) whose documents "
+                        "join their domains from this run's first step: set it in an adjustment (`kiln adjust CONFIG "
+                        "--from-step N train.batches=[KEY]`) and they join after step N")
 
     @model_validator(mode="after")
     def _phases_cover_the_run(self) -> TrainConfig:
@@ -216,9 +228,10 @@ def run(ctx: StageContext) -> dict:
         departures["lr"] = {"plan": plan["lr"], "config": lr}
     (ctx.out_dir / "plan_departures.json").write_text(json.dumps(departures, indent=2))
     optim = cfg.train.optim.model_copy(update={"lr": lr})
-    from kiln.tasks.train.data_schedule import scheduled_mixture  # defers torch
+    from kiln.tasks.train.data_schedule import scheduled_mixture, tokens_by_batch, with_batches  # defers torch
 
-    mixture = scheduled_mixture(plan_mixture(ctx), cfg.train.phases, run_cfg, ctx.out_dir)
+    batches = new_batches(ctx)
+    mixture = with_batches(scheduled_mixture(plan_mixture(ctx), cfg.train.phases, run_cfg, ctx.out_dir), batches)
     branch = cfg.train.branch
     result = run_training(ctx, model, optim, run_cfg, mixture,
                           branch_from=None if branch is None else branch_checkpoint(ctx, branch, run_cfg.steps))
@@ -229,7 +242,45 @@ def run(ctx: StageContext) -> dict:
     stats |= landed(stats)
     if branch is not None:
         stats["branch"] = branch.model_dump()
+    if batches:  # the tokens each new batch gave in each phase (the loader's count)
+        stats["batches"] = {b.name: {"key": key, "tokens_by_phase": tokens}
+                            for b, key, tokens in zip(batches, cfg.train.batches,
+                                                      tokens_by_batch(result.tokens_by_phase, [b.name for b in batches]).values())}
     return stats | against_validate(stats, ctx.read_json("validate", STATS_FILE), plan)
+
+
+def new_batches(ctx: StageContext) -> list:
+    """The `NewBatch` of each key of `train.batches`: a complete batch stage output, decontaminated and tokenized
+    under this run's corpus (the same decontaminate and tokenize keys as the mix it trains on); a ConfigError
+    naming the key otherwise. A batch is eligible only once the batch stage committed it, after its
+    decontamination."""
+    keys = ctx.cfg.train.batches
+    if not keys:
+        return []
+    from kiln.tasks.train.data_schedule import NewBatch  # defers torch
+
+    store = ctx.store
+    tokenize = store.manifest("mix", ctx.inputs["mix"].name)["inputs"].get("tokenize")
+    decontaminate = store.manifest("tokenize", tokenize)["inputs"].get("decontaminate") if tokenize else None
+    out = []
+    for i, key in enumerate(keys):
+        where = f"train.batches[{i}]={key}"
+        if not store.is_complete("batch", key):
+            raise ConfigError(f"{where}: no complete batch of that key in {store.root}; a batch is eligible once the "
+                              "batch stage has decontaminated and tokenized it (`kiln batch PATH --name NAME --domain DOMAIN "
+                              "CONFIG` prints its key)")
+        manifest = store.manifest("batch", key)
+        made = (manifest["inputs"]["tokenize"], manifest["inputs"]["decontaminate"])
+        if made != (tokenize, decontaminate):
+            raise ConfigError(f"{where}: the batch was decontaminated by decontaminate {made[1]} and tokenized by "
+                              f"tokenize {made[0]}, this run's corpus by decontaminate {decontaminate} and tokenize "
+                              f"{tokenize}: run the batch stage again under this run's config")
+        folder = store.path("batch", key) / "tokenize"
+        shards = json.loads((folder / SHARDS_FILE).read_text())
+        out.append(NewBatch(manifest["stats"]["name"], {
+            domain: tuple(folder / shard["path"] for shard in splits["train"]["shards"])
+            for domain, splits in shards["domains"].items() if splits["train"]["num_tokens"]}))
+    return out
 
 
 def branch_checkpoint(ctx: StageContext, branch: Branch, steps: int) -> Path:
@@ -326,6 +377,8 @@ def headline(stats: dict[str, Any]) -> dict[str, Any]:
         out["predicted"] = f"{stats['predicted_val_loss']:.4f} [{low:.4f}, {high:.4f}]"
         out["landed"] = stats["landed"]
     out["vs_validate"] = (f"{'<=' if stats['at_most_validate'] else '>'} {stats['validate_val_loss']:.4f}")
+    for name, batch in stats.get("batches", {}).items():  # the tokens each new batch gave, over its phases
+        out[f"batch {name}"] = sum(batch["tokens_by_phase"].values())
     return out
 
 

@@ -11,15 +11,17 @@ from __future__ import annotations
 
 import json
 from dataclasses import replace
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kiln.tasks.constants import SHARDS_FILE, TOKENIZER_FILE
 from kiln.tasks.errors import TrainingDivergedError
 from kiln.tasks.evals.categories import SuiteConfig
-from kiln.tasks.evals.evaluate import check_wanted_tasks, evaluate_model, suite_task_names
+from kiln.tasks.evals.evaluate import RESULTS_FILE, check_wanted_tasks, evaluate_model, suite_task_names
 from kiln.tasks.ledger import SubRun
 from kiln.tasks.scaling import plots
-from kiln.tasks.scaling.capabilities import ScoredModel, capability_trend
+from kiln.tasks.evals.trust import decision_accuracy_by_key
+from kiln.tasks.scaling.capabilities import ScoredModel, capability_items, capability_trend, primary_metrics
 from kiln.tasks.scaling.fit import PLAN_FILE, loss_law_from_dict
 from kiln.tasks.scaling.sweep import TRIALS_DIR, TRIALS_FILE, best_isoflop_trials, load_trials
 from kiln.tasks.scaling.transfer import choose_transfer_mixtures, transfer_spearman
@@ -60,12 +62,16 @@ def run(ctx: StageContext) -> dict:
     transfer = (mixture_transfer(ctx, plan, optim, result.val_loss) if cfg.validate_.mixture_transfer.num_mixtures
                 else None)
     on_reference = law_run(ctx, plan, transfer)
-    capabilities = None
+    capabilities, decisions = None, None
     if cfg.validate_.capabilities.enabled:
-        capabilities = score_capabilities(ctx, planned["compute"], on_reference[0] if on_reference else None)
+        scored: dict[str, ScoredModel] = {}  # by model folder: each model is scored once
+        capabilities = score_capabilities(ctx, planned["compute"], on_reference[0] if on_reference else None, scored)
+        if transfer and len(transfer["observed"]) >= 2:
+            decisions = mixture_decisions(ctx, transfer, planned["compute"], scored)
     report = check_gate(result.val_loss, result.loss_curve, predicted, health_events=result.health_events,
                         grad_norm_curve=result.grad_norm_curve, warmup_steps=optim.warmup_steps, cfg=cfg.validate_,
-                        capabilities=capabilities, mixture_transfer=transfer, law_run=on_reference)
+                        capabilities=capabilities, mixture_transfer=transfer, law_run=on_reference,
+                        decision_accuracy=decisions)
     (ctx.out_dir / REPORT_FILE).write_text(json.dumps(report.as_dict(), indent=2))
     law = loss_law_from_dict(plan["loss_law"]) if plan["loss_law"] else None
     plots.plot_law(plan["points"], law, plan["runs"], ctx.out_dir / plots.LAW_PLOT,
@@ -102,30 +108,66 @@ def check_capability_tasks(cfg: KilnConfig) -> None:
     check_wanted_tasks(cfg.validate_.capabilities.tasks, suite_task_names(capabilities_eval_config(cfg)))
 
 
-def score_capabilities(ctx: StageContext, midscale_compute: float, reference_run: str | None
-                       ) -> tuple[list[CapabilityRow], list[str]]:
+def score_model(ctx: StageContext, name: str, model_dir: Path, compute: float, scored: dict[str, ScoredModel]
+                ) -> ScoredModel:
+    """The capability suite (`capabilities_eval_config`) on one model, into `capabilities/<name>/`; a model
+    already in `scored` (by folder) is not scored again."""
+    if str(model_dir) in scored:
+        return replace(scored[str(model_dir)], name=name, compute=compute)
+    out = ctx.out_dir / CAPABILITIES_DIR / name.replace("/", "-")
+    out.mkdir(parents=True, exist_ok=True)  # a resumed attempt scores again into it
+    metrics = evaluate_model(capabilities_eval_config(ctx.cfg), model_dir, ctx.inputs["tokenize"] / TOKENIZER_FILE,
+                             out, tasks=ctx.cfg.validate_.capabilities.tasks or None)
+    scored[str(model_dir)] = ScoredModel(name, compute, metrics,
+                                         capability_items(json.loads((out / RESULTS_FILE).read_text(encoding="utf-8"))))
+    return scored[str(model_dir)]
+
+
+def mixture_decisions(ctx: StageContext, transfer: dict[str, Any], midscale_compute: float,
+                      scored: dict[str, ScoredModel]) -> dict[str, Any]:
+    """Decision accuracy (DataDecide) of each capability task: the mixtures trained at the validate size
+    (the transfer runs, the validate run among them) and at the sweep's size (their mixture trials), each
+    scored on the capability suite; per task, the share of pairs of mixtures whose order at the sweep's
+    size holds at the validate size. A mixture without a sweep trial (the regression's optimum) is left out."""
+    sweep_dir = ctx.inputs["sweep"]
+    trials = {t.mixture: t for t in load_trials(sweep_dir / TRIALS_FILE) if t.kind == "mixture" and t.ok}
+    small, large = {}, {}
+    for name in transfer["observed"]:
+        if name not in trials:
+            continue
+        trial = trials[name]
+        large_dir = ctx.out_dir / "model" if name == transfer.get("validate_run_is") else \
+            ctx.out_dir / TRANSFER_DIR / name / "model"
+        large[name] = score_model(ctx, f"{TRANSFER_DIR}/{name}", large_dir, midscale_compute, scored).metrics
+        small[name] = score_model(ctx, trial.name, sweep_dir / TRIALS_DIR / trial.name / "model",
+                                  6.0 * trial.num_params * trial.tokens, scored).metrics
+    by_key = decision_accuracy_by_key(small, large)
+    return {"mixtures": sorted(large), "pairs": len(large) * (len(large) - 1) // 2,
+            "by_task": {key: value for key, value in by_key.items() if key in primary_metrics(next(iter(large.values())))}
+            if large else {}}
+
+
+def score_capabilities(ctx: StageContext, midscale_compute: float, reference_run: str | None,
+                       scored: dict[str, ScoredModel]) -> tuple[list[CapabilityRow], list[str]]:
     """The eval suite (local tasks, `validate.capabilities.limit` items each) on the best proxy of each
     IsoFLOP budget and on the mid-scale model trained on their mixture (`reference_run`, a folder of
     this stage, or the validate run itself when None), and the trend check; the validate run, on
     the plan's other mixture, is scored beside it."""
 
     caps = ctx.cfg.validate_.capabilities
-    eval_cfg = capabilities_eval_config(ctx.cfg)
-    tokenizer = ctx.inputs["tokenize"] / TOKENIZER_FILE
 
-    def score(name: str, model_dir: Any, compute: float) -> ScoredModel:
-        out = ctx.out_dir / CAPABILITIES_DIR / name.replace("/", "-")
-        out.mkdir(parents=True, exist_ok=True)  # a resumed attempt scores again into it
-        return ScoredModel(name, compute, evaluate_model(eval_cfg, model_dir, tokenizer, out, tasks=caps.tasks or None))
+    def score(name: str, model_dir: Path, compute: float) -> ScoredModel:
+        return score_model(ctx, name, model_dir, compute, scored)
 
     sweep_dir = ctx.inputs["sweep"]
     best = best_isoflop_trials(ctx.cfg.sweep, load_trials(sweep_dir / TRIALS_FILE)).values()
     proxies = [score(t.name, sweep_dir / TRIALS_DIR / t.name / "model", 6.0 * t.num_params * t.tokens) for t in best]
     validate = score("validate", ctx.out_dir / "model", midscale_compute)
+    trust = caps.trust  # only trusted tasks decide the gate
     if reference_run is None:
-        return capability_trend(proxies, validate, caps)
+        return capability_trend(proxies, validate, caps, trust=trust)
     return capability_trend(proxies, score(reference_run, ctx.out_dir / reference_run / "model", midscale_compute),
-                            caps, plan_model=validate)
+                            caps, plan_model=validate, trust=trust)
 
 
 def mixture_transfer(ctx: StageContext, plan: dict[str, Any], optim: OptimConfig, validate_loss: float

@@ -19,6 +19,8 @@ from pathlib import Path
 MARKER = "COMPLETE"
 PREFIX = "step_"
 TMP_PREFIX = ".tmp_"
+TRAIN_STATE_FILE = "train_state.json"  # beside a checkpoint's tensors: its step, curves, loader position, mixtures
+METRICS_FILE = "metrics.json"  # a finished run's result, in its folder (`tasks.train.trainer.write_metrics`)
 # beside the checkpoints: the whole model as it stood before each data phase that changed its rotary
 # positions (a context extension), `before_phase/<phase>/`, for the long-context evaluation
 BEFORE_PHASE_DIR = "before_phase"
@@ -77,3 +79,16 @@ def delete_checkpoints_after(root: Path, step: int) -> list[int]:
     for s in later:
         shutil.rmtree(checkpoint_dir(root, s))
     return later
+
+
+def mixture_history(run_folder: Path) -> list:
+    """A train run's mixture history (entries of [steps trained before the mixture applied, its summary]):
+    its finished result's, else its newest checkpoint's (a run still training); [] before either exists."""
+    metrics = run_folder / METRICS_FILE
+    if metrics.is_file():
+        return json.loads(metrics.read_text())["mixture_history"]
+    for step in steps_on_disk(run_folder / "checkpoints"):
+        state = checkpoint_dir(run_folder / "checkpoints", step) / TRAIN_STATE_FILE
+        if state.is_file():
+            return json.loads(state.read_text()).get("mixture_history", [])
+    return []

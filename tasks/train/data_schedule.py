@@ -7,6 +7,13 @@ curriculum shard per domain written under the run's folder: the domain's train d
 the clean stage's quality score, ascending (unscored ones first, as the least known), which the
 loader walks through once over the phase (`tasks.train.data_loader`).
 
+New data batches (`train.batches`, each the batch stage's decontaminated, tokenized output) join the
+same mixture (`with_batches`): in every phase, each batch's documents of a domain are a source of their
+own, `batch/<name>/<domain>`, beside the domain's corpus, and the domain's weight is split between
+them by train tokens, so a batch token is drawn as often as a corpus token of its domain and the
+domain weights stay as configured. A source of its own is what the loader already counts: the
+tokens each batch gave in each phase are in the checkpoint and the stats (`tokens_by_phase`).
+
 A long-context phase (`DataPhase.rope_theta` / `rope_scaling`, `long_documents`) carries its rotary
 settings on its `Phase` (`Phase.rope`: what every phase from the first that set them trains with; the
 trainer gives them to the model when the phase starts) and, with `long_documents`, draws from a
@@ -17,11 +24,13 @@ length-weighted shard per domain under the run's folder (`length_weighted`: each
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
 
-from kiln.tasks.constants import DOC_INDEX_SUFFIX
+from kiln.tasks.constants import BATCH_PREFIX, DOC_INDEX_SUFFIX
 from kiln.tasks.errors import ConfigError, InputError
 from kiln.tasks.train.config import DataPhase, LongDocuments, TrainRunConfig, check_phases
 from kiln.tasks.train.data_loader import DomainSource, Mixture, Phase
@@ -155,3 +164,101 @@ def scheduled_mixture(base: Mixture, phases: list[DataPhase], run: TrainRunConfi
                            long_documents=None if long is None else long.model_dump() | {"by_domain": by_domain}))
     return Mixture(domains=base.domains, dtype=base.dtype, vocab_size=base.vocab_size, eos_id=base.eos_id,
                    phases=tuple(built))
+
+
+@dataclass(frozen=True)
+class NewBatch:
+    """A delivered batch a run may draw from: its name and its train token shards per domain."""
+
+    name: str
+    train: dict[str, tuple[Path, ...]]
+
+
+def batch_source(batch: str, domain: str) -> str:
+    """The loader's name of a batch's documents of one domain (a source of the mixture)."""
+    return f"{BATCH_PREFIX}{batch}/{domain}"
+
+
+def _tokens(paths: tuple[Path, ...], dtype: str) -> int:
+    return sum(p.stat().st_size for p in paths) // np.dtype(dtype).itemsize
+
+
+def with_batches(mixture: Mixture, batches: Sequence[NewBatch], where: str = "train.batches") -> Mixture:
+    """`mixture` with each batch's documents beside their domain's in every phase (and in the mixture of a
+    run without phases), the domain's weight split by train tokens; a ConfigError for a batch of a
+    domain the mixture lacks (its weight would be a new mixture's decision, not a batch's)."""
+    if not batches:
+        return mixture
+    names = [b.name for b in batches]
+    if len(set(names)) != len(names):
+        raise ConfigError(f"{where}: batch names {names} repeat; each batch joins once")
+    for i, batch in enumerate(batches):
+        unknown = sorted(set(batch.train) - set(mixture.domains))
+        if unknown:
+            raise ConfigError(f"{where}[{i}] (batch {batch.name!r}) holds domains {unknown} that the mixture lacks "
+                              f"(it has {sorted(mixture.domains)}): a new domain needs a mixture that weighs it "
+                              "(collect it into the corpus and run mix), not a batch")
+
+    def joined(domains: dict[str, DomainSource]) -> dict[str, DomainSource]:
+        out: dict[str, DomainSource] = {}
+        for name, source in domains.items():
+            parts = [(batch_source(b.name, name), b.train[name]) for b in batches if b.train.get(name)]
+            counts = [_tokens(source.train, mixture.dtype)] + [_tokens(paths, mixture.dtype) for _, paths in parts]
+            total = sum(counts) or 1
+            out[name] = replace(source, weight=source.weight * counts[0] / total)
+            out |= {part: DomainSource(weight=source.weight * count / total, train=paths, val=())
+                    for (part, paths), count in zip(parts, counts[1:])}
+        return out
+
+    return Mixture(domains=joined(mixture.domains), dtype=mixture.dtype, vocab_size=mixture.vocab_size,
+                   eos_id=mixture.eos_id, phases=tuple(replace(p, domains=joined(p.domains)) for p in mixture.phases))
+
+
+def tokens_by_batch(tokens_by_phase: dict[str, dict[str, int]], batches: Sequence[str]) -> dict[str, dict[str, int]]:
+    """The tokens each batch gave in each phase (over every domain), from the loader's per-source count."""
+    out: dict[str, dict[str, int]] = {}
+    for batch in batches:
+        prefix = batch_source(batch, "")
+        out[batch] = {phase: sum(t for source, t in by_source.items() if source.startswith(prefix))
+                      for phase, by_source in tokens_by_phase.items()}
+    return out
+
+
+def _domain_weights(weights: dict[str, float]) -> dict[str, float]:
+    """Weights by domain, each new batch's share (`batch/<name>/<domain>`) folded into its domain's."""
+    out: dict[str, float] = {}
+    for name, weight in weights.items():
+        domain = name.split("/")[2] if name.startswith(BATCH_PREFIX) else name
+        out[domain] = out.get(domain, 0.0) + weight
+    return out
+
+
+def upweighted_phases(phases: list[DataPhase], schedule: list[dict], from_step: int, weights: dict[str, float],
+                      domain: str, factor: float = 2.0) -> list[dict]:
+    """`train.phases` for an adjustment from `from_step` that trains the rest of the run on the mixture of
+    the phase holding `from_step`, with `domain` weighted `factor` times (a domain at weight 0 gets the
+    mean weight of the others): the phases before it as they ran, each ending at its last step, the one
+    holding `from_step` ending there, then the new phase `more-<domain>` to the end.
+
+    `schedule` is the running schedule's phases (`Phase.summary`: steps and weights), [] for a run
+    without one; `weights` the mixture's domain weights (a run without phases trains on them)."""
+    out: list[dict] = []
+    current = dict(weights)
+    for phase, ran in zip(phases, schedule):
+        if ran["first_step"] > from_step:
+            break
+        entry = phase.model_dump(exclude_none=True, exclude_defaults=True, exclude={"name", "until_tokens"})
+        out.append({"name": phase.name, **entry, "until_step": min(ran["last_step"], from_step)})
+        current = ran["weights"]
+    if not out:
+        out = [{"name": "main", "until_step": from_step}]
+    current = _domain_weights(current)
+    others = [w for d, w in current.items() if d != domain and w > 0]
+    boosted = current.get(domain, 0.0) * factor or (sum(others) / len(others) if others else 1.0)
+    mixture = {d: round(boosted if d == domain else w, 4) for d, w in {**current, domain: 0.0}.items()}
+    name, names = f"more-{domain}", {p["name"] for p in out}
+    while name in names:
+        name += "-2"
+    new = {"name": name, "mixture": {d: w for d, w in mixture.items() if w > 0}}
+    seq_len = out[-1].get("seq_len")
+    return out + [new | ({"seq_len": seq_len} if seq_len else {})]

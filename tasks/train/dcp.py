@@ -33,13 +33,13 @@ from kiln.tasks.errors import InputError
 from kiln.tasks.train.checkpoint import (
     MARKER,
     TMP_PREFIX,
+    TRAIN_STATE_FILE,
     checkpoint_dir,
     commit_checkpoint,
     sha256_file,
     steps_on_disk,
 )
 
-TRAIN_STATE_FILE = "train_state.json"
 # optimizer state keyed by parameter name (torchtitan's choice): param groups differ between
 # layouts and pipeline stages, so DCP's default keying by group index cannot reshard across them
 FLAT_OPTIMIZER = StateDictOptions(flatten_optimizer_state_dict=True)

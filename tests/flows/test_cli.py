@@ -263,6 +263,13 @@ def test_status_shows_continuous_eval_per_series(in_repo, tmp_path, capsys):
     assert (f"  train   {keys['train']}  scored 2 (20, 40), pending 1 (60), missed 0; open regressions: {code} "
             "bits_per_byte since step 40 (3.61 against its best 3.06 at step 20)") in out
     assert f"  anneal  {keys['anneal']}  the stage has not started" in out
+    # Once the evaluate stage has judged the task not trusted, its regression is no longer an open one.
+    trust_file = store.path("evaluate", keys["evaluate"]) / "trust.json"
+    trust_file.parent.mkdir(parents=True)
+    trust_file.write_text(json.dumps({code: {"trusted": False, "reasons": ["SNR 0.50 < 2.0"]}}))
+    assert main(args) == 0
+    assert "pending 1 (60), missed 0; open regressions: none" in capsys.readouterr().out
+    trust_file.unlink()
     train.state_file.write_text("".join(json.dumps(row) + "\n" for row in rows if row["step"] == 40))
     assert main(args) == 0
     assert ("scored 1 (40), pending 1 (60), missed 1 (20) (pruned before scoring: train.run.keep_every keeps "

@@ -7,9 +7,9 @@ import argparse
 
 from kiln.flows.cli import NO_CONFIG_COMMANDS, _load, _parse_intermixed, build_parser
 
-FIRST = {"stage": "collect", "lineage": "collect", "inspect": "clean", "dedup-batch": "batch.jsonl",
+FIRST = {"stage": "collect", "lineage": "collect", "inspect": "clean", "dedup-batch": "batch.jsonl", "batch": "june",
          "export": "anneal", "slurm": "status"}  # the commands whose first argument is no config
-REQUIRED = {"export": ["--out", "hf"], "adjust": ["--from-step", "10"]}
+REQUIRED = {"export": ["--out", "hf"], "adjust": ["--from-step", "10"], "batch": ["--name", "june", "--domain", "web"]}
 
 
 def _commands() -> dict[str, argparse.ArgumentParser]:

@@ -31,6 +31,8 @@ _ROLLBACK = "read when a loss anomaly rolls the run back: tests/tasks/train/test
 ALLOWED = {
     "dedup_batch": "the dedup-batch stage (`kiln dedup-batch`), outside the pipeline: tests/flows/test_pipeline.py",
     "dedup_batch.batch": "the dedup-batch stage (`kiln dedup-batch`), outside the pipeline: tests/flows/test_pipeline.py",
+    **{name: "the batch stage (`kiln stage batch`), outside the pipeline: tests/flows/test_batches.py"
+       for name in ("batch", "batch.name", "batch.sources")},
     "train.optim.decay_fraction": _WSD,
     "sweep.optim.decay_fraction": _WSD,
     **{f"cluster.{field}": "read by the torchrun launcher (train.parallel above one process, or cluster.launcher="

@@ -439,3 +439,26 @@ def test_normalize_deletes_every_punctuation_code_point_and_collapses_every_whit
             expected = " ".join(expected.split())
         assert dedup.normalize(text, cfg) == expected, text
     assert dedup.normalize("¡Hola!  ¿Qué\u00a0tal?", DedupConfig()) == "hola qué tal"
+
+
+def test_shards_written_by_worker_processes_are_committed_without_being_read_again(tmp_path, monkeypatch):
+    # issue 34: each rank hashes its shards as it writes them, in its own worker process; its ledger record
+    # carries the digests to this process, whose commit lists them without reading the shards again
+    from kiln.tasks import store as store_module
+
+    copies = [_doc(f"d{i}", GPL_PREAMBLE[i % 4]) for i in range(20)]
+    distinct = [_doc(f"u{i}", " ".join(f"word{i * j}" for j in range(40))) for i in range(20)]
+    docs = [doc for pair in zip(copies, distinct) for doc in pair]  # both shards keep and remove some
+    inputs = shard_paths(write_stage(tmp_path / "in", docs, 2))
+    store = store_module.Store(tmp_path / "store")
+    out = store.begin("dedup", "k")
+    stats = dedup_documents(DedupConfig(num_workers=2), inputs, out)
+    assert (stats["num_kept"], stats["num_removed"]) == (24, 16)
+    real_sha256, read = store_module.file_sha256, []
+    monkeypatch.setattr(store_module, "file_sha256", lambda path: read.append(path) or real_sha256(path))
+    final = store.commit("dedup", "k", {"stats": {}})
+    shards = [p.relative_to(final).as_posix() for kind in KINDS for p in sorted((final / kind).glob("*"))]
+    assert len(shards) == 4  # kept and removed, two shards each
+    assert not {p.relative_to(out).as_posix() for p in read} & set(shards)
+    monkeypatch.undo()
+    assert store.problems("dedup", "k", checksums=True) == []  # the digests listed are the files' own

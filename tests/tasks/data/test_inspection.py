@@ -82,3 +82,14 @@ def test_kiln_inspect_prints_samples_with_their_reasons(tmp_path, capsys, monkey
     assert main(["inspect", "collect", TOY, work, sources, "--reason", "gopher_quality"]) == 0
     assert "removed by filter: licence_not_allowed; domains: prose" in capsys.readouterr().out
     assert main(["inspect", "clean", TOY, work, sources]) == 2  # not run yet: says how to run it
+
+
+def test_loguru_computes_its_library_folders_once_a_process():
+    # issue 34: each loguru sink's exception formatter asked sysconfig for ~40 paths, three sinks a rank;
+    # `datatrove_logs` caches loguru's private `ExceptionFormatter._get_lib_dirs`: this fails on a loguru without it
+    from loguru._better_exceptions import ExceptionFormatter
+
+    assert hasattr(ExceptionFormatter._get_lib_dirs, "cache_info")
+    first, second = ExceptionFormatter(), ExceptionFormatter()
+    assert first._lib_dirs == second._lib_dirs == ExceptionFormatter._get_lib_dirs.__wrapped__()
+    assert ExceptionFormatter._get_lib_dirs.cache_info().hits >= 1

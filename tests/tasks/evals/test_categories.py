@@ -34,7 +34,7 @@ def scored(tmp_path_factory: pytest.TempPathFactory) -> dict:
     started = time.perf_counter()
     metrics = evaluate_model(cfg, root / "model", root / "tokenizer.json", root / "out")
     wall = time.perf_counter() - started
-    return {"cfg": cfg, "metrics": metrics, "wall": wall,
+    return {"cfg": cfg, "metrics": metrics, "wall": wall, "out": root / "out",
             "results": json.loads((root / "out" / RESULTS_FILE).read_text()), "tokenizer": tokenizer}
 
 
@@ -46,16 +46,24 @@ def test_every_category_and_level_is_scored(scored):
                   ("coding", "proxy"), ("coding", "production"), ("multilingual", "proxy"), ("multilingual", "mid"),
                   ("long_context", "proxy"), ("long_context", "mid"), ("long_context", "production"),
                   ("safety", "mid"), ("safety", "production")}
-    # One row per language of the bundled multilingual set: bits per byte and a choice task (the limit of 4
-    # items per task is below the 12 languages: the first 4, interleaved, cover 4 languages).
+    # One row per language of the bundled multilingual set: bits per byte and a choice task. The limit of 4
+    # items per task is below the 12 languages: a grouped task is sampled by group, one item of each language.
     m = scored["metrics"]
-    for lang in LANGUAGES[:4]:
+    for lang in LANGUAGES:
         assert 0 < m[f"kiln_multilingual[{lang}]/bits_per_byte"] < 20
         assert 0 <= m[f"kiln_multilingual_choice[{lang}]/acc_norm"] <= 1
-    m = scored["metrics"]
+    items = scored["results"]["kiln_item_scores"]
+    for task in ("kiln_multilingual", "kiln_multilingual_choice"):
+        assert m[f"{task}/num_docs"] == 12
+        assert {g: s["num_items"] for g, s in items[task]["groups"].items()} == dict.fromkeys(LANGUAGES, 1)
+    # An ungrouped task scores its first 4; the 4 position buckets one item each.
+    assert m["kiln_reasoning/num_docs"] == 4 and m["kiln_position/num_docs"] == 4
     assert 0 <= m["kiln_coding_pass1/pass_at_1"] <= 1 and m["kiln_coding_pass1/num_docs"] == 4
     assert m["kiln_bias_pairs/stereotype_preference"] in (0, 0.25, 0.5, 0.75, 1)
     assert 0 <= m["kiln_toxicity/toxic_share"] <= 1 and 0 <= m["kiln_toxicity/toxicity"] <= 1
+    # The classifier (128 MB) is not kept: the suite's items are, and it is trained again from them.
+    assert not (scored["out"] / "tasks" / "toxicity.ftz").exists()
+    assert (scored["out"] / "tasks" / "kiln_toxicity.yaml").is_file()
     for bucket in ("tokens 0-16", "tokens 16-32", "tokens 32-48", "tokens 48-64"):
         assert m[f"kiln_position[{bucket}]/bits_per_byte"] > 0
     # The names the stage lists without a model are the names it scores, and those it could not build here.

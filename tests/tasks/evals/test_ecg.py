@@ -7,7 +7,17 @@ import math
 
 import pytest
 
-from kiln.tasks.evals.ecg import Curve, RegressionEvent, Score, all_events, curves, noise, open_regressions, plot_ecg
+from kiln.tasks.evals.ecg import (
+    Curve,
+    RegressionEvent,
+    Score,
+    all_events,
+    curves,
+    noise,
+    open_regressions,
+    plot_ecg,
+    trusted_events,
+)
 
 
 def rows(task: str, values: dict[int, dict[str, float]]) -> dict[tuple[int, str], dict]:
@@ -86,6 +96,21 @@ def test_a_sustained_rise_in_bits_per_byte_is_one_regression_and_one_clearing():
     assert all_events(curves(recovered), None, 0.05) == []  # regression_sigmas: null turns it off
 
 
+def test_a_task_judged_not_trusted_raises_no_regression_alert_and_is_named():
+    # The same rise on two tasks: one the evaluate stage trusts, one it does not, one it has not judged.
+    rise = {300: 3.40, 600: 3.06, 900: 3.10, 1200: 3.25}
+    series = curves({**rows("kiln_heldout_code", {s: {"bits_per_byte": v, "num_docs": 10} for s, v in rise.items()}),
+                     **rows("kiln_position", {s: {"bits_per_byte": v, "num_docs": 10} for s, v in rise.items()}),
+                     **rows("kiln_new", {s: {"bits_per_byte": v, "num_docs": 10} for s, v in rise.items()})})
+    events = all_events(series, 2.0, 0.05)
+    assert [e.task for e in events] == ["kiln_heldout_code", "kiln_new", "kiln_position"]
+    kept, left_out = trusted_events(events, {"kiln_heldout_code": True, "kiln_position": False})
+    assert [e.task for e in kept] == ["kiln_heldout_code", "kiln_new"] and left_out == ["kiln_position"]
+    assert open_regressions(kept) == kept
+    # Before the evaluate stage has judged anything, every task alerts.
+    assert trusted_events(events, {}) == (events, [])
+
+
 def test_the_plot_has_a_panel_per_task_and_the_anneal_curve_after_trainings(tmp_path):
     series = curves({**rows("kiln_heldout", {10: {"bits_per_byte": 3.0}, 20: {"bits_per_byte": 2.5},
                                              30: {"bits_per_byte": 2.9}, 40: {"bits_per_byte": 2.55}}),
@@ -98,4 +123,4 @@ def test_the_plot_has_a_panel_per_task_and_the_anneal_curve_after_trainings(tmp_
                                                          0.1, 10))])
     data = path.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
-    assert [p.name for p in path.parent.iterdir()] == ["ecg.png"]  # written whole, then renamed
+    assert sorted(p.name for p in path.parent.iterdir()) == ["ecg.json", "ecg.png"]  # written whole, then renamed; its data beside it

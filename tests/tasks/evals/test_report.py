@@ -74,8 +74,9 @@ def test_grouped_rows_intervals_clean_scores_and_trust_per_category(tmp_path):
         "kiln_multilingual": {"metric": "bits_per_byte", "score": 3.0, "ci_low": 2.8, "ci_high": 3.2, "clean_score": 3.0,
                               "groups": {"de": group, "ja": {**group, "score": 3.1}}}}
     trust = {"kiln_heldout_choice": {"trusted": False, "reasons": ["SNR 0.50 < 2.0"], "snr": 0.5},
-             "kiln_multilingual": {"trusted": True, "reasons": [], "snr": 12.0}}
-    rows = write_report(tmp_path, {"train": train}, baseline="train", trust=trust)
+             "kiln_multilingual": {"trusted": True, "reasons": [], "snr": 12.0, "decision_accuracy": 2 / 3}}
+    rows = write_report(tmp_path, {"train": train}, baseline="train", trust=trust,
+                        decision_note="Decision accuracy: from 3 mixtures at two sizes.")
     by = {(r["task"], r["metric"]): r for r in rows}
     choice = by[("kiln_heldout_choice", "acc_norm")]
     assert (choice["category"], choice["level"], choice["score"], choice["ci_low"], choice["ci_high"],
@@ -87,3 +88,13 @@ def test_grouped_rows_intervals_clean_scores_and_trust_per_category(tmp_path):
     assert markdown.index("## general") < markdown.index("## multilingual")
     assert "- `kiln_heldout_choice`: SNR 0.50 < 2.0" in markdown
     assert "| kiln_multilingual[de] | proxy | bits_per_byte ↓ | 1+cccc | – | 4 | 2.9000 | 2.500–3.300 | 2.9000 | 12.00 | yes |" in markdown
+    # The decision accuracy: a column of the table, and a table of its own (one row per task, not per group).
+    assert by[("kiln_multilingual", "bits_per_byte")]["decision_accuracy"] == pytest.approx(2 / 3)
+    assert by[("kiln_heldout_choice", "acc_norm")]["decision_accuracy"] is None
+    trust["kiln_heldout_choice"]["decision_accuracy"] = 0.5  # the main metric's row only, not acc's
+    rows = write_report(tmp_path, {"train": train}, baseline="train", trust=trust, decision_note="From 3 mixtures.")
+    assert [(r["task"], r["metric"]) for r in rows if r["decision_accuracy"] is not None] == [
+        ("kiln_heldout_choice", "acc_norm"), ("kiln_multilingual", "bits_per_byte")]
+    assert markdown.split("## Decision accuracy\n\n")[1].startswith(
+        "Decision accuracy: from 3 mixtures at two sizes.\n\n| task | metric | decision accuracy |\n|---|---|---:|\n"
+        "| kiln_multilingual | bits_per_byte | 0.67 |\n")

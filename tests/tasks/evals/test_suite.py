@@ -19,6 +19,7 @@ from kiln.tasks.evals.suite import (
     choice_items,
     lines_items,
     primary_metric,
+    selected_items,
 )
 
 REPO = Path(__file__).resolve().parents[3]
@@ -120,8 +121,27 @@ def test_contamination_rate_of_a_task_is_the_share_of_its_items_from_found_docum
     found = Contamination(rates={"hellaswag": 0.25}, contaminated_ids={"kiln_heldout": leaked})
     bpb, choice = suite
     assert found.rate(bpb) == 3 / 63 and found.rate(choice) == 6 / 126
-    assert found.rate(bpb, num_items=10) == 0.0  # the first ten documents are not among them
+    assert found.rate(bpb, limit=10) == 0.0  # the first ten documents are not among them
     assert found.rate("hellaswag") == 0.25 and found.rate("piqa") is None
+
+
+def test_a_limit_samples_a_grouped_task_by_group_so_every_group_is_scored():
+    # 12 languages of 4 items each, interleaved as the multilingual builder writes them, then one more
+    # language (xx) with a single item at the end.
+    langs = [f"l{n:02d}" for n in range(12)]
+    groups = [lang for _ in range(4) for lang in langs] + ["xx"]
+    assert selected_items(groups, 49, None) == list(range(49))
+    assert selected_items(groups, 49, 100) == list(range(49))
+    # Below the number of groups: one item of each of the 13 groups, the last group's too.
+    assert selected_items(groups, 49, 10) == [*range(12), 48]
+    # 26: a first round of 13 (xx's only item among them), a second of 12, and the third round's first.
+    picked = [groups[i] for i in selected_items(groups, 49, 26)]
+    assert len(picked) == 26 and {g: picked.count(g) for g in ("l00", "l01", "l11", "xx")} == \
+        {"l00": 3, "l01": 2, "l11": 2, "xx": 1}
+    # Groups of unequal size and out of order: still one of each at the smallest limit.
+    assert selected_items(["a", "a", "a", "b", "c", "c"], 6, 2) == [0, 3, 4]
+    # An ungrouped task: its first `limit` items.
+    assert selected_items(["", "", "", ""], 4, 2) == [0, 1] and selected_items((), 4, 3) == [0, 1, 2]
 
 
 def test_the_standard_suite_is_selectable_and_fails_at_once_offline(monkeypatch):

@@ -12,6 +12,7 @@ from kiln.tasks.evals.trust import (
     TrustConfig,
     checkpoint_noise,
     decision_accuracy,
+    decision_accuracy_by_key,
     judge,
     margin_above_random,
     measure,
@@ -79,3 +80,26 @@ def test_margin_and_decision_accuracy():
     assert decision_accuracy(small, {"a": 10.0, "b": 20.0, "c": 30.0}) == 1.0
     assert decision_accuracy(small, {"a": 10.0, "b": 30.0, "c": 20.0}) == pytest.approx(2 / 3)
     assert decision_accuracy(small, {"a": 1.0}) is None
+
+
+def test_decision_accuracy_per_task_on_synthetic_rankings_with_a_known_answer():
+    # Four mixtures (6 pairs). At the large size bits per byte orders them m1 < m2 < m3 < m4 on both tasks.
+    large = {m: {"prose/bits_per_byte": v, "code/bits_per_byte": v + 1} for m, v in
+             (("m1", 2.0), ("m2", 2.1), ("m3", 2.2), ("m4", 2.3))}
+    # The small size: "prose" keeps the whole order (6 of 6 pairs); "code" swaps m1 and m2 and m3 and m4
+    # (4 of 6 pairs hold); "choice" is scored at one size only (no decision); m5 ran small only (left out).
+    small = {"m1": {"prose/bits_per_byte": 3.0, "code/bits_per_byte": 4.1, "choice/acc": 0.3},
+             "m2": {"prose/bits_per_byte": 3.2, "code/bits_per_byte": 4.0, "choice/acc": 0.4},
+             "m3": {"prose/bits_per_byte": 3.3, "code/bits_per_byte": 4.6, "choice/acc": 0.5},
+             "m4": {"prose/bits_per_byte": 3.9, "code/bits_per_byte": 4.5, "choice/acc": 0.6},
+             "m5": {"prose/bits_per_byte": 1.0, "code/bits_per_byte": 1.0}}
+    assert decision_accuracy_by_key(small, large) == {"prose/bits_per_byte": 1.0, "code/bits_per_byte": 4 / 6}
+    # A fully reversed small-scale ranking: every decision wrong.
+    reversed_small = {m: {"prose/bits_per_byte": -v["prose/bits_per_byte"]} for m, v in large.items()}
+    assert decision_accuracy_by_key(reversed_small, large) == {"prose/bits_per_byte": 0.0}
+    # Random rankings of 8 mixtures agree on about half the pairs (28 pairs a draw, 200 draws).
+    rng = random.Random(0)
+    names = [f"m{i}" for i in range(8)]
+    big = {m: {"t/acc": float(i)} for i, m in enumerate(names)}
+    shares = [decision_accuracy_by_key({m: {"t/acc": rng.random()} for m in names}, big)["t/acc"] for _ in range(200)]
+    assert abs(sum(shares) / len(shares) - 0.5) < 0.03

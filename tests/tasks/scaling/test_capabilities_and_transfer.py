@@ -89,6 +89,54 @@ def test_a_midscale_model_worse_than_the_best_proxy_fails_the_gate_and_says_why(
     assert "(BREAKS the trend vs best proxy 2.6000)" in report.describe()
 
 
+def with_items(model: ScoredModel, bpb_stderr: float, task: str = "kiln_heldout") -> ScoredModel:
+    """`model` with what its results say of the items: the held-out bits per byte's standard error."""
+    return ScoredModel(model.name, model.compute, model.metrics,
+                       {task: {"level": "proxy", "chance": None, "stderr": bpb_stderr},
+                        "kiln_heldout_choice": {"level": "mid", "chance": 0.25, "stderr": 0.15}})
+
+
+def test_only_a_trusted_task_decides_the_gate_and_the_report_says_so():
+    trust = CapabilityConfig().trust
+    # Proxies 0.4 apart (3.0 .. 2.6), steadily better with compute. Items' standard error 0.05: SNR 8, trusted;
+    # a mid-scale model worse than the best proxy fails the gate.
+    proxies = [with_items(p, 0.05) for p in PROXIES]
+    rows, reasons = capability_trend(proxies, with_items(midscale(2.7), 0.05), CapabilityConfig(), trust=trust)
+    bpb, acc = rows
+    assert bpb.trusted is True and bpb.trust["snr"] == pytest.approx(8.0) and bpb.trust["monotonicity"] == 1.0
+    assert len(reasons) == 1 and not check_gate(3.0, CURVE, None, capabilities=(rows, reasons)).passed
+    # The choice task: signal 0.2 over a standard error of 0.15 (SNR 1.33 < 2): not trusted (it is not gated anyway).
+    assert acc.trusted is False and acc.trust["reasons"] == ["SNR 1.33 < 2.0"]
+    # Noisy items (standard error 0.25 on the mid-scale model, the largest counts): SNR 1.6 < 2, so the same
+    # broken trend decides nothing; the gate passes and its report says which metric it left out and why.
+    rows, reasons = capability_trend(proxies, with_items(midscale(2.7), 0.25), CapabilityConfig(), trust=trust)
+    assert rows[0].trusted is False and rows[0].trust["reasons"] == ["SNR 1.60 < 2.0"] and reasons == []
+    report = check_gate(3.0, CURVE, None, capabilities=(rows, reasons))
+    assert report.passed and report.checks["capabilities_continue"] is True
+    assert report.checks["capabilities_not_trusted"] == ["kiln_heldout/bits_per_byte"]
+    text = report.describe()
+    assert "(BREAKS the trend vs best proxy 2.6000; not trusted: decides nothing)" in text
+    assert "      not trusted: SNR 1.60 < 2.0" in text
+    assert "gated metrics of tasks not trusted at this size, left out of the gate: kiln_heldout/bits_per_byte" in text
+    # Proxies that do not improve with compute (Spearman -0.5 < 0.5) are not trusted either.
+    flat = [ScoredModel(p.name, p.compute, {**p.metrics, "kiln_heldout/bits_per_byte": v}, with_items(p, 0.01).items)
+            for p, v in zip(PROXIES, [2.8, 2.6, 2.9], strict=True)]
+    rows, reasons = capability_trend(flat, with_items(midscale(3.5), 0.01), CapabilityConfig(), trust=trust)
+    assert rows[0].trust["reasons"] == ["monotonicity (Spearman vs compute) -0.50 < 0.5"] and reasons == []
+    # Without item scores (or without thresholds) a row is not judged and gates as before.
+    rows, reasons = capability_trend(PROXIES, midscale(2.7), CapabilityConfig(), trust=trust)
+    assert rows[0].trusted is None and len(reasons) == 1
+
+
+def test_the_gate_report_shows_each_tasks_decision_accuracy():
+    decisions = {"mixtures": ["a", "b", "uniform"], "pairs": 3,
+                 "by_task": {"kiln_heldout/bits_per_byte": 2 / 3, "kiln_heldout_choice/acc_norm": None}}
+    report = check_gate(3.0, CURVE, None, decision_accuracy=decisions)
+    assert report.as_dict()["decision_accuracy"] == decisions
+    assert ("  decision accuracy (the order of 3 mixtures at the sweep's size holding at this size, 3 pairs): "
+            "kiln_heldout/bits_per_byte 0.67, kiln_heldout_choice/acc_norm –") in report.describe()
+
+
 def test_the_tolerance_is_relative_to_the_best_proxy():
     # 2.6 x 1.02 = 2.652
     assert capability_trend(PROXIES, midscale(2.65), CapabilityConfig(tolerance=0.02))[1] == []
