@@ -542,6 +542,18 @@ def cmd_batch(ns: argparse.Namespace) -> int:
 def cmd_research(ns: argparse.Namespace) -> int:
     """Run (or reuse) the research stage, print its decision table, and with --promote write the production
     config with that variant applied."""
+    cfg, config_path, overrides = _load(ns)
+    keys, store = stage_keys(cfg), Store(cfg.store_root)
+    missing = [name for name in REGISTRY["research"].inputs if not store.is_complete(name, keys[name])]
+    if missing:  # a fresh clone: the study trains on the config's own data, made first as `kiln run` makes it
+        command = " ".join(["kiln run", *([config_path] if config_path else []), "--until", missing[-1]])
+        print(f"kiln research: {', '.join(missing)} is not in {store.root} yet: running the data stages it needs "
+              f"first (`{command}`)", file=sys.stderr)
+        prepare_environment(cfg)
+        from kiln.flows.pipeline import pipeline, summary_table  # defers prefect
+
+        with _prefect_quiet():
+            print(summary_table([StageOutcome(**o) for o in pipeline(config_path, overrides, missing[-1])]))
     outcome = _run_one_stage("research", ns)
     folder = Path(outcome.path)
     decision = json.loads((folder / RESEARCH_DECISION).read_text())
@@ -550,7 +562,6 @@ def cmd_research(ns: argparse.Namespace) -> int:
     if not decision["lr_sweep"]:
         print("warning: research.lr_sweep is empty: every variant trained at the baseline's learning rate")
     if ns.promote:
-        cfg, config_path, _ = _load(ns)
         written = promoted_config(Path(config_path), folder / RESEARCH_DECISION, ns.promote, outcome.key,
                                   isinstance(cfg.train.model, ModelConfig))
         print(f"production config with {ns.promote} applied: {written}")

@@ -39,6 +39,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from pydantic import Field, ValidationError, model_validator
 
 from kiln.tasks.configbase import Section, runtime_field
@@ -335,9 +336,31 @@ def variant_costs(study: Study, name: str, vocab_size: int, runs: dict[tuple[str
             "decode_tokens_per_s": measure_decode(model, vocab_size, study.cfg.decode_tokens)}
 
 
-def decide_study(study: Study, runs: dict[tuple[str, str, int], TrialResult], bytes_per_token: float
-                 ) -> dict[str, Any]:
-    """The decision document: the noise floor, and per variant its decision, effects and trend."""
+def bytes_per_token_by_domain(shards: dict, shards_root: Path, tokenizer_file: Path) -> dict[str, float]:
+    """UTF-8 bytes per token of each domain's validation split (the text its loss is measured on), by
+    decoding its shards with the tokenizer (byte-level BPE: the decoded bytes are the text's; EOS adds
+    none). Each domain's bits per byte divides by its own: code and other languages fit a different
+    number of bytes in a token than prose, so one corpus-wide ratio would misstate them."""
+    from tokenizers import Tokenizer  # defers tokenizers
+
+    tokenizer = Tokenizer.from_file(str(tokenizer_file))
+    out: dict[str, float] = {}
+    for domain, splits in shards["domains"].items():
+        num_bytes = num_tokens = 0
+        for shard in splits["val"]["shards"]:
+            ids = np.fromfile(shards_root / shard["path"], dtype=shards["dtype"])
+            num_bytes += len(tokenizer.decode(ids.tolist(), skip_special_tokens=True).encode("utf-8"))
+            num_tokens += len(ids)
+        if num_tokens:
+            out[domain] = num_bytes / num_tokens
+    return out
+
+
+def decide_study(study: Study, runs: dict[tuple[str, str, int], TrialResult],
+                 bytes_per_token: float | dict[str, float]) -> dict[str, Any]:
+    """The decision document: the noise floor, and per variant its decision, effects and trend.
+    `bytes_per_token` converts a domain's loss difference to bits per byte: one ratio, or one per
+    domain (`bytes_per_token_by_domain`)."""
     scale_flops = {study.scale_name(s): s.flops for s in study.scales}
     seeds = range(study.cfg.seeds)
 
@@ -358,7 +381,8 @@ def decide_study(study: Study, runs: dict[tuple[str, str, int], TrialResult], by
                      if (name, scale, k) in runs and (BASELINE, scale, k) in runs
                      and runs[(name, scale, k)].ok and runs[(BASELINE, scale, k)].ok]
             for domain in sorted(pairs[0][1].val_loss_by_domain) if len(pairs) >= 2 else []:
-                diffs = [(v.val_loss_by_domain[domain] - b.val_loss_by_domain[domain]) / (math.log(2) * bytes_per_token)
+                ratio = bytes_per_token[domain] if isinstance(bytes_per_token, dict) else bytes_per_token
+                diffs = [(v.val_loss_by_domain[domain] - b.val_loss_by_domain[domain]) / (math.log(2) * ratio)
                          for v, b in pairs]
                 bpb.setdefault(domain, {})[scale] = asdict(paired_interval(diffs, study.cfg.alpha))
         diverged = sum(1 for (v, _, _), r in runs.items() if v == name and not r.ok)
@@ -366,7 +390,8 @@ def decide_study(study: Study, runs: dict[tuple[str, str, int], TrialResult], by
                      "runs_not_ok": diverged}
     return {"noise_floor": floor, "alpha": study.cfg.alpha, "production_flops": study.production_flops,
             "scales": {s: {"flops": c} for s, c in scale_flops.items()}, "seeds": study.cfg.seeds,
-            "budget_matched_by": "tokens", "lr_sweep": study.cfg.lr_sweep, "variants": out}
+            "budget_matched_by": "tokens", "lr_sweep": study.cfg.lr_sweep,
+            "bytes_per_token": bytes_per_token, "variants": out}
 
 
 def decision_table(decision: dict[str, Any]) -> str:

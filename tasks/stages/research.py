@@ -13,7 +13,7 @@ import json
 import math
 import time
 
-from kiln.tasks.constants import SHARDS_FILE
+from kiln.tasks.constants import SHARDS_FILE, TOKENIZER_FILE
 from kiln.tasks.errors import ConfigError
 from kiln.tasks.scaling.plots import plot_research_gap, plot_research_loss
 from kiln.tasks.scaling.research import (
@@ -24,6 +24,7 @@ from kiln.tasks.scaling.research import (
     REPORT_FILE,
     RUNS_FILE,
     ResearchConfig,
+    bytes_per_token_by_domain,
     chosen_runs,
     decide_study,
     resolve_study,
@@ -32,7 +33,7 @@ from kiln.tasks.scaling.research import (
     write_report,
 )
 from kiln.tasks.scaling.trial_runs import JOBS_DIR, JobTrials, PoolTrials
-from kiln.tasks.stage import STATS_FILE, Stage, StageContext
+from kiln.tasks.stage import Stage, StageContext
 from kiln.tasks.train.config import ModelConfig
 
 
@@ -69,7 +70,8 @@ def run(ctx: StageContext) -> dict:
         [{"variant": r.variant, "scale": r.scale, "seed": r.seed, "lr_multiplier": r.multiplier, **vars(res)}
          for r, res in runs], indent=1))
     chosen = chosen_runs(runs)
-    decision = decide_study(study, chosen, ctx.read_json("tokenize", STATS_FILE)["bytes_per_token"])
+    tokenize = ctx.inputs["tokenize"]
+    decision = decide_study(study, chosen, bytes_per_token_by_domain(shards, tokenize, tokenize / TOKENIZER_FILE))
     vocab = shards["vocab_size"]
     decision["baseline"] = variant_costs(study, BASELINE, vocab, chosen)
     for name in cfg.variants:
@@ -105,5 +107,5 @@ STAGE = Stage(
     name="research", description="model and objective variants against the baseline across proxy sizes and seeds",
     body=run, inputs=("tokenize",), config=ResearchConfig,
     reads=("sweep", "fit.budget_flops", "train.model", "train.run"),
-    version=1, resumable=True, headline=headline, reports=(REPORT_FILE,), in_pipeline=False,
+    version=2, resumable=True, headline=headline, reports=(REPORT_FILE,), in_pipeline=False,
 )

@@ -1,11 +1,17 @@
 """A research study at tiny sizes on CPU, on a first-order Markov corpus (each token has 2 possible
 successors, so a model can learn it in a few hundred steps): a null variant comes out inconclusive, a
-crippling weight decay is rejected, a 4x deeper model is promoted; a study killed mid-way trains only
-its unfinished runs when run again; the costs are priced and measured."""
+crippling weight decay is rejected, a warmup the baseline lacks time for is promoted; a study killed
+mid-way (interrupted, or SIGKILLed with its worker) trains only its unfinished runs when run again;
+an LR sweep tunes each variant and scale at seed 0; the costs are priced and measured; each domain's
+bits per byte uses its own bytes per token."""
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,6 +25,7 @@ from kiln.tasks.scaling.research import (
     RUNS_KIND,
     ResearchConfig,
     ResearchScale,
+    bytes_per_token_by_domain,
     chosen_runs,
     decide_study,
     kv_cache_bytes_per_token,
@@ -31,6 +38,8 @@ from kiln.tasks.scaling.trial_runs import PoolTrials
 from kiln.tasks.store import MANIFEST_FILE
 from kiln.tasks.tracker import NullTracker
 from kiln.tasks.train.config import ModelConfig, OptimConfig, TrainRunConfig
+from tests.fixtures.continuous_eval import EOS, write_tokenizer
+from tests.processes import kill_tree
 
 VOCAB = 32
 SCALES = [ResearchScale(width=8, flops=2e8), ResearchScale(width=12, flops=4e8), ResearchScale(width=16, flops=8e8)]
@@ -167,3 +176,97 @@ def test_kv_cache_bytes_count_only_what_a_window_keeps():
     assert kv_cache_bytes_per_token(full) == 2 * 32 * 4 * 2  # K and V, kv_dim 32, 4 layers, bf16
     local = full.model_copy(update={"sliding_window": 64, "global_every": 2})
     assert kv_cache_bytes_per_token(local) == pytest.approx(2 * 32 * 2 * (2 * 256 + 2 * 64) / 256)  # 2 global, 2 local layers
+
+
+# small budgets (16 to 66 steps): the LR sweep's choice is what is tested, not the decision
+SMALL_SCALES = [ResearchScale(width=8, flops=2e7), ResearchScale(width=8, flops=4e7), ResearchScale(width=12, flops=8e7)]
+
+
+@pytest.mark.slow  # 18 tiny runs in 4 process pools: ~75 s on 2 busy cores
+def test_an_lr_sweep_tunes_each_variant_and_scale_at_seed_0_and_trains_the_other_seeds_at_the_best(shards, tmp_path):
+    data, root = shards
+    cfg = ResearchConfig(variants={"warm": {"optim.warmup_steps": 0}}, scales=SMALL_SCALES, seeds=2, lr_sweep=[8.0])
+    s = resolve_study(cfg, sweep(), None, PRODUCTION_FLOPS)
+    runs = run_study(s, data, root, subruns(tmp_path), "tok", where=PoolTrials(2))
+    # per variant: seed 0 at multipliers 1 and 8 at 3 scales, seed 1 at the chosen one: 2 x (6 + 3)
+    assert len(runs) == 18 and committed(tmp_path) == 18
+    for name in (BASELINE, "warm"):
+        for scale in (s.scale_name(x) for x in SMALL_SCALES):
+            tried = {r.multiplier: res.val_loss for r, res in runs if (r.variant, r.scale, r.seed) == (name, scale, 0)}
+            assert set(tried) == {1.0, 8.0}
+            [(later, result)] = [(r, res) for r, res in runs if (r.variant, r.scale, r.seed) == (name, scale, 1)]
+            assert later.multiplier == min(tried, key=tried.get)
+            assert result.lr == pytest.approx(s.sweep.lr_at(later.trial.width) * later.multiplier)
+    # the baseline's 400-step warmup keeps its LR far below lr in these 16-66 steps: 8x is better everywhere
+    assert {r.multiplier for r, _ in runs if r.variant == BASELINE and r.seed == 1} == {8.0}
+    chosen = chosen_runs(runs)
+    assert len(chosen) == 12  # (2 variants x 3 scales x 2 seeds): seed 0 at the chosen multiplier only
+    for (name, scale, seed), result in chosen.items():
+        assert result.lr == next(res.lr for r, res in runs if (r.variant, r.scale, r.seed) == (name, scale, 1))
+    decision = decide_study(s, chosen, bytes_per_token=1.0)
+    assert decision["lr_sweep"] == [8.0]
+    # rerun: the sweep's runs are found committed, none trains again
+    again = StopAfter(PoolTrials(2), 10_000)
+    run_study(s, data, root, subruns(tmp_path), "tok", where=again)
+    assert again.pending == 0
+
+
+def test_bits_per_byte_divide_each_domain_by_its_own_bytes_per_token(tmp_path):
+    tokenizer = write_tokenizer(tmp_path / "tokenizer.json")
+    eos = tokenizer.token_to_id(EOS)
+    texts = {"prose": ["the cat sat on the mat", "a dog ran"], "german": ["Grüße aus München, schöne Straße"],
+             "code": ["def f(x):\n    return x * 2\n"]}
+    shards: dict = {"dtype": "uint16", "domains": {}}
+    expected = {}
+    for domain, docs in texts.items():
+        ids = [t for doc in docs for t in [*tokenizer.encode(doc).ids, eos]]
+        np.array(ids, dtype="<u2").tofile(tmp_path / f"{domain}.bin")
+        shards["domains"][domain] = {"val": {"shards": [{"path": f"{domain}.bin"}]}}
+        expected[domain] = sum(len(doc.encode("utf-8")) for doc in docs) / len(ids)  # EOS: a token of no bytes
+    ratios = bytes_per_token_by_domain(shards, tmp_path, tmp_path / "tokenizer.json")
+    assert ratios == pytest.approx(expected, rel=1e-12)
+    assert len(set(ratios.values())) == 3  # one corpus-wide ratio would misstate two of them
+
+
+KILLED_STUDY = """
+import json, sys
+from pathlib import Path
+from kiln.tasks.scaling.research import ResearchConfig, resolve_study, run_study
+from kiln.tasks.scaling.trial_runs import PoolTrials
+from tests.tasks.scaling.test_research import PRODUCTION_FLOPS, SMALL_SCALES, subruns, sweep
+
+if __name__ == "__main__":
+    root, store = Path(sys.argv[1]), Path(sys.argv[2])
+    study = resolve_study(ResearchConfig(variants={"warm": {"optim.warmup_steps": 0}}, scales=SMALL_SCALES, seeds=2),
+                          sweep(), None, PRODUCTION_FLOPS)
+    run_study(study, json.loads((root / "shards.json").read_text()), root, subruns(store), "tok", where=PoolTrials(1))
+"""
+
+
+@pytest.mark.slow
+def test_a_study_killed_with_sigkill_reruns_only_its_unfinished_runs(tmp_path):
+    """The study's process and its trial worker SIGKILLed (a lost machine), not interrupted: their
+    locks and partial folders are left behind, and the rerun still trains only what was not committed."""
+    root, store = tmp_path / "tokenize", tmp_path / "store"
+    (root / "shards.json").write_text(json.dumps(markov_shards(root)))
+    script = tmp_path / "study.py"
+    script.write_text(KILLED_STUDY)
+    repo = Path(__file__).resolve().parents[3]
+    study_process = subprocess.Popen([sys.executable, str(script), str(root), str(store)], cwd=repo,
+                                     env={**os.environ, "PYTHONPATH": str(repo)})
+    try:
+        deadline = time.monotonic() + 240
+        while committed(store) < 3 and study_process.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert study_process.poll() is None, "the study ended before it was killed"
+    finally:
+        kill_tree(study_process.pid)
+        study_process.wait()
+    done = committed(store)
+    assert 3 <= done < 12  # 2 variants x 3 scales x 2 seeds
+    s = resolve_study(ResearchConfig(variants={"warm": {"optim.warmup_steps": 0}}, scales=SMALL_SCALES, seeds=2),
+                      sweep(), None, PRODUCTION_FLOPS)
+    again = StopAfter(PoolTrials(2), 10_000)
+    runs = run_study(s, json.loads((root / "shards.json").read_text()), root, subruns(store), "tok", where=again)
+    assert again.pending == 12 - done and committed(store) == 12 and len(runs) == 12
+    assert all(res.ok for _, res in runs)
