@@ -41,6 +41,7 @@ def lock_database(db: Path) -> sqlite3.Connection:
     return connection
 
 
+@pytest.mark.slow  # waits out MLflow's 20 s SQLite busy timeout
 def test_a_write_that_hits_the_lock_is_retried_until_it_goes_in(tmp_path):
     db = tmp_path / "mlflow.db"
     tracker = MlflowTracker(f"sqlite:///{db}", "kiln", tmp_path / "artifacts", spool_dir(tmp_path / "store"),
@@ -56,6 +57,7 @@ def test_a_write_that_hits_the_lock_is_retried_until_it_goes_in(tmp_path):
     assert not spool_dir(tmp_path / "store").exists()  # nothing had to be kept
 
 
+@pytest.mark.slow  # waits out MLflow's 20 s SQLite busy timeout
 def test_a_stage_committed_while_mlflow_is_locked_is_recorded_by_the_next_run(tmp_path, monkeypatch):
     monkeypatch.chdir(REPO)
     registry = Registry([collect_stage.STAGE, toy_stage.STAGE])

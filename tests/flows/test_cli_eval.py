@@ -6,6 +6,8 @@ import json
 import math
 import os
 
+import pytest
+
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["HF_DATASETS_OFFLINE"] = "1"
 
@@ -14,6 +16,7 @@ from kiln.tasks.evals.heldout_task import task_name_for, write_heldout_task  # n
 from tests.fixtures.export_store import KEYS, REPO, build_store  # noqa: E402
 
 
+@pytest.mark.slow  # lm-eval's CLI in a subprocess: ~13 s
 def test_kiln_eval_runs_lm_evals_cli_on_a_kiln_model(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     store, _ = build_store(tmp_path / "store")

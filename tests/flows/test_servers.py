@@ -1,12 +1,13 @@
-"""Kiln operated on each database its servers can keep their records in: the embedded SQLite and a
-PostgreSQL of Kiln's own (`kiln up --database postgres`). The same scenario on both: `kiln up` in a
+"""Kiln operated on a PostgreSQL of Kiln's own (`kiln up --database postgres`): `kiln up` in a
 project folder, `kiln deploy --alert-webhook`, `kiln worker`, a deployment run of the project's config
 that fails at clean (a wrong blocklist path), the alert it sends, the fix and the UI's Retry (collect
 Cached, clean Completed), each attempt's MLflow runs, then `kiln down` stopping every server (and, on
 PostgreSQL, the database, whose records outlive it). On PostgreSQL the database is also SIGKILLed and
 `kiln up` restarts it as it was.
 
-The project (its config and data) is tests/flows/test_project.py's, run only to clean here.
+The project (its config and data) is tests/flows/test_project.py's, run only to clean here. The same
+scenario on the embedded SQLite (`kiln up`'s default) is test_project.py's and test_operate.py's; it is
+kept as a parameter so that `-k sqlite` can still run it here.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ def reachable_root():
     shutil.rmtree(root, ignore_errors=True)
 
 
-@pytest.mark.parametrize("database", ["sqlite", "postgres"])
+@pytest.mark.parametrize("database", ["postgres"])
 def test_deploy_worker_failure_alert_and_retry_on_each_database(database, reachable_root):
     project = Project(reachable_root)
     write_project(project.folder)

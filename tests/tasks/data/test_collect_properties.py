@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+import pytest
 import zstandard
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -198,6 +199,7 @@ def _assert_accounts(stats: dict, out: Path) -> None:
     assert stats["accounting"] == accounting(out)
 
 
+@pytest.mark.slow  # 150 fuzzed corpora through collect: ~15 s
 @settings(max_examples=150, **SETTINGS)
 @given(files=corpora(), max_doc_bytes=st.sampled_from([10_000_000, 300]))
 def test_collect_turns_any_bytes_into_documents_or_quarantine(files, max_doc_bytes):
@@ -233,6 +235,7 @@ def test_a_saved_dataset_turns_into_documents_or_quarantine(rows, damage, data):
         assert stats["num_in"] >= (0 if damage else len(rows))
 
 
+@pytest.mark.slow  # 20 fuzzed corpora through collect, clean and dedup: ~12 s
 @settings(max_examples=20, **SETTINGS)
 @given(files=corpora())
 def test_collect_clean_and_dedup_account_for_every_document(files):

@@ -240,6 +240,7 @@ def test_load_kiln_model_reads_a_training_checkpoint(tmp_path):
     assert "step 20" in what
 
 
+@pytest.mark.slow  # lm-eval's CLI in a subprocess: ~11 s
 def test_lm_eval_cli_scores_the_export_as_kilns_adapter_scores_kilns_model(tokenizer_path, tmp_path):
     """`lm_eval --model hf --model_args pretrained=DIR` on Kiln's local held-out task, offline."""
     from kiln.tasks.evals.adapter import KilnLM

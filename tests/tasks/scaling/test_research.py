@@ -1,7 +1,7 @@
 """A research study at tiny sizes on CPU, on a first-order Markov corpus (each token has 2 possible
 successors, so a model can learn it in a few hundred steps): a null variant comes out inconclusive, a
 crippling weight decay is rejected, a warmup the baseline lacks time for is promoted; a study killed
-mid-way (interrupted, or SIGKILLed with its worker) trains only its unfinished runs when run again;
+mid-way (SIGKILLed with its worker) trains only its unfinished runs when run again;
 an LR sweep tunes each variant and scale at seed 0; the costs are priced and measured; each domain's
 bits per byte uses its own bytes per token."""
 
@@ -127,35 +127,15 @@ def test_null_handicap_and_improvement_get_their_decisions(shards, tmp_path):
     json.dumps(decision)
 
 
-class StopAfter:
-    """A launcher that lets `count` runs finish, then stops the study as a kill would (KeyboardInterrupt)."""
+class Counting:
+    """A launcher that counts the runs it is given (a rerun's `pending` is what it still had to train)."""
 
-    def __init__(self, inner: PoolTrials, count: int) -> None:
-        self.inner, self.count, self.pending = inner, count, 0
+    def __init__(self, inner: PoolTrials) -> None:
+        self.inner, self.pending = inner, 0
 
     def run(self, cfg, shards, shards_root, pending, label) -> Iterator:
         self.pending += len(pending)
-        for finished in self.inner.run(cfg, shards, shards_root, pending, label):
-            if self.count == 0:
-                raise KeyboardInterrupt
-            self.count -= 1
-            yield finished
-
-
-@pytest.mark.slow
-def test_a_killed_study_trains_only_its_unfinished_runs(shards, tmp_path):
-    data, root = shards
-    s = study({"handicap": {"optim.weight_decay": 20.0}})  # 2 variants x 3 scales x 3 seeds
-    with pytest.raises(KeyboardInterrupt):
-        run_study(s, data, root, subruns(tmp_path), "tok", where=StopAfter(PoolTrials(1), 7))
-    done = committed(tmp_path)
-    assert 7 <= done < 18
-    again = StopAfter(PoolTrials(2), 10_000)
-    runs = run_study(s, data, root, subruns(tmp_path), "tok", where=again)
-    assert again.pending == 18 - done and committed(tmp_path) == 18 and len(runs) == 18
-    rerun = StopAfter(PoolTrials(2), 10_000)
-    run_study(s, data, root, subruns(tmp_path), "tok", where=rerun)
-    assert rerun.pending == 0
+        yield from self.inner.run(cfg, shards, shards_root, pending, label)
 
 
 def test_variants_are_checked_when_the_config_loads_and_when_the_study_resolves():
@@ -206,7 +186,7 @@ def test_an_lr_sweep_tunes_each_variant_and_scale_at_seed_0_and_trains_the_other
     decision = decide_study(s, chosen, bytes_per_token=1.0)
     assert decision["lr_sweep"] == [8.0]
     # rerun: the sweep's runs are found committed, none trains again
-    again = StopAfter(PoolTrials(2), 10_000)
+    again = Counting(PoolTrials(2))
     run_study(s, data, root, subruns(tmp_path), "tok", where=again)
     assert again.pending == 0
 
@@ -266,7 +246,7 @@ def test_a_study_killed_with_sigkill_reruns_only_its_unfinished_runs(tmp_path):
     assert 3 <= done < 12  # 2 variants x 3 scales x 2 seeds
     s = resolve_study(ResearchConfig(variants={"warm": {"optim.warmup_steps": 0}}, scales=SMALL_SCALES, seeds=2),
                       sweep(), None, PRODUCTION_FLOPS)
-    again = StopAfter(PoolTrials(2), 10_000)
+    again = Counting(PoolTrials(2))
     runs = run_study(s, json.loads((root / "shards.json").read_text()), root, subruns(store), "tok", where=again)
     assert again.pending == 12 - done and committed(store) == 12 and len(runs) == 12
     assert all(res.ok for _, res in runs)

@@ -16,7 +16,7 @@ from kiln.tasks.store import MANIFEST_FILE
 from tests.tasks.scaling.test_research import (
     PRODUCTION_FLOPS,
     SMALL_SCALES,
-    StopAfter,
+    Counting,
     committed,
     markov_shards,
     subruns,
@@ -52,7 +52,7 @@ def test_research_runs_train_as_slurm_jobs_with_the_in_process_losses(slurm_clus
     assert sorted(p.name for p in (out / JOBS_DIR).iterdir()) == [
         "baseline-seed0-0", "baseline-seed1-0", "layernorm-seed0-0", "layernorm-seed1-0"]
 
-    again = StopAfter(where, 10_000)  # every run is committed: no job is submitted
+    again = Counting(where)  # every run is committed: no job is submitted
     run_study(study, data, root, subruns(out), "tok", where=again)
     assert again.pending == 0 and sorted(p.name for p in (out / JOBS_DIR).iterdir()) == [
         "baseline-seed0-0", "baseline-seed1-0", "layernorm-seed0-0", "layernorm-seed1-0"]

@@ -2,7 +2,8 @@
 in one process), on fake tensors, one training step tracked by torch's MemTracker
 (`tasks.train.verify`).
 
-- Llama 3 8B on one 8-GPU node and 70B on eight (worlds 8 and 64), each the planner's choice:
+- Llama 3 8B on one 8-GPU node (world 8), the planner's choice (70B on eight nodes, world 64, is
+  `benchmarks/plan_vs_torch.py`'s, with 405B; it adds no code path and 25 s):
   per-rank parameter, gradient and optimizer bytes equal (within 1%) and the step's peak within 15%.
   Their blocks are too many to step through on fake tensors in seconds (about a second each), so
   the step is measured at 3, 4 and 5 blocks and extended by the per-block increment, after
@@ -33,14 +34,14 @@ from kiln.tasks.train.config import ModelConfig, ParallelDims, RopeScaling, Trai
 from kiln.tasks.train.distributed import Layout
 from kiln.tasks.train.parallel import build_mesh
 from kiln.tasks.train.plan_memory import CandidateLayout, in_flight, rank_memory
-from kiln.tasks.train.planner import plan_presets
-from kiln.tasks.train.verify import PEAK_TOLERANCE, measure_rank, scaled_step, schedule_order, verify_plan
+from kiln.tasks.train.verify import PEAK_TOLERANCE, measure_rank, scaled_step, schedule_order
 
 V = 4096
 SMALL = ModelConfig(d_model=256, n_layers=4, n_heads=8, n_kv_heads=2, max_seq_len=512, tie_embeddings=False)
 SMALL_PEAK_TOLERANCE = 0.06  # measured worst: 4.3% (pipelines); FSDP, TP, CP and one device within 1.3%
 
 
+@pytest.mark.slow  # a fake 8-rank build of an 8B model: ~25 s
 def test_8b_on_one_h100_node_agrees_with_torch(capsys) -> None:
     """`kiln plan --model 8b --cluster h100-1node --verify`, through the CLI, as JSON."""
     assert main(["plan", "--model", "8b", "--cluster", "h100-1node", "--verify", "--json"]) == 0
@@ -53,15 +54,7 @@ def test_8b_on_one_h100_node_agrees_with_torch(capsys) -> None:
     assert rank["errors"]["peak"] <= PEAK_TOLERANCE  # measured 0.1%
 
 
-def test_70b_on_eight_h100_nodes_agrees_with_torch() -> None:
-    search = plan_presets("70b", "h100-8nodes")
-    verification = verify_plan(search)
-    assert verification.plan.layout.world_size == 64
-    assert verification.agrees, verification.to_dict()
-    assert verification.max_error("params") <= 0.01 and verification.max_error("optimizer") <= 0.01
-    assert verification.max_error("peak") <= PEAK_TOLERANCE  # measured 0.6%
-
-
+@pytest.mark.slow  # two fake-pg builds each measured whole and extended
 @pytest.mark.parametrize(("dims", "run_update"), [
     (ParallelDims(dp=4, tp=2), {"activation_checkpointing": "full"}),
     (ParallelDims(pp=2, dp=2), {}),
