@@ -55,6 +55,7 @@ from kiln.tasks.config import (  # noqa: E402
     default_config_path,
     load_config,
 )
+from kiln.tasks.constants import METRICS_LOG
 from kiln.tasks.continuous_state import status_lines
 from kiln.tasks.crashes import reap_tracked, stale_tracked
 from kiln.tasks.data.inspection import REPORT_JSON, render_sample, samples
@@ -342,7 +343,8 @@ def _stage_state(store: Store, stage: Stage, key: str, room: int) -> tuple[str, 
         return "missing", {}
     lock = store.lock(stage.name, key, job_alive=job_alive)
     if lock.held():
-        return _cut(f"running (held by {lock_holder(lock.owner() or {})})", room), {}
+        partial = store.partial_path(stage.name, key)
+        return _cut(f"running{_live_step(partial)} (held by {lock_holder(lock.owner() or {})})", room), {}
     live = _live_jobs(store.partial_path(stage.name, key))
     failure = store.failure(stage.name, key)
     if failure is not None and not live:
@@ -353,6 +355,29 @@ def _stage_state(store: Store, stage: Stage, key: str, room: int) -> tuple[str, 
         return _cut(f"partial, its driver gone but Slurm still runs {'; '.join(live)}: the next run waits for "
                     f"them (scancel to stop them)", room), {}
     return "partial (an attempt crashed or was stopped; the next run resumes or redoes it)", {}
+
+
+def _live_step(partial: Path, tail_bytes: int = 8192) -> str:
+    """Where a running training stage is, from the last whole line rank 0 appended to its metrics log
+    (read from the file's end: a months-long run's log is long): ' at step N (loss L, T s ago)';
+    '' for a stage that logs no steps (or none yet)."""
+    log = partial / METRICS_LOG
+    try:
+        size, modified = log.stat().st_size, log.stat().st_mtime
+        with log.open("rb") as handle:
+            handle.seek(max(0, size - tail_bytes))
+            lines = handle.read().split(b"\n")
+    except OSError:
+        return ""
+    whole = lines[1 if size > tail_bytes else 0:-1]  # a cut first line and an unfinished last one are left out
+    for line in reversed(whole):
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if "step" in record and "loss" in record:
+            return f" at step {record['step']} (loss {record['loss']:.4f}, {time.time() - modified:.0f} s ago)"
+    return ""
 
 
 def _live_jobs(partial: Path) -> list[str]:

@@ -18,13 +18,13 @@ from typing import Any
 
 import torch
 
+from kiln.tasks.constants import METRICS_LOG
 from kiln.tasks.errors import ConfigError
 from kiln.tasks.progress import Progress
 from kiln.tasks.train.checkpoint import BEFORE_PHASE_DIR
 from kiln.tasks.train.model import flops_per_token
 from kiln.tasks.train.trainer import StepOutput, TrainCallback, Trainer, TrainResult
 
-METRICS_LOG = "train_metrics.jsonl"  # every on_metrics call, for runs whose caller is another process
 @dataclass(frozen=True)
 class CallbackSpec:
     """A callback another process builds: `target` is its class's dotted path, `kwargs` JSON values."""

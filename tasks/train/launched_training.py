@@ -23,6 +23,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from kiln.tasks.constants import METRICS_LOG
 from kiln.tasks.errors import ConfigError
 from kiln.tasks.launch.cluster import ClusterSpec, launch_record
 from kiln.tasks.launch.launchers import Launcher, LaunchError, record_failed_hosts
@@ -35,7 +36,7 @@ from kiln.tasks.launch.rank_hosts import (
     reset_registry,
 )
 from kiln.tasks.launch.registry import make_launcher
-from kiln.tasks.train.callbacks import METRICS_LOG, CallbackSpec
+from kiln.tasks.train.callbacks import CallbackSpec
 from kiln.tasks.train.config import ModelConfig, OptimConfig, ParallelDims, TrainRunConfig
 from kiln.tasks.train.dist_worker import WORKER_CPU_DIR, worker_cpu_s
 from kiln.tasks.train.health import EVENTS_FILE

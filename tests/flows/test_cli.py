@@ -63,6 +63,33 @@ def test_status_rows_are_aligned_cut_to_the_terminal_and_say_why_a_stage_failed(
     assert rows["sweep"].split(maxsplit=2)[2].startswith("partial (an attempt crashed")
 
 
+def test_status_shows_where_a_running_training_stage_is(in_repo, tmp_path, capsys):
+    """Issue 33: `kiln status` shows a running train stage's live step, from the end of the metrics log its
+    rank 0 appends (a long log is read from its end; the line being written is left out)."""
+    import json
+
+    from kiln.tasks.config import load_config
+    from kiln.tasks.constants import METRICS_LOG
+    from kiln.tasks.graph import stage_keys
+    from kiln.tasks.store import Store
+
+    cfg = load_config("configs/tiny.yaml", [f"work_dir={tmp_path}"])
+    store, keys = Store(cfg.store_root), stage_keys(cfg)
+    store.begin("train", keys["train"])
+    rows = "".join(json.dumps({"step": step, "loss": 9.0 - step / 100, "lr": 1e-3}) + "\n" for step in range(1, 401))
+    assert len(rows) > 2 * 8192  # longer than the tail status reads
+    (store.partial_path("train", keys["train"]) / METRICS_LOG).write_text(rows + '{"step": 401, "lo')
+    with store.lock("train", keys["train"]):
+        assert main(["status", "configs/tiny.yaml", f"work_dir={tmp_path}"]) == 0
+    row = next(line for line in capsys.readouterr().out.splitlines() if line.split()[:1] == ["train"])
+    assert "running at step 400 (loss 5.0000, " in row and "s ago) (held by " in row
+    store.begin("anneal", keys["anneal"])  # running, but no step logged yet
+    with store.lock("anneal", keys["anneal"]):
+        assert main(["status", "configs/tiny.yaml", f"work_dir={tmp_path}"]) == 0
+    row = next(line for line in capsys.readouterr().out.splitlines() if line.split()[:1] == ["anneal"])
+    assert "running (held by " in row
+
+
 def test_overrides_and_options_come_in_any_order(in_repo, tmp_path, capsys):
     assert main(["config", "configs/tiny.yaml", "--keys", "dedup.threshold=0.75", f"--work-dir={tmp_path}",
                  "train.run.eval_batches=3"]) == 0
