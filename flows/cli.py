@@ -664,7 +664,8 @@ def cmd_up(ns: argparse.Namespace) -> int:
                             prefect_database=ns.prefect_database, mlflow_database=ns.mlflow_database,
                             database_kind=ns.database, restarted=restarted)
     if restarted:
-        print(f"restarted {', '.join(restarted)} (it had stopped or died) on the port and database it had")
+        they = "it" if len(restarted) == 1 else "they"
+        print(f"restarted {', '.join(restarted)} ({they} had stopped or died) on the port and database {they} had")
     for server in servers:
         print(f"{server.name:<8} {server.ui:<24} pid {server.pid}  log {server.log}")
     pid, restarted_reaper = start_reaper(cfg.work_dir, list(ns.args))

@@ -1,7 +1,8 @@
 """`kiln up` restarts what stopped or died as it was, on the real servers (SQLite): after `kiln down` it
 comes back on the ports it had, without being told them again (so clients' URLs and the alert links,
 which name the Prefect UI's port, stay right); each server SIGKILLed is started again on its port, and
-`kiln up` says which; a server that cannot start shows its own error, not an earlier server's log.
+`kiln up` says which, ten times in a row; a server that cannot start shows its own error, not an
+earlier server's log.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from kiln.flows.servers import LOG_MARK, read_servers
 from tests.flows.test_operate import REPO, free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.cluster, pytest.mark.timeout(900)]
-KILLS = 3  # per server
+KILLS = 10  # per server, in a row (issue 35)
 
 
 def test_up_restarts_what_stopped_or_died_as_it_was(tmp_path, capsys):
@@ -45,18 +46,25 @@ def test_up_restarts_what_stopped_or_died_as_it_was(tmp_path, capsys):
             said = up()  # no ports: the ones it had
             assert urls() == first and "restarted prefect, mlflow" in said
 
-            for name in ("mlflow", "prefect") * KILLS:
-                server = next(s for s in read_servers(home) if s.name == name)
-                os.killpg(server.pid, signal.SIGKILL)
-                os.waitpid(server.pid, 0)  # this process started it: collect it, as `up` would
+            def kill(*names: str) -> None:
+                pids = [s.pid for s in read_servers(home) if s.name in names]  # all alive: read before killing
+                assert len(pids) == len(names)
+                for pid in pids:
+                    os.killpg(pid, signal.SIGKILL)
+                    os.waitpid(pid, 0)  # this process started it: collect it, as `up` would
+
+            for name in ("mlflow", "prefect"):  # one at a time: `up` restarts it alone
+                kill(name)
                 said = up()
                 assert f"restarted {name} (it had stopped or died)" in said
                 assert urls() == first
+            for _ in range(KILLS - 1):  # then both at once (they start side by side): KILLS kills of each
+                kill("mlflow", "prefect")
+                said = up()
+                assert "restarted prefect, mlflow (they had stopped or died)" in said
+                assert urls() == first
 
-            # a server that cannot start: its port taken while it was dead
-            server = next(s for s in read_servers(home) if s.name == "mlflow")
-            os.killpg(server.pid, signal.SIGKILL)
-            os.waitpid(server.pid, 0)
+            kill("mlflow")  # a server that cannot start: its port taken while it was dead
             with socket.socket() as squatter:
                 squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
                 bind_when_free(squatter, ports["mlflow"])
