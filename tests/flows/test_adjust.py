@@ -14,10 +14,8 @@ from kiln.tasks.errors import ConfigError
 from kiln.tasks.graph import stage_keys
 from kiln.tasks.lineage import lineage, render_table
 from kiln.tasks.runner import run_stage
-from kiln.tasks.scaling.fit import PLAN_FILE
-from kiln.tasks.scaling.validate import REPORT_FILE
 from kiln.tasks.store import Store
-from tests.fixtures.validate_inputs import KEYS, VALIDATE_STATS, commit, commit_mix
+from tests.fixtures.validate_inputs import KEYS, commit_fit_and_gate, commit_mix
 
 REPO = Path(__file__).resolve().parents[2]
 PREFIX = ["train.run.steps=6", "train.run.checkpoint_every=2", "train.run.keep_every=2", "train.run.eval_batches=1",
@@ -42,10 +40,7 @@ def test_the_adjustment_key_derives_from_the_prefix_key_the_step_and_the_schedul
 def test_an_adjustment_trains_only_the_steps_after_the_branch(tmp_path) -> None:
     store = Store(tmp_path / "store")
     commit_mix(store)
-    commit(store, "fit", lambda out: (out / PLAN_FILE).write_text(json.dumps(
-        {"lr": 0.02, "runs": {}, "refused": {"production": "not planned in this test"}, "loss_law": None})))
-    commit(store, "validate", lambda out: (out / REPORT_FILE).write_text(json.dumps({"passed": True, "reasons": []})),
-           VALIDATE_STATS)
+    commit_fit_and_gate(store, 0.02)
     base = [f"work_dir={tmp_path / 'work'}", *PREFIX]
     first = run_stage("train", load_config(REPO / "configs" / "tiny.yaml", base), store=store, keys=KEYS)
     prefix_stats = store.manifest("train", KEYS["train"])["stats"]

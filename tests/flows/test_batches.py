@@ -20,16 +20,14 @@ from kiln.tasks.data.documents import Document
 from kiln.tasks.errors import ConfigError
 from kiln.tasks.lineage import lineage
 from kiln.tasks.runner import run_stage
-from kiln.tasks.scaling.fit import PLAN_FILE
 from kiln.tasks.scaling.mix import MIXTURE_FILE
-from kiln.tasks.scaling.validate import REPORT_FILE
 from kiln.tasks.store import Store
 from kiln.tasks.train.data_loader import Mixture, draw_batch
 from kiln.tasks.train.data_schedule import NewBatch, batch_source, scheduled_mixture, with_batches
 from kiln.tasks.train.distributed import batch_checksum
 from kiln.tasks.train.health import data_index
 from tests.fixtures.continuous_eval import TEXTS
-from tests.fixtures.validate_inputs import KEYS, VALIDATE_STATS, commit, commit_mix
+from tests.fixtures.validate_inputs import KEYS, commit, commit_fit_and_gate, commit_mix
 
 REPO = Path(__file__).resolve().parents[2]
 DATA_KEYS = {"clean": "c1ea00000011", "dedup": "dedb00000012", "decontaminate": "dec000000013"}
@@ -82,10 +80,7 @@ def _inputs(tmp_path: Path) -> tuple[Store, list[str]]:
     tokenizer = store.path("mix", KEYS["mix"]) / "tokenizer.json"
     commit(store, "tokenize", lambda out: (out / TOKENIZER_FILE).write_bytes(tokenizer.read_bytes()),
            inputs={"decontaminate": DATA_KEYS["decontaminate"]})
-    commit(store, "fit", lambda out: (out / PLAN_FILE).write_text(json.dumps(
-        {"lr": 0.02, "runs": {}, "refused": {"production": "not planned in this test"}, "loss_law": None})))
-    commit(store, "validate", lambda out: (out / REPORT_FILE).write_text(json.dumps({"passed": True, "reasons": []})),
-           VALIDATE_STATS)
+    commit_fit_and_gate(store, 0.02)
     keys = {**KEYS, **DATA_KEYS}
     corpus = _jsonl(tmp_path / "corpus.jsonl", [vars(Document(f"c{i}", t, "corpus", "prose", "MIT"))
                                                 for i, t in enumerate(TEXTS)])

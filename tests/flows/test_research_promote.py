@@ -15,11 +15,9 @@ from kiln.tasks.config import load_config
 from kiln.tasks.errors import ConfigError
 from kiln.tasks.lineage import lineage, render_table
 from kiln.tasks.runner import run_stage
-from kiln.tasks.scaling.fit import PLAN_FILE
 from kiln.tasks.scaling.research import promoted_config
-from kiln.tasks.scaling.validate import REPORT_FILE
 from kiln.tasks.store import Store
-from tests.fixtures.validate_inputs import KEYS, VALIDATE_STATS, commit, commit_mix
+from tests.fixtures.validate_inputs import KEYS, commit_fit_and_gate, commit_mix
 
 REPO = Path(__file__).resolve().parents[2]
 RESEARCH_KEY = "5e5ea4c40001"
@@ -64,10 +62,7 @@ def test_a_promoted_model_plans_trains_and_names_its_decision_in_lineage(promote
 
     store = Store(tmp_path / "store")
     commit_mix(store)
-    commit(store, "fit", lambda out: (out / PLAN_FILE).write_text(json.dumps(
-        {"lr": 0.02, "runs": {}, "refused": {"production": "not planned in this test"}, "loss_law": None})))
-    commit(store, "validate", lambda out: (out / REPORT_FILE).write_text(json.dumps({"passed": True, "reasons": []})),
-           VALIDATE_STATS)
+    commit_fit_and_gate(store, 0.02)
     run_stage("train", load_config(promoted, SHORT), store=store, keys=KEYS)
     manifest = store.manifest("train", KEYS["train"])
     assert manifest["stats"]["steps_trained"] == 4

@@ -12,17 +12,14 @@ import pytest
 
 from kiln.tasks.config import load_config
 from kiln.tasks.runner import run_stage
-from kiln.tasks.scaling.fit import PLAN_FILE
-from kiln.tasks.scaling.validate import REPORT_FILE
 from kiln.tasks.store import Store
 from kiln.tasks.train.config import TrainRunConfig
 from kiln.tasks.train.launched_training import WORKER_CONFIG
 from kiln.tasks.train.planner import forecast_training
 from tests.fixtures.validate_inputs import (
     KEYS,
-    VALIDATE_STATS,
     VOCAB_SIZE,
-    commit,
+    commit_fit_and_gate,
     commit_mix,
     commit_validate_inputs,
 )
@@ -41,10 +38,7 @@ def inputs(tmp_path) -> Store:
     """A store with a one-domain mixture, a plan without a production run, and a passed gate."""
     store = Store(tmp_path / "store")
     commit_mix(store)
-    commit(store, "fit", lambda out: (out / PLAN_FILE).write_text(json.dumps(
-        {"lr": 0.01, "runs": {}, "refused": {"production": "not planned in this test"}, "loss_law": None})))
-    commit(store, "validate", lambda out: (out / REPORT_FILE).write_text(json.dumps({"passed": True, "reasons": []})),
-           VALIDATE_STATS)
+    commit_fit_and_gate(store, 0.01)
     return store
 
 

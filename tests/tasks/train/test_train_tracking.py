@@ -4,18 +4,15 @@ is not logged at all. A real (tiny) train stage through the runner, on committed
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from mlflow.tracking import MlflowClient
 
 from kiln.tasks.config import load_config
 from kiln.tasks.runner import run_stage
-from kiln.tasks.scaling.fit import PLAN_FILE
-from kiln.tasks.scaling.validate import REPORT_FILE
 from kiln.tasks.settings import open_tracker
 from kiln.tasks.store import Store
-from tests.fixtures.validate_inputs import KEYS, VALIDATE_STATS, commit, commit_mix
+from tests.fixtures.validate_inputs import KEYS, commit_fit_and_gate, commit_mix
 
 REPO = Path(__file__).resolve().parents[3]
 PLANNED_LR = 0.02
@@ -24,10 +21,7 @@ PLANNED_LR = 0.02
 def test_the_train_run_logs_the_plans_lr_it_used_and_no_unused_optim_lr(tmp_path):
     store = Store(tmp_path / "store")
     commit_mix(store)
-    commit(store, "fit", lambda out: (out / PLAN_FILE).write_text(json.dumps(
-        {"lr": PLANNED_LR, "runs": {}, "refused": {"production": "not planned in this test"}, "loss_law": None})))
-    commit(store, "validate", lambda out: (out / REPORT_FILE).write_text(json.dumps({"passed": True, "reasons": []})),
-           VALIDATE_STATS)
+    commit_fit_and_gate(store, PLANNED_LR)
     cfg = load_config(REPO / "configs" / "tiny.yaml", [
         f"work_dir={tmp_path / 'work'}", "train.run.steps=2", "train.run.eval_batches=1", "train.run.num_threads=1",
         "anneal_ablation.from_step=null"])  # tiny's ablation starts from step 20, which a 2-step run never writes
