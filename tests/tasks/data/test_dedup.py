@@ -306,8 +306,8 @@ def test_a_new_batch_is_deduplicated_against_the_saved_index_without_resigning_i
         _doc("b-long", GPL_PREAMBLE[2] + " And more, much more."),  # longer than a2, but a2 is published
     ]
     signed: list[int] = []
-    real_signatures = minhash.signatures
-    monkeypatch.setattr(minhash, "signatures", lambda texts, *a, **k: signed.append(len(texts)) or real_signatures(texts, *a, **k))
+    real_signatures = minhash.signatures_utf8
+    monkeypatch.setattr(minhash, "signatures_utf8", lambda texts, *a, **k: signed.append(len(texts)) or real_signatures(texts, *a, **k))
     out_b = tmp_path / "b"
     out_b.mkdir()
     stats = dedup_documents(DedupConfig(), [_write(tmp_path / "b.jsonl", batch_b)], out_b, index_dir=out_a / INDEX_DIR)
