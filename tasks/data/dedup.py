@@ -154,6 +154,8 @@ def _normalize_batch(texts: Sequence[str], case: bool, punctuation: bool, whites
     few vectorised passes instead of numpy calls per text: ASCII by one `bytes.translate` (lowercase,
     whitespace to b" ", punctuation deleted), other characters by their code points, decoded from their
     lead bytes (few: most text is ASCII even in most other languages' documents)."""
+    if not texts:
+        return []
     raw = _SEP.join([t.encode("utf-8", "surrogatepass") for t in texts]).translate(
         _ASCII_TABLES[case, whitespace], _ASCII_PUNCTUATION if punctuation else b"")
     data = np.frombuffer(raw, dtype=np.uint8)

@@ -189,17 +189,18 @@ def batch_spans_utf8(encoded: Sequence[bytes], size: int) -> tuple[np.ndarray, n
     lengths = np.diff(offsets)
     data = np.frombuffer(b"".join(encoded), dtype=np.uint8)
     # `uses_word_shingles` of each text, from its bytes: its characters are its bytes less continuation bytes.
-    continuation = np.flatnonzero((data & 0xC0) == 0x80)
-    num_chars = lengths - np.diff(np.searchsorted(continuation, offsets))
-    num_words = np.array([e.count(b" ") + 1 if e else 0 for e in encoded], dtype=np.int64)
+    is_char = (data & 0xC0) != 0x80
+    is_space = data == 0x20
+    num_chars = lengths - np.diff(np.searchsorted(np.flatnonzero(~is_char), offsets))
+    num_words = np.where(lengths > 0, np.diff(np.searchsorted(np.flatnonzero(is_space), offsets)) + 1, 0)
     word_mode = num_words >= size
     word_mode[word_mode] = num_chars[word_mode] / num_words[word_mode] <= UNSEGMENTED_WORD_LEN
 
     # Units: words (split at the single spaces) or characters (UTF-8 lead bytes), per text's mode.
     # One mask over the bytes marks where units start, so they come out in order without a sort.
     word_byte = np.repeat(word_mode, lengths)
-    is_start = ((data & 0xC0) != 0x80) & ~word_byte
-    is_start[1:] |= (data[:-1] == 0x20) & word_byte[1:]
+    is_start = is_char & ~word_byte
+    is_start[1:] |= is_space[:-1] & word_byte[1:]
     is_start[offsets[:-1][word_mode & (lengths > 0)]] = True
     unit_starts = np.flatnonzero(is_start)
     unit_owner = np.repeat(np.arange(len(encoded)), np.diff(np.searchsorted(unit_starts, offsets)))
