@@ -92,9 +92,10 @@ def _verify_threshold(cfg: DedupConfig) -> float:
     return cfg.threshold if cfg.verify_threshold is None else cfg.verify_threshold
 
 
-# Unicode punctuation (categories P*) and whitespace (str.isspace): ASCII bytes are classified by
-# `bytes.translate` tables, other code points by `_CodePointClasses`.
+# Unicode punctuation (categories P*) and whitespace (str.isspace): ASCII is classified by byte tables
+# (`bytes.translate` tables for a batch), other code points by `_CodePointClasses`.
 _ASCII_PUNCTUATION = bytes(c for c in range(128) if unicodedata.category(chr(c)).startswith("P"))
+_ASCII_SPACE = np.array([chr(c).isspace() for c in range(256)]) & (np.arange(256) < 128)
 
 
 def _ascii_table(lower: bool, whitespace: bool) -> bytes:
@@ -213,8 +214,31 @@ def _normalize_batch(texts: Sequence[str], case: bool, punctuation: bool, whites
 
 def _strip(text: str, punctuation: bool, whitespace: bool) -> str:
     """`text` without punctuation (if `punctuation`) and with every whitespace run one space and
-    none at either end (if `whitespace`, as `" ".join(text.split())`)."""
-    return _normalize_batch([text], False, punctuation, whitespace)[0].decode("utf-8", "surrogatepass")
+    none at either end (if `whitespace`, as `" ".join(text.split())`), in one vectorised pass. One text at
+    a time (`normalize`, decontamination): `_normalize_batch` does the same to a batch, with fewer numpy
+    calls per text but more per call."""
+    if text.isascii():
+        codes = np.frombuffer(text.encode("ascii").translate(None, _ASCII_PUNCTUATION if punctuation else b""),
+                              dtype=np.uint8)
+        if not whitespace:
+            return codes.tobytes().decode("ascii")
+        is_space = _ASCII_SPACE[codes]
+    else:
+        # One code point per uint32; surrogatepass keeps lone surrogates (valid in JSON) intact.
+        codes = np.frombuffer(text.encode("utf-32-le", "surrogatepass"), dtype=np.uint32)
+        bits = _CLASSES.classify(codes)
+        if punctuation:
+            kept = (bits & _PUNCTUATION) == 0
+            codes, bits = codes[kept], bits[kept]
+        is_space = (bits & _SPACE) != 0
+    if whitespace and codes.size:
+        keep = ~is_space  # ...and the first space of each run inside the text
+        keep[1:] |= is_space[1:] & ~is_space[:-1]
+        codes, is_space = codes[keep], is_space[keep]
+        if is_space.size and is_space[-1]:
+            codes, is_space = codes[:-1], is_space[:-1]
+        codes = np.where(is_space, codes.dtype.type(0x20), codes)
+    return codes.tobytes().decode("ascii" if codes.dtype == np.uint8 else "utf-32-le", "surrogatepass")
 
 
 def strip_punctuation(text: str) -> str:
@@ -230,8 +254,14 @@ def _normalized_utf8(texts: Sequence[str], cfg: DedupConfig) -> list[bytes]:
 
 
 def normalize(text: str, cfg: DedupConfig) -> str:
-    """Unicode NFKC, then casefold, punctuation deleted and whitespace collapsed as `cfg` says."""
-    return _normalized_utf8([text], cfg)[0].decode("utf-8", "surrogatepass")
+    """Unicode NFKC, then casefold, punctuation deleted and whitespace collapsed as `cfg` says. The stage
+    normalises its signature batches with `_normalized_utf8`, which gives the same, as UTF-8."""
+    text = unicodedata.normalize("NFKC", text)
+    if cfg.normalize_case:  # casefold is lower on ASCII, and lower has CPython's ASCII fast path
+        text = text.lower() if text.isascii() else text.casefold()
+    if cfg.normalize_punctuation or cfg.normalize_whitespace:
+        text = _strip(text, cfg.normalize_punctuation, cfg.normalize_whitespace)
+    return text
 
 
 def shingles(normalized: str, size: int) -> list[bytes]:
