@@ -26,7 +26,6 @@ a later batch can be deduplicated against everything kept so far without recompu
 from __future__ import annotations
 
 import hashlib
-import json
 import math
 import sys
 import unicodedata
@@ -34,6 +33,7 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
+from json.encoder import encode_basestring, encode_basestring_ascii
 from pathlib import Path
 from typing import Any, Literal
 
@@ -568,8 +568,10 @@ def _spliced_removal(line: bytes, splice: bytes, reason: str, survivor_id: str) 
     `metadata.duplicate_of`, spliced into its canonical line instead of parsed and re-serialised."""
     # `line` is `{...fields, "metadata": {...}}` + newline (`to_json_line` writes the fields in the
     # dataclass's order, metadata last): open both braces, append, close them.
-    return (b'{"reason": ' + json.dumps(reason).encode() + b", " + line[1:-3] + splice + b'"duplicate_of": '
-            + json.dumps(survivor_id, ensure_ascii=False).encode("utf-8") + b"}}\n")
+    # (json.dumps of a str is encode_basestring_ascii's, or encode_basestring's without ensure_ascii; called
+    # directly, not through a JSONEncoder made each call)
+    return (b'{"reason": ' + encode_basestring_ascii(reason).encode() + b", " + line[1:-3] + splice
+            + b'"duplicate_of": ' + encode_basestring(survivor_id).encode("utf-8") + b"}}\n")
 
 
 def _sign_batch(texts: list[str], cfg: DedupConfig, signed_before: AbstractSet[bytes] = frozenset()
