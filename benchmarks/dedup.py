@@ -28,7 +28,7 @@ it puts in one cluster (all pairs within each cluster) that are true pairs.
               README uses them (bands: the divisor of num_perm nearest the stage's band count,
               since rensa needs num_perm divisible by the bands: 16 of 8 rows at 128), each candidate
               verified with `jaccard` against the threshold, union-find clusters. rensa is a benchmark-only
-              dependency (`pip install rensa`); without it the row is skipped.
+              dependency (the `bench` extra: `make bench` installs it); without it the row is skipped.
 - datatrove (`--datatrove`): `dedup_with_datatrove`, the four-stage local MinHash pipeline, one task.
 
 Prints medians over `--repeats` runs (after an untimed warm-up run of each), documents/s, both
@@ -285,7 +285,7 @@ def main() -> None:
         import rensa  # noqa: F401 — a benchmark-only dependency
         methods.append(run_rensa)
     except ImportError:
-        print("rensa is not installed (pip install rensa): its row is skipped")
+        print("rensa is not installed (pip install -e '.[bench]', or make bench): its row is skipped")
     methods += [run_datatrove] if args.datatrove else []
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
