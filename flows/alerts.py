@@ -20,10 +20,13 @@ one more automation, Prefect's zombie-run recipe, marks a run Crashed after thre
 heartbeats (and the Crashed alert follows, where there are alerts). It is bookkeeping, not an
 alert: `kiln deploy` creates it with or without a webhook. The window comes from the heartbeat
 setting of the process that deploys: set the same value where you deploy and where workers run.
+`KILN_MISSED_HEARTBEATS` (default 3, at least 2) in that process changes how many heartbeats may be
+missed: 2 detects a dead worker a heartbeat sooner, and crashes a live run whose one heartbeat is late.
 """
 
 from __future__ import annotations
 
+import os
 import shlex
 from collections.abc import Mapping
 from datetime import timedelta
@@ -31,6 +34,7 @@ from typing import Any
 
 import yaml
 
+from kiln.tasks.errors import KilnError
 from kiln.tasks.evals.ecg import CLEARED_EVENT, REGRESSION_EVENT, RegressionEvent
 
 ALERTS = {  # automation name -> (event, subject)
@@ -45,6 +49,7 @@ CRASHED = "kiln-flow-run-crashed"
 UI_VERSION = "v2"  # the path segment of Prefect's current UI (prefect.server.api.server.UI_VERSION_PATH_SEGMENT)
 UNRESPONSIVE = "kiln-crash-unresponsive-runs"
 MISSED_HEARTBEATS = 3  # one late heartbeat on a busy machine must not crash a live run
+MISSED_SETTING = "KILN_MISSED_HEARTBEATS"  # the deploying process's override of MISSED_HEARTBEATS
 BLOCK_NAME = "kiln-alerts"
 TEXT = "text"  # the payload field that holds a Kiln event's sentence
 # a Kiln event's sentence; an event without one (emitted by hand, or by an older Kiln) shows its raw payload
@@ -150,9 +155,22 @@ def _regression_sentence(event: RegressionEvent, stage: str) -> str:
     return _sentence(text, url)
 
 
+def missed_heartbeats() -> int:
+    """How many heartbeats a deployment run may miss: `$KILN_MISSED_HEARTBEATS`, else `MISSED_HEARTBEATS`.
+    Fewer than 2 would crash a live run whose next heartbeat is a moment late, so it is refused."""
+    value = os.environ.get(MISSED_SETTING, "").strip()
+    if not value:
+        return MISSED_HEARTBEATS
+    if not value.isdigit() or int(value) < 2:
+        raise KilnError(f"{MISSED_SETTING}={value!r} is not a whole number of at least 2: set it to how many "
+                        f"heartbeats a run may miss before it is marked Crashed (2, 3...), or unset it for "
+                        f"{MISSED_HEARTBEATS}")
+    return int(value)
+
+
 def unresponsive_after(heartbeat_s: int | None) -> timedelta | None:
     """How long a deployment run may stay silent before it is declared Crashed (None: heartbeats off)."""
-    return None if heartbeat_s is None else timedelta(seconds=MISSED_HEARTBEATS * heartbeat_s)
+    return None if heartbeat_s is None else timedelta(seconds=missed_heartbeats() * heartbeat_s)
 
 
 def _delete_automations(names: list[str]) -> None:
@@ -165,7 +183,7 @@ def _delete_automations(names: list[str]) -> None:
 
 
 def create_crash_detector() -> timedelta | None:
-    """Create (or replace) the automation that marks a deployment run Crashed after `MISSED_HEARTBEATS`
+    """Create (or replace) the automation that marks a deployment run Crashed after `missed_heartbeats()`
     missed heartbeats; returns its window (None, and no automation, when heartbeats are off)."""
     from prefect.automations import Automation, EventTrigger, Posture
     from prefect.client.schemas.objects import StateType

@@ -21,16 +21,19 @@ from kiln.flows.servers import servers_dir
 from tests.flows.test_operate import REPO, PrefectApi
 from tests.processes import kill_tree
 
-# the detector waits three heartbeats of 30 s (Prefect's minimum), then its proactive check runs
+# the detector waits two heartbeats of 30 s (Prefect's minimum; KILN_MISSED_HEARTBEATS=2, the fewest it takes,
+# rather than the default 3: 30 s less to wait), then its proactive check runs
 pytestmark = [pytest.mark.slow, pytest.mark.cluster, pytest.mark.timeout(600)]
 HEARTBEAT_S = 30
+MISSED = 2
+WINDOW_S = MISSED * HEARTBEAT_S
 SHORT_RUNS = 20
 PARALLEL = 4  # processes at a time
 
 DETECTOR = f"""
 from kiln.flows.alerts import create_crash_detector
 
-assert create_crash_detector().total_seconds() == {3 * HEARTBEAT_S}
+assert create_crash_detector().total_seconds() == {WINDOW_S}
 """
 # one run per process, as a worker starts them: the process ends right after its run, so its heartbeat
 # (sent by the events client it has just started) may reach the server after the Completed event
@@ -67,12 +70,13 @@ hangs()
 
 @pytest.fixture
 def server(kiln_servers):
-    """The servers' environment, as `source servers/env` gives it, with a 30 s heartbeat."""
+    """The servers' environment, as `source servers/env` gives it, with a 30 s heartbeat, two of which may be missed."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "MLFLOW_"))}
     for line in (servers_dir(kiln_servers) / "env").read_text().splitlines():
         name, value = line.removeprefix("export ").split("=", 1)
         env[name] = value
     env["PREFECT_FLOWS_HEARTBEAT_FREQUENCY"] = str(HEARTBEAT_S)
+    env["KILN_MISSED_HEARTBEATS"] = str(MISSED)
     return env
 
 
@@ -106,8 +110,8 @@ def test_short_runs_stay_completed_and_a_killed_run_is_crashed(server, tmp_path:
     kill_tree(hangs.pid)
     hangs.wait(timeout=30)
 
-    crashed = api.wait(killed, {"CRASHED", "COMPLETED", "FAILED", "CANCELLED"}, timeout_s=3 * HEARTBEAT_S + 120)
-    assert crashed["state_name"] == "Crashed" and "no heartbeat for 90s" in crashed["state"]["message"]
+    crashed = api.wait(killed, {"CRASHED", "COMPLETED", "FAILED", "CANCELLED"}, timeout_s=WINDOW_S + 120)
+    assert crashed["state_name"] == "Crashed" and f"no heartbeat for {WINDOW_S}s" in crashed["state"]["message"]
     time.sleep(15)  # every short run's window closed before the killed run's: let any late action land
     states = {run["id"]: run["state_name"] for run in
               api.call("POST", "/flow_runs/filter", {"flow_runs": {"id": {"any_": ids}}})}
@@ -127,6 +131,6 @@ def test_short_runs_stay_completed_and_a_killed_run_is_crashed(server, tmp_path:
                                              f"{[r.info.status for r in runs]}")
         time.sleep(2)
     assert task_runs[0]["state"]["message"].startswith(f"its flow run {crashed['name']} ended Crashed while this "
-                                                       "task ran: no heartbeat for 90s")
+                                                       f"task ran: no heartbeat for {WINDOW_S}s")
     assert runs[0].data.tags["kiln.status"] == "crashed"
     assert runs[0].data.tags["kiln.error"].startswith(f"its process (pid {hangs.pid} on ")

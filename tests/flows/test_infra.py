@@ -131,6 +131,25 @@ def test_every_deployment_heartbeats_at_the_cadence_the_crash_alert_assumes():
     assert "PREFECT_FLOWS_HEARTBEAT_FREQUENCY" not in work_pool("process")["job_variables"]["env"]  # the file is unchanged
 
 
+def test_kiln_missed_heartbeats_sets_the_crash_window_and_a_bad_value_says_how_to_fix_it(monkeypatch):
+    """$KILN_MISSED_HEARTBEATS changes how many heartbeats the detector's window holds (3 without it); fewer
+    than 2, or not a number, is refused naming the variable."""
+    from datetime import timedelta
+
+    from kiln.flows.alerts import unresponsive_after
+    from kiln.tasks.errors import KilnError
+
+    monkeypatch.delenv("KILN_MISSED_HEARTBEATS", raising=False)
+    assert unresponsive_after(30) == timedelta(seconds=90)
+    monkeypatch.setenv("KILN_MISSED_HEARTBEATS", "2")
+    assert unresponsive_after(30) == timedelta(seconds=60)
+    assert unresponsive_after(None) is None
+    for bad in ("1", "0", "two", "-3", "2.5"):
+        monkeypatch.setenv("KILN_MISSED_HEARTBEATS", bad)
+        with pytest.raises(KilnError, match=f"KILN_MISSED_HEARTBEATS='{bad}' is not a whole number of at least 2"):
+            unresponsive_after(30)
+
+
 @pytest.fixture
 def api_url(prefect_api, monkeypatch):
     """The test Prefect API, also for the `prefect` subprocesses `kiln deploy` starts."""
