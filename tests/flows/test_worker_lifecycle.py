@@ -75,8 +75,14 @@ def test_a_run_outlives_its_killed_worker_and_workers_stop_on_sigterm(operated, 
     # a worker whose server is gone: SIGTERM stops it within 10 s
     assert main(["up", f"work_dir={home}", "--prefect-port", ops.api.url.rsplit(":", 1)[1].split("/")[0],
                  "--mlflow-port", ops.mlflow.rsplit(":", 1)[1]]) == 0
+    log = ops.root / "worker.log"
+    started = log.read_text().count("started!")
     ops.start_worker()
-    time.sleep(20)  # polling its server
+    deadline = time.monotonic() + 120  # polling its server: Prefect's worker says so once its loops run
+    while log.read_text().count("started!") == started:
+        assert ops.worker.poll() is None and time.monotonic() < deadline, "the worker never started polling"
+        time.sleep(0.5)
+    time.sleep(3)  # a few polls (PREFECT_WORKER_QUERY_SECONDS=1)
     assert ops.worker.poll() is None
     prefect = next(s for s in read_servers(home) if s.name == "prefect")
     os.killpg(prefect.pid, signal.SIGKILL)
