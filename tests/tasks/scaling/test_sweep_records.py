@@ -137,7 +137,7 @@ def test_sweep_trials_record_their_jobs_nodes_attempts_and_committed_logs(two_no
 def test_a_sweep_waits_for_an_earlier_driver_s_live_job_before_submitting_its_own(two_nodes, tmp_path, caplog):
     """A job the stage's previous (dead) driver submitted may still train these trials: the sweep submits
     nothing until the scheduler says it has ended, so no trial is trained by two jobs at once."""
-    earlier = subprocess.run(["sbatch", "--parsable", f"--output={tmp_path}/earlier-%j.out", "--wrap", "sleep 30"],
+    earlier = subprocess.run(["sbatch", "--parsable", f"--output={tmp_path}/earlier-%j.out", "--wrap", "sleep 15"],
                              capture_output=True, text=True, check=True).stdout.strip()
     recorder = StageRecorder(NullTracker(), "run", "sweep", "k")
     where = JobTrials("slurm", ClusterSpec(rdzv_port=free_port(), max_restarts=0), 2, tmp_path / "out" / JOBS_DIR,
