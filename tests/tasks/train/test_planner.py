@@ -175,8 +175,9 @@ def test_activation_formulas_match_what_a_real_forward_keeps(cfg: ModelConfig, c
 
 def test_activation_exact_numbers_and_sharding() -> None:
     cfg = SMALL[0]  # d 64, f 192, 4 heads
-    # none, fp32: 64 tokens x (4 x (9 x 64 + 2 x 64 + 4 x 192) + 4 x (2 + 4)) = 64 x 5912
-    assert activation_bytes_per_layer(cfg, 2, 32, compute="fp32") == 64 * 5912
+    # none, fp32: 64 tokens x (4 x (8 x 64 + 2 x 64 + 4 x 192) + 4 x (2 + 4)) = 64 x 5656, and
+    # RoPE's 4 fp32 tables of 32 positions x head_dim 16
+    assert activation_bytes_per_layer(cfg, 2, 32, compute="fp32") == 64 * 5656 + 4 * 32 * 16 * 4
     assert activation_bytes_per_layer(cfg, 2, 32, checkpointing="full", compute="bf16") == 64 * 2 * 64
     # TP splits what is split by heads and leaves the replicated stream (and its norms) whole
     whole, half = activation_bytes_per_layer(cfg, 2, 32), activation_bytes_per_layer(cfg, 2, 32, tp=2)
