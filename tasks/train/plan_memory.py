@@ -210,7 +210,7 @@ def activation_bytes_per_layer(cfg: ModelConfig, micro_batch: int, seq_len: int,
       none, autocast (fp32 weights, one device): fp32 residual stream and norms, bf16 matmul
             inputs cast per use: 2(7d + 2kv + 4f) + 16d + 4(2 + h).
       and per micro-batch, not per token, RoPE's full-width cos and sin tables for q and for k
-            (`_apply_rope`): 4 [T, head_dim] in the tables' dtype (bf16 for FSDP2's copies, else fp32).
+            (`_apply_rope`): 4 [T, head_dim] in fp32 (FSDP2 casts the weights, not these buffers).
       selective: the block input (in the residual stream's dtype r) and the outputs of the saved
             ops in the compute dtype c: wq, wk, wv, attention (and its fp32 log-sum-exp), proj,
             gate, up, down, and under TP the two all-reduces:
@@ -255,7 +255,8 @@ def activation_bytes_per_layer(cfg: ModelConfig, micro_batch: int, seq_len: int,
                                   - (d if gelu else 0)) + 16 * d + stats}[compute]
     per_token += 2 * _norm_delta(cfg, compute) + _qk_norm_bytes(cfg, tp, compute)
     gathered_kv = -(-c * 2 * kv * (micro_batch * seq_len - tokens) // tp) if cp > 1 else 0
-    rope_tables = 4 * (seq_len // cp) * cfg.head_dim * (2 if compute == "bf16" else 4) if cfg.position == "rope" else 0
+    # fp32 in every precision: FSDP2's mixed precision casts parameters, not buffers
+    rope_tables = 4 * (seq_len // cp) * cfg.head_dim * 4 if cfg.position == "rope" else 0
     return tokens * per_token + gathered_kv + _mask_bytes(cfg, layer, seq_len, tp, cp, compute) + rope_tables
 
 

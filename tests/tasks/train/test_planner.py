@@ -95,8 +95,10 @@ def _alive_after_forward(cfg: ModelConfig, batch: int, seq: int, checkpointing: 
     heads alone (their input, the trunk's output, and what they keep)."""
     model = build_model(cfg, V, seed=0)
     apply_activation_checkpointing(model, checkpointing)
-    if compute == "bf16":  # what FSDP2's bf16 all-gathered weights compute with
+    if compute == "bf16":  # what FSDP2's bf16 all-gathered weights compute with (buffers stay fp32)
         model = model.to(torch.bfloat16)
+        if model.rope_cos is not None:
+            model.rope_cos, model.rope_sin = model.rope_cos.float(), model.rope_sin.float()
     idx = torch.randint(0, V, (batch, seq))
     autocast = torch.autocast("cpu", dtype=torch.bfloat16) if compute == "autocast" else contextlib.nullcontext()
     rope = (model.rope_cos[:seq], model.rope_sin[:seq]) if model.rope_cos is not None else (None, None)
