@@ -16,25 +16,30 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shutil
 from collections import Counter
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from pydantic import Field
 
 from kiln.tasks.accounting import DocCounts
-from kiln.tasks.configbase import Section
+from kiln.tasks.configbase import Section, runtime_field
 from kiln.tasks.data.code_tree import read_code_tree
+from kiln.tasks.data.collect_ids import find_earlier_kept, read_ids, write_checked
 from kiln.tasks.data.compliance import SourceReport, compliance_markdown, compliance_report
 from kiln.tasks.data.documents import Document
+from kiln.tasks.data.executors import LOCAL, RANKS_DIR, ExecutorSettings, ShardRun, map_shards, rank_ledger
 from kiln.tasks.data.inspection import RemovalTally, text_bytes, write_removal_report
 from kiln.tasks.data.licences import LicencePolicy, LicenceVerdict, normalise
 from kiln.tasks.data.readers import READERS, Candidate, read_dataset
-from kiln.tasks.data.shards import DOCUMENTS, QUARANTINE, REMOVED, RotatingShards, write_listing
-from kiln.tasks.data.source_files import is_remote, list_files, local_path, resolved
+from kiln.tasks.data.shards import DOCUMENTS, KINDS, QUARANTINE, REMOVED, RotatingShards, write_listing
+from kiln.tasks.data.source_files import SourceFile, is_remote, list_files, local_path, resolved
 from kiln.tasks.data.sources import NEEDS_SOURCE_LICENCE, Source, remote_identity, source_patterns
 from kiln.tasks.errors import ConfigError, InputError
+from kiln.tasks.store import file_sha256
 
 # SPDX ids ("public-domain" reads as LicenseRef-public-domain) of licences that allow training and redistribution of derived text.
 OPEN_LICENCES = [
@@ -61,6 +66,8 @@ class CollectConfig(Section):
     # The size of a shard of the output (uncompressed JSON lines; zstd stores about a quarter): each
     # later data stage processes one shard per rank, so shards are the unit of parallel work.
     shard_bytes: int = Field(100_000_000, ge=1)
+    # Tasks read at once on cluster.executor (a task: source files of about shard_bytes); the output is the same.
+    num_workers: int = runtime_field(1, ge=1)
 
     def domains(self) -> list[str]:
         """Every domain the sources' documents may have, in the order the sources name them."""
@@ -146,35 +153,143 @@ def _sampled(doc_id: str, weight: float) -> bool:
     return weight >= 1.0 or int.from_bytes(hashlib.sha256(doc_id.encode()).digest()[:8], "big") < weight * 2**64
 
 
+WORK_DIR = "_collect"  # the jobs' logs, records and checked ids, while the stage runs
 _MAX_REASON_LICENCE_CHARS = 100  # a licence as written, in a reason (a stats key); in full in the removed records
 
 
-def collect_documents(cfg: CollectConfig, out_dir: Path) -> dict:
-    """Read every source into shards in `out_dir` (`tasks.data.shards`) and write the compliance report."""
-    policy = _check_config(cfg)
+@dataclass(frozen=True)
+class _Part:
+    """Files of one source that a task reads in order (`files` None: a hub dataset, read whole)."""
+
+    source: Source  # its path resolved (`resolved`)
+    files: tuple[SourceFile, ...] | None
+    whole: bool  # the source's every file: the task reports how many it has
+
+
+def _units(cfg: CollectConfig, source: Source) -> Iterator[tuple[_Part, int]]:
+    """A source's parts that may go to different tasks, with their bytes: a file each, or the whole
+    source as one where it must be read in one process: a hub dataset, a code tree (its LICENSE files
+    speak for the files beside them), and a source capped by `max_docs_per_source` (its first N
+    documents in file order)."""
+    source = source.model_copy(update={"path": resolved(source.path)})
+    if source.format == "hf":
+        yield _Part(source, None, True), 0
+        return
+    try:
+        files = list_files(source.path, source_patterns(source), source.storage_options)
+    except InputError as err:
+        raise InputError(f"source {source.name!r}: {err}") from None
+    if source.format == "code" or cfg.max_docs_per_source is not None or len(files) <= 1:
+        yield _Part(source, tuple(files), True), sum(file.size for file in files)
+        return
+    for file in files:
+        yield _Part(source, (file,), False), file.size
+
+
+def plan_tasks(cfg: CollectConfig) -> list[list[_Part]]:
+    """The sources' files in order, cut into tasks of about `shard_bytes` of input each (a file, or a
+    source read whole, is never cut): in task order, the tasks' records are the sources' in order."""
+    tasks: list[list[_Part]] = []
+    current: list[_Part] = []
+    size = 0
+    for source in cfg.sources:
+        for part, num_bytes in _units(cfg, source):
+            if current and not part.whole and current[-1].source.name == part.source.name and not current[-1].whole:
+                current[-1] = _Part(part.source, (*(current[-1].files or ()), *(part.files or ())), False)
+            else:
+                current.append(part)
+            size += num_bytes
+            if size >= cfg.shard_bytes:
+                tasks.append(current)
+                current, size = [], 0
+    if current:
+        tasks.append(current)
+    return tasks
+
+
+def _plan_identity(tasks: list[list[_Part]]) -> list[list[Any]]:
+    """What each task reads, for its rank key: sources by name, files by path and size (their content
+    is in the stage's key)."""
+    return [[[part.source.name, None if part.files is None else [[f.rel, f.size] for f in part.files]]
+             for part in task] for task in tasks]
+
+
+def _report_of(report: SourceReport) -> dict[str, Any]:
+    """A task's share of a source's report, JSON-able (its rank's summary)."""
+    return {"num_files": report.num_files, "num_kept": report.num_kept, "num_chars": report.num_chars,
+            "removed": dict(report.removed), "quarantined": dict(report.quarantined),
+            "licences": dict(report.licences), "statuses": report.statuses,
+            "unknown_keys": {k: list(v) for k, v in report.unknown_keys.items()},
+            "spellings": {k: dict(v) for k, v in report.spellings.items()}, "capped": report.capped}
+
+
+def _add_report(report: SourceReport, part: dict[str, Any]) -> None:
+    report.num_files += part["num_files"]
+    report.num_kept += part["num_kept"]
+    report.num_chars += part["num_chars"]
+    report.removed.update(part["removed"])
+    report.quarantined.update(part["quarantined"])
+    report.licences.update(part["licences"])
+    report.statuses.update(part["statuses"])
+    report.unknown_keys.update({k: tuple(v) for k, v in part["unknown_keys"].items()})
+    for label, spellings in part["spellings"].items():
+        report.spellings[label].update(spellings)
+    report.capped = report.capped or part["capped"]
+
+
+@dataclass(frozen=True)
+class _ReadTask:
+    """Rank r of a collect job: read task `ranks[r]`'s files (`tasks`), judge every record and write
+    the task's kept, removed and quarantined shards (`RRRRR.NNNNN.jsonl.zst`) and the ids it checked
+    (`tasks.data.collect_ids`) to `ids_dir`, with the ids of `prior[r]` (those earlier tasks kept) as
+    already seen. Returns the task's counts, tally, reports by source and shard listing."""
+
+    cfg: CollectConfig
+    tasks: list[list[_Part]]
+    out_dir: Path
+    ids_dir: Path
+    ranks: tuple[int, ...] | None = None  # None: rank r is task r
+    prior: tuple[Path | None, ...] | None = None
+
+    def __call__(self, rank: int) -> dict[str, Any]:
+        task = rank if self.ranks is None else self.ranks[rank]
+        seen = read_ids(None if self.prior is None else self.prior[rank])
+        for kind in KINDS:  # an earlier attempt's shards of this task (a crash, or its run before the ids were known)
+            for path in (self.out_dir / kind).glob(f"{task:05d}.*"):
+                path.unlink()
+        return _read_task(self.cfg, self.tasks[task], task, self.out_dir, self.ids_dir, seen)
+
+
+def _read_task(cfg: CollectConfig, parts: list[_Part], task: int, out_dir: Path, ids_dir: Path,
+               seen_ids: set[str]) -> dict[str, Any]:
+    policy = LicencePolicy(cfg.allowed_licences)
     counts = DocCounts()
-    reports = []
-    seen_ids: set[str] = set()
+    reports: dict[str, SourceReport] = {}
     by_domain: Counter[str] = Counter()
     by_format: Counter[str] = Counter()
     num_repaired = 0
+    checked: list[str] = []  # every id that reached the id check, in order, and whether it was kept
+    kept_flags: list[bool] = []
     tally = RemovalTally()  # documents and bytes by domain and reason, counted while writing
     with (
-        RotatingShards(out_dir, DOCUMENTS, cfg.shard_bytes) as kept,
-        RotatingShards(out_dir, REMOVED, cfg.shard_bytes) as removed,
-        RotatingShards(out_dir, QUARANTINE, cfg.shard_bytes) as quarantine,
+        RotatingShards(out_dir, DOCUMENTS, cfg.shard_bytes, task) as kept,
+        RotatingShards(out_dir, REMOVED, cfg.shard_bytes, task) as removed,
+        RotatingShards(out_dir, QUARANTINE, cfg.shard_bytes, task) as quarantine,
     ):
-        for source in cfg.sources:
-            report = SourceReport(source.name, source.path, source.format, source.domain, source.licence)
-            reports.append(report)
-            candidates = read_candidates(source, cfg.max_doc_bytes, report)
+        for part in parts:
+            source = part.source
+            report = reports.setdefault(source.name, SourceReport(source.name, source.path, source.format,
+                                                                  source.domain, source.licence))
+            candidates = _part_candidates(part, cfg.max_doc_bytes, report)
             for candidate in candidates:
                 if cfg.max_docs_per_source is not None and report.num_kept >= cfg.max_docs_per_source:
                     report.capped = True
                     break
                 counts.num_in += 1
                 num_repaired += candidate.num_repaired > 0
-                reason, doc, verdict = _judge(candidate, source, cfg.min_chars, policy, seen_ids)
+                reason, doc, verdict = _judge(candidate, source, cfg.min_chars, policy, seen_ids, checked)
+                if len(checked) > len(kept_flags):
+                    kept_flags.append(reason is None)
                 log_record = {"source": source.name, **candidate.location}
                 if verdict is not None:
                     report.saw(verdict)
@@ -209,18 +324,95 @@ def collect_documents(cfg: CollectConfig, out_dir: Path) -> dict:
                     report.quarantined[reason] += 1
             candidates.close()  # a capped source: close its open file now
         shards = {DOCUMENTS: kept.close(), REMOVED: removed.close(), QUARANTINE: quarantine.close()}
+    write_checked(ids_dir / f"{task:05d}", checked, kept_flags)
+    return {"counts": counts.as_dict(), "tally": tally.table(), "shards": shards, "num_repaired": num_repaired,
+            "by_domain": dict(by_domain), "by_format": dict(by_format),
+            "reports": {name: _report_of(report) for name, report in reports.items()}}
+
+
+def _part_candidates(part: _Part, max_bytes: int, report: SourceReport) -> Iterator[Candidate]:
+    """Every candidate of a part's files, in order."""
+    source = part.source
+    if part.files is None:
+        report.num_files += 1
+        yield from read_dataset(source, max_bytes)
+        return
+    report.num_files += len(part.files)
+    if source.format == "code":
+        yield from read_code_tree(list(part.files), source, max_bytes)
+        return
+    reader = READERS[source.format]
+    for file in part.files:
+        yield from reader(file, source, max_bytes)
+
+
+def collect_documents(cfg: CollectConfig, out_dir: Path, executor: ExecutorSettings = LOCAL) -> dict:
+    """Read every source into shards in `out_dir` (`tasks.data.shards`) and write the compliance report.
+
+    The sources' files are cut into tasks (`plan_tasks`) that run on `executor`, `cfg.num_workers` at a
+    time; each writes its own shards and returns its counts, which this process adds up, so no record
+    passes through it. An id kept by an earlier task is found after (`tasks.data.collect_ids`), and the
+    later tasks that used it run again with it already seen: the output is byte for byte what one
+    process reading the sources in order writes (its shards are cut at task boundaries too)."""
+    policy = _check_config(cfg)
+    out_dir = out_dir.resolve()  # Slurm and Ray workers do not share this process's working directory
+    work = out_dir / WORK_DIR
+    tasks = plan_tasks(cfg)
+    identity = {"config": cfg.identity(), "tasks": _plan_identity(tasks)}
+    read = work / "read"
+    reader = _ReadTask(cfg, tasks, out_dir, read / "ids")
+    run = map_shards(reader, read, rank_ledger(read / RANKS_DIR, "kiln_collect", identity, [{}] * len(tasks)),
+                     settings=executor, jobs=cfg.num_workers, job_name="kiln_collect",
+                     outputs=[*(out_dir / kind for kind in KINDS), reader.ids_dir])
+    results, outside_cpu_s = list(run.results), run.outside_cpu_s
+    stems = [reader.ids_dir / f"{task:05d}" for task in range(len(tasks))]
+    priors: list[str | None] = [None] * len(tasks)  # the sha256 of the ids each task's last run had as seen
+    for attempt in range(len(tasks)):  # converges in one round unless a capped source lost documents to it
+        found = find_earlier_kept(stems, work / f"duplicates-{attempt}")
+        changed = [t for t in range(len(tasks))
+                   if priors[t] != (None if t not in found else file_sha256(found[t]))]
+        if not changed:
+            break
+        again = work / f"again-{attempt}"
+        rerun = _ReadTask(cfg, tasks, out_dir, again / "ids", tuple(changed), tuple(found.get(t) for t in changed))
+        ledger = rank_ledger(again / RANKS_DIR, "kiln_collect_again", identity,
+                             [{"seen": found[t]} if t in found else {} for t in changed])
+        rerun_run = map_shards(rerun, again, ledger, settings=executor, jobs=cfg.num_workers,
+                               job_name="kiln_collect_again")
+        outside_cpu_s += rerun_run.outside_cpu_s
+        for t, result in zip(changed, rerun_run.results):
+            results[t], stems[t] = result, rerun.ids_dir / f"{t:05d}"
+            priors[t] = None if t not in found else file_sha256(found[t])
+    else:
+        raise AssertionError("collect's duplicate ids did not settle")
+    stats = _merge(cfg, policy, ShardRun(results, outside_cpu_s), out_dir)
+    shutil.rmtree(work)
+    return stats
+
+
+def _merge(cfg: CollectConfig, policy: LicencePolicy, run: ShardRun, out_dir: Path) -> dict[str, Any]:
+    """The tasks' summaries added up: the stage's stats, compliance report, removal report and listing."""
+    reports = [SourceReport(source.name, source.path, source.format, source.domain, source.licence)
+               for source in cfg.sources]
+    by_name = {report.name: report for report in reports}
+    for result in run.results:
+        for name, part in result["reports"].items():
+            _add_report(by_name[name], part)
     compliance = compliance_report(reports, policy.allowed)
     (out_dir / "compliance.json").write_text(json.dumps(compliance, indent=2) + "\n", encoding="utf-8")
     (out_dir / "compliance.md").write_text(compliance_markdown(compliance), encoding="utf-8")
     return {
-        **counts.as_dict(),
-        "num_repaired": num_repaired,  # inputs whose lone surrogates became U+FFFD (tasks.data.untrusted)
+        **run.counts().as_dict(),
+        "num_repaired": run.total("num_repaired") or 0,  # inputs whose lone surrogates became U+FFFD (tasks.data.untrusted)
         "by_source": {r.name: r.num_kept for r in reports},
-        "by_domain": dict(sorted(by_domain.items())),
-        "by_format": dict(sorted(by_format.items())),
+        "by_domain": dict(sorted((run.total("by_domain") or {}).items())),
+        "by_format": dict(sorted((run.total("by_format") or {}).items())),
         "num_chars": sum(r.num_chars for r in reports),
-        "accounting": write_removal_report(out_dir, "collect", tally.table()),  # removals.json/.md/.png
-        "shards": write_listing(out_dir, shards),
+        "accounting": write_removal_report(out_dir, "collect", run.tally().table()),  # removals.json/.md/.png
+        "shards": write_listing(out_dir, {kind: [entry for result in run.results for entry in result["shards"][kind]]
+                                          for kind in KINDS}),
+        "num_tasks": len(run.results),
+        "executor_cpu_s": run.outside_cpu_s,
     }
 
 
@@ -246,10 +438,12 @@ def _domain_of(candidate: Candidate, source: Source) -> str | None:
 
 
 def _judge(
-    candidate: Candidate, source: Source, min_chars: int, policy: LicencePolicy, seen_ids: set[str]
+    candidate: Candidate, source: Source, min_chars: int, policy: LicencePolicy, seen_ids: set[str],
+    checked: list[str],
 ) -> tuple[str | None, Document | None, LicenceVerdict | None]:
     """(None, doc, verdict) to keep; (reason, doc, verdict) to remove; (reason, None, None) to quarantine
-    (or to remove, for a candidate with a `skip` reason)."""
+    (or to remove, for a candidate with a `skip` reason). A record that reaches the id check appends its
+    id to `checked` (what `tasks.data.collect_ids` compares across tasks)."""
     if candidate.skip is not None:
         return candidate.skip, None, None
     if candidate.problem is not None:
@@ -267,6 +461,7 @@ def _judge(
         doc_id = f"{source.name}/{candidate.id}"
     else:
         doc_id = f"{source.name}/{candidate.location['path']}:{_position(candidate.location)}"
+    checked.append(doc_id)
     if doc_id in seen_ids:
         candidate.detail = f"id {doc_id!r} was already used by an earlier record"
         return "duplicate_id", None, None
