@@ -15,6 +15,7 @@ as written and normalised, and whether each is allowed.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import shutil
 from collections import Counter
@@ -23,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from pydantic import Field
 
 from kiln.tasks.accounting import DocCounts
@@ -30,12 +32,12 @@ from kiln.tasks.configbase import Section, runtime_field
 from kiln.tasks.data.code_tree import read_code_tree
 from kiln.tasks.data.collect_ids import find_earlier_kept, read_ids, write_checked
 from kiln.tasks.data.compliance import SourceReport, compliance_markdown, compliance_report
-from kiln.tasks.data.documents import Document
+from kiln.tasks.data.documents import Document, ShardWriter
 from kiln.tasks.data.executors import LOCAL, RANKS_DIR, ExecutorSettings, ShardRun, map_shards, rank_ledger
 from kiln.tasks.data.inspection import RemovalTally, text_bytes, write_removal_report
 from kiln.tasks.data.licences import LicencePolicy, LicenceVerdict, normalise
 from kiln.tasks.data.readers import READERS, Candidate, read_dataset
-from kiln.tasks.data.shards import DOCUMENTS, KINDS, QUARANTINE, REMOVED, RotatingShards, write_listing
+from kiln.tasks.data.shards import DOCUMENTS, QUARANTINE, REMOVED, RotatingShards, shard_name, write_listing
 from kiln.tasks.data.source_files import SourceFile, is_remote, list_files, local_path, resolved
 from kiln.tasks.data.sources import NEEDS_SOURCE_LICENCE, Source, remote_identity, source_patterns
 from kiln.tasks.errors import ConfigError, InputError
@@ -153,7 +155,8 @@ def _sampled(doc_id: str, weight: float) -> bool:
     return weight >= 1.0 or int.from_bytes(hashlib.sha256(doc_id.encode()).digest()[:8], "big") < weight * 2**64
 
 
-WORK_DIR = "_collect"  # the jobs' logs, records and checked ids, while the stage runs
+WORK_DIR = "_collect"  # the jobs' logs, records, kept lines and checked ids, while the stage runs
+KEPT, IDS, _LENGTHS = "kept", "ids", ".lengths.npy"  # in a run's folder: each task's kept lines, its checked ids
 _MAX_REASON_LICENCE_CHARS = 100  # a licence as written, in a reason (a stats key); in full in the removed records
 
 
@@ -239,28 +242,29 @@ def _add_report(report: SourceReport, part: dict[str, Any]) -> None:
 
 @dataclass(frozen=True)
 class _ReadTask:
-    """Rank r of a collect job: read task `ranks[r]`'s files (`tasks`), judge every record and write
-    the task's kept, removed and quarantined shards (`RRRRR.NNNNN.jsonl.zst`) and the ids it checked
-    (`tasks.data.collect_ids`) to `ids_dir`, with the ids of `prior[r]` (those earlier tasks kept) as
-    already seen. Returns the task's counts, tally, reports by source and shard listing."""
+    """Rank r of a collect job: read task `ranks[r]`'s files (`tasks`), judge every record, and write the
+    task's removed and quarantined shards (`RRRRR.NNNNN.jsonl.zst` in `out_dir`), its kept documents'
+    lines (`run_dir/kept/RRRRR.jsonl`, cut into the stage's shards by `_Pack`) and the ids it checked
+    (`run_dir/ids/RRRRR.*`, `tasks.data.collect_ids`), with the ids in `prior[r]` (those earlier tasks
+    kept) as already seen. Returns the task's counts, tally, reports by source and shard listing."""
 
     cfg: CollectConfig
     tasks: list[list[_Part]]
     out_dir: Path
-    ids_dir: Path
+    run_dir: Path
     ranks: tuple[int, ...] | None = None  # None: rank r is task r
     prior: tuple[Path | None, ...] | None = None
 
     def __call__(self, rank: int) -> dict[str, Any]:
         task = rank if self.ranks is None else self.ranks[rank]
         seen = read_ids(None if self.prior is None else self.prior[rank])
-        for kind in KINDS:  # an earlier attempt's shards of this task (a crash, or its run before the ids were known)
+        for kind in (REMOVED, QUARANTINE):  # an earlier attempt's shards (a crash, or a run before the ids were known)
             for path in (self.out_dir / kind).glob(f"{task:05d}.*"):
                 path.unlink()
-        return _read_task(self.cfg, self.tasks[task], task, self.out_dir, self.ids_dir, seen)
+        return _read_task(self.cfg, self.tasks[task], task, self.out_dir, self.run_dir, seen)
 
 
-def _read_task(cfg: CollectConfig, parts: list[_Part], task: int, out_dir: Path, ids_dir: Path,
+def _read_task(cfg: CollectConfig, parts: list[_Part], task: int, out_dir: Path, run_dir: Path,
                seen_ids: set[str]) -> dict[str, Any]:
     policy = LicencePolicy(cfg.allowed_licences)
     counts = DocCounts()
@@ -270,9 +274,10 @@ def _read_task(cfg: CollectConfig, parts: list[_Part], task: int, out_dir: Path,
     num_repaired = 0
     checked: list[str] = []  # every id that reached the id check, in order, and whether it was kept
     kept_flags: list[bool] = []
+    kept_bytes: list[int] = []  # each kept line's, for cutting the stage's shards (`_cut`)
     tally = RemovalTally()  # documents and bytes by domain and reason, counted while writing
     with (
-        RotatingShards(out_dir, DOCUMENTS, cfg.shard_bytes, task) as kept,
+        ShardWriter(run_dir / KEPT / f"{task:05d}.jsonl") as kept,
         RotatingShards(out_dir, REMOVED, cfg.shard_bytes, task) as removed,
         RotatingShards(out_dir, QUARANTINE, cfg.shard_bytes, task) as quarantine,
     ):
@@ -296,7 +301,9 @@ def _read_task(cfg: CollectConfig, parts: list[_Part], task: int, out_dir: Path,
                 if reason is None:
                     assert doc is not None
                     seen_ids.add(doc.id)
-                    kept.write_line(doc.to_json_line())
+                    line = doc.to_json_line()
+                    kept.write_line(line)
+                    kept_bytes.append(len(line))
                     tally.add("kept", doc.domain, text_bytes(doc.text))  # the record's own domain (domain_field)
                     counts.num_kept += 1
                     report.num_kept += 1
@@ -323,8 +330,10 @@ def _read_task(cfg: CollectConfig, parts: list[_Part], task: int, out_dir: Path,
                     counts.quarantined[reason] += 1
                     report.quarantined[reason] += 1
             candidates.close()  # a capped source: close its open file now
-        shards = {DOCUMENTS: kept.close(), REMOVED: removed.close(), QUARANTINE: quarantine.close()}
-    write_checked(ids_dir / f"{task:05d}", checked, kept_flags)
+        shards = {REMOVED: removed.close(), QUARANTINE: quarantine.close()}
+    (run_dir / KEPT).mkdir(parents=True, exist_ok=True)
+    np.save(run_dir / KEPT / f"{task:05d}{_LENGTHS}", np.asarray(kept_bytes, dtype=np.int64))
+    write_checked(run_dir / IDS / f"{task:05d}", checked, kept_flags)
     return {"counts": counts.as_dict(), "tally": tally.table(), "shards": shards, "num_repaired": num_repaired,
             "by_domain": dict(by_domain), "by_format": dict(by_format),
             "reports": {name: _report_of(report) for name, report in reports.items()}}
@@ -350,47 +359,104 @@ def collect_documents(cfg: CollectConfig, out_dir: Path, executor: ExecutorSetti
     """Read every source into shards in `out_dir` (`tasks.data.shards`) and write the compliance report.
 
     The sources' files are cut into tasks (`plan_tasks`) that run on `executor`, `cfg.num_workers` at a
-    time; each writes its own shards and returns its counts, which this process adds up, so no record
-    passes through it. An id kept by an earlier task is found after (`tasks.data.collect_ids`), and the
-    later tasks that used it run again with it already seen: the output is byte for byte what one
-    process reading the sources in order writes (its shards are cut at task boundaries too)."""
+    time; each writes its own removed and quarantined shards and its kept lines, and returns its counts,
+    which this process adds up: no record passes through it. An id kept by an earlier task is found after
+    (`tasks.data.collect_ids`), and the later tasks that used it run again with it already seen. Then a
+    second job cuts the kept lines into shards of `shard_bytes` exactly where one process reading every
+    source in order cuts them (`_cut`, `_Pack`): the documents, their shards and every count are byte for
+    byte what one process writes, whatever the tasks and workers."""
     policy = _check_config(cfg)
     out_dir = out_dir.resolve()  # Slurm and Ray workers do not share this process's working directory
     work = out_dir / WORK_DIR
     tasks = plan_tasks(cfg)
     identity = {"config": cfg.identity(), "tasks": _plan_identity(tasks)}
     read = work / "read"
-    reader = _ReadTask(cfg, tasks, out_dir, read / "ids")
-    run = map_shards(reader, read, rank_ledger(read / RANKS_DIR, "kiln_collect", identity, [{}] * len(tasks)),
-                     settings=executor, jobs=cfg.num_workers, job_name="kiln_collect",
-                     outputs=[*(out_dir / kind for kind in KINDS), reader.ids_dir])
+    ledger = rank_ledger(read / RANKS_DIR, "kiln_collect", identity, [{}] * len(tasks))
+    run = map_shards(_ReadTask(cfg, tasks, out_dir, read), read, ledger, settings=executor, jobs=cfg.num_workers,
+                     job_name="kiln_collect", outputs=[out_dir / REMOVED, out_dir / QUARANTINE, read / IDS, read / KEPT])
     results, outside_cpu_s = list(run.results), run.outside_cpu_s
-    stems = [reader.ids_dir / f"{task:05d}" for task in range(len(tasks))]
+    runs = [read] * len(tasks)  # the folder of each task's last run
+    versions = list(ledger.keys)  # the key of each task's last run
     priors: list[str | None] = [None] * len(tasks)  # the sha256 of the ids each task's last run had as seen
-    for attempt in range(len(tasks)):  # converges in one round unless a capped source lost documents to it
-        found = find_earlier_kept(stems, work / f"duplicates-{attempt}")
-        changed = [t for t in range(len(tasks))
-                   if priors[t] != (None if t not in found else file_sha256(found[t]))]
+    for attempt in range(len(tasks) + 1):  # settles in one round unless a capped source lost documents to it
+        found = find_earlier_kept([runs[t] / IDS / f"{t:05d}" for t in range(len(tasks))],
+                                  work / f"duplicates-{attempt}")
+        changed = [t for t in range(len(tasks)) if priors[t] != (file_sha256(found[t]) if t in found else None)]
         if not changed:
             break
         again = work / f"again-{attempt}"
-        rerun = _ReadTask(cfg, tasks, out_dir, again / "ids", tuple(changed), tuple(found.get(t) for t in changed))
         ledger = rank_ledger(again / RANKS_DIR, "kiln_collect_again", identity,
                              [{"seen": found[t]} if t in found else {} for t in changed])
-        rerun_run = map_shards(rerun, again, ledger, settings=executor, jobs=cfg.num_workers,
-                               job_name="kiln_collect_again")
-        outside_cpu_s += rerun_run.outside_cpu_s
-        for t, result in zip(changed, rerun_run.results):
-            results[t], stems[t] = result, rerun.ids_dir / f"{t:05d}"
-            priors[t] = None if t not in found else file_sha256(found[t])
+        rerun = map_shards(_ReadTask(cfg, tasks, out_dir, again, tuple(changed), tuple(found.get(t) for t in changed)),
+                           again, ledger, settings=executor, jobs=cfg.num_workers, job_name="kiln_collect_again")
+        outside_cpu_s += rerun.outside_cpu_s
+        for i, t in enumerate(changed):
+            results[t], runs[t], versions[t] = rerun.results[i], again, ledger.keys[i]
+            priors[t] = file_sha256(found[t]) if t in found else None
     else:
         raise AssertionError("collect's duplicate ids did not settle")
-    stats = _merge(cfg, policy, ShardRun(results, outside_cpu_s), out_dir)
+    kept_files = [runs[t] / KEPT / f"{t:05d}" for t in range(len(tasks))]
+    packer = _Pack(_cut(kept_files, cfg.shard_bytes), kept_files, out_dir)
+    pack = work / "pack"
+    packed = map_shards(packer, pack, rank_ledger(pack / RANKS_DIR, "kiln_collect_pack",
+                                                  {"shards": packer.shards, "tasks": versions},
+                                                  [{}] * len(packer.shards)),
+                        settings=executor, jobs=cfg.num_workers, job_name="kiln_collect_pack",
+                        outputs=[out_dir / DOCUMENTS])
+    outside_cpu_s += packed.outside_cpu_s
+    stats = _merge(cfg, policy, ShardRun(results, outside_cpu_s), [r["shard"] for r in packed.results], out_dir)
     shutil.rmtree(work)
     return stats
 
 
-def _merge(cfg: CollectConfig, policy: LicencePolicy, run: ShardRun, out_dir: Path) -> dict[str, Any]:
+def _cut(kept_files: list[Path], shard_bytes: int) -> list[list[tuple[int, int, int]]]:
+    """The stage's shards of kept documents as one process writing the tasks' kept lines in order cuts
+    them (`RotatingShards`: a new shard once the current one holds `shard_bytes`): each a list of
+    pieces (task, first line, end line). Reads one task's line lengths at a time."""
+    shards: list[list[tuple[int, int, int]]] = []
+    current: list[tuple[int, int, int]] = []
+    size = 0
+    for task, stem in enumerate(kept_files):
+        ends = np.concatenate([[0], np.cumsum(np.load(stem.with_name(stem.name + _LENGTHS)))])
+        start, count = 0, len(ends) - 1
+        while start < count:
+            if size >= shard_bytes:
+                shards.append(current)
+                current, size = [], 0
+            stop = min(int(np.searchsorted(ends, ends[start] + (shard_bytes - size), side="left")), count)
+            current.append((task, start, stop))
+            size += int(ends[stop] - ends[start])
+            start = stop
+    if current:
+        shards.append(current)
+    return shards
+
+
+@dataclass(frozen=True)
+class _Pack:
+    """Rank g: write the stage's kept shard g (`documents/NNNNN.jsonl.zst`) from its pieces of the tasks'
+    kept lines (`shards[g]`: task, first line, end line)."""
+
+    shards: list[list[tuple[int, int, int]]]
+    kept_files: list[Path]
+    out_dir: Path
+
+    def __call__(self, rank: int) -> dict[str, Any]:
+        with ShardWriter(self.out_dir / DOCUMENTS / shard_name(rank)) as writer:
+            for task, start, stop in self.shards[rank]:
+                stem = self.kept_files[task]
+                ends = np.concatenate([[0], np.cumsum(np.load(stem.with_name(stem.name + _LENGTHS)))])
+                with open(stem.with_name(stem.name + ".jsonl"), "rb") as handle:
+                    handle.seek(int(ends[start]))
+                    for line in itertools.islice(handle, stop - start):
+                        writer.write_line(line)
+            writer.close()
+            return {"shard": {"path": f"{DOCUMENTS}/{shard_name(rank)}", "num_records": writer.num_records,
+                              "num_bytes": writer.num_bytes}}
+
+
+def _merge(cfg: CollectConfig, policy: LicencePolicy, run: ShardRun, kept: list[dict[str, Any]],
+           out_dir: Path) -> dict[str, Any]:
     """The tasks' summaries added up: the stage's stats, compliance report, removal report and listing."""
     reports = [SourceReport(source.name, source.path, source.format, source.domain, source.licence)
                for source in cfg.sources]
@@ -409,8 +475,9 @@ def _merge(cfg: CollectConfig, policy: LicencePolicy, run: ShardRun, out_dir: Pa
         "by_format": dict(sorted((run.total("by_format") or {}).items())),
         "num_chars": sum(r.num_chars for r in reports),
         "accounting": write_removal_report(out_dir, "collect", run.tally().table()),  # removals.json/.md/.png
-        "shards": write_listing(out_dir, {kind: [entry for result in run.results for entry in result["shards"][kind]]
-                                          for kind in KINDS}),
+        "shards": write_listing(out_dir, {DOCUMENTS: kept, **{kind: [entry for result in run.results
+                                                                      for entry in result["shards"][kind]]
+                                                               for kind in (REMOVED, QUARANTINE)}}),
         "num_tasks": len(run.results),
         "executor_cpu_s": run.outside_cpu_s,
     }
