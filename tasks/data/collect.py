@@ -22,9 +22,10 @@ from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
+from fsspec.core import url_to_fs
 from pydantic import Field
 
 from kiln.tasks.accounting import DocCounts
@@ -160,12 +161,20 @@ KEPT, IDS, _LENGTHS = "kept", "ids", ".lengths.npy"  # in a run's folder: each t
 _MAX_REASON_LICENCE_CHARS = 100  # a licence as written, in a reason (a stats key); in full in the removed records
 
 
+class _File(NamedTuple):
+    """A source file as a task names it (plain values: every rank gets the whole plan)."""
+
+    path: str  # on the source's filesystem
+    rel: str  # relative to the source
+    size: int
+
+
 @dataclass(frozen=True)
 class _Part:
     """Files of one source that a task reads in order (`files` None: a hub dataset, read whole)."""
 
     source: Source  # its path resolved (`resolved`)
-    files: tuple[SourceFile, ...] | None
+    files: tuple[_File, ...] | None
     whole: bool  # the source's every file: the task reports how many it has
 
 
@@ -183,10 +192,10 @@ def _units(cfg: CollectConfig, source: Source) -> Iterator[tuple[_Part, int]]:
     except InputError as err:
         raise InputError(f"source {source.name!r}: {err}") from None
     if source.format == "code" or cfg.max_docs_per_source is not None or len(files) <= 1:
-        yield _Part(source, tuple(files), True), sum(file.size for file in files)
+        yield _Part(source, tuple(_File(f.path, f.rel, f.size) for f in files), True), sum(f.size for f in files)
         return
     for file in files:
-        yield _Part(source, (file,), False), file.size
+        yield _Part(source, (_File(file.path, file.rel, file.size),), False), file.size
 
 
 def plan_tasks(cfg: CollectConfig) -> list[list[_Part]]:
@@ -347,11 +356,13 @@ def _part_candidates(part: _Part, max_bytes: int, report: SourceReport) -> Itera
         yield from read_dataset(source, max_bytes)
         return
     report.num_files += len(part.files)
+    fs = url_to_fs(source.path, **(source.storage_options or {}))[0]
+    files = [SourceFile(fs, file.path, file.rel, file.size) for file in part.files]
     if source.format == "code":
-        yield from read_code_tree(list(part.files), source, max_bytes)
+        yield from read_code_tree(files, source, max_bytes)
         return
     reader = READERS[source.format]
-    for file in part.files:
+    for file in files:
         yield from reader(file, source, max_bytes)
 
 
