@@ -15,14 +15,15 @@ as written and normalised, and whether each is allowed.
 from __future__ import annotations
 
 import hashlib
-import itertools
 import json
+import math
 import shutil
 from collections import Counter
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, BinaryIO, NamedTuple
 
 import numpy as np
 from fsspec.core import url_to_fs
@@ -157,7 +158,8 @@ def _sampled(doc_id: str, weight: float) -> bool:
 
 
 WORK_DIR = "_collect"  # the jobs' logs, records, kept lines and checked ids, while the stage runs
-KEPT, IDS, _LENGTHS = "kept", "ids", ".lengths.npy"  # in a run's folder: each task's kept lines, its checked ids
+KEPT, IDS, _LENGTHS = "kept", "ids", ".lengths.npy"
+_BLOCK_BYTES = 1 << 20  # what `_Pack` copies at once  # in a run's folder: each task's kept lines, its checked ids
 _MAX_REASON_LICENCE_CHARS = 100  # a licence as written, in a reason (a stats key); in full in the removed records
 
 
@@ -286,7 +288,7 @@ def _read_task(cfg: CollectConfig, parts: list[_Part], task: int, out_dir: Path,
     kept_bytes: list[int] = []  # each kept line's, for cutting the stage's shards (`_cut`)
     tally = RemovalTally()  # documents and bytes by domain and reason, counted while writing
     with (
-        ShardWriter(run_dir / KEPT / f"{task:05d}.jsonl") as kept,
+        _opened(run_dir / KEPT / f"{task:05d}.jsonl") as kept,  # a plain file: `_Pack` compresses its lines
         RotatingShards(out_dir, REMOVED, cfg.shard_bytes, task) as removed,
         RotatingShards(out_dir, QUARANTINE, cfg.shard_bytes, task) as quarantine,
     ):
@@ -311,7 +313,7 @@ def _read_task(cfg: CollectConfig, parts: list[_Part], task: int, out_dir: Path,
                     assert doc is not None
                     seen_ids.add(doc.id)
                     line = doc.to_json_line()
-                    kept.write_line(line)
+                    kept.write(line)
                     kept_bytes.append(len(line))
                     tally.add("kept", doc.domain, text_bytes(doc.text))  # the record's own domain (domain_field)
                     counts.num_kept += 1
@@ -340,7 +342,6 @@ def _read_task(cfg: CollectConfig, parts: list[_Part], task: int, out_dir: Path,
                     report.quarantined[reason] += 1
             candidates.close()  # a capped source: close its open file now
         shards = {REMOVED: removed.close(), QUARANTINE: quarantine.close()}
-    (run_dir / KEPT).mkdir(parents=True, exist_ok=True)
     np.save(run_dir / KEPT / f"{task:05d}{_LENGTHS}", np.asarray(kept_bytes, dtype=np.int64))
     write_checked(run_dir / IDS / f"{task:05d}", checked, kept_flags)
     return {"counts": counts.as_dict(), "tally": tally.table(), "shards": shards, "num_repaired": num_repaired,
@@ -407,15 +408,18 @@ def collect_documents(cfg: CollectConfig, out_dir: Path, executor: ExecutorSetti
     else:
         raise AssertionError("collect's duplicate ids did not settle")
     kept_files = [runs[t] / KEPT / f"{t:05d}" for t in range(len(tasks))]
-    packer = _Pack(_cut(kept_files, cfg.shard_bytes), kept_files, out_dir)
+    shards = _cut(kept_files, cfg.shard_bytes)
+    # a pack rank writes a run of shards: about a task's worth of documents, and few ranks for small shards
+    per_rank = math.ceil(len(shards) / max(1, min(len(shards), max(len(tasks), cfg.num_workers))))
+    packer = _Pack(shards, kept_files, out_dir, per_rank)
     pack = work / "pack"
     packed = map_shards(packer, pack, rank_ledger(pack / RANKS_DIR, "kiln_collect_pack",
-                                                  {"shards": packer.shards, "tasks": versions},
-                                                  [{}] * len(packer.shards)),
-                        settings=executor, jobs=cfg.num_workers, job_name="kiln_collect_pack",
-                        outputs=[out_dir / DOCUMENTS])
+                                                  {"shards": shards, "per_rank": per_rank, "tasks": versions},
+                                                  [{}] * math.ceil(len(shards) / per_rank)),
+                        settings=executor, jobs=cfg.num_workers, job_name="kiln_collect_pack")
     outside_cpu_s += packed.outside_cpu_s
-    stats = _merge(cfg, policy, ShardRun(results, outside_cpu_s), [r["shard"] for r in packed.results], out_dir)
+    stats = _merge(cfg, policy, ShardRun(results, outside_cpu_s), [e for r in packed.results for e in r["shards"]],
+                   out_dir)
     shutil.rmtree(work)
     return stats
 
@@ -445,25 +449,41 @@ def _cut(kept_files: list[Path], shard_bytes: int) -> list[list[tuple[int, int, 
 
 @dataclass(frozen=True)
 class _Pack:
-    """Rank g: write the stage's kept shard g (`documents/NNNNN.jsonl.zst`) from its pieces of the tasks'
-    kept lines (`shards[g]`: task, first line, end line)."""
+    """Rank r: write the stage's kept shards `per_rank * r` to `per_rank * (r + 1)` (`documents/NNNNN.jsonl.zst`),
+    each from its pieces of the tasks' kept lines (`shards[g]`: task, first line, end line)."""
 
     shards: list[list[tuple[int, int, int]]]
     kept_files: list[Path]
     out_dir: Path
+    per_rank: int
 
     def __call__(self, rank: int) -> dict[str, Any]:
-        with ShardWriter(self.out_dir / DOCUMENTS / shard_name(rank)) as writer:
-            for task, start, stop in self.shards[rank]:
-                stem = self.kept_files[task]
-                ends = np.concatenate([[0], np.cumsum(np.load(stem.with_name(stem.name + _LENGTHS)))])
-                with open(stem.with_name(stem.name + ".jsonl"), "rb") as handle:
-                    handle.seek(int(ends[start]))
-                    for line in itertools.islice(handle, stop - start):
-                        writer.write_line(line)
-            writer.close()
-            return {"shard": {"path": f"{DOCUMENTS}/{shard_name(rank)}", "num_records": writer.num_records,
-                              "num_bytes": writer.num_bytes}}
+        entries = []
+        for index in range(self.per_rank * rank, min(self.per_rank * (rank + 1), len(self.shards))):
+            with ShardWriter(self.out_dir / DOCUMENTS / shard_name(index)) as writer:
+                for task, start, stop in self.shards[index]:
+                    stem = self.kept_files[task]
+                    ends = np.concatenate([[0], np.cumsum(np.load(stem.with_name(stem.name + _LENGTHS)))])
+                    with open(stem.with_name(stem.name + ".jsonl"), "rb") as handle:
+                        handle.seek(int(ends[start]))
+                        left = int(ends[stop] - ends[start])
+                        while left:  # blocks of whole lines, so each block's records are counted
+                            end = min(stop, int(np.searchsorted(ends, ends[start] + _BLOCK_BYTES, side="right")) - 1)
+                            end = max(end, start + 1)
+                            size = int(ends[end] - ends[start])
+                            writer.write_lines(handle.read(size), end - start)
+                            start, left = end, left - size
+                writer.close()
+                entries.append({"path": f"{DOCUMENTS}/{shard_name(index)}", "num_records": writer.num_records,
+                                "num_bytes": writer.num_bytes})
+        return {"shards": entries}
+
+
+@contextmanager
+def _opened(path: Path) -> Iterator[BinaryIO]:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "wb") as handle:
+        yield handle
 
 
 def _merge(cfg: CollectConfig, policy: LicencePolicy, run: ShardRun, kept: list[dict[str, Any]],
