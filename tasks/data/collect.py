@@ -410,7 +410,7 @@ def collect_documents(cfg: CollectConfig, out_dir: Path, executor: ExecutorSetti
     kept_files = [runs[t] / KEPT / f"{t:05d}" for t in range(len(tasks))]
     shards = _cut(kept_files, cfg.shard_bytes)
     # a pack rank writes a run of shards: about a task's worth of documents, and few ranks for small shards
-    per_rank = math.ceil(len(shards) / max(1, min(len(shards), max(len(tasks), cfg.num_workers))))
+    per_rank = max(1, math.ceil(len(shards) / max(1, min(len(shards), max(len(tasks), cfg.num_workers)))))
     packer = _Pack(shards, kept_files, out_dir, per_rank)
     pack = work / "pack"
     packed = map_shards(packer, pack, rank_ledger(pack / RANKS_DIR, "kiln_collect_pack",
