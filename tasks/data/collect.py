@@ -10,6 +10,12 @@ each cut into shards of `shard_bytes` (`tasks.data.shards`); no input, however b
 (`tasks.data.readers`, `tasks.data.code_tree`). Licences are normalised to SPDX expressions and
 judged by `tasks.data.licences`; a compliance report per source records which licences were seen,
 as written and normalised, and whether each is allowed.
+
+The sources are read by tasks on `cluster.executor` (`collect_documents`): the files in order, cut
+into groups of about `shard_bytes`; what the driver holds is the list of files and the tasks' counts,
+never the records nor every id. The output is byte for byte that of one process reading every
+source in order: ids two tasks kept are found after (`tasks.data.collect_ids`), and the kept
+documents are cut into shards where that one process would cut them.
 """
 
 from __future__ import annotations
@@ -158,8 +164,8 @@ def _sampled(doc_id: str, weight: float) -> bool:
 
 
 WORK_DIR = "_collect"  # the jobs' logs, records, kept lines and checked ids, while the stage runs
-KEPT, IDS, _LENGTHS = "kept", "ids", ".lengths.npy"
-_BLOCK_BYTES = 1 << 20  # what `_Pack` copies at once  # in a run's folder: each task's kept lines, its checked ids
+KEPT, IDS, _LENGTHS = "kept", "ids", ".lengths.npy"  # in a run's folder: each task's kept lines, its checked ids
+_BLOCK_BYTES = 1 << 20  # what `_Pack` copies at once
 _MAX_REASON_LICENCE_CHARS = 100  # a licence as written, in a reason (a stats key); in full in the removed records
 
 
@@ -204,20 +210,25 @@ def plan_tasks(cfg: CollectConfig) -> list[list[_Part]]:
     """The sources' files in order, cut into tasks of about `shard_bytes` of input each (a file, or a
     source read whole, is never cut): in task order, the tasks' records are the sources' in order."""
     tasks: list[list[_Part]] = []
-    current: list[_Part] = []
+    current: list[tuple[_Part, list[_File]]] = []  # a task's parts; a split source's files gathered in a list
     size = 0
+
+    def close() -> None:
+        tasks.append([part if part.whole else _Part(part.source, tuple(files), False) for part, files in current])
+
     for source in cfg.sources:
         for part, num_bytes in _units(cfg, source):
-            if current and not part.whole and current[-1].source.name == part.source.name and not current[-1].whole:
-                current[-1] = _Part(part.source, (*(current[-1].files or ()), *(part.files or ())), False)
+            last = current[-1][0] if current else None
+            if last is not None and not last.whole and not part.whole and last.source.name == part.source.name:
+                current[-1][1].extend(part.files or ())
             else:
-                current.append(part)
+                current.append((part, list(part.files or ())))
             size += num_bytes
             if size >= cfg.shard_bytes:
-                tasks.append(current)
+                close()
                 current, size = [], 0
     if current:
-        tasks.append(current)
+        close()
     return tasks
 
 
