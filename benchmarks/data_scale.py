@@ -202,7 +202,8 @@ def main() -> None:
         values = results[case]
         return statistics.median(v["num_in"] / v["wall_s"] if key == "docs_per_s" else v[key] for v in values)
 
-    print(f"data half (collect → {args.stage}), medians of {args.repeats}; {os.cpu_count()} CPUs; "
+    title = "collect alone" if args.stage == "collect" else f"data half (collect → {args.stage})"
+    print(f"{title}, medians of {args.repeats}; {os.cpu_count()} CPUs; "
           f"mean load average during the runs {statistics.mean(v['load'] for vs in results.values() for v in vs):.1f}")
     print(f"{'corpus':<8}{'workers':<9}{'docs':>8}{'tokens':>11}{'seconds':>9}{'docs/s':>9}{'peak MiB':>10}"
           f"{'driver':>8}{'workers':>9}")
