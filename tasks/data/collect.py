@@ -12,7 +12,7 @@ judged by `tasks.data.licences`; a compliance report per source records which li
 as written and normalised, and whether each is allowed.
 
 The sources are read by tasks on `cluster.executor` (`collect_documents`): the files in order, cut
-into groups of about `shard_bytes`; what the driver holds is the list of files and the tasks' counts,
+into tasks of about `task_bytes`; what the driver holds is the list of files and the tasks' counts,
 never the records nor every id. The output is byte for byte that of one process reading every
 source in order: ids two tasks kept are found after (`tasks.data.collect_ids`), and the kept
 documents are cut into shards where that one process would cut them.
@@ -76,7 +76,10 @@ class CollectConfig(Section):
     # The size of a shard of the output (uncompressed JSON lines; zstd stores about a quarter): each
     # later data stage processes one shard per rank, so shards are the unit of parallel work.
     shard_bytes: int = Field(100_000_000, ge=1)
-    # Tasks read at once on cluster.executor (a task: source files of about shard_bytes); the output is the same.
+    # The input a task reads: files in order, grouped up to this many bytes, and an uncompressed jsonl file
+    # larger than it cut into ranges of lines of this size. Runtime only: the output is the same.
+    task_bytes: int = runtime_field(64_000_000, ge=1)
+    # Tasks read at once on cluster.executor; the output is the same.
     num_workers: int = runtime_field(1, ge=1)
 
     def domains(self) -> list[str]:
@@ -206,18 +209,17 @@ def _units(cfg: CollectConfig, source: Source) -> Iterator[tuple[_Part, int]]:
     if source.format == "code" or cfg.max_docs_per_source is not None:
         yield _Part(source, tuple(_File(f.path, f.rel, f.size) for f in files), True), sum(f.size for f in files)
         return
-    ranged = source.format == "jsonl" and cfg.shard_bytes > 0
     for file in files:
-        if ranged and file.size > cfg.shard_bytes and compression_of(file.rel, source.compression) is None:
-            for start in range(0, file.size, cfg.shard_bytes):  # a big file: a range of lines each
-                end = min(start + cfg.shard_bytes, file.size)
+        if source.format == "jsonl" and file.size > cfg.task_bytes and compression_of(file.rel, source.compression) is None:
+            for start in range(0, file.size, cfg.task_bytes):  # a big file: a range of lines each
+                end = min(start + cfg.task_bytes, file.size)
                 yield _Part(source, (_File(file.path, file.rel, file.size, start, end),), False), end - start
         else:
             yield _Part(source, (_File(file.path, file.rel, file.size),), False), file.size
 
 
 def plan_tasks(cfg: CollectConfig, count: Callable[[list[_Range]], list[int]] | None = None) -> list[list[_Part]]:
-    """The sources' files in order, cut into tasks of about `shard_bytes` of input each (a file, or a
+    """The sources' files in order, cut into tasks of about `task_bytes` of input each (a file, or a
     source read whole, is never cut; but for an uncompressed jsonl file larger than that, which is cut
     into ranges of lines): in task order, the tasks' records are the sources' in order. `count`: the
     newlines in each range (`_CountNewlines` over them), which number each range's lines; default: counted here."""
@@ -247,7 +249,7 @@ def plan_tasks(cfg: CollectConfig, count: Callable[[list[_Range]], list[int]] | 
         else:
             current.append((part, list(part.files or ())))
         size += num_bytes
-        if size >= cfg.shard_bytes:
+        if size >= cfg.task_bytes:
             close()
             current, size = [], 0
     if current:
@@ -432,7 +434,7 @@ def _part_candidates(part: _Part, max_bytes: int, report: SourceReport) -> Itera
 def collect_documents(cfg: CollectConfig, out_dir: Path, executor: ExecutorSettings = LOCAL) -> dict:
     """Read every source into shards in `out_dir` (`tasks.data.shards`) and write the compliance report.
 
-    The sources' files are cut into tasks (`plan_tasks`) that run on `executor`, `cfg.num_workers` at a
+    The sources' files are cut into tasks of about `task_bytes` (`plan_tasks`) that run on `executor`, `cfg.num_workers` at a
     time; each writes its own removed and quarantined shards and its kept lines, and returns its counts,
     which this process adds up: no record passes through it. An id kept by an earlier task is found after
     (`tasks.data.collect_ids`), and the later tasks that used it run again with it already seen. Then a

@@ -63,7 +63,7 @@ def _outputs(out: Path) -> dict[str, bytes]:
 def test_a_task_per_file_writes_what_one_task_writes(tmp_path):
     sources = _repeating_ids(tmp_path)
     one = _collect(sources, tmp_path / "one")
-    many = _collect(sources, tmp_path / "many", shard_bytes=100)  # a task per file, or per 100 bytes of one
+    many = _collect(sources, tmp_path / "many", shard_bytes=1, task_bytes=100)  # a task per file, or per 100 bytes of one
     assert (one["num_tasks"], many["num_tasks"]) == (1, 12)
     assert _outputs(tmp_path / "many") == _outputs(tmp_path / "one")
     drop = ("shards", "num_tasks", "executor_cpu_s")
@@ -82,8 +82,8 @@ def test_a_task_per_file_writes_what_one_task_writes(tmp_path):
 
 def test_two_workers_write_what_one_writes(tmp_path):
     sources = _repeating_ids(tmp_path)
-    one = _collect(sources, tmp_path / "one", shard_bytes=100)
-    two = _collect(sources, tmp_path / "two", ExecutorSettings("local"), shard_bytes=100, num_workers=2)
+    one = _collect(sources, tmp_path / "one", shard_bytes=100, task_bytes=100)
+    two = _collect(sources, tmp_path / "two", ExecutorSettings("local"), shard_bytes=100, task_bytes=100, num_workers=2)
     assert _outputs(tmp_path / "two") == _outputs(tmp_path / "one")
     assert two["shards"] == one["shards"]
 
@@ -96,9 +96,9 @@ def test_a_capped_source_is_one_task_and_keeps_its_first_documents_in_file_order
                              "2.jsonl": [{"id": 3, "text": TEXTS[3]}, {"id": 4, "text": TEXTS[0]}]})
     sources = [SourceConfig(name="x", path=str(tmp_path / "x"), format="jsonl", domain="code", licence="MIT"),
                SourceConfig(name="x/y", path=str(tmp_path / "xy"), format="jsonl", domain="code", licence="MIT")]
-    cfg = CollectConfig(sources=sources, max_docs_per_source=2, shard_bytes=1)
+    cfg = CollectConfig(sources=sources, max_docs_per_source=2, task_bytes=1)
     assert [[len(part.files) for part in task] for task in plan_tasks(cfg)] == [[1], [2]]
-    stats = _collect(sources, tmp_path / "out", max_docs_per_source=2, shard_bytes=1)
+    stats = _collect(sources, tmp_path / "out", max_docs_per_source=2, task_bytes=1)
     assert [d["id"] for d in shards.records(tmp_path / "out")] == ["x/y/1", "x/y/2", "x/y/3"]
     assert stats["quarantined"] == {"duplicate_id": 1} and stats["by_source"] == {"x": 1, "x/y": 2}
     assert json.loads((tmp_path / "out" / "compliance.json").read_text())["sources"][1]["capped"] is True
@@ -108,7 +108,7 @@ def test_files_are_grouped_into_tasks_by_bytes(tmp_path):
     _files(tmp_path / "s", {f"{i}.jsonl": [{"id": i, "text": TEXTS[0]}] for i in range(6)})
     source = SourceConfig(name="s", path=str(tmp_path / "s"), format="jsonl", domain="code", licence="MIT")
     size = (tmp_path / "s" / "0.jsonl").stat().st_size
-    tasks = plan_tasks(CollectConfig(sources=[source], shard_bytes=2 * size))
+    tasks = plan_tasks(CollectConfig(sources=[source], task_bytes=2 * size))
     assert [[file.rel for part in task for file in part.files] for task in tasks] == [
         ["0.jsonl", "1.jsonl"], ["2.jsonl", "3.jsonl"], ["4.jsonl", "5.jsonl"]]
 
@@ -126,11 +126,11 @@ def test_ids_kept_by_an_earlier_run_are_found_slice_by_slice(tmp_path, slice_ent
 
 
 def test_kept_shards_are_cut_where_one_process_cuts_them(tmp_path):
-    """A cap no source reaches reads each source in one task; without it every file is a task: the kept
-    shards (about 300 bytes each, cut across the tasks' boundaries) are the same files either way."""
+    """A cap no source reaches reads each source in one task; without it every file (or 300 bytes of one) is
+    a task: the kept shards (about 300 bytes each, cut across the tasks' boundaries) are the same files either way."""
     sources = _repeating_ids(tmp_path)
-    whole = _collect(sources, tmp_path / "whole", shard_bytes=300, max_docs_per_source=1000)
-    split = _collect(sources, tmp_path / "split", shard_bytes=300)
+    whole = _collect(sources, tmp_path / "whole", shard_bytes=300, task_bytes=300, max_docs_per_source=1000)
+    split = _collect(sources, tmp_path / "split", shard_bytes=300, task_bytes=300)
     assert (whole["num_tasks"], split["num_tasks"]) == (2, 4)
     assert split["shards"]["documents"] == whole["shards"]["documents"]
     assert [s["num_records"] for s in split["shards"]["documents"]] == [2, 2, 1]  # the second: a line of 2.jsonl and one of 3.jsonl
@@ -139,7 +139,7 @@ def test_kept_shards_are_cut_where_one_process_cuts_them(tmp_path):
 
 @pytest.mark.parametrize("shard_bytes", [37, 64, 150, 10_000])
 def test_a_big_jsonl_file_is_cut_into_ranges_of_lines_read_as_one_process_reads_them(tmp_path, shard_bytes):
-    """Ranges of `shard_bytes` start and end inside lines (a BOM, blank and CRLF lines, one line over
+    """Ranges of `task_bytes` (here `shard_bytes` too) start and end inside lines (a BOM, blank and CRLF lines, one line over
     max_doc_bytes across several ranges, broken JSON, records without ids numbered by line, a repeated
     id, no newline at the end): every record, its line number and outcome as when one task reads the file."""
     lines = [b"\xef\xbb\xbf" + json.dumps({"id": 1, "text": TEXTS[0]}).encode(), b"", b"   ",
@@ -150,11 +150,11 @@ def test_a_big_jsonl_file_is_cut_into_ranges_of_lines_read_as_one_process_reads_
     (tmp_path / "big").mkdir()
     (tmp_path / "big" / "a.jsonl").write_bytes(b"\n".join(lines))  # no newline after the last
     sources = [SourceConfig(name="s", path=str(tmp_path / "big"), format="jsonl", domain="code", licence="MIT")]
-    ranged = CollectConfig(sources=sources, shard_bytes=shard_bytes, max_doc_bytes=200)
+    ranged = CollectConfig(sources=sources, task_bytes=shard_bytes, max_doc_bytes=200)
     num_ranges = -(-(tmp_path / "big" / "a.jsonl").stat().st_size // shard_bytes)
     assert sum(len(part.files) for task in plan_tasks(ranged) for part in task) == (num_ranges if shard_bytes < 1000 else 1)
     whole = _collect(sources, tmp_path / "whole", shard_bytes=shard_bytes, max_doc_bytes=200, max_docs_per_source=100)
-    split = _collect(sources, tmp_path / "split", shard_bytes=shard_bytes, max_doc_bytes=200)
+    split = _collect(sources, tmp_path / "split", shard_bytes=shard_bytes, task_bytes=shard_bytes, max_doc_bytes=200)
     assert _outputs(tmp_path / "split") == _outputs(tmp_path / "whole")
     assert split["shards"]["documents"] == whole["shards"]["documents"]
     assert [d["id"] for d in shards.records(tmp_path / "split")] == ["s/1", "s/a.jsonl:4", "s/a.jsonl:8", "s/a.jsonl:10"]
