@@ -88,7 +88,7 @@ def lsh_bands(cfg: DedupConfig) -> tuple[int, int]:
     return minhash.lsh_params(cfg.threshold, cfg.num_perm, cfg.fp_weight, cfg.fn_weight)
 
 
-def _verify_threshold(cfg: DedupConfig) -> float:
+def verify_threshold(cfg: DedupConfig) -> float:
     return cfg.threshold if cfg.verify_threshold is None else cfg.verify_threshold
 
 
@@ -201,15 +201,16 @@ class SignedShard:
     canonical: np.ndarray  # bool: the line is its document's `to_json_line()`, without metadata.duplicate_of
     has_metadata: np.ndarray  # bool: a non-empty metadata object (how a removal record is spliced)
 
-    def save(self, path: Path) -> None:
-        np.savez(path, **vars(self))
+    def save(self, path: Path, names: tuple[str, ...] | None = None) -> None:
+        """Save the arrays (only `names`, when given: `load` leaves the others empty)."""
+        np.savez(path, **{name: array for name, array in vars(self).items() if names is None or name in names})
 
     @classmethod
     def load(cls, path: Path, names: tuple[str, ...] | None = None) -> SignedShard:
         """The shard's arrays (only `names`, the others empty, when given: the write pass needs four)."""
         with np.load(path, allow_pickle=False) as arrays:
-            return cls(**{name: arrays[name] if names is None or name in names else np.zeros(0)
-                          for name in arrays.files})
+            return cls(**{name: arrays[name] if name in arrays.files and (names is None or name in names)
+                          else np.zeros(0) for name in cls.__dataclass_fields__})
 
 
 def sign_shard(cfg: DedupConfig, shard: Path) -> SignedShard:
@@ -304,7 +305,7 @@ def cluster(cfg: DedupConfig, index: DedupIndex, shards: list[SignedShard]) -> C
         in_lsh[order[copies] - m] = False  # an exact copy is clustered already: no fuzzy matching needed
     num_candidates = num_verified = 0
     if cfg.fuzzy:
-        verify = _verify_threshold(cfg)
+        verify = verify_threshold(cfg)
         members = np.flatnonzero(in_lsh)
         sigs = signatures[members]
         keys = minhash.band_keys(sigs, index.settings["bands"], index.settings["rows"])
@@ -363,7 +364,7 @@ def cluster(cfg: DedupConfig, index: DedupIndex, shards: list[SignedShard]) -> C
         "num_indexed_before": m,
         "num_candidate_pairs": num_candidates,
         "num_verified_pairs": num_verified,
-        "lsh": {"bands": bands, "rows": rows, "verify_threshold": _verify_threshold(cfg)},
+        "lsh": {"bands": bands, "rows": rows, "verify_threshold": verify_threshold(cfg)},
         "cluster_sizes": {str(size): num for size, num in sorted(sizes.items())},
         "sample_clusters": [
             {"survivor": str(ids[c[0]]), "size": size,

@@ -19,7 +19,7 @@ from kiln.tasks.data import minhash
 from kiln.tasks.errors import ConfigError
 
 INDEX_DIR = "lsh_index"
-_ARRAYS = "index.npz"
+INDEX_ARRAYS = "index.npz"
 _SETTINGS = "settings.json"
 DIGEST_BYTES = 16
 SNIPPET_CHARS = 100
@@ -83,24 +83,13 @@ class DedupIndex:
     def save(self, index_dir: Path) -> None:
         index_dir.mkdir(parents=True, exist_ok=True)
         (index_dir / _SETTINGS).write_text(json.dumps(self.settings, indent=2, sort_keys=True))
-        np.savez(index_dir / _ARRAYS, **{name: getattr(self, name) for name in _ARRAY_FIELDS})
+        np.savez(index_dir / INDEX_ARRAYS, **{name: getattr(self, name) for name in _ARRAY_FIELDS})
 
     @classmethod
     def load(cls, index_dir: Path, settings: dict[str, Any]) -> DedupIndex:
         """The index saved in `index_dir`; raises ConfigError unless it was built with `settings`."""
-        settings_file = index_dir / _SETTINGS
-        if not settings_file.is_file():
-            raise ConfigError(f"no dedup index at {index_dir} (missing {_SETTINGS}): point it at the "
-                              f"{INDEX_DIR}/ folder a dedup run wrote")
-        saved = json.loads(settings_file.read_text())
-        if saved != settings:
-            differ = sorted(k for k in saved.keys() | settings.keys() if saved.get(k) != settings.get(k))
-            raise ConfigError(
-                f"dedup index {index_dir} was built with other settings ({', '.join(differ)}: "
-                f"index {[saved.get(k) for k in differ]}, config {[settings.get(k) for k in differ]}); "
-                "use the dedup config it was built with, or rebuild the index"
-            )
-        with np.load(index_dir / _ARRAYS, allow_pickle=False) as arrays:
+        saved = check_settings(index_dir, settings)
+        with np.load(index_dir / INDEX_ARRAYS, allow_pickle=False) as arrays:
             return cls(settings=saved, **{name: arrays[name] for name in arrays.files})
 
     def digest_list(self) -> list[bytes]:
@@ -109,6 +98,24 @@ class DedupIndex:
     def candidates(self, new_keys: np.ndarray) -> np.ndarray:
         """(new, indexed) document pairs that share an LSH bucket."""
         return minhash.cross_candidate_pairs(new_keys, self.table_keys, self.table_docs)
+
+
+def check_settings(index_dir: Path, settings: dict[str, Any]) -> dict[str, Any]:
+    """The settings the index in `index_dir` was saved with (its arrays unread); raises ConfigError
+    unless there is one, built with `settings`."""
+    settings_file = index_dir / _SETTINGS
+    if not settings_file.is_file():
+        raise ConfigError(f"no dedup index at {index_dir} (missing {_SETTINGS}): point it at the "
+                          f"{INDEX_DIR}/ folder a dedup run wrote")
+    saved = json.loads(settings_file.read_text())
+    if saved != settings:
+        differ = sorted(k for k in saved.keys() | settings.keys() if saved.get(k) != settings.get(k))
+        raise ConfigError(
+            f"dedup index {index_dir} was built with other settings ({', '.join(differ)}: "
+            f"index {[saved.get(k) for k in differ]}, config {[settings.get(k) for k in differ]}); "
+            "use the dedup config it was built with, or rebuild the index"
+        )
+    return saved
 
 
 def _fitted(strings: np.ndarray) -> np.ndarray:

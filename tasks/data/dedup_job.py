@@ -21,17 +21,22 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from kiln.tasks.data.dedup import (
     PLOT_FILE,
     DedupConfig,
     SignedShard,
-    cluster,
+    lsh_bands,
     plot_cluster_sizes,
     sign_shard,
     signature_settings,
+    verify_threshold,
     write_shard,
 )
-from kiln.tasks.data.dedup_index import INDEX_DIR, DedupIndex
+from kiln.tasks.data.dedup_index import INDEX_ARRAYS, INDEX_DIR, DedupIndex, check_settings
+from kiln.tasks.data.dedup_partition import ROW_FIELDS, Rows, cluster_partition, decide, write_index_rows, write_shard_rows
+from kiln.tasks.data.minhash import BUCKET_WINDOW
 from kiln.tasks.data.executors import LOCAL, RANKS_DIR, ExecutorSettings, ShardRun, map_shards, rank_ledger
 from kiln.tasks.data.inspection import REPORT_PNG, plot, write_removal_report
 from kiln.tasks.data.shards import KINDS, RankShards
@@ -45,17 +50,79 @@ _WRITE_FACTS = ("ids", "domains", "text_bytes", "canonical", "has_metadata")
 
 @dataclass(frozen=True)
 class _Sign:
-    """Rank r: sign input shard r into `target/NNNNN.npz`."""
+    """Rank r: sign input shard r into `target/`: what writing needs in `NNNNN.npz`, what clustering
+    needs as row files and `parts` partition files (`dedup_partition.write_shard_rows`)."""
 
     cfg: DedupConfig
     shards: list[Path]
     target: Path
+    parts: int
 
     def __call__(self, rank: int) -> dict[str, Any]:
         signed = sign_shard(self.cfg, self.shards[rank])
         self.target.mkdir(parents=True, exist_ok=True)
-        signed.save(self.target / f"{rank:05d}.npz")
+        signed.save(self.target / f"{rank:05d}.npz", _WRITE_FACTS)
+        write_shard_rows(signed, self.target, rank, self.parts, lsh_bands(self.cfg), self.cfg.exact, self.cfg.fuzzy)
         return {"num_docs": len(signed.ids)}
+
+
+@dataclass(frozen=True)
+class _IndexRows:
+    """Rank 0: an earlier batch's index in `index_dir`, split as a shard is into `target/`."""
+
+    cfg: DedupConfig
+    index_dir: Path
+    target: Path
+    parts: int
+
+    def __call__(self, rank: int) -> dict[str, Any]:
+        m = write_index_rows(self.index_dir, signature_settings(self.cfg), self.target, self.parts, self.cfg.exact,
+                             self.cfg.fuzzy)
+        return {"num_docs": m}
+
+
+@dataclass(frozen=True)
+class _Partition:
+    """Rank p: partition p's exact edges and verified candidate pairs into `target/NNNNN.npz`."""
+
+    cfg: DedupConfig
+    rows: Rows
+    target: Path
+
+    def __call__(self, rank: int) -> dict[str, Any]:
+        found = cluster_partition(self.rows, rank, self.cfg.exact, verify_threshold(self.cfg), BUCKET_WINDOW)
+        self.target.mkdir(parents=True, exist_ok=True)
+        np.savez(self.target / f"{rank:05d}.npz", **found)
+        return {"num_pairs": len(found["inner"]) + len(found["cross"])}
+
+
+@dataclass(frozen=True)
+class _SaveIndex:
+    """Rank 0: the index extended with every kept document, saved in `out_dir/lsh_index/`. The one
+    process that holds the index whole (its saved form is one array per field)."""
+
+    cfg: DedupConfig
+    rows: Rows
+    index_dir: Path | None
+    decisions: Path
+    out_dir: Path
+
+    def __call__(self, rank: int) -> dict[str, Any]:
+        settings = signature_settings(self.cfg)
+        index = DedupIndex.empty(settings) if self.index_dir is None else DedupIndex.load(self.index_dir, settings)
+        kept: dict[str, list[np.ndarray]] = {field: [] for field in ROW_FIELDS}
+        for shard, size in enumerate(self.rows.sizes):
+            keep = np.ones(size, dtype=bool)
+            removed = [p for p, *_ in json.loads((self.decisions / f"{shard:05d}.json").read_text())]
+            keep[removed] = False
+            for field in ROW_FIELDS:
+                kept[field].append(np.load(self.rows.signed / f"{shard:05d}.{field}.npy")[keep])
+        joined = {field: np.concatenate(parts) if parts else getattr(DedupIndex.empty(settings), field)
+                  for field, parts in kept.items() if field not in ("has_shingles",)}
+        in_lsh = np.concatenate(kept["has_shingles"]) if kept["has_shingles"] else np.zeros(0, dtype=bool)
+        extended = index.extended(**joined, in_lsh=in_lsh)
+        extended.save(self.out_dir / INDEX_DIR)
+        return {"num_docs": len(extended)}
 
 
 @dataclass(frozen=True)
@@ -123,7 +190,9 @@ def dedup_documents(cfg: DedupConfig, inputs: list[Path], out_dir: Path, executo
     # Absolute: Slurm and Ray workers do not share this process's working directory.
     inputs, out_dir = [path.resolve() for path in inputs], out_dir.resolve()
     settings = signature_settings(cfg)
-    index = DedupIndex.empty(settings) if index_dir is None else DedupIndex.load(index_dir, settings)
+    if index_dir is not None:
+        index_dir = index_dir.resolve()
+        check_settings(index_dir, settings)
     work = out_dir / WORK_DIR
     config = cfg.identity()
 
@@ -136,25 +205,62 @@ def dedup_documents(cfg: DedupConfig, inputs: list[Path], out_dir: Path, executo
         phase_s[name] = round(now - clock, 4)
         clock = now
 
+    # Partitions: as many as input shards, so that a partition holds about a shard's share of the
+    # buckets (a shard job's own bound), whatever the corpus.
+    parts = max(1, len(inputs))
     sign = work / "sign"
     signed_dir = sign / _SIGNED
-    signing = map_shards(_Sign(cfg, inputs, signed_dir), sign,
-                         rank_ledger(sign / RANKS_DIR, "kiln_dedup_sign", config, [{"shard": s} for s in inputs]),
+    sign_ledger = rank_ledger(sign / RANKS_DIR, "kiln_dedup_sign", config, [{"shard": s} for s in inputs])
+    signing = map_shards(_Sign(cfg, inputs, signed_dir, parts), sign, sign_ledger,
                          settings=executor, jobs=cfg.num_workers, job_name="kiln_dedup_sign", outputs=[signed_dir])
     phase("sign")
-    found = cluster(cfg, index, [SignedShard.load(signed_dir / f"{rank:05d}.npz") for rank in range(len(inputs))])
+    jobs = [signing]
+    identity = {"config": config, "signed": sign_ledger.keys, "parts": parts}
+    index_rows, m = None, 0
+    if index_dir is not None:
+        index_rows = work / "index"
+        indexing = map_shards(_IndexRows(cfg, index_dir, index_rows / _SIGNED, parts), index_rows,
+                              rank_ledger(index_rows / RANKS_DIR, "kiln_dedup_index_rows", identity,
+                                          [{"index": index_dir / INDEX_ARRAYS}]),
+                              settings=executor, jobs=1, job_name="kiln_dedup_index_rows",
+                              outputs=[index_rows / _SIGNED])
+        jobs.append(indexing)
+        index_rows, m = index_rows / _SIGNED, indexing.results[0]["num_docs"]
+        identity["index"] = recorded_sha256(index_dir / INDEX_ARRAYS)
+    rows = Rows(signed_dir, tuple(result["num_docs"] for result in signing.results), index_rows, m)
+    partition = work / "partition"
+    pairs_dir = partition / "pairs"
+    partitioning = map_shards(_Partition(cfg, rows, pairs_dir), partition,
+                              rank_ledger(partition / RANKS_DIR, "kiln_dedup_partition", identity, [{}] * parts),
+                              settings=executor, jobs=cfg.num_workers, job_name="kiln_dedup_partition",
+                              outputs=[pairs_dir])
+    jobs.append(partitioning)
+    phase("partition")
+    found = []
+    for part in range(parts):
+        with np.load(pairs_dir / f"{part:05d}.npz", allow_pickle=False) as arrays:
+            found.append({name: arrays[name] for name in arrays.files})
+    bands, band_rows = lsh_bands(cfg)
+    decided = decide(rows, found, cfg.exact,
+                     {"lsh": {"bands": bands, "rows": band_rows, "verify_threshold": verify_threshold(cfg)}})
     decisions = work / _DECISIONS
     decisions.mkdir(parents=True, exist_ok=True)
-    for rank, removed in enumerate(found.removed):
+    for rank, removed in enumerate(decided.removed):
         (decisions / f"{rank:05d}.json").write_text(json.dumps([[p, *d] for p, d in sorted(removed.items())]))
     phase("cluster")
     writing, written = write_decisions(WriteDecisions(inputs, out_dir, decisions, signed=signed_dir), work / "write",
                                        executor, cfg.num_workers, config, draw=False)
+    jobs.append(writing)
     phase("write")
-    found.index.save(out_dir / INDEX_DIR)
+    saving = work / "save_index"
+    jobs.append(map_shards(_SaveIndex(cfg, rows, index_dir, decisions, out_dir), saving,
+                           rank_ledger(saving / RANKS_DIR, "kiln_dedup_save_index", identity,
+                                       [{f"decisions_{rank:05d}": decisions / f"{rank:05d}.json"
+                                         for rank in range(len(inputs))}]),
+                           settings=executor, jobs=1, job_name="kiln_dedup_save_index"))
     shutil.rmtree(work)
     phase("index")
-    stats = {**written, **found.stats, "executor_cpu_s": signing.outside_cpu_s + writing.outside_cpu_s}
+    stats = {**written, **decided.stats, "executor_cpu_s": sum(job.outside_cpu_s for job in jobs)}
     if plots:
         draw_plots(stats, out_dir)
         phase("plot")
