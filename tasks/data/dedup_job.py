@@ -88,9 +88,10 @@ class _Partition:
     cfg: DedupConfig
     rows: Rows
     target: Path
+    parts: int
 
     def __call__(self, rank: int) -> dict[str, Any]:
-        found = cluster_partition(self.rows, rank, self.cfg.exact, verify_threshold(self.cfg), BUCKET_WINDOW)
+        found = cluster_partition(self.rows, rank, self.parts, self.cfg.exact, verify_threshold(self.cfg), BUCKET_WINDOW)
         self.target.mkdir(parents=True, exist_ok=True)
         np.savez(self.target / f"{rank:05d}.npz", **found)
         return {"num_pairs": len(found["inner"]) + len(found["cross"])}
@@ -230,7 +231,7 @@ def dedup_documents(cfg: DedupConfig, inputs: list[Path], out_dir: Path, executo
     rows = Rows(signed_dir, tuple(result["num_docs"] for result in signing.results), index_rows, m)
     partition = work / "partition"
     pairs_dir = partition / "pairs"
-    partitioning = map_shards(_Partition(cfg, rows, pairs_dir), partition,
+    partitioning = map_shards(_Partition(cfg, rows, pairs_dir, parts), partition,
                               rank_ledger(partition / RANKS_DIR, "kiln_dedup_partition", identity, [{}] * parts),
                               settings=executor, jobs=cfg.num_workers, job_name="kiln_dedup_partition",
                               outputs=[pairs_dir])
