@@ -1,0 +1,117 @@
+"""Dedup's partitioned clustering (`tasks.data.dedup_partition`) decides exactly what one process
+holding every signature decides (`dedup.cluster`), for any number of partitions, and the driver's
+part of it reads no signature."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kiln.tasks.data import dedup_partition
+from kiln.tasks.data.dedup import DedupConfig, cluster, lsh_bands, sign_shard, signature_settings, verify_threshold
+from kiln.tasks.data.dedup_index import DedupIndex
+from kiln.tasks.data.documents import Document, write_documents
+from kiln.tasks.data.minhash import BUCKET_WINDOW
+
+_WORDS = [f"w{i}" for i in range(400)]
+
+
+def _text(rng: np.random.Generator, words: int = 60) -> str:
+    return " ".join(rng.choice(_WORDS, size=words).tolist())
+
+
+def _edited(rng: np.random.Generator, text: str, changes: int) -> str:
+    words = text.split()
+    for at in rng.choice(len(words), size=changes, replace=False).tolist():
+        words[at] = str(rng.choice(_WORDS))
+    return " ".join(words)
+
+
+def _batches() -> tuple[list[Document], list[Document]]:
+    """A first batch (to index) and a second: exact and near copies within and across shards and of
+    indexed documents, a bucket of more than `BUCKET_WINDOW` near copies, texts without shingles,
+    scores on some documents."""
+    rng = np.random.default_rng(7)
+    first, second = [], []
+    bases = [_text(rng) for _ in range(40)]
+    for i, base in enumerate(bases[:20]):
+        first.append(Document(f"a{i:03d}", base, "s", "prose", "MIT", {"quality_score": round(float(rng.random()), 2)}))
+    first += [Document(f"a-near{i}", _edited(rng, bases[i], 2), "s", "prose", "MIT", {}) for i in range(5)]
+    wide = _text(rng, 200)  # one text and many copies a word longer: buckets wider than the window
+    first += [Document(f"wide-a{i:03d}", f"{wide} a{i}", "s", "web", "MIT", {}) for i in range(BUCKET_WINDOW + 6)]
+    second += [Document(f"wide-b{i:03d}", f"{wide} b{i}", "s", "web", "MIT", {}) for i in range(BUCKET_WINDOW + 9)]
+    for i, base in enumerate(bases):
+        second.append(Document(f"b{i:03d}", base.upper() if i % 3 == 0 else base, "s", "prose", "MIT", {}))
+        second.append(Document(f"b-near{i:03d}", _edited(rng, base, 1 + i % 4), "s", "code", "MIT",
+                               {"quality_score": 0.5} if i % 2 else {}))
+    second += [Document(f"b-copy{i}", bases[30 + i] + " ", "s", "prose", "MIT", {}) for i in range(5)]
+    second += [Document(f"empty{i}", "  ..." if i % 2 else "", "s", "prose", "MIT", {}) for i in range(3)]
+    second += [Document(f"b-new{i}", _text(rng), "s", "prose", "MIT", {}) for i in range(30)]
+    order = rng.permutation(len(second))
+    return first, [second[i] for i in order.tolist()]
+
+
+def _signed(tmp_path: Path, cfg: DedupConfig, docs: list[Document], num_shards: int, name: str) -> list:
+    shards = []
+    for k in range(num_shards):
+        path = tmp_path / f"{name}-{k}.jsonl"
+        write_documents(path, docs[k * len(docs) // num_shards:(k + 1) * len(docs) // num_shards])
+        shards.append(sign_shard(cfg, path))
+    return shards
+
+
+def _partitioned(tmp_path: Path, cfg: DedupConfig, index_dir: Path | None, shards: list, parts: int,
+                 hide_signatures: bool = False) -> dedup_partition.Decisions:
+    folder = tmp_path / f"parts{parts}"
+    for rank, signed in enumerate(shards):
+        dedup_partition.write_shard_rows(signed, folder / "signed", rank, parts, lsh_bands(cfg), cfg.exact, cfg.fuzzy)
+    m = 0
+    if index_dir is not None:
+        m = dedup_partition.write_index_rows(index_dir, signature_settings(cfg), folder / "index", parts, cfg.exact,
+                                             cfg.fuzzy)
+    rows = dedup_partition.Rows(folder / "signed", tuple(len(s.ids) for s in shards),
+                                None if index_dir is None else folder / "index", m)
+    found = [dedup_partition.cluster_partition(rows, part, parts, cfg.exact, verify_threshold(cfg), BUCKET_WINDOW)
+             for part in range(parts)]
+    if hide_signatures:  # the driver's part: every signature file out of reach
+        for path in folder.rglob("*.signatures.npy"):
+            path.rename(path.with_suffix(".hidden"))
+    bands, rows_per_band = lsh_bands(cfg)
+    return dedup_partition.decide(rows, found, cfg.exact, {"lsh": {"bands": bands, "rows": rows_per_band,
+                                                                   "verify_threshold": verify_threshold(cfg)}})
+
+
+@pytest.mark.parametrize("exact, fuzzy", [(True, True), (False, True), (True, False)])
+def test_any_number_of_partitions_decides_what_one_process_decides(tmp_path, exact, fuzzy):
+    cfg = DedupConfig(exact=exact, fuzzy=fuzzy)
+    first, second = _batches()
+    empty = DedupIndex.empty(signature_settings(cfg))
+    indexed = cluster(cfg, empty, _signed(tmp_path, cfg, first, 2, "first"))
+    indexed.index.save(tmp_path / "index")
+    shards = _signed(tmp_path, cfg, second, 3, "second")
+    expected = cluster(cfg, indexed.index, shards)
+    # copies within and across shards and of the index; near copies too, a bucket of them wider than the window
+    assert sum(map(len, expected.removed)) > (BUCKET_WINDOW + 40 if fuzzy else 20)
+    if fuzzy:
+        assert expected.stats["num_verified_pairs"] > BUCKET_WINDOW
+    for parts in (1, 2, 7):
+        got = _partitioned(tmp_path, cfg, tmp_path / "index", shards, parts)
+        assert got.removed == expected.removed, parts
+        assert got.stats == expected.stats, parts
+        assert got.sizes == expected.sizes, parts
+
+
+def test_the_driver_reads_no_signature_and_needs_no_index(tmp_path):
+    """`decide` runs with every signature file gone: it reads only pairs, and ids, scores, lengths,
+    digests and snippets of the documents in them."""
+    cfg = DedupConfig()
+    first, second = _batches()
+    indexed = cluster(cfg, DedupIndex.empty(signature_settings(cfg)), _signed(tmp_path, cfg, first, 1, "first"))
+    indexed.index.save(tmp_path / "index")
+    shards = _signed(tmp_path, cfg, second, 2, "second")
+    expected = cluster(cfg, indexed.index, shards)
+    got = _partitioned(tmp_path, cfg, tmp_path / "index", shards, 3, hide_signatures=True)
+    assert not list((tmp_path / "parts3").rglob("*.signatures.npy"))
+    assert got.removed == expected.removed and got.stats == expected.stats
