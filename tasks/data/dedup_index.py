@@ -4,11 +4,19 @@ Holds every kept document's MinHash signature, exact-text digest, id, length, qu
 a snippet, and the LSH bucket tables built from the signatures. It is saved as one `.npz` (no
 pickles) plus `settings.json`, the settings the signatures depend on; loading it under other
 settings is a config error, because signatures made differently never match.
+
+The dedup stage never holds an index whole: each shard's kept documents are saved as a part
+(`save_part`: one `.npy` per array, its bucket tables sorted), an earlier index is unpacked into
+the same form (`unpack`, a copy of each array's bytes), and `save_merged` streams the parts into
+the one `.npz`, rows part after part and each band's bucket table merged a key range at a time:
+the arrays `DedupIndex.extended` would build, in bounded memory.
 """
 
 from __future__ import annotations
 
 import json
+import shutil
+import zipfile
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -116,6 +124,88 @@ def check_settings(index_dir: Path, settings: dict[str, Any]) -> dict[str, Any]:
             "use the dedup config it was built with, or rebuild the index"
         )
     return saved
+
+
+TABLE_FIELDS = ("table_keys", "table_docs")
+_MERGE_ENTRIES = 1 << 20  # bucket entries merged at once (16 MB), whatever the index's size
+_COPY_ROWS = 1 << 16  # rows of a part written at once
+
+
+def part_file(folder: Path, name: str, field: str) -> Path:
+    return folder / f"{name}.{field}.npy"
+
+
+def save_part(folder: Path, name: str, settings: dict[str, Any], ids: np.ndarray, digests: np.ndarray,
+              lengths: np.ndarray, quality: np.ndarray, snippets: np.ndarray, signatures: np.ndarray,
+              in_lsh: np.ndarray) -> None:
+    """Documents to add to an index (one row each) as a part `save_merged` reads: each array as
+    `folder/name.FIELD.npy`, with its bucket tables (row within the part)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    members = np.flatnonzero(in_lsh)
+    keys, order = minhash.bucket_tables(minhash.band_keys(signatures[members], settings["bands"], settings["rows"]))
+    arrays = {"ids": _fitted(ids), "digests": np.asarray(digests, dtype=np.uint8).reshape(-1, DIGEST_BYTES),
+              "lengths": np.asarray(lengths, dtype=np.int64), "quality": np.asarray(quality, dtype=np.float64),
+              "snippets": _fitted(snippets), "signatures": signatures, "in_lsh": np.asarray(in_lsh, dtype=bool),
+              "table_keys": keys, "table_docs": members[order]}
+    for field, array in arrays.items():
+        np.save(part_file(folder, name, field), array)
+
+
+def unpack(index_dir: Path, settings: dict[str, Any], folder: Path, name: str) -> int:
+    """The index saved in `index_dir` as a part (each array's `.npy` bytes copied out of the `.npz`,
+    never loaded whole); returns its number of documents. Raises ConfigError as `DedupIndex.load`."""
+    check_settings(index_dir, settings)
+    folder.mkdir(parents=True, exist_ok=True)
+    with zipfile.ZipFile(index_dir / INDEX_ARRAYS) as arrays:
+        for field in _ARRAY_FIELDS:
+            with arrays.open(f"{field}.npy") as source, part_file(folder, name, field).open("wb") as target:
+                shutil.copyfileobj(source, target, 1 << 20)
+    return len(np.load(part_file(folder, name, "ids"), mmap_mode="r"))
+
+
+def save_merged(index_dir: Path, settings: dict[str, Any], parts: list[tuple[Path, str]]) -> int:
+    """Save the index of `parts` (`save_part` or `unpack`, in document order) in `index_dir`: the arrays
+    `DedupIndex.extended` builds from them, streamed. Returns its number of documents."""
+    if not parts:
+        DedupIndex.empty(settings).save(index_dir)
+        return 0
+    index_dir.mkdir(parents=True, exist_ok=True)
+    (index_dir / _SETTINGS).write_text(json.dumps(settings, indent=2, sort_keys=True))
+    open_ = lambda folder, name, field: np.load(part_file(folder, name, field), mmap_mode="r")  # noqa: E731
+    sizes = [len(open_(folder, name, "ids")) for folder, name in parts]
+    offsets = np.cumsum([0, *sizes[:-1]]).tolist()
+    tables = [(open_(folder, name, "table_keys"), open_(folder, name, "table_docs")) for folder, name in parts]
+    bands = settings["bands"]
+    width = sum(keys.shape[1] for keys, _ in tables)
+    # Key ranges a band's table is merged in: equal keys fall in one range, entries spread evenly (hashes).
+    num_ranges = max(1, -(-width // _MERGE_ENTRIES))
+    edges = [np.uint64((1 << 64) * i // num_ranges) for i in range(1, num_ranges)]
+    with zipfile.ZipFile(index_dir / INDEX_ARRAYS, "w", zipfile.ZIP_STORED, allowZip64=True) as archive:
+        for field in _ARRAY_FIELDS:
+            if field in TABLE_FIELDS:
+                shape, dtype = (bands, width), np.dtype(np.uint64 if field == "table_keys" else np.int64)
+            else:
+                columns = [open_(folder, name, field) for folder, name in parts]
+                dtype = max((c.dtype for c in columns), key=lambda d: d.itemsize) if columns[0].dtype.kind == "U" \
+                    else columns[0].dtype
+                shape = (sum(sizes), *columns[0].shape[1:])
+            with archive.open(f"{field}.npy", "w", force_zip64=True) as out:
+                np.lib.format.write_array_header_1_0(out, {"descr": np.lib.format.dtype_to_descr(dtype),
+                                                           "fortran_order": False, "shape": shape})
+                if field not in TABLE_FIELDS:
+                    for column in columns:
+                        for start in range(0, len(column), _COPY_ROWS):
+                            out.write(np.ascontiguousarray(column[start:start + _COPY_ROWS], dtype=dtype).tobytes())
+                    continue
+                for band in range(bands):
+                    bounds = [[0, *np.searchsorted(keys[band], edges).tolist(), keys.shape[1]] for keys, _ in tables]
+                    for r in range(num_ranges):
+                        keys = np.concatenate([k[band, b[r]:b[r + 1]] for (k, _), b in zip(tables, bounds)])
+                        docs = np.concatenate([d[band, b[r]:b[r + 1]] + offset
+                                               for (_, d), b, offset in zip(tables, bounds, offsets)])
+                        order = np.lexsort((docs, keys))  # as `bucket_tables`: ties in document order
+                        out.write((keys if field == "table_keys" else docs)[order].astype(dtype).tobytes())
+    return sum(sizes)
 
 
 def _fitted(strings: np.ndarray) -> np.ndarray:

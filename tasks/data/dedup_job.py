@@ -34,8 +34,16 @@ from kiln.tasks.data.dedup import (
     verify_threshold,
     write_shard,
 )
-from kiln.tasks.data.dedup_index import INDEX_ARRAYS, INDEX_DIR, DedupIndex, check_settings
-from kiln.tasks.data.dedup_partition import ROW_FIELDS, Rows, cluster_partition, decide, write_index_rows, write_shard_rows
+from kiln.tasks.data.dedup_index import INDEX_ARRAYS, INDEX_DIR, check_settings, save_merged, save_part
+from kiln.tasks.data.dedup_partition import (
+    INDEX_RANK,
+    ROW_FIELDS,
+    Rows,
+    cluster_partition,
+    decide,
+    write_index_rows,
+    write_shard_rows,
+)
 from kiln.tasks.data.minhash import BUCKET_WINDOW
 from kiln.tasks.data.executors import LOCAL, RANKS_DIR, ExecutorSettings, ShardRun, map_shards, rank_ledger
 from kiln.tasks.data.inspection import REPORT_PNG, plot, write_removal_report
@@ -76,9 +84,9 @@ class _IndexRows:
     parts: int
 
     def __call__(self, rank: int) -> dict[str, Any]:
-        m = write_index_rows(self.index_dir, signature_settings(self.cfg), self.target, self.parts, self.cfg.exact,
-                             self.cfg.fuzzy)
-        return {"num_docs": m}
+        m, chunks = write_index_rows(self.index_dir, signature_settings(self.cfg), self.target, self.parts,
+                                     self.cfg.exact, self.cfg.fuzzy)
+        return {"num_docs": m, "chunks": chunks}
 
 
 @dataclass(frozen=True)
@@ -95,35 +103,6 @@ class _Partition:
         self.target.mkdir(parents=True, exist_ok=True)
         np.savez(self.target / f"{rank:05d}.npz", **found)
         return {"num_pairs": len(found["inner"]) + len(found["cross"])}
-
-
-@dataclass(frozen=True)
-class _SaveIndex:
-    """Rank 0: the index extended with every kept document, saved in `out_dir/lsh_index/`. The one
-    process that holds the index whole (its saved form is one array per field)."""
-
-    cfg: DedupConfig
-    rows: Rows
-    index_dir: Path | None
-    decisions: Path
-    out_dir: Path
-
-    def __call__(self, rank: int) -> dict[str, Any]:
-        settings = signature_settings(self.cfg)
-        index = DedupIndex.empty(settings) if self.index_dir is None else DedupIndex.load(self.index_dir, settings)
-        kept: dict[str, list[np.ndarray]] = {field: [] for field in ROW_FIELDS}
-        for shard, size in enumerate(self.rows.sizes):
-            keep = np.ones(size, dtype=bool)
-            removed = [p for p, *_ in json.loads((self.decisions / f"{shard:05d}.json").read_text())]
-            keep[removed] = False
-            for field in ROW_FIELDS:
-                kept[field].append(np.load(self.rows.signed / f"{shard:05d}.{field}.npy")[keep])
-        joined = {field: np.concatenate(parts) if parts else getattr(DedupIndex.empty(settings), field)
-                  for field, parts in kept.items() if field not in ("has_shingles",)}
-        in_lsh = np.concatenate(kept["has_shingles"]) if kept["has_shingles"] else np.zeros(0, dtype=bool)
-        extended = index.extended(**joined, in_lsh=in_lsh)
-        extended.save(self.out_dir / INDEX_DIR)
-        return {"num_docs": len(extended)}
 
 
 @dataclass(frozen=True)
@@ -152,6 +131,27 @@ class WriteDecisions:
         with RankShards(self.out_dir, rank) as shards:
             result = write_shard(self.shards[rank], shards, removed, signed)
             return result | {"shards": shards.close()}
+
+
+@dataclass(frozen=True)
+class _WriteAndIndex(WriteDecisions):
+    """`WriteDecisions`, then rank r's kept documents as a part of the index (`dedup_index.save_part` in
+    `kept/NNNNN.*`), which the driver streams into `lsh_index/` with the others."""
+
+    settings: dict[str, Any] | None = None
+    kept: Path | None = None
+
+    def __call__(self, rank: int) -> dict[str, Any]:
+        result = super().__call__(rank)
+        assert self.signed is not None and self.kept is not None and self.settings is not None
+        removed = [p for p, *_ in json.loads((self.decisions / f"{rank:05d}.json").read_text())]
+        rows = {field: np.load(self.signed / f"{rank:05d}.{field}.npy") for field in ROW_FIELDS}
+        keep = np.ones(len(rows["ids"]), dtype=bool)
+        keep[removed] = False
+        save_part(self.kept, f"{rank:05d}", self.settings, rows["ids"][keep], rows["digests"][keep],
+                  rows["lengths"][keep], rows["quality"][keep], rows["snippets"][keep], rows["signatures"][keep],
+                  rows["has_shingles"][keep])
+        return result
 
 
 def write_decisions(writer: WriteDecisions, work: Path, executor: ExecutorSettings, jobs: int, settings: Any,
@@ -217,7 +217,7 @@ def dedup_documents(cfg: DedupConfig, inputs: list[Path], out_dir: Path, executo
     phase("sign")
     jobs = [signing]
     identity = {"config": config, "signed": sign_ledger.keys, "parts": parts}
-    index_rows, m = None, 0
+    index_rows, m, chunks = None, 0, 1
     if index_dir is not None:
         index_rows = work / "index"
         indexing = map_shards(_IndexRows(cfg, index_dir, index_rows / _SIGNED, parts), index_rows,
@@ -226,9 +226,10 @@ def dedup_documents(cfg: DedupConfig, inputs: list[Path], out_dir: Path, executo
                               settings=executor, jobs=1, job_name="kiln_dedup_index_rows",
                               outputs=[index_rows / _SIGNED])
         jobs.append(indexing)
-        index_rows, m = index_rows / _SIGNED, indexing.results[0]["num_docs"]
+        index_rows, m, chunks = index_rows / _SIGNED, indexing.results[0]["num_docs"], indexing.results[0]["chunks"]
         identity["index"] = recorded_sha256(index_dir / INDEX_ARRAYS)
-    rows = Rows(signed_dir, tuple(result["num_docs"] for result in signing.results), index_rows, m)
+    rows = Rows(signed_dir, tuple(result["num_docs"] for result in signing.results), index_rows, m,
+                index_chunks=chunks)
     partition = work / "partition"
     pairs_dir = partition / "pairs"
     partitioning = map_shards(_Partition(cfg, rows, pairs_dir, parts), partition,
@@ -249,16 +250,13 @@ def dedup_documents(cfg: DedupConfig, inputs: list[Path], out_dir: Path, executo
     for rank, removed in enumerate(decided.removed):
         (decisions / f"{rank:05d}.json").write_text(json.dumps([[p, *d] for p, d in sorted(removed.items())]))
     phase("cluster")
-    writing, written = write_decisions(WriteDecisions(inputs, out_dir, decisions, signed=signed_dir), work / "write",
-                                       executor, cfg.num_workers, config, draw=False)
+    kept = work / "kept"
+    writer = _WriteAndIndex(inputs, out_dir, decisions, signed=signed_dir, settings=settings, kept=kept)
+    writing, written = write_decisions(writer, work / "write", executor, cfg.num_workers, config, draw=False)
     jobs.append(writing)
     phase("write")
-    saving = work / "save_index"
-    jobs.append(map_shards(_SaveIndex(cfg, rows, index_dir, decisions, out_dir), saving,
-                           rank_ledger(saving / RANKS_DIR, "kiln_dedup_save_index", identity,
-                                       [{f"decisions_{rank:05d}": decisions / f"{rank:05d}.json"
-                                         for rank in range(len(inputs))}]),
-                           settings=executor, jobs=1, job_name="kiln_dedup_save_index"))
+    save_merged(out_dir / INDEX_DIR, settings, ([(index_rows, f"{INDEX_RANK:05d}")] if index_rows is not None else [])
+                + [(kept, f"{rank:05d}") for rank in range(len(inputs))])
     shutil.rmtree(work)
     phase("index")
     stats = {**written, **decided.stats, "executor_cpu_s": sum(job.outside_cpu_s for job in jobs)}

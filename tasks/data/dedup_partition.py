@@ -35,21 +35,22 @@ from typing import Any
 import numpy as np
 
 from kiln.tasks.data import minhash
-from kiln.tasks.data.dedup_index import DIGEST_BYTES, DedupIndex
+from kiln.tasks.data.dedup_index import DIGEST_BYTES, part_file, unpack
 
 # What a reader gathers by row, one `.npy` file each (mapped, never read whole by the driver).
 ROW_FIELDS = ("ids", "quality", "lengths", "snippets", "digests", "signatures", "has_shingles")
 INDEX_RANK = 0  # the index's files are named as rank 0's of its own folder
+_INDEX_CHUNK = 1 << 16  # index rows split at once (with their bucket entries: about a million entries)
 _NUM_SAMPLE_CLUSTERS = 5
 _SAMPLE_MEMBERS = 10
 
 
 def _row_file(folder: Path, rank: int, field: str) -> Path:
-    return folder / f"{rank:05d}.{field}.npy"
+    return part_file(folder, f"{rank:05d}", field)
 
 
-def _part_file(folder: Path, rank: int, part: int) -> Path:
-    return folder / f"{rank:05d}.p{part:05d}.npz"
+def _part_file(folder: Path, rank: int, part: int, chunk: int = 0) -> Path:
+    return folder / f"{rank:05d}.p{part:05d}.c{chunk:05d}.npz"
 
 
 def _digest_words(digests: np.ndarray) -> np.ndarray:
@@ -58,21 +59,22 @@ def _digest_words(digests: np.ndarray) -> np.ndarray:
 
 
 def _write_parts(folder: Path, rank: int, parts: int, digest_rows: np.ndarray, digest_words: np.ndarray,
-                 bands: np.ndarray, keys: np.ndarray, key_rows: np.ndarray) -> None:
-    """Split a shard's digest entries (row) and bucket entries (band, key, row) into `parts` files by
-    hash: the digest's first half, the band key (both are already well mixed)."""
+                 bands: np.ndarray, keys: np.ndarray, key_rows: np.ndarray, chunk: int = 0) -> None:
+    """Split digest entries (row) and bucket entries (band, key, row) into `parts` files by hash: the
+    digest's first half, the band key (both are already well mixed)."""
     digest_part = (digest_words[:, 0] % np.uint64(parts)).astype(np.int64) if digest_rows.size else digest_rows
     key_part = (keys % np.uint64(parts)).astype(np.int64)
     for part in range(parts):
         in_digest, in_key = digest_part == part, key_part == part
-        np.savez(_part_file(folder, rank, part), digest_rows=digest_rows[in_digest], bands=bands[in_key],
+        np.savez(_part_file(folder, rank, part, chunk), digest_rows=digest_rows[in_digest], bands=bands[in_key],
                  keys=keys[in_key], key_rows=key_rows[in_key])
 
 
 def write_shard_rows(signed: Any, folder: Path, rank: int, parts: int, band_rows: tuple[int, int],
                      exact: bool, fuzzy: bool) -> None:
     """Shard `rank`'s `SignedShard` as the partition job and the driver read it: its row files and its
-    `parts` partition files (digest entries if `exact`; band keys of its documents with shingles if `fuzzy`)."""
+    `parts` partition files (digest entries if `exact`; band keys of its documents with shingles if
+    `fuzzy`, band-major)."""
     folder.mkdir(parents=True, exist_ok=True)
     for field in ROW_FIELDS:
         np.save(_row_file(folder, rank, field), getattr(signed, field))
@@ -86,22 +88,24 @@ def write_shard_rows(signed: Any, folder: Path, rank: int, parts: int, band_rows
 
 
 def write_index_rows(index_dir: Path, settings: dict[str, Any], folder: Path, parts: int, exact: bool,
-                     fuzzy: bool) -> int:
-    """An earlier batch's saved index as `write_shard_rows` writes a shard (its bucket tables give the
-    band keys of its documents in the LSH); returns its number of documents."""
-    index = DedupIndex.load(index_dir, settings)
-    folder.mkdir(parents=True, exist_ok=True)
-    for field in ROW_FIELDS:
-        np.save(_row_file(folder, INDEX_RANK, field), getattr(index, "in_lsh" if field == "has_shingles" else field))
-    m = len(index)
-    digest_rows = np.arange(m) if exact else np.zeros(0, dtype=np.int64)
-    num_bands, width = index.table_keys.shape
-    if not fuzzy:
-        width = 0
-    _write_parts(folder, INDEX_RANK, parts, digest_rows, _digest_words(index.digests[digest_rows]),
-                 np.repeat(np.arange(num_bands), width), index.table_keys[:, :width].ravel(),
-                 index.table_docs[:, :width].ravel())
-    return m
+                     fuzzy: bool) -> tuple[int, int]:
+    """An earlier batch's saved index as `write_shard_rows` writes a shard, `_INDEX_CHUNK` rows at a
+    time (its bucket tables give the band keys of its documents in the LSH): unpacked, never loaded
+    whole. Returns its number of documents and of chunk files per partition."""
+    m = unpack(index_dir, settings, folder, f"{INDEX_RANK:05d}")
+    digests = np.load(_row_file(folder, INDEX_RANK, "digests"), mmap_mode="r")
+    table_keys = np.load(_row_file(folder, INDEX_RANK, "table_keys"), mmap_mode="r")
+    table_docs = np.load(_row_file(folder, INDEX_RANK, "table_docs"), mmap_mode="r")
+    num_bands, width = table_keys.shape
+    chunks = max(1, -(-m // _INDEX_CHUNK))
+    for chunk in range(chunks):
+        lo, hi = chunk * _INDEX_CHUNK, (chunk + 1) * _INDEX_CHUNK
+        digest_rows = np.arange(lo, min(hi, m)) if exact else np.zeros(0, dtype=np.int64)
+        span = max(0, min(hi, width) - lo) if fuzzy else 0
+        _write_parts(folder, INDEX_RANK, parts, digest_rows, _digest_words(digests[digest_rows]),
+                     np.repeat(np.arange(num_bands), span), np.asarray(table_keys[:, lo:lo + span]).ravel(),
+                     np.asarray(table_docs[:, lo:lo + span]).ravel(), chunk)
+    return m, chunks
 
 
 @dataclass(frozen=True)
@@ -113,6 +117,7 @@ class Rows:
     sizes: tuple[int, ...]  # documents per shard
     index: Path | None  # the index's row files, if any
     m: int  # indexed documents
+    index_chunks: int = 1  # the index's partition files per partition
 
     def gather(self, field: str, nodes: np.ndarray) -> np.ndarray:
         """`field` of each node in `nodes`, in that order; only the rows asked for are read."""
@@ -134,16 +139,25 @@ class Rows:
 
 
 def _entries(rows: Rows, part: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Partition `part`'s entries over the index and every shard: digest nodes, and bucket (band, key, node)."""
+    """Partition `part`'s entries over the index and every shard: digest nodes, and bucket (band, key,
+    node) band-major within each source (each node's entries in band order)."""
     digest_nodes, bands, keys, key_nodes = [], [], [], []
-    sources = ([(rows.index, INDEX_RANK, 0)] if rows.index is not None else []) + [
-        (rows.signed, rank, rows.m + offset) for rank, offset in enumerate(np.cumsum((0, *rows.sizes[:-1])).tolist())]
-    for folder, rank, offset in sources:
-        with np.load(_part_file(folder, rank, part), allow_pickle=False) as arrays:
-            digest_nodes.append(arrays["digest_rows"] + offset)
-            bands.append(arrays["bands"])
-            keys.append(arrays["keys"])
-            key_nodes.append(arrays["key_rows"] + offset)
+    sources = ([(rows.index, INDEX_RANK, 0, rows.index_chunks)] if rows.index is not None else []) + [
+        (rows.signed, rank, rows.m + offset, 1) for rank, offset in enumerate(np.cumsum((0, *rows.sizes[:-1])).tolist())]
+    for folder, rank, offset, chunks in sources:
+        source: list[list[np.ndarray]] = [[], [], [], []]
+        for chunk in range(chunks):
+            with np.load(_part_file(folder, rank, part, chunk), allow_pickle=False) as arrays:
+                for column, name in zip(source, ("digest_rows", "bands", "keys", "key_rows")):
+                    column.append(arrays[name])
+        joined = [np.concatenate(column) if len(column) > 1 else column[0] for column in source]
+        if chunks > 1:  # chunks are band-major each: the whole source becomes so
+            by_band = np.argsort(joined[1], kind="stable")
+            joined[1:] = [column[by_band] for column in joined[1:]]
+        digest_nodes.append(joined[0] + offset)
+        bands.append(joined[1])
+        keys.append(joined[2])
+        key_nodes.append(joined[3] + offset)
     join = lambda arrays, dtype: np.concatenate(arrays).astype(dtype) if arrays else np.zeros(0, dtype)  # noqa: E731
     return join(digest_nodes, np.int64), join(bands, np.int64), join(keys, np.uint64), join(key_nodes, np.int64)
 

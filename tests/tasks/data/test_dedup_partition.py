@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kiln.tasks.data import dedup_partition
+from kiln.tasks.data import dedup_index, dedup_partition
 from kiln.tasks.data.dedup import DedupConfig, cluster, lsh_bands, sign_shard, signature_settings, verify_threshold
 from kiln.tasks.data.dedup_index import DedupIndex
 from kiln.tasks.data.documents import Document, write_documents
@@ -67,12 +67,12 @@ def _partitioned(tmp_path: Path, cfg: DedupConfig, index_dir: Path | None, shard
     folder = tmp_path / f"parts{parts}"
     for rank, signed in enumerate(shards):
         dedup_partition.write_shard_rows(signed, folder / "signed", rank, parts, lsh_bands(cfg), cfg.exact, cfg.fuzzy)
-    m = 0
+    m, chunks = 0, 1
     if index_dir is not None:
-        m = dedup_partition.write_index_rows(index_dir, signature_settings(cfg), folder / "index", parts, cfg.exact,
-                                             cfg.fuzzy)
+        m, chunks = dedup_partition.write_index_rows(index_dir, signature_settings(cfg), folder / "index", parts,
+                                                     cfg.exact, cfg.fuzzy)
     rows = dedup_partition.Rows(folder / "signed", tuple(len(s.ids) for s in shards),
-                                None if index_dir is None else folder / "index", m)
+                                None if index_dir is None else folder / "index", m, chunks)
     found = [dedup_partition.cluster_partition(rows, part, parts, cfg.exact, verify_threshold(cfg), BUCKET_WINDOW)
              for part in range(parts)]
     if hide_signatures:  # the driver's part: every signature file out of reach
@@ -83,8 +83,11 @@ def _partitioned(tmp_path: Path, cfg: DedupConfig, index_dir: Path | None, shard
                                                                    "verify_threshold": verify_threshold(cfg)}})
 
 
-@pytest.mark.parametrize("exact, fuzzy", [(True, True), (False, True), (True, False)])
-def test_any_number_of_partitions_decides_what_one_process_decides(tmp_path, exact, fuzzy):
+@pytest.mark.parametrize("exact, fuzzy, index_chunk", [(True, True, 1 << 16), (True, True, 7), (False, True, 1 << 16),
+                                                      (True, False, 1 << 16)])
+def test_any_number_of_partitions_decides_what_one_process_decides(tmp_path, monkeypatch, exact, fuzzy, index_chunk):
+    """...and the index is read in chunks of any size."""
+    monkeypatch.setattr(dedup_partition, "_INDEX_CHUNK", index_chunk)
     cfg = DedupConfig(exact=exact, fuzzy=fuzzy)
     first, second = _batches()
     empty = DedupIndex.empty(signature_settings(cfg))
@@ -115,3 +118,34 @@ def test_the_driver_reads_no_signature_and_needs_no_index(tmp_path):
     got = _partitioned(tmp_path, cfg, tmp_path / "index", shards, 3, hide_signatures=True)
     assert not list((tmp_path / "parts3").rglob("*.signatures.npy"))
     assert got.removed == expected.removed and got.stats == expected.stats
+
+
+@pytest.mark.parametrize("merge_entries, copy_rows", [(1 << 20, 1 << 16), (5, 3)])
+def test_the_index_streamed_from_parts_is_the_index_one_process_extends(tmp_path, monkeypatch, merge_entries,
+                                                                          copy_rows):
+    """`save_merged` of an unpacked index and each shard's kept part (merged a few keys and rows at a time
+    when the limits are small) holds the arrays `DedupIndex.extended` builds."""
+    monkeypatch.setattr(dedup_index, "_MERGE_ENTRIES", merge_entries)
+    monkeypatch.setattr(dedup_index, "_COPY_ROWS", copy_rows)
+    cfg = DedupConfig()
+    settings = signature_settings(cfg)
+    first, second = _batches()
+    indexed = cluster(cfg, DedupIndex.empty(settings), _signed(tmp_path, cfg, first, 2, "first"))
+    indexed.index.save(tmp_path / "index")
+    shards = _signed(tmp_path, cfg, second, 3, "second")
+    expected = cluster(cfg, indexed.index, shards).index
+    parts = [(tmp_path / "parts", "index")]
+    assert dedup_index.unpack(tmp_path / "index", settings, *parts[0]) == len(indexed.index)
+    for rank, (signed, removed) in enumerate(zip(shards, cluster(cfg, indexed.index, shards).removed)):
+        keep = np.ones(len(signed.ids), dtype=bool)
+        keep[list(removed)] = False
+        dedup_index.save_part(tmp_path / "parts", f"{rank:05d}", settings, signed.ids[keep], signed.digests[keep],
+                              signed.lengths[keep], signed.quality[keep], signed.snippets[keep],
+                              signed.signatures[keep], signed.has_shingles[keep])
+        parts.append((tmp_path / "parts", f"{rank:05d}"))
+    assert dedup_index.save_merged(tmp_path / "merged", settings, parts) == len(expected)
+    merged = DedupIndex.load(tmp_path / "merged", settings)
+    assert expected.table_keys.shape[1] == 100  # in the LSH, of 101 kept documents (one of them empty)
+    for field in dedup_index._ARRAY_FIELDS:
+        got, want = getattr(merged, field), getattr(expected, field)
+        assert (got.dtype, got.shape, got.tobytes()) == (want.dtype, want.shape, want.tobytes()), field
