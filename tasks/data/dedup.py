@@ -9,10 +9,11 @@ position, so shuffling the input keeps the same survivors. The others are remove
 `metadata.duplicate_of` naming the survivor. Output keeps input order.
 
 It runs in three steps (`tasks.data.dedup_job` runs them): `sign_shard` computes each input
-shard's digests and signatures (a task per shard, in parallel); `cluster` reads them all — ids,
-digests, band keys and signatures, never a text — finds the clusters and decides every document's
-fate, as one process must; `write_shard` writes each shard's kept and removed documents (a task per
-shard again), tallying `removals.json` as it writes. Signing records what writing needs of each
+shard's digests and signatures (a task per shard, in parallel); the clusters are found and every
+document's fate decided — `cluster` here does it in one process holding every id, digest and
+signature (the reference: tests hold the stage to it), the stage does it by partition
+(`tasks.data.dedup_partition`), so that no process holds the corpus; `write_shard` writes each
+shard's kept and removed documents (a task per shard again), tallying `removals.json` as it writes. Signing records what writing needs of each
 line (domain, text bytes, whether it is already its document's `Document.to_json_line()`, true of
 every file a Kiln stage writes), so the write pass parses no canonical line: it writes it back byte
 for byte when kept and splices it into its removal record when removed; any other line is parsed
@@ -280,7 +281,8 @@ class Clustering:
 
 def cluster(cfg: DedupConfig, index: DedupIndex, shards: list[SignedShard]) -> Clustering:
     """Exact and fuzzy duplicates among `shards` (in input order) and against `index`, whose documents
-    are published and so always survive; which document each removed one duplicates, and why.
+    are published and so always survive; which document each removed one duplicates, and why. In one
+    process: the reference `dedup_partition` (which the stage runs) must decide the same as.
 
     Vectorised: exact copies by sorting digests, components by scipy, survivors by one lexsort; Python
     touches only the removed documents (their decisions) and the sample clusters."""

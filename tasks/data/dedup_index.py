@@ -163,48 +163,81 @@ def unpack(index_dir: Path, settings: dict[str, Any], folder: Path, name: str) -
     return len(np.load(part_file(folder, name, "ids"), mmap_mode="r"))
 
 
+class _NpyReader:
+    """Rows (or a band's slice) of a `.npy` file, read with plain reads: a memory map would count every
+    page it touched as this process's own until it is dropped, and the merge touches every part."""
+
+    def __init__(self, path: Path):
+        self.file = path.open("rb")
+        version = np.lib.format.read_magic(self.file)
+        read_header = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+        self.shape, _, self.dtype = read_header(self.file)
+        self.offset = self.file.tell()
+        self.row = int(np.prod(self.shape[1:], dtype=np.int64))  # elements per row
+
+    def read(self, start: int, stop: int, band: int | None = None) -> np.ndarray:
+        """Rows `start:stop`, or elements `start:stop` of row `band` (a bucket table's band)."""
+        first = start * self.row if band is None else band * self.shape[1] + start
+        count = (stop - start) * (self.row if band is None else 1)
+        self.file.seek(self.offset + first * self.dtype.itemsize)
+        data = np.fromfile(self.file, dtype=self.dtype, count=count)
+        return data.reshape(-1, *self.shape[1:]) if band is None else data
+
+    def close(self) -> None:
+        self.file.close()
+
+
 def save_merged(index_dir: Path, settings: dict[str, Any], parts: list[tuple[Path, str]]) -> int:
     """Save the index of `parts` (`save_part` or `unpack`, in document order) in `index_dir`: the arrays
-    `DedupIndex.extended` builds from them, streamed. Returns its number of documents."""
+    `DedupIndex.extended` builds from them, streamed (memory: a few chunks and one part's band of keys,
+    whatever the index's size). Returns its number of documents."""
     if not parts:
         DedupIndex.empty(settings).save(index_dir)
         return 0
     index_dir.mkdir(parents=True, exist_ok=True)
     (index_dir / _SETTINGS).write_text(json.dumps(settings, indent=2, sort_keys=True))
-    open_ = lambda folder, name, field: np.load(part_file(folder, name, field), mmap_mode="r")  # noqa: E731
-    sizes = [len(open_(folder, name, "ids")) for folder, name in parts]
-    offsets = np.cumsum([0, *sizes[:-1]]).tolist()
-    tables = [(open_(folder, name, "table_keys"), open_(folder, name, "table_docs")) for folder, name in parts]
-    bands = settings["bands"]
-    width = sum(keys.shape[1] for keys, _ in tables)
-    # Key ranges a band's table is merged in: equal keys fall in one range, entries spread evenly (hashes).
-    num_ranges = max(1, -(-width // _MERGE_ENTRIES))
-    edges = [np.uint64((1 << 64) * i // num_ranges) for i in range(1, num_ranges)]
-    with zipfile.ZipFile(index_dir / INDEX_ARRAYS, "w", zipfile.ZIP_STORED, allowZip64=True) as archive:
-        for field in _ARRAY_FIELDS:
-            if field in TABLE_FIELDS:
-                shape, dtype = (bands, width), np.dtype(np.uint64 if field == "table_keys" else np.int64)
-            else:
-                columns = [open_(folder, name, field) for folder, name in parts]
-                dtype = max((c.dtype for c in columns), key=lambda d: d.itemsize) if columns[0].dtype.kind == "U" \
-                    else columns[0].dtype
-                shape = (sum(sizes), *columns[0].shape[1:])
-            with archive.open(f"{field}.npy", "w", force_zip64=True) as out:
-                np.lib.format.write_array_header_1_0(out, {"descr": np.lib.format.dtype_to_descr(dtype),
-                                                           "fortran_order": False, "shape": shape})
-                if field not in TABLE_FIELDS:
-                    for column in columns:
-                        for start in range(0, len(column), _COPY_ROWS):
-                            out.write(np.ascontiguousarray(column[start:start + _COPY_ROWS], dtype=dtype).tobytes())
-                    continue
-                for band in range(bands):
-                    bounds = [[0, *np.searchsorted(keys[band], edges).tolist(), keys.shape[1]] for keys, _ in tables]
-                    for r in range(num_ranges):
-                        keys = np.concatenate([k[band, b[r]:b[r + 1]] for (k, _), b in zip(tables, bounds)])
-                        docs = np.concatenate([d[band, b[r]:b[r + 1]] + offset
-                                               for (_, d), b, offset in zip(tables, bounds, offsets)])
-                        order = np.lexsort((docs, keys))  # as `bucket_tables`: ties in document order
-                        out.write((keys if field == "table_keys" else docs)[order].astype(dtype).tobytes())
+    readers = {field: [_NpyReader(part_file(folder, name, field)) for folder, name in parts] for field in _ARRAY_FIELDS}
+    try:
+        sizes = [reader.shape[0] for reader in readers["ids"]]
+        offsets = np.cumsum([0, *sizes[:-1]]).tolist()
+        bands = settings["bands"]
+        width = sum(reader.shape[1] for reader in readers["table_keys"])
+        # Key ranges a band's table is merged in: equal keys fall in one range, entries spread evenly (hashes).
+        num_ranges = max(1, -(-width // _MERGE_ENTRIES))
+        edges = np.array([(1 << 64) * i // num_ranges for i in range(1, num_ranges)], dtype=np.uint64)
+        with zipfile.ZipFile(index_dir / INDEX_ARRAYS, "w", zipfile.ZIP_STORED, allowZip64=True) as archive:
+            for field in _ARRAY_FIELDS:
+                columns = readers[field]
+                if field in TABLE_FIELDS:
+                    shape, dtype = (bands, width), columns[0].dtype
+                else:  # strings: the widest part's width, as concatenating them gives
+                    dtype = max((c.dtype for c in columns), key=lambda d: d.itemsize)
+                    shape = (sum(sizes), *columns[0].shape[1:])
+                with archive.open(f"{field}.npy", "w", force_zip64=True) as out:
+                    np.lib.format.write_array_header_1_0(out, {"descr": np.lib.format.dtype_to_descr(dtype),
+                                                               "fortran_order": False, "shape": shape})
+                    if field not in TABLE_FIELDS:
+                        for column, size in zip(columns, sizes):
+                            for start in range(0, size, _COPY_ROWS):
+                                out.write(column.read(start, min(size, start + _COPY_ROWS)).astype(dtype).tobytes())
+                        continue
+                    for band in range(bands):
+                        bounds = []  # each part's entries in each key range (a band's keys are sorted)
+                        for keys in readers["table_keys"]:
+                            ends = (np.searchsorted(keys.read(0, keys.shape[1], band), edges).tolist()
+                                    if num_ranges > 1 else [])
+                            bounds.append([0, *ends, keys.shape[1]])
+                        for r in range(num_ranges):
+                            keys = np.concatenate([k.read(b[r], b[r + 1], band)
+                                                   for k, b in zip(readers["table_keys"], bounds)])
+                            docs = np.concatenate([d.read(b[r], b[r + 1], band) + offset for d, b, offset
+                                                   in zip(readers["table_docs"], bounds, offsets)])
+                            order = np.lexsort((docs, keys))  # as `bucket_tables`: ties in document order
+                            out.write((keys if field == "table_keys" else docs)[order].astype(dtype).tobytes())
+    finally:
+        for columns in readers.values():
+            for reader in columns:
+                reader.close()
     return sum(sizes)
 
 

@@ -1,13 +1,19 @@
-"""The dedup stage on `cluster.executor`: signatures per shard in parallel, clusters in this process,
-each shard's kept and removed documents written in parallel.
+"""The dedup stage on `cluster.executor`: signatures per shard in parallel, clusters by partition in
+parallel, each shard's kept and removed documents written in parallel; nothing the size of the corpus
+in this process.
 
-`dedup_documents` runs the fast engine's three steps (`tasks.data.dedup`): a shard job signs every
-input shard (digests, MinHash signatures, ids, lengths, scores, snippets: no text); this process
-loads those, finds the clusters and decides each document's fate, as one process must; a second
-shard job writes the kept and removed shards from the decisions, tallying as it writes. The
-output equals what one process reading the whole input would write. A rerun after a failure keeps
-each rank a job finished while its key holds (the run ledger's: the settings and the content of
-what the rank reads: its input shard, and for writing, its shard's decisions).
+`dedup_documents` runs the fast engine (`tasks.data.dedup`, `tasks.data.dedup_partition`): a shard
+job signs every input shard (digests, MinHash signatures, ids, lengths, scores, snippets: no text)
+and splits its digests and band keys into partition files, one partition per input shard; an
+earlier batch's index is unpacked and split the same way (a one-rank job); a partition job finds
+each partition's exact copies and verified candidate pairs; this process reads only those pairs,
+finds the clusters over the documents in them and decides their fate; a second shard job writes
+the kept and removed shards from the decisions, tallying as it writes, and saves each shard's kept
+documents as a part of the index, which this process streams into `lsh_index/`. The output equals
+what one process reading the whole input would write (`dedup.cluster`). A rerun after a failure
+keeps each rank a job finished while its key holds (the run ledger's: the settings and the content
+of what the rank reads: its input shard; for partitions, every shard's signing key and the index;
+for writing, its shard's decisions).
 `WriteDecisions` is the datatrove engine's last step too.
 """
 
