@@ -143,7 +143,7 @@ def _entries(rows: Rows, part: int) -> tuple[np.ndarray, np.ndarray, np.ndarray,
     node) band-major within each source (each node's entries in band order)."""
     digest_nodes, bands, keys, key_nodes = [], [], [], []
     sources = ([(rows.index, INDEX_RANK, 0, rows.index_chunks)] if rows.index is not None else []) + [
-        (rows.signed, rank, rows.m + offset, 1) for rank, offset in enumerate(np.cumsum((0, *rows.sizes[:-1])).tolist())]
+        (rows.signed, rank, rows.m + offset, 1) for rank, offset in enumerate(np.cumsum((0, *rows.sizes))[:-1].tolist())]
     for folder, rank, offset, chunks in sources:
         source: list[list[np.ndarray]] = [[], [], [], []]
         for chunk in range(chunks):

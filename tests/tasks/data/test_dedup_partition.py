@@ -149,3 +149,23 @@ def test_the_index_streamed_from_parts_is_the_index_one_process_extends(tmp_path
     for field in dedup_index._ARRAY_FIELDS:
         got, want = getattr(merged, field), getattr(expected, field)
         assert (got.dtype, got.shape, got.tobytes()) == (want.dtype, want.shape, want.tobytes()), field
+
+
+def test_empty_batches_and_shards_pass_through_the_partitions(tmp_path):
+    """No input shard, an empty shard, and a batch of nothing against an index: each runs, and the index
+    carries on to the next batch."""
+    from kiln.tasks.data.dedup_index import INDEX_DIR
+    from kiln.tasks.data.dedup_job import dedup_documents
+
+    outs = [tmp_path / f"out{i}" for i in range(4)]
+    for out in outs:
+        out.mkdir()
+    write_documents(tmp_path / "a.jsonl", [Document("x", "one two three four five six", "s", "prose", "MIT", {})])
+    (tmp_path / "empty.jsonl").write_text("")
+    assert dedup_documents(DedupConfig(), [], outs[0], plots=False)["num_in"] == 0
+    stats = dedup_documents(DedupConfig(), [tmp_path / "a.jsonl", tmp_path / "empty.jsonl"], outs[1], plots=False)
+    assert (stats["num_in"], stats["num_kept"]) == (1, 1)
+    stats = dedup_documents(DedupConfig(), [], outs[2], index_dir=outs[1] / INDEX_DIR, plots=False)
+    assert (stats["num_in"], stats["num_indexed_before"]) == (0, 1)
+    stats = dedup_documents(DedupConfig(), [tmp_path / "a.jsonl"], outs[3], index_dir=outs[2] / INDEX_DIR, plots=False)
+    assert stats["removed"] == {"exact_duplicate": 1} and stats["num_indexed_before"] == 1
