@@ -60,6 +60,8 @@ WORK_DIR = "_dedup"  # the jobs' logs, markers, signatures and decisions, while 
 _SIGNED = "signed"
 _DECISIONS = "decisions"
 _WRITE_FACTS = ("ids", "domains", "text_bytes", "canonical", "has_metadata")
+_PARTITION_BYTES = 64 << 20  # input bytes per clustering partition
+_ZSTD_RATIO = 4  # what a zstd-compressed shard of text expands to, about
 
 
 @dataclass(frozen=True)
@@ -160,6 +162,16 @@ class _WriteAndIndex(WriteDecisions):
         return result
 
 
+def num_partitions(inputs: list[Path]) -> int:
+    """Partitions for `inputs`: one per `_PARTITION_BYTES` of input (a compressed shard counted at
+    `_ZSTD_RATIO` times its size), at most one per shard. A partition rank holds about 350 bytes per
+    document of its share (14 band keys and a digest entry, sorted), so 64 MB of input (some 20,000
+    typical web documents, 200,000 very short ones) keeps it under 100 MB, while few partitions keep
+    the files between the jobs few (shards x partitions)."""
+    size = sum(path.stat().st_size * (_ZSTD_RATIO if path.suffix == ".zst" else 1) for path in inputs)
+    return max(1, min(len(inputs), -(-size // _PARTITION_BYTES)))
+
+
 def write_decisions(writer: WriteDecisions, work: Path, executor: ExecutorSettings, jobs: int, settings: Any,
                     draw: bool = True) -> tuple[ShardRun, dict[str, Any]]:
     """Run `writer` over its shards; the job's results and what they add up to: counts (as stats),
@@ -212,9 +224,7 @@ def dedup_documents(cfg: DedupConfig, inputs: list[Path], out_dir: Path, executo
         phase_s[name] = round(now - clock, 4)
         clock = now
 
-    # Partitions: as many as input shards, so that a partition holds about a shard's share of the
-    # buckets (a shard job's own bound), whatever the corpus.
-    parts = max(1, len(inputs))
+    parts = num_partitions(inputs)
     sign = work / "sign"
     signed_dir = sign / _SIGNED
     sign_ledger = rank_ledger(sign / RANKS_DIR, "kiln_dedup_sign", config, [{"shard": s} for s in inputs])
