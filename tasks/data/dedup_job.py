@@ -62,6 +62,7 @@ _DECISIONS = "decisions"
 _WRITE_FACTS = ("ids", "domains", "text_bytes", "canonical", "has_metadata")
 _PARTITION_BYTES = 64 << 20  # input bytes per clustering partition
 _ZSTD_RATIO = 4  # what a zstd-compressed shard of text expands to, about
+_MAX_PARTITIONS = 1024
 
 
 @dataclass(frozen=True)
@@ -143,33 +144,34 @@ class WriteDecisions:
 
 @dataclass(frozen=True)
 class _WriteAndIndex(WriteDecisions):
-    """`WriteDecisions`, then rank r's kept documents as a part of the index (`dedup_index.save_part` in
-    `kept/NNNNN.*`), which the driver streams into `lsh_index/` with the others."""
+    """`WriteDecisions`, then rank r's kept documents as a part of the index (`dedup_index.save_part` as
+    `signed/NNNNN.kept.*`), which the driver streams into `lsh_index/` with the others."""
 
     settings: dict[str, Any] | None = None
-    kept: Path | None = None
 
     def __call__(self, rank: int) -> dict[str, Any]:
         result = super().__call__(rank)
-        assert self.signed is not None and self.kept is not None and self.settings is not None
+        assert self.signed is not None and self.settings is not None
         removed = [p for p, *_ in json.loads((self.decisions / f"{rank:05d}.json").read_text())]
         rows = {field: np.load(self.signed / f"{rank:05d}.{field}.npy") for field in ROW_FIELDS}
         keep = np.ones(len(rows["ids"]), dtype=bool)
         keep[removed] = False
-        save_part(self.kept, f"{rank:05d}", self.settings, rows["ids"][keep], rows["digests"][keep],
+        save_part(self.signed, f"{rank:05d}.kept", self.settings, rows["ids"][keep], rows["digests"][keep],
                   rows["lengths"][keep], rows["quality"][keep], rows["snippets"][keep], rows["signatures"][keep],
                   rows["has_shingles"][keep])
         return result
 
 
-def num_partitions(inputs: list[Path]) -> int:
-    """Partitions for `inputs`: one per `_PARTITION_BYTES` of input (a compressed shard counted at
-    `_ZSTD_RATIO` times its size), at most one per shard. A partition rank holds about 350 bytes per
-    document of its share (14 band keys and a digest entry, sorted), so 64 MB of input (some 20,000
-    typical web documents, 200,000 very short ones) keeps it under 100 MB, while few partitions keep
-    the files between the jobs few (shards x partitions)."""
+def num_partitions(inputs: list[Path], index_dir: Path | None = None) -> int:
+    """Partitions for `inputs` and the index they are deduplicated against: one per `_PARTITION_BYTES`
+    of input and saved index (a compressed shard counted at `_ZSTD_RATIO` times its size), at most
+    `_MAX_PARTITIONS`. A partition rank holds some 400 bytes per document of its share (14 band keys
+    and a digest entry, sorted), so 64 MB of input (some 20,000 typical web documents, 200,000 very
+    short ones) keeps it near 100 MB; few partitions keep the files between the jobs (shards x
+    partitions) few. Beyond 64 GB partitions grow instead of multiplying."""
     size = sum(path.stat().st_size * (_ZSTD_RATIO if path.suffix == ".zst" else 1) for path in inputs)
-    return max(1, min(len(inputs), -(-size // _PARTITION_BYTES)))
+    size += 0 if index_dir is None else (index_dir / INDEX_ARRAYS).stat().st_size
+    return max(1, min(_MAX_PARTITIONS, -(-size // _PARTITION_BYTES)))
 
 
 def write_decisions(writer: WriteDecisions, work: Path, executor: ExecutorSettings, jobs: int, settings: Any,
@@ -224,7 +226,7 @@ def dedup_documents(cfg: DedupConfig, inputs: list[Path], out_dir: Path, executo
         phase_s[name] = round(now - clock, 4)
         clock = now
 
-    parts = num_partitions(inputs)
+    parts = num_partitions(inputs, index_dir)
     sign = work / "sign"
     signed_dir = sign / _SIGNED
     sign_ledger = rank_ledger(sign / RANKS_DIR, "kiln_dedup_sign", config, [{"shard": s} for s in inputs])
@@ -248,16 +250,18 @@ def dedup_documents(cfg: DedupConfig, inputs: list[Path], out_dir: Path, executo
                 index_chunks=chunks)
     partition = work / "partition"
     pairs_dir = partition / "pairs"
-    partitioning = map_shards(_Partition(cfg, rows, pairs_dir, parts), partition,
-                              rank_ledger(partition / RANKS_DIR, "kiln_dedup_partition", identity, [{}] * parts),
-                              settings=executor, jobs=cfg.num_workers, job_name="kiln_dedup_partition",
-                              outputs=[pairs_dir])
-    jobs.append(partitioning)
+    if parts == 1:  # a partition of at most `_PARTITION_BYTES` of input: a job's bookkeeping cost more
+        found = [cluster_partition(rows, 0, 1, cfg.exact, verify_threshold(cfg), BUCKET_WINDOW)]
+    else:
+        jobs.append(map_shards(_Partition(cfg, rows, pairs_dir, parts), partition,
+                               rank_ledger(partition / RANKS_DIR, "kiln_dedup_partition", identity, [{}] * parts),
+                               settings=executor, jobs=cfg.num_workers, job_name="kiln_dedup_partition",
+                               outputs=[pairs_dir]))
+        found = []
+        for part in range(parts):
+            with np.load(pairs_dir / f"{part:05d}.npz", allow_pickle=False) as arrays:
+                found.append({name: arrays[name] for name in arrays.files})
     phase("partition")
-    found = []
-    for part in range(parts):
-        with np.load(pairs_dir / f"{part:05d}.npz", allow_pickle=False) as arrays:
-            found.append({name: arrays[name] for name in arrays.files})
     bands, band_rows = lsh_bands(cfg)
     decided = decide(rows, found, cfg.exact,
                      {"lsh": {"bands": bands, "rows": band_rows, "verify_threshold": verify_threshold(cfg)}})
@@ -266,13 +270,12 @@ def dedup_documents(cfg: DedupConfig, inputs: list[Path], out_dir: Path, executo
     for rank, removed in enumerate(decided.removed):
         (decisions / f"{rank:05d}.json").write_text(json.dumps([[p, *d] for p, d in sorted(removed.items())]))
     phase("cluster")
-    kept = work / "kept"
-    writer = _WriteAndIndex(inputs, out_dir, decisions, signed=signed_dir, settings=settings, kept=kept)
+    writer = _WriteAndIndex(inputs, out_dir, decisions, signed=signed_dir, settings=settings)
     writing, written = write_decisions(writer, work / "write", executor, cfg.num_workers, config, draw=False)
     jobs.append(writing)
     phase("write")
     save_merged(out_dir / INDEX_DIR, settings, ([(index_rows, f"{INDEX_RANK:05d}")] if index_rows is not None else [])
-                + [(kept, f"{rank:05d}") for rank in range(len(inputs))])
+                + [(signed_dir, f"{rank:05d}.kept") for rank in range(len(inputs))])
     shutil.rmtree(work)
     phase("index")
     stats = {**written, **decided.stats, "executor_cpu_s": sum(job.outside_cpu_s for job in jobs)}
