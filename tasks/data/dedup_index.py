@@ -163,7 +163,7 @@ def unpack(index_dir: Path, settings: dict[str, Any], folder: Path, name: str) -
     return len(np.load(part_file(folder, name, "ids"), mmap_mode="r"))
 
 
-class _NpyReader:
+class NpyReader:
     """Rows (or a band's slice) of a `.npy` file, read with plain reads: a memory map would count every
     page it touched as this process's own until it is dropped, and the merge touches every part."""
 
@@ -196,7 +196,7 @@ def save_merged(index_dir: Path, settings: dict[str, Any], parts: list[tuple[Pat
         return 0
     index_dir.mkdir(parents=True, exist_ok=True)
     (index_dir / _SETTINGS).write_text(json.dumps(settings, indent=2, sort_keys=True))
-    readers = {field: [_NpyReader(part_file(folder, name, field)) for folder, name in parts] for field in _ARRAY_FIELDS}
+    readers = {field: [NpyReader(part_file(folder, name, field)) for folder, name in parts] for field in _ARRAY_FIELDS}
     try:
         sizes = [reader.shape[0] for reader in readers["ids"]]
         offsets = np.cumsum([0, *sizes[:-1]]).tolist()

@@ -74,12 +74,13 @@ class _Sign:
     shards: list[Path]
     target: Path
     parts: int
+    bands: tuple[int, int]  # `lsh_bands(cfg)`, found by the driver: it imports scipy, seconds in a fresh worker
 
     def __call__(self, rank: int) -> dict[str, Any]:
         signed = sign_shard(self.cfg, self.shards[rank])
         self.target.mkdir(parents=True, exist_ok=True)
         signed.save(self.target / f"{rank:05d}.npz", _WRITE_FACTS)
-        write_shard_rows(signed, self.target, rank, self.parts, lsh_bands(self.cfg), self.cfg.exact, self.cfg.fuzzy)
+        write_shard_rows(signed, self.target, rank, self.parts, self.bands, self.cfg.exact, self.cfg.fuzzy)
         return {"num_docs": len(signed.ids)}
 
 
@@ -91,10 +92,11 @@ class _IndexRows:
     index_dir: Path
     target: Path
     parts: int
+    settings: dict[str, Any]  # `signature_settings(cfg)`
 
     def __call__(self, rank: int) -> dict[str, Any]:
-        m, chunks = write_index_rows(self.index_dir, signature_settings(self.cfg), self.target, self.parts,
-                                     self.cfg.exact, self.cfg.fuzzy)
+        m, chunks = write_index_rows(self.index_dir, self.settings, self.target, self.parts, self.cfg.exact,
+                                     self.cfg.fuzzy)
         return {"num_docs": m, "chunks": chunks}
 
 
@@ -230,7 +232,7 @@ def dedup_documents(cfg: DedupConfig, inputs: list[Path], out_dir: Path, executo
     sign = work / "sign"
     signed_dir = sign / _SIGNED
     sign_ledger = rank_ledger(sign / RANKS_DIR, "kiln_dedup_sign", config, [{"shard": s} for s in inputs])
-    signing = map_shards(_Sign(cfg, inputs, signed_dir, parts), sign, sign_ledger,
+    signing = map_shards(_Sign(cfg, inputs, signed_dir, parts, lsh_bands(cfg)), sign, sign_ledger,
                          settings=executor, jobs=cfg.num_workers, job_name="kiln_dedup_sign", outputs=[signed_dir])
     phase("sign")
     jobs = [signing]
@@ -238,7 +240,7 @@ def dedup_documents(cfg: DedupConfig, inputs: list[Path], out_dir: Path, executo
     index_rows, m, chunks = None, 0, 1
     if index_dir is not None:
         index_rows = work / "index"
-        indexing = map_shards(_IndexRows(cfg, index_dir, index_rows / _SIGNED, parts), index_rows,
+        indexing = map_shards(_IndexRows(cfg, index_dir, index_rows / _SIGNED, parts, settings), index_rows,
                               rank_ledger(index_rows / RANKS_DIR, "kiln_dedup_index_rows", identity,
                                           [{"index": index_dir / INDEX_ARRAYS}]),
                               settings=executor, jobs=1, job_name="kiln_dedup_index_rows",

@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 
 from kiln.tasks.data import minhash
-from kiln.tasks.data.dedup_index import DIGEST_BYTES, part_file, unpack
+from kiln.tasks.data.dedup_index import DIGEST_BYTES, NpyReader, part_file, unpack
 
 # What a reader gathers by row, one `.npy` file each (mapped, never read whole by the driver).
 ROW_FIELDS = ("ids", "quality", "lengths", "snippets", "digests", "signatures", "has_shingles")
@@ -93,18 +93,24 @@ def write_index_rows(index_dir: Path, settings: dict[str, Any], folder: Path, pa
     time (its bucket tables give the band keys of its documents in the LSH): unpacked, never loaded
     whole. Returns its number of documents and of chunk files per partition."""
     m = unpack(index_dir, settings, folder, f"{INDEX_RANK:05d}")
-    digests = np.load(_row_file(folder, INDEX_RANK, "digests"), mmap_mode="r")
-    table_keys = np.load(_row_file(folder, INDEX_RANK, "table_keys"), mmap_mode="r")
-    table_docs = np.load(_row_file(folder, INDEX_RANK, "table_docs"), mmap_mode="r")
-    num_bands, width = table_keys.shape
-    chunks = max(1, -(-m // _INDEX_CHUNK))
-    for chunk in range(chunks):
-        lo, hi = chunk * _INDEX_CHUNK, (chunk + 1) * _INDEX_CHUNK
-        digest_rows = np.arange(lo, min(hi, m)) if exact else np.zeros(0, dtype=np.int64)
-        span = max(0, min(hi, width) - lo) if fuzzy else 0
-        _write_parts(folder, INDEX_RANK, parts, digest_rows, _digest_words(digests[digest_rows]),
-                     np.repeat(np.arange(num_bands), span), np.asarray(table_keys[:, lo:lo + span]).ravel(),
-                     np.asarray(table_docs[:, lo:lo + span]).ravel(), chunk)
+    # Plain reads, not memory maps: this runs in the driver on a local executor (a one-rank job), where a
+    # map would count every page it touched.
+    digests, table_keys, table_docs = (NpyReader(_row_file(folder, INDEX_RANK, field))
+                                       for field in ("digests", "table_keys", "table_docs"))
+    try:
+        num_bands, width = table_keys.shape
+        chunks = max(1, -(-m // _INDEX_CHUNK))
+        for chunk in range(chunks):
+            lo, hi = chunk * _INDEX_CHUNK, (chunk + 1) * _INDEX_CHUNK
+            digest_rows = np.arange(lo, min(hi, m)) if exact else np.zeros(0, dtype=np.int64)
+            span = max(0, min(hi, width) - lo) if fuzzy else 0
+            keys = [table_keys.read(lo, lo + span, band) for band in range(num_bands)]
+            docs = [table_docs.read(lo, lo + span, band) for band in range(num_bands)]
+            _write_parts(folder, INDEX_RANK, parts, digest_rows, _digest_words(digests.read(lo, lo + digest_rows.size)),
+                         np.repeat(np.arange(num_bands), span), np.concatenate(keys), np.concatenate(docs), chunk)
+    finally:
+        for reader in (digests, table_keys, table_docs):
+            reader.close()
     return m, chunks
 
 
