@@ -28,7 +28,7 @@ it puts in one cluster (all pairs within each cluster) that are true pairs.
               README uses them (bands: the divisor of num_perm nearest the stage's band count,
               since rensa needs num_perm divisible by the bands: 16 of 8 rows at 128), each candidate
               verified with `jaccard` against the threshold, union-find clusters. rensa is a benchmark-only
-              dependency (`pip install rensa`); without it the row is skipped.
+              dependency (the `bench` extra: `make bench` installs it); without it the row is skipped.
 - datatrove (`--datatrove`): `dedup_with_datatrove`, the four-stage local MinHash pipeline, one task.
 
 Prints medians over `--repeats` runs (after an untimed warm-up run of each), documents/s, both
@@ -58,7 +58,7 @@ from datasketch import MinHash, MinHashLSH  # noqa: E402
 from kiln.tasks.data import minhash  # noqa: E402
 from kiln.tasks.data.dedup import DedupConfig, normalize, shingles  # noqa: E402
 from kiln.tasks.data.dedup_job import dedup_documents, draw_plots  # noqa: E402
-from kiln.tasks.data.documents import Document, read_documents, write_documents  # noqa: E402
+from kiln.tasks.data.documents import Document, parse_line, read_documents, read_lines, write_documents  # noqa: E402
 from kiln.tasks.data.html_text import extract_html  # noqa: E402
 from tests.fixtures.dedup_corpus import clusters_from_output  # noqa: E402
 
@@ -91,11 +91,40 @@ def bundled_bases() -> list[Document]:
     return [docs[i] for i in range(longest) for docs in usable if i < len(docs)]
 
 
-def build_corpus(seed: int = 0) -> tuple[list[Document], list[tuple[str, str]]]:
+def corpus_bases(path: Path) -> list[Document]:
+    """The documents of a JSON-lines file (`.jsonl`, or zstd-compressed `.jsonl.zst`): one record per line with a
+    `text` string; `id`, `domain` and `metadata.quality_score` are used where present. Records without text
+    are skipped (their count printed): this reads a corpus to time, not to clean."""
+    bases, skipped = [], 0
+    for number, line in enumerate(read_lines(path), 1):
+        try:
+            record = parse_line(line)
+        except ValueError as error:
+            sys.exit(f"{path}:{number}: not a JSON record ({error}); --corpus takes JSON lines with a 'text' field")
+        text = record.get("text") if isinstance(record, dict) else None
+        if not isinstance(text, str) or not text.strip():
+            skipped += 1
+            continue
+        doc = Document(str(record.get("id", f"line-{number}")), text, path.name, str(record.get("domain", "web")),
+                       "unknown")
+        quality = (record.get("metadata") or {}).get("quality_score") if isinstance(record.get("metadata"), dict) else None
+        if isinstance(quality, (int, float)):
+            doc.metadata["quality_score"] = quality
+        bases.append(doc)
+    if skipped:
+        print(f"{path}: {skipped} records without a 'text' string skipped")
+    if not bases:
+        sys.exit(f"{path}: no record with a 'text' string: nothing to deduplicate")
+    return bases
+
+
+def build_corpus(bases: list[Document], seed: int = 0, inject: bool = True
+                 ) -> tuple[list[Document], list[tuple[str, str]]]:
     """The bases, their exact and edited copies (shuffled), and the injected (base, copy) pairs.
     Prose and web documents carry a quality score, as the clean stage leaves them."""
     rng = np.random.default_rng(seed)
-    bases = bundled_bases()
+    if not inject:
+        return [bases[k] for k in rng.permutation(len(bases))], []
     vocabulary = sorted({w for d in bases for w in d.text.split()})
     docs: list[Document] = []
     pairs: list[tuple[str, str]] = []
@@ -110,7 +139,7 @@ def build_corpus(seed: int = 0) -> tuple[list[Document], list[tuple[str, str]]]:
             family.append(Document(f"{base.id}#edit{fraction}", " ".join(w for w in edited if w is not None),
                                    base.source, base.domain, base.licence))
         for doc in family:
-            if doc.domain in ("prose", "web"):
+            if doc.domain in ("prose", "web") and "quality_score" not in doc.metadata:
                 doc.metadata["quality_score"] = round(float(rng.random()), 4)
         docs += family
         pairs += [(base.id, copy.id) for copy in family[1:]]
@@ -275,17 +304,22 @@ def main() -> None:
                                             "repeat a few seconds per method; building the corpus first).")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs of each method; medians (default: 3)")
     parser.add_argument("--datatrove", action="store_true", help="also time datatrove's MinHash pipeline")
+    parser.add_argument("--corpus", type=Path, help="a JSON-lines file of documents (a 'text' field each; .jsonl.zst "
+                        "read too) to use as the bases instead of the bundled sample")
+    parser.add_argument("--as-is", action="store_true", help="with --corpus: time the corpus as it is, without "
+                        "injected copies (its own duplicates are the truth's only positives)")
     args = parser.parse_args()
 
     cfg = DedupConfig()
-    docs, injected = build_corpus()
+    bases = corpus_bases(args.corpus) if args.corpus else bundled_bases()
+    docs, injected = build_corpus(bases, inject=not args.as_is)
     num_docs = len(docs)
     methods: list[Method] = [run_stage, run_signatures, run_datasketch]
     try:
         import rensa  # noqa: F401 — a benchmark-only dependency
         methods.append(run_rensa)
     except ImportError:
-        print("rensa is not installed (pip install rensa): its row is skipped")
+        print("rensa is not installed (pip install -e '.[bench]', or make bench): its row is skipped")
     methods += [run_datatrove] if args.datatrove else []
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)

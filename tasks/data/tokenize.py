@@ -25,7 +25,7 @@ import shutil
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 import numpy as np
 from pydantic import Field
@@ -38,6 +38,7 @@ from kiln.tasks.data.dedup import quality_score
 from kiln.tasks.data.documents import Document, read_documents
 from kiln.tasks.data.executors import LOCAL, RANKS_DIR, ExecutorSettings, ShardRun, map_shards, rank_ledger
 from kiln.tasks.data.shards import KINDS, QUARANTINE, RankShards, ShardInfo, read_listing
+from kiln.tasks.store import HashingFile
 
 SHARDS_FORMAT = 3  # 2: each shard has a document index (DOC_INDEX_DTYPE); 3: a list of shards per domain and split
 DOC_INDEX_DTYPE = np.dtype([("end", "<i8"), ("quality", "<f8")])
@@ -112,7 +113,7 @@ class _SplitFile:
     """The token shard and document index of one domain and split, written by one rank."""
 
     rel: Path  # shards/<domain>/<split>/NNNNN.bin
-    handle: BinaryIO
+    handle: HashingFile
     num_tokens: int = 0
     num_docs: int = 0
     index: list[tuple[int, float]] = field(default_factory=list)
@@ -151,7 +152,7 @@ class _Encode:
                     if target is None:
                         rel = Path("shards") / doc.domain / split / f"{shard:05d}.bin"
                         (self.out_dir / rel).parent.mkdir(parents=True, exist_ok=True)
-                        target = files[(doc.domain, split)] = _SplitFile(rel, open(self.out_dir / rel, "wb"))
+                        target = files[(doc.domain, split)] = _SplitFile(rel, HashingFile(self.out_dir / rel))
                     target.num_docs += 1
                     if not encoding.ids:
                         out.quarantine.add("no_tokens", vars(doc))
@@ -182,7 +183,9 @@ class _Encode:
         for (domain, split), target in sorted(files.items()):
             target.handle.close()
             index_rel = target.rel.with_suffix(DOC_INDEX_SUFFIX)
-            np.save(self.out_dir / index_rel, np.array(target.index, dtype=DOC_INDEX_DTYPE))
+            index_file = HashingFile(self.out_dir / index_rel)  # hashed as written: the commit need not reread it
+            np.save(index_file, np.array(target.index, dtype=DOC_INDEX_DTYPE))
+            index_file.close()
             splits.setdefault(domain, {})[split] = {"path": target.rel.as_posix(), "index": index_rel.as_posix(),
                                                     "num_tokens": target.num_tokens, "num_docs": target.num_docs}
         return {"shard": shard, "counts": counts.as_dict(), "num_bytes": num_bytes, "splits": splits,

@@ -114,3 +114,23 @@ def test_a_document_without_tokens_is_quarantined(tmp_path):
     stats, out = _tokenize(tmp_path, "q", docs, 2, vocab_size=400)
     assert (stats["num_kept"], stats["quarantined"]) == (4, {"no_tokens": 1})
     assert [(r["id"], r["reason"]) for r in records(out, "quarantine")] == [("empty", "no_tokens")]
+
+
+def test_token_shards_written_by_worker_processes_are_committed_without_being_read_again(tmp_path, monkeypatch):
+    # issue 34: each rank hashes its token shards and document indexes as it writes them, in its own worker
+    # process; the ledger carries the digests to this process, whose commit lists them without reading them
+    from kiln.tasks import store as store_module
+
+    store = store_module.Store(tmp_path / "store")
+    out = store.begin("tokenize", "k")
+    tokenize_corpus(TokenizeConfig(vocab_size=600, val_fraction=0.2, num_workers=2),
+                    write_stage(tmp_path / "in", make_docs(), 4), out)
+    written = {p.relative_to(out).as_posix() for p in (out / "shards").rglob("*") if p.suffix in (".bin", ".npy")}
+    assert len(written) == 26  # a token file and an index per shard, domain and split that got documents
+    real_sha256, read = store_module.file_sha256, []
+    monkeypatch.setattr(store_module, "file_sha256", lambda path: read.append(path) or real_sha256(path))
+    final = store.commit("tokenize", "k", {"stats": {}})
+    assert final.exists()
+    assert not {p.relative_to(out).as_posix() for p in read} & written
+    monkeypatch.undo()
+    assert store.problems("tokenize", "k", checksums=True) == []  # the digests listed are the files' own
