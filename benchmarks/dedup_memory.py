@@ -9,7 +9,7 @@ first's saved index (`lsh_index/`).
 
 For each size it prints the driver's peak resident memory, sampled every 5 ms during the stage,
 and its growth over what the driver held just before (imports done, corpus written); the peak of
-the largest worker process; the stage's seconds and its counts. Last line:
+the largest worker process; the stage's seconds, by phase, and its counts. Last line:
 `RESULT dedup_driver_peak_rss_ratio <driver peak at scale x N / driver peak at N>`.
 
     .venv/bin/python benchmarks/dedup_memory.py                # 20,000 and 320,000 documents: a few minutes
@@ -107,7 +107,8 @@ def _measure(args: argparse.Namespace) -> dict[str, object]:
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
     started = time.perf_counter()
-    stats = dedup_documents(cfg, inputs, work / "out", index_dir=index_dir, plots=False)
+    phases: dict[str, float] = {}
+    stats = dedup_documents(cfg, inputs, work / "out", index_dir=index_dir, phase_s=phases, plots=False)
     seconds = time.perf_counter() - started
     done.set()
     sampler.join()
@@ -116,7 +117,7 @@ def _measure(args: argparse.Namespace) -> dict[str, object]:
             "driver_growth_mb": round((peaks["driver"] - before) / 2**20, 1),
             "worker_peak_mb": round(peaks["worker"] / 2**20, 1), "num_kept": stats["num_kept"],
             "removed": stats["removed"], "num_clusters": stats["num_clusters"],
-            "num_indexed_before": stats["num_indexed_before"]}
+            "num_indexed_before": stats["num_indexed_before"], "phase_s": phases}
 
 
 def main() -> None:

@@ -127,8 +127,8 @@ def check_settings(index_dir: Path, settings: dict[str, Any]) -> dict[str, Any]:
 
 
 TABLE_FIELDS = ("table_keys", "table_docs")
-_MERGE_ENTRIES = 1 << 20  # bucket entries merged at once (16 MB), whatever the index's size
-_COPY_ROWS = 1 << 16  # rows of a part written at once
+_MERGE_ENTRIES = 1 << 18  # bucket entries merged at once (4 MB of keys), whatever the index's size
+_COPY_ROWS = 1 << 13  # rows of a part written at once (4 MB of signatures)
 
 
 def part_file(folder: Path, name: str, field: str) -> Path:
@@ -187,6 +187,30 @@ class NpyReader:
         self.file.close()
 
 
+def _merge_tables(table_keys: list[NpyReader], table_docs: list[NpyReader], offsets: list[int], bands: int,
+                  keys_out: Any, docs_out: Any) -> None:
+    """Each band's bucket table over every part, as `bucket_tables` sorts it (keys, ties in document
+    order), a key range of about `_MERGE_ENTRIES` entries at a time: keys to `keys_out`, documents to
+    `docs_out`."""
+    width = sum(reader.shape[1] for reader in table_keys)
+    num_ranges = max(1, -(-width // _MERGE_ENTRIES))  # equal keys fall in one range; hashes spread evenly
+    edges = np.array([(1 << 64) * i // num_ranges for i in range(1, num_ranges)], dtype=np.uint64)
+    for band in range(bands):
+        bounds = []  # each part's entries in each key range (a band's keys are sorted)
+        for keys in table_keys:
+            ends = np.searchsorted(keys.read(0, keys.shape[1], band), edges).tolist() if num_ranges > 1 else []
+            bounds.append([0, *ends, keys.shape[1]])
+        for r in range(num_ranges):
+            keys = np.concatenate([k.read(b[r], b[r + 1], band) for k, b in zip(table_keys, bounds)])
+            docs = np.concatenate([d.read(b[r], b[r + 1], band) + offset
+                                   for d, b, offset in zip(table_docs, bounds, offsets)])
+            # Sorted runs in document order (each part's band is sorted, ties in its order; parts come in
+            # document order): a stable sort of the keys leaves ties in document order, as `bucket_tables`.
+            order = np.argsort(keys, kind="stable")
+            keys_out.write(keys[order].tobytes())
+            docs_out.write(docs[order].astype(np.int64).tobytes())
+
+
 def save_merged(index_dir: Path, settings: dict[str, Any], parts: list[tuple[Path, str]]) -> int:
     """Save the index of `parts` (`save_part` or `unpack`, in document order) in `index_dir`: the arrays
     `DedupIndex.extended` builds from them, streamed (memory: a few chunks and one part's band of keys,
@@ -202,9 +226,7 @@ def save_merged(index_dir: Path, settings: dict[str, Any], parts: list[tuple[Pat
         offsets = np.cumsum([0, *sizes[:-1]]).tolist()
         bands = settings["bands"]
         width = sum(reader.shape[1] for reader in readers["table_keys"])
-        # Key ranges a band's table is merged in: equal keys fall in one range, entries spread evenly (hashes).
-        num_ranges = max(1, -(-width // _MERGE_ENTRIES))
-        edges = np.array([(1 << 64) * i // num_ranges for i in range(1, num_ranges)], dtype=np.uint64)
+        docs_file = index_dir / ".table_docs"  # table_docs, sorted as table_keys is being written
         with zipfile.ZipFile(index_dir / INDEX_ARRAYS, "w", zipfile.ZIP_STORED, allowZip64=True) as archive:
             for field in _ARRAY_FIELDS:
                 columns = readers[field]
@@ -216,24 +238,18 @@ def save_merged(index_dir: Path, settings: dict[str, Any], parts: list[tuple[Pat
                 with archive.open(f"{field}.npy", "w", force_zip64=True) as out:
                     np.lib.format.write_array_header_1_0(out, {"descr": np.lib.format.dtype_to_descr(dtype),
                                                                "fortran_order": False, "shape": shape})
-                    if field not in TABLE_FIELDS:
+                    if field == "table_docs":
+                        with docs_file.open("rb") as sorted_docs:
+                            shutil.copyfileobj(sorted_docs, out, 1 << 20)
+                        docs_file.unlink()
+                    elif field == "table_keys":
+                        with docs_file.open("wb") as sorted_docs:
+                            _merge_tables(readers["table_keys"], readers["table_docs"], offsets, bands, out,
+                                          sorted_docs)
+                    else:
                         for column, size in zip(columns, sizes):
                             for start in range(0, size, _COPY_ROWS):
                                 out.write(column.read(start, min(size, start + _COPY_ROWS)).astype(dtype).tobytes())
-                        continue
-                    for band in range(bands):
-                        bounds = []  # each part's entries in each key range (a band's keys are sorted)
-                        for keys in readers["table_keys"]:
-                            ends = (np.searchsorted(keys.read(0, keys.shape[1], band), edges).tolist()
-                                    if num_ranges > 1 else [])
-                            bounds.append([0, *ends, keys.shape[1]])
-                        for r in range(num_ranges):
-                            keys = np.concatenate([k.read(b[r], b[r + 1], band)
-                                                   for k, b in zip(readers["table_keys"], bounds)])
-                            docs = np.concatenate([d.read(b[r], b[r + 1], band) + offset for d, b, offset
-                                                   in zip(readers["table_docs"], bounds, offsets)])
-                            order = np.lexsort((docs, keys))  # as `bucket_tables`: ties in document order
-                            out.write((keys if field == "table_keys" else docs)[order].astype(dtype).tobytes())
     finally:
         for columns in readers.values():
             for reader in columns:

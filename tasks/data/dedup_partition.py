@@ -40,7 +40,7 @@ from kiln.tasks.data.dedup_index import DIGEST_BYTES, NpyReader, part_file, unpa
 # What a reader gathers by row, one `.npy` file each (mapped, never read whole by the driver).
 ROW_FIELDS = ("ids", "quality", "lengths", "snippets", "digests", "signatures", "has_shingles")
 INDEX_RANK = 0  # the index's files are named as rank 0's of its own folder
-_INDEX_CHUNK = 1 << 16  # index rows split at once (with their bucket entries: about a million entries)
+_INDEX_CHUNK = 1 << 14  # index rows split at once (with their bucket entries: some 250,000 entries, 6 MB)
 _NUM_SAMPLE_CLUSTERS = 5
 _SAMPLE_MEMBERS = 10
 
