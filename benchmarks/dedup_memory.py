@@ -12,7 +12,7 @@ and its growth over what the driver held just before (imports done, corpus writt
 the largest worker process; the stage's seconds, by phase, and its counts. Last line:
 `RESULT dedup_driver_peak_rss_ratio <driver peak at scale x N / driver peak at N>`.
 
-    .venv/bin/python benchmarks/dedup_memory.py                # 20,000 and 320,000 documents: a few minutes
+    .venv/bin/python benchmarks/dedup_memory.py                # 20,000 and 320,000 documents: 1-2 minutes
     .venv/bin/python benchmarks/dedup_memory.py --docs 2000 --scale 4   # seconds
 """
 
