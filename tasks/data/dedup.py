@@ -27,14 +27,14 @@ a later batch can be deduplicated against everything kept so far without recompu
 from __future__ import annotations
 
 import hashlib
-import json
 import math
 import sys
 import unicodedata
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
+from json.encoder import encode_basestring, encode_basestring_ascii
 from pathlib import Path
 from typing import Any, Literal
 
@@ -93,20 +93,39 @@ def verify_threshold(cfg: DedupConfig) -> float:
     return cfg.threshold if cfg.verify_threshold is None else cfg.verify_threshold
 
 
-# Unicode punctuation (categories P*) and whitespace (str.isspace): ASCII text, the common case,
-# is classified with byte tables.
+# Unicode punctuation (categories P*) and whitespace (str.isspace): ASCII is classified by byte tables
+# (`bytes.translate` tables for a batch), other code points by `_CodePointClasses`.
 _ASCII_PUNCTUATION = bytes(c for c in range(128) if unicodedata.category(chr(c)).startswith("P"))
 _ASCII_SPACE = np.array([chr(c).isspace() for c in range(256)]) & (np.arange(256) < 128)
-_KNOWN, _PUNCTUATION, _SPACE = np.uint8(1), np.uint8(2), np.uint8(4)  # bits of _CodePointClasses
+
+
+def _ascii_table(lower: bool, whitespace: bool) -> bytes:
+    """A `bytes.translate` table: ASCII letters lowercased (if `lower`), ASCII whitespace to b" " (if `whitespace`)."""
+    table = bytearray(range(256))
+    for c in range(128):
+        if lower and chr(c).isupper():
+            table[c] = ord(chr(c).lower())
+        if whitespace and chr(c).isspace():
+            table[c] = 0x20
+    return bytes(table)
+
+
+_ASCII_TABLES = {(lower, space): _ascii_table(lower, space) for lower in (False, True) for space in (False, True)}
+_SEP = b"\xff"  # never in UTF-8: separates a batch's texts
+_GONE = np.uint8(0xFE)  # never in UTF-8 either: marks the bytes of a deleted character
+# Bits of _CodePointClasses: classified; punctuation; whitespace; casefold changes it; ...into one code
+# point of the same UTF-8 length (written over it in place; any other fold needs str.casefold).
+_KNOWN, _PUNCTUATION, _SPACE, _FOLDS, _FOLDS_IN_PLACE = (np.uint8(1 << k) for k in range(5))
 
 
 class _CodePointClasses:
-    """Which code points are punctuation and which whitespace, as bits of one table filled in for
-    the code points texts actually use: one gather per character beats any per-character call, and
-    classifying all 1.1M code points up front cost more than normalising a corpus."""
+    """Which code points are punctuation, whitespace, changed by casefold (and into what), as tables
+    filled in for the code points texts actually use: one gather per character beats any
+    per-character call, and classifying all 1.1M code points up front cost more than normalising a corpus."""
 
     def __init__(self) -> None:
         self.bits = np.zeros(sys.maxunicode + 1, dtype=np.uint8)
+        self.folded = np.zeros(sys.maxunicode + 1, dtype=np.uint32)  # where _FOLDS_IN_PLACE: the fold
 
     def classify(self, codes: np.ndarray) -> np.ndarray:
         """The class bits of each code point."""
@@ -115,17 +134,90 @@ class _CodePointClasses:
             return bits
         for code in np.unique(codes[bits == 0]).tolist():
             char = chr(code)
+            folded = char.casefold()
+            in_place = (folded != char and len(folded) == 1
+                        and len(folded.encode("utf-8", "surrogatepass")) == len(char.encode("utf-8", "surrogatepass")))
+            self.folded[code] = ord(folded) if in_place else code
             self.bits[code] = (_KNOWN | (_PUNCTUATION if unicodedata.category(char).startswith("P") else 0)
-                               | (_SPACE if char.isspace() else 0))
+                               | (_SPACE if char.isspace() else 0) | (_FOLDS if folded != char else 0)
+                               | (_FOLDS_IN_PLACE if in_place else 0))
         return self.bits[codes]
 
 
 _CLASSES = _CodePointClasses()
 
 
+def _normalize_batch(texts: Sequence[str], case: bool, punctuation: bool, whitespace: bool) -> list[bytes]:
+    """Each text casefolded (if `case`), without punctuation (if `punctuation`), and with every whitespace
+    run one space and none at either end (if `whitespace`, as `" ".join(text.split())`), as UTF-8
+    (lone surrogates as "surrogatepass" writes them).
+
+    The whole batch is one byte string, texts separated by a byte UTF-8 never holds, worked on with a
+    few vectorised passes instead of numpy calls per text: ASCII by one `bytes.translate` (lowercase,
+    whitespace to b" ", punctuation deleted), other characters by their code points, decoded from their
+    lead bytes (few: most text is ASCII even in most other languages' documents)."""
+    if not texts:
+        return []
+    raw = _SEP.join([t.encode("utf-8", "surrogatepass") for t in texts]).translate(
+        _ASCII_TABLES[case, whitespace], _ASCII_PUNCTUATION if punctuation else b"")
+    data = np.frombuffer(raw, dtype=np.uint8)
+    lead = np.flatnonzero(data >= 0xC0)  # the first byte of each character beyond ASCII (and separators)
+    lead = lead[data[lead] != _SEP[0]]
+    refold: list[int] = []
+    if lead.size:
+        first = data[lead].astype(np.uint32)
+        size = np.where(first < 0xE0, 2, np.where(first < 0xF0, 3, 4))
+        more = [data[np.minimum(lead + k, data.size - 1)].astype(np.uint32) & 0x3F for k in (1, 2, 3)]
+        codes = np.where(size == 2, ((first & 0x1F) << 6) | more[0],
+                         np.where(size == 3, ((first & 0x0F) << 12) | (more[0] << 6) | more[1],
+                                  ((first & 0x07) << 18) | (more[0] << 12) | (more[1] << 6) | more[2]))
+        bits = _CLASSES.classify(codes)
+        edit = ((bits & _PUNCTUATION) != 0) if punctuation else np.zeros(bits.size, dtype=bool)
+        if whitespace:
+            edit |= (bits & _SPACE) != 0
+        folds = ((bits & _FOLDS) != 0) if case else np.zeros(bits.size, dtype=bool)
+        if (folds & ((bits & _FOLDS_IN_PLACE) == 0)).any():  # rare (ß, İ, ligatures): those texts by str.casefold
+            separators = np.flatnonzero(data == _SEP[0])
+            refold = np.unique(np.searchsorted(separators, lead[folds & ((bits & _FOLDS_IN_PLACE) == 0)])).tolist()
+        folds &= (bits & _FOLDS_IN_PLACE) != 0
+        if edit.any() or folds.any():
+            data = data.copy()
+            # Punctuation: every byte marked gone; whitespace: every byte a space (the run collapses below);
+            # a fold: the folded code point's bytes, as many as the original's. (Characters that fold are
+            # letters, never punctuation or whitespace, and neither are their folds.)
+            at, code = lead[edit | folds], np.where(folds, _CLASSES.folded[codes], 0)[edit | folds]
+            at_size, is_fold = size[edit | folds], folds[edit | folds]
+            is_gone = ((bits & _PUNCTUATION) != 0)[edit | folds] & ~is_fold
+            for k in range(4):
+                part = at_size > k
+                shift = 6 * (at_size[part] - 1 - k)
+                folded = ((code[part] >> shift) & 0x3F) | np.where(k == 0, (0xF00 >> at_size[part]) & 0xFF, 0x80)
+                data[at[part] + k] = np.where(is_fold[part], folded, np.where(is_gone[part], _GONE, 0x20))
+            if punctuation:
+                data = data[data != _GONE]
+    if whitespace:
+        space = data == 0x20
+        repeat = space[1:] & space[:-1]
+        if repeat.any():
+            keep = np.empty(data.size, dtype=bool)
+            keep[0] = True
+            np.logical_not(repeat, out=keep[1:])
+            data = data[keep]
+        parts = [part.strip(b" ") for part in data.tobytes().split(_SEP)]
+    else:
+        parts = data.tobytes().split(_SEP)
+    if refold:
+        for i, redone in zip(refold, _normalize_batch([texts[i].casefold() for i in refold], case, punctuation,
+                                                      whitespace)):
+            parts[i] = redone
+    return parts
+
+
 def _strip(text: str, punctuation: bool, whitespace: bool) -> str:
     """`text` without punctuation (if `punctuation`) and with every whitespace run one space and
-    none at either end (if `whitespace`, as `" ".join(text.split())`), in one vectorised pass."""
+    none at either end (if `whitespace`, as `" ".join(text.split())`), in one vectorised pass. One text at
+    a time (`normalize`, decontamination): `_normalize_batch` does the same to a batch, with fewer numpy
+    calls per text but more per call."""
     if text.isascii():
         codes = np.frombuffer(text.encode("ascii").translate(None, _ASCII_PUNCTUATION if punctuation else b""),
                               dtype=np.uint8)
@@ -154,7 +246,17 @@ def strip_punctuation(text: str) -> str:
     return _strip(text, punctuation=True, whitespace=False)
 
 
+def _normalized_utf8(texts: Sequence[str], cfg: DedupConfig) -> list[bytes]:
+    """`normalize` of each text, as UTF-8 (lone surrogates as "surrogatepass" writes them)."""
+    texts = [unicodedata.normalize("NFKC", text) for text in texts]
+    if not (cfg.normalize_case or cfg.normalize_punctuation or cfg.normalize_whitespace):
+        return [text.encode("utf-8", "surrogatepass") for text in texts]
+    return _normalize_batch(texts, cfg.normalize_case, cfg.normalize_punctuation, cfg.normalize_whitespace)
+
+
 def normalize(text: str, cfg: DedupConfig) -> str:
+    """Unicode NFKC, then casefold, punctuation deleted and whitespace collapsed as `cfg` says. The stage
+    normalises its signature batches with `_normalized_utf8`, which gives the same, as UTF-8."""
     text = unicodedata.normalize("NFKC", text)
     if cfg.normalize_case:  # casefold is lower on ASCII, and lower has CPython's ASCII fast path
         text = text.lower() if text.isascii() else text.casefold()
@@ -168,7 +270,7 @@ def shingles(normalized: str, size: int) -> list[bytes]:
     or character n-grams when words are fewer than `size` or unsegmented (mean length > 12); a
     text shorter than one shingle is one shingle. `minhash.signatures` hashes exactly these."""
     text = minhash.shingle_text(normalized)
-    data = np.frombuffer(text.encode("utf-8"), dtype=np.uint8)
+    data = np.frombuffer(text.encode("utf-8", "surrogatepass"), dtype=np.uint8)
     starts, ends = minhash.shingle_spans(data, minhash.uses_word_shingles(text, size), size)
     raw = data.tobytes()
     return sorted({raw[s:e] for s, e in zip(starts.tolist(), ends.tolist())})
@@ -469,8 +571,10 @@ def _spliced_removal(line: bytes, splice: bytes, reason: str, survivor_id: str) 
     `metadata.duplicate_of`, spliced into its canonical line instead of parsed and re-serialised."""
     # `line` is `{...fields, "metadata": {...}}` + newline (`to_json_line` writes the fields in the
     # dataclass's order, metadata last): open both braces, append, close them.
-    return (b'{"reason": ' + json.dumps(reason).encode() + b", " + line[1:-3] + splice + b'"duplicate_of": '
-            + json.dumps(survivor_id, ensure_ascii=False).encode("utf-8") + b"}}\n")
+    # (json.dumps of a str is encode_basestring_ascii's, or encode_basestring's without ensure_ascii; called
+    # directly, not through a JSONEncoder made each call)
+    return (b'{"reason": ' + encode_basestring_ascii(reason).encode() + b", " + line[1:-3] + splice
+            + b'"duplicate_of": ' + encode_basestring(survivor_id).encode("utf-8") + b"}}\n")
 
 
 def _sign_batch(texts: list[str], cfg: DedupConfig, signed_before: AbstractSet[bytes] = frozenset()
@@ -481,17 +585,21 @@ def _sign_batch(texts: list[str], cfg: DedupConfig, signed_before: AbstractSet[b
     `signed_before` is signed (exact copies are a large share of real corpora); the other rows
     stay empty for `sign_shard` to fill.
     """
-    normalized = [normalize(t, cfg) for t in texts]
-    digests = [hashlib.blake2b(t.encode("utf-8"), digest_size=DIGEST_BYTES).digest() for t in normalized]
+    normalized = _normalized_utf8(texts, cfg)
+    digests = [hashlib.blake2b(t, digest_size=DIGEST_BYTES).digest() for t in normalized]
     if not cfg.fuzzy:
         return digests, np.zeros((len(texts), cfg.num_perm), dtype=np.uint32), np.zeros(len(texts), dtype=bool)
-    has_shingles = np.array([bool(t) and not t.isspace() for t in normalized], dtype=bool)
+    # Whitespace-normalised text is its own shingle text (single spaces, no space at either end).
+    has_shingles = np.array([bool(t) and (cfg.normalize_whitespace or not t.decode("utf-8", "surrogatepass").isspace())
+                             for t in normalized], dtype=bool)
     first_rows = {digest: row for row, digest in reversed(list(enumerate(digests))) if digest not in signed_before}
     rows = sorted(first_rows.values())
     sigs = np.full((len(texts), cfg.num_perm), minhash.EMPTY_HASH, dtype=np.uint32)
-    # Whitespace-normalised text is already in shingle form (single spaces): no need to re-split it.
-    sigs[rows] = minhash.signatures([normalized[row] for row in rows], cfg.shingle_size, cfg.num_perm, cfg.seed,
-                                    joined=cfg.normalize_whitespace)
+    if cfg.normalize_whitespace:
+        sigs[rows] = minhash.signatures_utf8([normalized[row] for row in rows], cfg.shingle_size, cfg.num_perm, cfg.seed)
+    else:
+        sigs[rows] = minhash.signatures([normalized[row].decode("utf-8", "surrogatepass") for row in rows],
+                                        cfg.shingle_size, cfg.num_perm, cfg.seed)
     return digests, sigs, has_shingles
 
 

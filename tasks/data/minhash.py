@@ -148,9 +148,16 @@ def signatures(texts: Sequence[str], shingle_size: int, num_perm: int, seed: int
     `joined`: the texts are already their own `shingle_text` (whitespace-normalised). A text
     without shingles (empty) keeps the empty signature (all 0xFFFFFFFF), as in datasketch.
     """
+    return signatures_utf8([t.encode("utf-8", "surrogatepass") for t in (texts if joined else map(shingle_text, texts))],
+                           shingle_size, num_perm, seed)
+
+
+def signatures_utf8(joined: Sequence[bytes], shingle_size: int, num_perm: int, seed: int) -> np.ndarray:
+    """`signatures` of texts given as the UTF-8 of their `shingle_text` (lone surrogates as "surrogatepass"
+    writes them): the dedup stage normalises to bytes, so nothing is decoded and encoded again."""
     a, b = permutations(num_perm, seed)
-    sigs = np.full((num_perm, len(texts)), EMPTY_HASH, dtype=np.uint32)
-    data, starts, ends, doc_of = batch_spans(texts if joined else [shingle_text(t) for t in texts], shingle_size)
+    sigs = np.full((num_perm, len(joined)), EMPTY_HASH, dtype=np.uint32)
+    data, starts, ends, doc_of = batch_spans_utf8(joined, shingle_size)
     # Spans come grouped by document. A repeated shingle is not removed: the minimum is the same,
     # and sorting to find repeats cost more than permuting them.
     mixed = _fmix(span_hashes(data, starts, ends), _FMIX32)
@@ -169,24 +176,34 @@ def signatures(texts: Sequence[str], shingle_size: int, num_perm: int, seed: int
 
 
 def batch_spans(joined: Sequence[str], size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """(data, starts, ends, owners): the UTF-8 bytes of texts in `shingle_text` form, end to end,
-    and each shingle's byte span and text index, ascending by start — `shingle_spans` of every
-    text, computed for the whole batch without a Python loop over shingles."""
-    word_mode = np.array([uses_word_shingles(t, size) for t in joined], dtype=bool)
-    encoded = [t.encode("utf-8") for t in joined]
-    offsets = np.zeros(len(joined) + 1, dtype=np.int64)
+    """`batch_spans_utf8` of texts in `shingle_text` form."""
+    return batch_spans_utf8([t.encode("utf-8", "surrogatepass") for t in joined], size)
+
+
+def batch_spans_utf8(encoded: Sequence[bytes], size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(data, starts, ends, owners): the UTF-8 texts (each its `shingle_text`) end to end, and each
+    shingle's byte span and text index, ascending by start — `shingle_spans` of every text, computed
+    for the whole batch without a Python loop over shingles."""
+    offsets = np.zeros(len(encoded) + 1, dtype=np.int64)
     np.cumsum([len(e) for e in encoded], out=offsets[1:])
     lengths = np.diff(offsets)
     data = np.frombuffer(b"".join(encoded), dtype=np.uint8)
+    # `uses_word_shingles` of each text, from its bytes: its characters are its bytes less continuation bytes.
+    is_char = (data & 0xC0) != 0x80
+    is_space = data == 0x20
+    num_chars = lengths - np.diff(np.searchsorted(np.flatnonzero(~is_char), offsets))
+    num_words = np.where(lengths > 0, np.diff(np.searchsorted(np.flatnonzero(is_space), offsets)) + 1, 0)
+    word_mode = num_words >= size
+    word_mode[word_mode] = num_chars[word_mode] / num_words[word_mode] <= UNSEGMENTED_WORD_LEN
 
     # Units: words (split at the single spaces) or characters (UTF-8 lead bytes), per text's mode.
     # One mask over the bytes marks where units start, so they come out in order without a sort.
     word_byte = np.repeat(word_mode, lengths)
-    is_start = ((data & 0xC0) != 0x80) & ~word_byte
-    is_start[1:] |= (data[:-1] == 0x20) & word_byte[1:]
+    is_start = is_char & ~word_byte
+    is_start[1:] |= is_space[:-1] & word_byte[1:]
     is_start[offsets[:-1][word_mode & (lengths > 0)]] = True
     unit_starts = np.flatnonzero(is_start)
-    unit_owner = np.repeat(np.arange(len(joined)), np.diff(np.searchsorted(unit_starts, offsets)))
+    unit_owner = np.repeat(np.arange(len(encoded)), np.diff(np.searchsorted(unit_starts, offsets)))
     # A unit ends where the next begins (a word: at the space before it), or at its text's end.
     unit_ends = np.append(unit_starts[1:], data.size) - word_byte[unit_starts]
     last_unit = np.ones(unit_owner.size, dtype=bool)
@@ -200,7 +217,7 @@ def batch_spans(joined: Sequence[str], size: int) -> tuple[np.ndarray, np.ndarra
     starts = unit_starts[:count][same]
     ends = unit_ends[last : last + count][same]
     owners = unit_owner[:count][same]
-    short = np.flatnonzero((np.bincount(unit_owner, minlength=len(joined)) < size) & (lengths > 0))
+    short = np.flatnonzero((np.bincount(unit_owner, minlength=len(encoded)) < size) & (lengths > 0))
     if short.size == 0:  # the usual batch: no copy of every span array to insert nothing
         return data, starts, ends, owners
     at = np.searchsorted(starts, offsets[short])

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kiln.tasks.data import dedup, minhash
 from kiln.tasks.data.dedup import DedupConfig
@@ -306,8 +308,8 @@ def test_a_new_batch_is_deduplicated_against_the_saved_index_without_resigning_i
         _doc("b-long", GPL_PREAMBLE[2] + " And more, much more."),  # longer than a2, but a2 is published
     ]
     signed: list[int] = []
-    real_signatures = minhash.signatures
-    monkeypatch.setattr(minhash, "signatures", lambda texts, *a, **k: signed.append(len(texts)) or real_signatures(texts, *a, **k))
+    real_signatures = minhash.signatures_utf8
+    monkeypatch.setattr(minhash, "signatures_utf8", lambda texts, *a, **k: signed.append(len(texts)) or real_signatures(texts, *a, **k))
     out_b = tmp_path / "b"
     out_b.mkdir()
     stats = dedup_documents(DedupConfig(), [_write(tmp_path / "b.jsonl", batch_b)], out_b, index_dir=out_a / INDEX_DIR)
@@ -439,6 +441,34 @@ def test_normalize_deletes_every_punctuation_code_point_and_collapses_every_whit
             expected = " ".join(expected.split())
         assert dedup.normalize(text, cfg) == expected, text
     assert dedup.normalize("¡Hola!  ¿Qué\u00a0tal?", DedupConfig()) == "hola qué tal"
+
+
+# Characters the batch normalisation treats apart: whitespace, punctuation, folds in place (É, Σ, Д, Ｆ)
+# and not (ß, ẞ, İ, ǅ, the Kelvin sign), lone surrogates, astral letters that fold (Deseret), CJK, NUL.
+_TRICKY = (" \t\n\x1c\x85\xa0\u2028\u3000!?.,;:-—«»“”¡¿。、（）ＦｕＡaZéÉßẞİΣσςǅ\u212aДд中文ひ"
+           "\ud800\udfff\x00\x7f\xff\U00010400\U00010428\U0001f600\u0301")
+
+
+@settings(max_examples=150, deadline=None, database=None)
+@given(st.lists(st.text(st.one_of(st.sampled_from(_TRICKY), st.characters(blacklist_categories=())), max_size=40),
+                max_size=12),
+       st.booleans(), st.booleans(), st.booleans())
+def test_a_batch_normalises_to_the_utf8_of_normalize_text_by_text(texts, case, punctuation, whitespace):
+    # issue 34: the stage normalises a signature batch at once, in UTF-8 bytes (`_normalized_utf8`)
+    cfg = DedupConfig(normalize_case=case, normalize_punctuation=punctuation, normalize_whitespace=whitespace)
+    assert dedup._normalized_utf8(texts, cfg) == [dedup.normalize(t, cfg).encode("utf-8", "surrogatepass")
+                                                  for t in texts]
+
+
+def test_a_batch_folds_every_character_casefold_changes_as_casefold_does():
+    # every code point casefold changes, in one batch: folds written over the bytes in place, and the others
+    folding = [chr(c) for c in range(0x110000) if chr(c).casefold() != chr(c)]
+    assert len(folding) > 1400
+    for cfg in (DedupConfig(), DedupConfig(normalize_punctuation=False, normalize_whitespace=False)):
+        # one text a character (most fold in place; a text holding one that does not goes through str.casefold)
+        texts = [f"{c}, {c}x{c}" for c in folding] + [" ".join(folding)]
+        assert dedup._normalized_utf8(texts, cfg) == [dedup.normalize(t, cfg).encode("utf-8") for t in texts]
+
 
 
 def test_shards_written_by_worker_processes_are_committed_without_being_read_again(tmp_path, monkeypatch):
