@@ -169,3 +169,36 @@ def test_empty_batches_and_shards_pass_through_the_partitions(tmp_path):
     assert (stats["num_in"], stats["num_indexed_before"]) == (0, 1)
     stats = dedup_documents(DedupConfig(), [tmp_path / "a.jsonl"], outs[3], index_dir=outs[2] / INDEX_DIR, plots=False)
     assert stats["removed"] == {"exact_duplicate": 1} and stats["num_indexed_before"] == 1
+
+
+def test_the_stage_with_partition_jobs_writes_what_it_writes_with_one_partition(tmp_path, monkeypatch):
+    """`dedup_documents` with a partition job of several ranks (a small partition size), against an index:
+    the same documents kept and removed, the same stats, the same index arrays as with one partition."""
+    from kiln.tasks.data import dedup_job
+    from kiln.tasks.data.dedup_index import INDEX_DIR
+    from kiln.tasks.data.shards import KINDS
+    from tests.fixtures.shards import raw
+
+    first, second = _batches()
+    inputs = {}
+    for name, docs, num_shards in (("first", first, 2), ("second", second, 3)):
+        inputs[name] = []
+        for k in range(num_shards):
+            inputs[name].append(tmp_path / f"{name}-{k}.jsonl")
+            write_documents(inputs[name][-1], docs[k * len(docs) // num_shards:(k + 1) * len(docs) // num_shards])
+    runs = {}
+    for label, partition_bytes in (("one", 1 << 26), ("many", 4096)):
+        monkeypatch.setattr(dedup_job, "_PARTITION_BYTES", partition_bytes)
+        outs = [tmp_path / label / "first", tmp_path / label / "second"]
+        for out in outs:
+            out.mkdir(parents=True)
+        dedup_job.dedup_documents(DedupConfig(), inputs["first"], outs[0], plots=False)
+        stats = dedup_job.dedup_documents(DedupConfig(), inputs["second"], outs[1], index_dir=outs[0] / INDEX_DIR,
+                                          plots=False)
+        stats.pop("executor_cpu_s")
+        index = DedupIndex.load(outs[1] / INDEX_DIR, signature_settings(DedupConfig()))
+        runs[label] = (stats, [raw(outs[1], kind) for kind in KINDS],
+                       {field: getattr(index, field).tobytes() for field in dedup_index._ARRAY_FIELDS})
+    assert dedup_job.num_partitions(inputs["second"], tmp_path / "many" / "first" / INDEX_DIR) > 5
+    assert runs["one"] == runs["many"]
+    assert runs["one"][0]["num_removed"] > BUCKET_WINDOW + 40
