@@ -135,19 +135,19 @@ def part_file(folder: Path, name: str, field: str) -> Path:
     return folder / f"{name}.{field}.npy"
 
 
-def save_part(folder: Path, name: str, settings: dict[str, Any], ids: np.ndarray, digests: np.ndarray,
-              lengths: np.ndarray, quality: np.ndarray, snippets: np.ndarray, signatures: np.ndarray,
-              in_lsh: np.ndarray) -> None:
-    """Documents to add to an index (one row each) as a part `save_merged` reads: each array as
-    `folder/name.FIELD.npy`, with its bucket tables (row within the part)."""
+def save_part(folder: Path, name: str, settings: dict[str, Any], kept: np.ndarray, ids: np.ndarray,
+              snippets: np.ndarray, signatures: np.ndarray, has_shingles: np.ndarray) -> None:
+    """A shard's kept documents (`kept`: their rows, ascending) as a part `save_merged` reads: the rows
+    stay in the shard's row files (`folder/name.FIELD.npy`, `has_shingles` for in_lsh); the part adds
+    which rows (`name.kept_rows.npy`), the width its strings take (`kept_widths`) and its bucket tables
+    (`kept_table_keys`, `kept_table_docs`: position among the kept rows)."""
     folder.mkdir(parents=True, exist_ok=True)
-    members = np.flatnonzero(in_lsh)
-    keys, order = minhash.bucket_tables(minhash.band_keys(signatures[members], settings["bands"], settings["rows"]))
-    arrays = {"ids": _fitted(ids), "digests": np.asarray(digests, dtype=np.uint8).reshape(-1, DIGEST_BYTES),
-              "lengths": np.asarray(lengths, dtype=np.int64), "quality": np.asarray(quality, dtype=np.float64),
-              "snippets": _fitted(snippets), "signatures": signatures, "in_lsh": np.asarray(in_lsh, dtype=bool),
-              "table_keys": keys, "table_docs": members[order]}
-    for field, array in arrays.items():
+    members = np.flatnonzero(has_shingles[kept])
+    keys, order = minhash.bucket_tables(minhash.band_keys(signatures[kept[members]], settings["bands"],
+                                                          settings["rows"]))
+    widths = np.array([_fitted(ids[kept]).itemsize // 4, _fitted(snippets[kept]).itemsize // 4], dtype=np.int64)
+    for field, array in (("kept_rows", np.asarray(kept, dtype=np.int64)), ("kept_widths", widths),
+                         ("kept_table_keys", keys), ("kept_table_docs", members[order])):
         np.save(part_file(folder, name, field), array)
 
 
@@ -212,7 +212,8 @@ def _merge_tables(table_keys: list[NpyReader], table_docs: list[NpyReader], offs
 
 
 def save_merged(index_dir: Path, settings: dict[str, Any], parts: list[tuple[Path, str]]) -> int:
-    """Save the index of `parts` (`save_part` or `unpack`, in document order) in `index_dir`: the arrays
+    """Save the index of `parts` ((folder, name) of a `save_part` or an `unpack`, in document order) in
+    `index_dir`: the arrays
     `DedupIndex.extended` builds from them, streamed (memory: a few chunks and one part's band of keys,
     whatever the index's size). Returns its number of documents."""
     if not parts:
@@ -220,10 +221,17 @@ def save_merged(index_dir: Path, settings: dict[str, Any], parts: list[tuple[Pat
         return 0
     index_dir.mkdir(parents=True, exist_ok=True)
     (index_dir / _SETTINGS).write_text(json.dumps(settings, indent=2, sort_keys=True))
-    readers = {field: [NpyReader(part_file(folder, name, field)) for folder, name in parts] for field in _ARRAY_FIELDS}
+    # A shard's part reads its kept rows out of its row files; an unpacked index's arrays are its rows.
+    kept = [np.load(part_file(folder, name, "kept_rows")) if part_file(folder, name, "kept_rows").is_file() else None
+            for folder, name in parts]
+    stored = {"in_lsh": "has_shingles", "table_keys": "kept_table_keys", "table_docs": "kept_table_docs"}
+    readers = {field: [NpyReader(part_file(folder, name, field if rows is None else stored.get(field, field)))
+                       for (folder, name), rows in zip(parts, kept)] for field in _ARRAY_FIELDS}
     try:
-        sizes = [reader.shape[0] for reader in readers["ids"]]
+        sizes = [reader.shape[0] if rows is None else len(rows) for reader, rows in zip(readers["ids"], kept)]
         offsets = np.cumsum([0, *sizes[:-1]]).tolist()
+        widths = [None if rows is None else np.load(part_file(folder, name, "kept_widths")).tolist()
+                  for (folder, name), rows in zip(parts, kept)]
         bands = settings["bands"]
         width = sum(reader.shape[1] for reader in readers["table_keys"])
         docs_file = index_dir / ".table_docs"  # table_docs, sorted as table_keys is being written
@@ -232,9 +240,12 @@ def save_merged(index_dir: Path, settings: dict[str, Any], parts: list[tuple[Pat
                 columns = readers[field]
                 if field in TABLE_FIELDS:
                     shape, dtype = (bands, width), columns[0].dtype
-                else:  # strings: the widest part's width, as concatenating them gives
-                    dtype = max((c.dtype for c in columns), key=lambda d: d.itemsize)
-                    shape = (sum(sizes), *columns[0].shape[1:])
+                elif columns[0].dtype.kind == "U":  # the widest part's, as concatenating fitted strings gives
+                    at = ("ids", "snippets").index(field)
+                    dtype = np.dtype(f"<U{max(c.dtype.itemsize // 4 if w is None else w[at] for c, w in zip(columns, widths))}")
+                    shape = (sum(sizes),)
+                else:
+                    dtype, shape = columns[0].dtype, (sum(sizes), *columns[0].shape[1:])
                 with archive.open(f"{field}.npy", "w", force_zip64=True) as out:
                     np.lib.format.write_array_header_1_0(out, {"descr": np.lib.format.dtype_to_descr(dtype),
                                                                "fortran_order": False, "shape": shape})
@@ -247,9 +258,13 @@ def save_merged(index_dir: Path, settings: dict[str, Any], parts: list[tuple[Pat
                             _merge_tables(readers["table_keys"], readers["table_docs"], offsets, bands, out,
                                           sorted_docs)
                     else:
-                        for column, size in zip(columns, sizes):
-                            for start in range(0, size, _COPY_ROWS):
-                                out.write(column.read(start, min(size, start + _COPY_ROWS)).astype(dtype).tobytes())
+                        for column, rows in zip(columns, kept):
+                            for start in range(0, column.shape[0], _COPY_ROWS):
+                                stop = min(column.shape[0], start + _COPY_ROWS)
+                                block = column.read(start, stop)
+                                if rows is not None:  # the block's kept rows
+                                    block = block[rows[np.searchsorted(rows, start):np.searchsorted(rows, stop)] - start]
+                                out.write(block.astype(dtype).tobytes())
     finally:
         for columns in readers.values():
             for reader in columns:

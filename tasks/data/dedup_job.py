@@ -43,7 +43,6 @@ from kiln.tasks.data.dedup import (
 from kiln.tasks.data.dedup_index import INDEX_ARRAYS, INDEX_DIR, check_settings, save_merged, save_part
 from kiln.tasks.data.dedup_partition import (
     INDEX_RANK,
-    ROW_FIELDS,
     Rows,
     cluster_partition,
     decide,
@@ -146,8 +145,9 @@ class WriteDecisions:
 
 @dataclass(frozen=True)
 class _WriteAndIndex(WriteDecisions):
-    """`WriteDecisions`, then rank r's kept documents as a part of the index (`dedup_index.save_part` as
-    `signed/NNNNN.kept.*`), which the driver streams into `lsh_index/` with the others."""
+    """`WriteDecisions`, then rank r's kept documents as a part of the index (`dedup_index.save_part`:
+    which rows of `signed/NNNNN.*` and their bucket tables), which the driver streams into `lsh_index/`
+    with the others."""
 
     settings: dict[str, Any] | None = None
 
@@ -155,12 +155,11 @@ class _WriteAndIndex(WriteDecisions):
         result = super().__call__(rank)
         assert self.signed is not None and self.settings is not None
         removed = [p for p, *_ in json.loads((self.decisions / f"{rank:05d}.json").read_text())]
-        rows = {field: np.load(self.signed / f"{rank:05d}.{field}.npy") for field in ROW_FIELDS}
+        rows = {field: np.load(self.signed / f"{rank:05d}.{field}.npy")
+                for field in ("ids", "snippets", "signatures", "has_shingles")}
         keep = np.ones(len(rows["ids"]), dtype=bool)
         keep[removed] = False
-        save_part(self.signed, f"{rank:05d}.kept", self.settings, rows["ids"][keep], rows["digests"][keep],
-                  rows["lengths"][keep], rows["quality"][keep], rows["snippets"][keep], rows["signatures"][keep],
-                  rows["has_shingles"][keep])
+        save_part(self.signed, f"{rank:05d}", self.settings, np.flatnonzero(keep), **rows)
         return result
 
 
@@ -277,7 +276,7 @@ def dedup_documents(cfg: DedupConfig, inputs: list[Path], out_dir: Path, executo
     jobs.append(writing)
     phase("write")
     save_merged(out_dir / INDEX_DIR, settings, ([(index_rows, f"{INDEX_RANK:05d}")] if index_rows is not None else [])
-                + [(signed_dir, f"{rank:05d}.kept") for rank in range(len(inputs))])
+                + [(signed_dir, f"{rank:05d}") for rank in range(len(inputs))])
     shutil.rmtree(work)
     phase("index")
     stats = {**written, **decided.stats, "executor_cpu_s": sum(job.outside_cpu_s for job in jobs)}

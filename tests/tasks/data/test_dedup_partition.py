@@ -139,9 +139,9 @@ def test_the_index_streamed_from_parts_is_the_index_one_process_extends(tmp_path
     for rank, (signed, removed) in enumerate(zip(shards, cluster(cfg, indexed.index, shards).removed)):
         keep = np.ones(len(signed.ids), dtype=bool)
         keep[list(removed)] = False
-        dedup_index.save_part(tmp_path / "parts", f"{rank:05d}", settings, signed.ids[keep], signed.digests[keep],
-                              signed.lengths[keep], signed.quality[keep], signed.snippets[keep],
-                              signed.signatures[keep], signed.has_shingles[keep])
+        dedup_partition.write_shard_rows(signed, tmp_path / "parts", rank, 1, lsh_bands(cfg), True, True)
+        dedup_index.save_part(tmp_path / "parts", f"{rank:05d}", settings, np.flatnonzero(keep), signed.ids,
+                              signed.snippets, signed.signatures, signed.has_shingles)
         parts.append((tmp_path / "parts", f"{rank:05d}"))
     assert dedup_index.save_merged(tmp_path / "merged", settings, parts) == len(expected)
     merged = DedupIndex.load(tmp_path / "merged", settings)
