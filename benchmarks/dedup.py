@@ -305,9 +305,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="timed runs of each method; medians (default: 3)")
     parser.add_argument("--datatrove", action="store_true", help="also time datatrove's MinHash pipeline")
     parser.add_argument("--corpus", type=Path, help="a JSON-lines file of documents (a 'text' field each; .jsonl.zst "
-                        "read too) to use as the bases instead of the bundled sample")
+                        "read too) to use as the bases (default: the bundled sample)")
     parser.add_argument("--as-is", action="store_true", help="with --corpus: time the corpus as it is, without "
-                        "injected copies (its own duplicates are the truth's only positives)")
+                        "injected copies (its own duplicates are the truth's only positives; default: off)")
     args = parser.parse_args()
 
     cfg = DedupConfig()
