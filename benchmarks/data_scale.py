@@ -11,11 +11,14 @@ Per run: documents collected per second of the whole data half, and the peak mem
 run: every process of it (the driver, datatrove's worker processes, the quality classifier's
 trainer) sampled every 0.25 s, their proportional set sizes (PSS: shared pages split between the
 processes sharing them) summed; and apart, the driver's own peak and the workers' (summed) peak.
-`--sizes 1,4,16,64` runs the issue's ×64 (hours on 2 cores); any largest size k also prints
-`RESULT data_driver_peak_rss_growth_kx` and, for k other than 16, the total and docs/s ratios at k. Then ×4 again with every data stage's `num_workers` at 1 against 2.
+`--sizes 1,4,16,64` runs the issue's ×64 (hours on 2 cores); `--stage collect --sizes 1,64` runs
+collect alone (minutes), whose reading runs as executor tasks and whose driver must stay flat.
 
-Prints a table, then `RESULT data_peak_rss_growth_16x <peak ×16 / peak ×1>` (goal ≤ 1.3) and, last,
-`RESULT data_docs_per_s_16x_vs_1x <docs/s ×16 / docs/s ×1>` (goal ≥ 0.85). Medians over `--repeats`.
+Prints a table (per size: the whole peak, the driver's and the workers'), then for the largest size k
+(and ×16 if run) `RESULT data_driver_peak_rss_growth_kx` (the driver's peak ×k / ×1; goal ≤ 1.3),
+`RESULT data_workers_peak_rss_growth_kx`, `RESULT data_peak_rss_growth_kx` (the whole run's; goal ≤ 1.3)
+and, last, `RESULT data_docs_per_s_kx_vs_1x` (goal ≥ 0.85). Medians over `--repeats`. Then ×4 again
+with every data stage's `num_workers` at 1 against 2 (`--workers-size`).
 The machine's load average is printed with each run: others' work slows it, and the ratios.
 """
 
@@ -45,7 +48,7 @@ from kiln.tasks.data.shards import shard_paths  # noqa: E402
 
 SIZES = (1, 4, 16)
 NEAR, NEW = 0.01, 0.15  # shares of words replaced: a near duplicate, new text
-DATA_STAGES_WITH_WORKERS = ("clean", "dedup", "decontaminate", "tokenize")
+DATA_STAGES_WITH_WORKERS = ("collect", "clean", "dedup", "decontaminate", "tokenize")
 _RUN = """
 import json, sys, time
 from kiln.tasks.config import load_config
@@ -53,12 +56,12 @@ from kiln.tasks.runner import run_pipeline
 from kiln.tasks.store import Store
 cfg = load_config(sys.argv[1])
 started = time.perf_counter()
-outcomes = run_pipeline(cfg, until="tokenize")
+outcomes = run_pipeline(cfg, until=sys.argv[2])
 wall = time.perf_counter() - started
 store = Store(cfg.store_root)
 stats = {o.stage: store.manifest(o.stage, o.key)["stats"] for o in outcomes}
 print(json.dumps({"wall_s": wall, "stage_s": {o.stage: o.wall_s for o in outcomes},
-                  "num_in": stats["collect"]["num_in"], "num_tokens": stats["tokenize"]["num_tokens"],
+                  "num_in": stats["collect"]["num_in"], "num_tokens": stats.get("tokenize", {}).get("num_tokens", 0),
                   "kept": {s: stats[s]["num_kept"] for s in stats}}))
 """
 
@@ -147,10 +150,10 @@ class TreeMemory:
         self._thread.join()
 
 
-def run(cfg_path: Path) -> dict:
+def run(cfg_path: Path, until: str) -> dict:
     env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     load = os.getloadavg()[0]
-    child = subprocess.Popen([sys.executable, "-c", _RUN, str(cfg_path)], cwd=REPO, env=env, stdout=subprocess.PIPE,
+    child = subprocess.Popen([sys.executable, "-c", _RUN, str(cfg_path), until], cwd=REPO, env=env, stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True)
     memory = TreeMemory(child.pid)
     out, err = child.communicate()
@@ -171,6 +174,8 @@ def main() -> None:
     parser.add_argument("--sizes", default=",".join(map(str, SIZES)), help="corpus factors (1 and 16 give the RESULTs) (default: 1,4,16)")
     parser.add_argument("--workers-size", type=int, default=4,
                         help="the size that runs with 1 and 2 workers (0: no such runs) (default: 4)")
+    parser.add_argument("--stage", default="tokenize", choices=("collect", "clean", "dedup", "decontaminate", "tokenize"),
+                        help="the last stage run (collect: collect alone, minutes at x64) (default: tokenize)")
     args = parser.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
     os.chdir(REPO)  # the default config's relative paths
@@ -186,7 +191,7 @@ def main() -> None:
         for repeat in range(args.repeats):
             for size, workers in cases:
                 name = f"x{size}-w{workers or 'default'}-{repeat}"
-                result = run(config(default, root / name, sources[size], workers))
+                result = run(config(default, root / name, sources[size], workers), args.stage)
                 results.setdefault((size, workers), []).append(result)
                 print(f"{name}: {result['num_in']} docs in {result['wall_s']:.1f} s "
                       f"({result['num_in'] / result['wall_s']:.1f} docs/s), peak {result['peak_mb']:.0f} MiB over "
@@ -197,7 +202,8 @@ def main() -> None:
         values = results[case]
         return statistics.median(v["num_in"] / v["wall_s"] if key == "docs_per_s" else v[key] for v in values)
 
-    print(f"data half (collect → tokenize), medians of {args.repeats}; {os.cpu_count()} CPUs; "
+    title = "collect alone" if args.stage == "collect" else f"data half (collect → {args.stage})"
+    print(f"{title}, medians of {args.repeats}; {os.cpu_count()} CPUs; "
           f"mean load average during the runs {statistics.mean(v['load'] for vs in results.values() for v in vs):.1f}")
     print(f"{'corpus':<8}{'workers':<9}{'docs':>8}{'tokens':>11}{'seconds':>9}{'docs/s':>9}{'peak MiB':>10}"
           f"{'driver':>8}{'workers':>9}")
@@ -211,16 +217,13 @@ def main() -> None:
         w1, w2 = median((args.workers_size, 1), "docs_per_s"), median((args.workers_size, 2), "docs_per_s")
         print(f"x{args.workers_size}: 2 workers / 1 worker = {w2 / w1:.2f} in docs/s")
     top = max(sizes)
-    if 1 in sizes and top != 1:
-        print(f"RESULT data_driver_peak_rss_growth_{top}x "
-              f"{median((top, None), 'driver_peak_mb') / median((1, None), 'driver_peak_mb'):.2f}")
-    if 1 in sizes and top not in (1, 16):  # a smaller or larger run: the same ratios at its largest size
-        print(f"RESULT data_peak_rss_growth_{top}x {median((top, None), 'peak_mb') / median((1, None), 'peak_mb'):.2f}")
-        print(f"RESULT data_docs_per_s_{top}x_vs_1x {median((top, None), 'docs_per_s') / median((1, None), 'docs_per_s'):.2f}")
-    if {1, 16} <= set(sizes):
-        print(f"RESULT data_peak_rss_growth_16x {median((16, None), 'peak_mb') / median((1, None), 'peak_mb'):.2f}")
-        print(f"RESULT data_docs_per_s_16x_vs_1x {median((16, None), 'docs_per_s') / median((1, None), 'docs_per_s'):.2f}")
-
+    for k in sorted({top, 16} & set(sizes) - {1}) if 1 in sizes else ():  # the largest size's, and x16's
+        print(f"RESULT data_driver_peak_rss_growth_{k}x "
+              f"{median((k, None), 'driver_peak_mb') / median((1, None), 'driver_peak_mb'):.2f}")
+        print(f"RESULT data_workers_peak_rss_growth_{k}x "
+              f"{median((k, None), 'workers_peak_mb') / max(median((1, None), 'workers_peak_mb'), 1e-9):.2f}")
+        print(f"RESULT data_peak_rss_growth_{k}x {median((k, None), 'peak_mb') / median((1, None), 'peak_mb'):.2f}")
+        print(f"RESULT data_docs_per_s_{k}x_vs_1x {median((k, None), 'docs_per_s') / median((1, None), 'docs_per_s'):.2f}")
 
 if __name__ == "__main__":
     main()

@@ -9,10 +9,11 @@ position, so shuffling the input keeps the same survivors. The others are remove
 `metadata.duplicate_of` naming the survivor. Output keeps input order.
 
 It runs in three steps (`tasks.data.dedup_job` runs them): `sign_shard` computes each input
-shard's digests and signatures (a task per shard, in parallel); `cluster` reads them all — ids,
-digests, band keys and signatures, never a text — finds the clusters and decides every document's
-fate, as one process must; `write_shard` writes each shard's kept and removed documents (a task per
-shard again), tallying `removals.json` as it writes. Signing records what writing needs of each
+shard's digests and signatures (a task per shard, in parallel); the clusters are found and every
+document's fate decided — `cluster` here does it in one process holding every id, digest and
+signature (the reference: tests hold the stage to it), the stage does it by partition
+(`tasks.data.dedup_partition`), so that no process holds the corpus; `write_shard` writes each
+shard's kept and removed documents (a task per shard again), tallying `removals.json` as it writes. Signing records what writing needs of each
 line (domain, text bytes, whether it is already its document's `Document.to_json_line()`, true of
 every file a Kiln stage writes), so the write pass parses no canonical line: it writes it back byte
 for byte when kept and splices it into its removal record when removed; any other line is parsed
@@ -88,7 +89,7 @@ def lsh_bands(cfg: DedupConfig) -> tuple[int, int]:
     return minhash.lsh_params(cfg.threshold, cfg.num_perm, cfg.fp_weight, cfg.fn_weight)
 
 
-def _verify_threshold(cfg: DedupConfig) -> float:
+def verify_threshold(cfg: DedupConfig) -> float:
     return cfg.threshold if cfg.verify_threshold is None else cfg.verify_threshold
 
 
@@ -303,15 +304,16 @@ class SignedShard:
     canonical: np.ndarray  # bool: the line is its document's `to_json_line()`, without metadata.duplicate_of
     has_metadata: np.ndarray  # bool: a non-empty metadata object (how a removal record is spliced)
 
-    def save(self, path: Path) -> None:
-        np.savez(path, **vars(self))
+    def save(self, path: Path, names: tuple[str, ...] | None = None) -> None:
+        """Save the arrays (only `names`, when given: `load` leaves the others empty)."""
+        np.savez(path, **{name: array for name, array in vars(self).items() if names is None or name in names})
 
     @classmethod
     def load(cls, path: Path, names: tuple[str, ...] | None = None) -> SignedShard:
         """The shard's arrays (only `names`, the others empty, when given: the write pass needs four)."""
         with np.load(path, allow_pickle=False) as arrays:
-            return cls(**{name: arrays[name] if names is None or name in names else np.zeros(0)
-                          for name in arrays.files})
+            return cls(**{name: arrays[name] if name in arrays.files and (names is None or name in names)
+                          else np.zeros(0) for name in cls.__dataclass_fields__})
 
 
 def sign_shard(cfg: DedupConfig, shard: Path) -> SignedShard:
@@ -381,7 +383,8 @@ class Clustering:
 
 def cluster(cfg: DedupConfig, index: DedupIndex, shards: list[SignedShard]) -> Clustering:
     """Exact and fuzzy duplicates among `shards` (in input order) and against `index`, whose documents
-    are published and so always survive; which document each removed one duplicates, and why.
+    are published and so always survive; which document each removed one duplicates, and why. In one
+    process: the reference `dedup_partition` (which the stage runs) must decide the same as.
 
     Vectorised: exact copies by sorting digests, components by scipy, survivors by one lexsort; Python
     touches only the removed documents (their decisions) and the sample clusters."""
@@ -406,7 +409,7 @@ def cluster(cfg: DedupConfig, index: DedupIndex, shards: list[SignedShard]) -> C
         in_lsh[order[copies] - m] = False  # an exact copy is clustered already: no fuzzy matching needed
     num_candidates = num_verified = 0
     if cfg.fuzzy:
-        verify = _verify_threshold(cfg)
+        verify = verify_threshold(cfg)
         members = np.flatnonzero(in_lsh)
         sigs = signatures[members]
         keys = minhash.band_keys(sigs, index.settings["bands"], index.settings["rows"])
@@ -465,7 +468,7 @@ def cluster(cfg: DedupConfig, index: DedupIndex, shards: list[SignedShard]) -> C
         "num_indexed_before": m,
         "num_candidate_pairs": num_candidates,
         "num_verified_pairs": num_verified,
-        "lsh": {"bands": bands, "rows": rows, "verify_threshold": _verify_threshold(cfg)},
+        "lsh": {"bands": bands, "rows": rows, "verify_threshold": verify_threshold(cfg)},
         "cluster_sizes": {str(size): num for size, num in sorted(sizes.items())},
         "sample_clusters": [
             {"survivor": str(ids[c[0]]), "size": size,

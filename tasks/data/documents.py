@@ -180,6 +180,15 @@ class ShardWriter:
         self.num_records += 1
         self.num_bytes += len(line)
 
+    def write_lines(self, block: bytes, num_records: int) -> None:
+        """`num_records` whole records already serialised and joined (a run of another file's lines)."""
+        if self._handle is None:
+            self.touch()
+        assert self._handle is not None
+        self._handle.write(block)
+        self.num_records += num_records
+        self.num_bytes += len(block)
+
     def touch(self) -> None:
         """Create the file now, even if no record follows."""
         if self._handle is None:

@@ -102,7 +102,7 @@ _POLL_FRACTION = 0.1
 # What the local executor's worker processes run, imported once by datatrove's forkserver (which forks
 # every worker from it): without it each pool's workers imported datatrove and the stage's modules
 # afresh, seconds per job on a busy machine. `__main__` is the forkserver's own default.
-_FORKSERVER_PRELOAD = ["__main__", "kiln.tasks.data.clean", "kiln.tasks.data.dedup_job", "kiln.tasks.data.decontaminate",
+_FORKSERVER_PRELOAD = ["__main__", "kiln.tasks.data.collect", "kiln.tasks.data.clean", "kiln.tasks.data.dedup_job", "kiln.tasks.data.decontaminate",
                        "kiln.tasks.data.tokenize"]
 
 

@@ -30,7 +30,7 @@ _POWER_CACHE_MAX = 1 << 20  # powers of the base kept between calls (16 MB); lon
 _PERM_BLOCK = 1 << 13  # shingles per permutation block: 4 MB of uint32 at 128 permutations
 # Members of one LSH bucket compared with each other: a bucket is all pairs up to this size,
 # and each member with its next (this - 1) members beyond, so huge buckets stay linear.
-_BUCKET_WINDOW = 64
+BUCKET_WINDOW = 64
 
 _FMIX32 = (np.uint32(16), np.uint32(0x85EBCA6B), np.uint32(13), np.uint32(0xC2B2AE35), np.uint32(16))
 _FMIX64 = (np.uint64(33), np.uint64(0xFF51AFD7ED558CCD), np.uint64(33), np.uint64(0xC4CEB9FE1A85EC53), np.uint64(33))
@@ -268,7 +268,7 @@ def candidate_pairs(keys: np.ndarray) -> np.ndarray:
     for band_key in keys:
         order = np.argsort(band_key, kind="stable")
         sorted_keys = band_key[order]
-        for step in range(1, _BUCKET_WINDOW):
+        for step in range(1, BUCKET_WINDOW):
             same = np.flatnonzero(sorted_keys[:-step] == sorted_keys[step:])
             if same.size == 0:
                 break  # no bucket spans `step`, so none spans more
@@ -284,11 +284,11 @@ def bucket_tables(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 def cross_candidate_pairs(new_keys: np.ndarray, table_keys: np.ndarray, table_docs: np.ndarray) -> np.ndarray:
     """Distinct (new, old) pairs sharing a band key with an indexed document (`bucket_tables`);
-    each bucket offers its first `_BUCKET_WINDOW` old members (lowest index)."""
+    each bucket offers its first `BUCKET_WINDOW` old members (lowest index)."""
     found = []
     for band_new, sorted_old, docs_old in zip(new_keys, table_keys, table_docs):
         lo = np.searchsorted(sorted_old, band_new, "left")
-        hi = np.minimum(np.searchsorted(sorted_old, band_new, "right"), lo + _BUCKET_WINDOW)
+        hi = np.minimum(np.searchsorted(sorted_old, band_new, "right"), lo + BUCKET_WINDOW)
         counts = hi - lo
         new_idx = np.repeat(np.arange(band_new.size), counts)
         within = np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts)

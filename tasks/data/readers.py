@@ -94,6 +94,44 @@ def read_jsonl(file: SourceFile, source: Source, max_bytes: int) -> Iterator[Can
             yield from _jsonl_line(line, file.rel, max_bytes)
 
 
+def read_jsonl_range(file: SourceFile, source: Source, max_bytes: int, start: int, end: int,
+                     newlines_before: int) -> Iterator[Candidate]:
+    """The records of an uncompressed jsonl file whose lines start at bytes [start, end): the same
+    candidates, numbered the same, as `read_jsonl` gives for those lines. `newlines_before`: the
+    newlines in bytes [0, start), which number the lines. A line that starts before `start` is the
+    previous range's, however long; the last line that starts before `end` is read to its end."""
+    with file.open() as raw:
+        handle = decompressed(raw, None)
+        number = newlines_before
+        if start > 0:
+            handle.seek(start - 1)
+            if handle.read(1) != b"\n":  # inside a line the previous range reads: skip to its end
+                while (chunk := handle.readline(_SKIP_CHUNK)) and not chunk.endswith(b"\n"):
+                    pass
+                if not chunk:
+                    return
+                number += 1
+        for line in read_lines(_Until(handle, end), max_bytes):
+            yield from _jsonl_line(Line(number + line.number, line.data, line.size, line.prefix), file.rel, max_bytes)
+
+
+_SKIP_CHUNK = 1 << 20
+
+
+class _Until:
+    """A file's lines up to the first that starts at or after byte `end` (`readline` only)."""
+
+    def __init__(self, handle: Any, end: int):
+        self.handle, self.end, self.at_line_start = handle, end, True
+
+    def readline(self, size: int = -1) -> bytes:
+        if self.at_line_start and self.handle.tell() >= self.end:
+            return b""
+        chunk = self.handle.readline(size)
+        self.at_line_start = chunk.endswith(b"\n")
+        return chunk
+
+
 def _jsonl_line(line: Line, rel: str, max_bytes: int) -> Iterator[Candidate]:
     location = {"path": rel, "line": line.number}
     if line.data is None:

@@ -82,11 +82,12 @@ class RankShards:
 
 class RotatingShards:
     """Records of one kind written in order into shards of about `max_bytes` (uncompressed) each: a
-    new shard starts once the current one holds `max_bytes`. For a stage that reads its input in one
-    process (collect)."""
+    new shard starts once the current one holds `max_bytes`. For a rank whose input is not one shard
+    (collect's: a group of source files): `rank` names its shards `RRRRR.NNNNN.jsonl.zst`, so that
+    its files are its rank's (`tasks.data.executors`), and in rank order they are the stage's order."""
 
-    def __init__(self, out_dir: Path, kind: str, max_bytes: int):
-        self.out_dir, self.kind, self.max_bytes = out_dir, kind, max_bytes
+    def __init__(self, out_dir: Path, kind: str, max_bytes: int, rank: int | None = None):
+        self.out_dir, self.kind, self.max_bytes, self.rank = out_dir, kind, max_bytes, rank
         self.entries: list[dict[str, Any]] = []
         self._writer: ShardWriter | None = None
 
@@ -94,7 +95,9 @@ class RotatingShards:
         if self._writer is not None and self._writer.num_bytes >= self.max_bytes:
             self._finish()
         if self._writer is None:
-            self._writer = ShardWriter(self.out_dir / self.kind / shard_name(len(self.entries)))
+            index = len(self.entries)
+            name = shard_name(index) if self.rank is None else f"{self.rank:05d}.{shard_name(index)}"
+            self._writer = ShardWriter(self.out_dir / self.kind / name)
         return self._writer
 
     def _finish(self) -> None:

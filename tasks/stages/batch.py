@@ -78,7 +78,7 @@ def run(ctx: StageContext) -> dict:
         folder.mkdir(parents=True, exist_ok=True)
     steps: dict[str, dict] = {}
     steps["collect"] = collect_documents(ctx.cfg.collect.model_copy(update={"sources": batch.sources}),
-                                         folders["collect"])
+                                         folders["collect"], executor)
     steps["clean"] = clean_documents(_batch_clean(ctx), folders["collect"], folders["clean"], executor)
     steps["dedup-batch"] = dedup_documents(ctx.cfg.dedup, shard_paths(folders["clean"]), folders["dedup-batch"],
                                            executor, index_dir=ctx.inputs["dedup"] / INDEX_DIR)

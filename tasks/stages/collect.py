@@ -6,7 +6,7 @@ from __future__ import annotations
 from kiln.tasks.data.collect import CollectConfig, collect_documents, source_paths
 from kiln.tasks.errors import ConfigError
 from kiln.tasks.stage import Stage, StageContext
-from kiln.tasks.stages._common import document_headline
+from kiln.tasks.stages._common import document_headline, executor_settings
 
 
 def run(ctx: StageContext) -> dict:
@@ -14,7 +14,7 @@ def run(ctx: StageContext) -> dict:
         raise ConfigError("collect.sources is empty, so there is nothing to collect (no config names any source). "
                           "Start a project with `kiln init DIR` (its kiln.yaml runs Kiln's sample corpus and says how "
                           "to name your own data), or name a config that has sources: kiln run kiln:configs/tiny.yaml")
-    return collect_documents(ctx.cfg.collect, ctx.out_dir)
+    return collect_documents(ctx.cfg.collect, ctx.out_dir, executor_settings(ctx))
 
 
 # version 2: licences normalised to SPDX (documents carry the SPDX expression, the written one in
@@ -28,4 +28,6 @@ def run(ctx: StageContext) -> dict:
 STAGE = Stage(
     name="collect", description="read sources, check licences", body=run, config=CollectConfig, version=7,
     external_files=lambda cfg: source_paths(cfg.collect), headline=document_headline, reports=("compliance.md", "removals.md"),
+    # A retry keeps the failed attempt's folder: tasks that finished (their records in the run ledger) are skipped.
+    resumable=True,
 )

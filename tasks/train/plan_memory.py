@@ -201,14 +201,16 @@ def activation_bytes_per_layer(cfg: ModelConfig, micro_batch: int, seq_len: int,
     exactly on CPU for every architecture option: tests/tasks/train/test_planner.py), with
     d = d_model, kv = K/V width, f = MLP width, h = query heads, per token, for Llama's block
     (pre-RMSNorm, RoPE, SwiGLU):
-      none, fp32: 4(6d + (3d + 2kv + 4f) / tp) + 4(2 + h/tp): replicated over tp the block input,
+      none, fp32: 4(6d + (2d + 2kv + 4f) / tp) + 4(2 + h/tp): replicated over tp the block input,
             the two norms' normalised input and output, the residual; split by heads the rotated q
             and k, v, the attention output and its re-laid-out copy, gate, up, silu(gate) and its
             product with up; fp32 1/rms of both norms and attention's log-sum-exp per head.
       none, bf16 (FSDP2's copies): the same tensors in bf16, but each RMSNorm computes in fp32 and
-            keeps two fp32 d-vectors: 2(2d + (3d + 2kv + 4f) / tp) + 16d + 4(2 + h/tp).
+            keeps two fp32 d-vectors: 2(2d + (2d + 2kv + 4f) / tp) + 16d + 4(2 + h/tp).
       none, autocast (fp32 weights, one device): fp32 residual stream and norms, bf16 matmul
-            inputs cast per use: 2(8d + 2kv + 4f) + 16d + 4(2 + h).
+            inputs cast per use: 2(7d + 2kv + 4f) + 16d + 4(2 + h).
+      and per micro-batch, not per token, RoPE's full-width cos and sin tables for q and for k
+            (`_apply_rope`): 4 [T, head_dim] in fp32 (FSDP2 casts the weights, not these buffers).
       selective: the block input (in the residual stream's dtype r) and the outputs of the saved
             ops in the compute dtype c: wq, wk, wv, attention (and its fp32 log-sum-exp), proj,
             gate, up, down, and under TP the two all-reduces:
@@ -216,7 +218,8 @@ def activation_bytes_per_layer(cfg: ModelConfig, micro_batch: int, seq_len: int,
       full: the block input only, r d.
     The options change it without recompute only (selective recomputes what they add, except a
     GELU MLP's missing gate: c f / tp less):
-      no RoPE (nope, learned, alibi) and no per-head QK-norm: q is not kept a second time, c d / tp less;
+      a per-head QK-norm: q is kept a second time (the norm's input and its output), c d / tp more;
+      no RoPE (nope, learned, alibi): no cos and sin tables;
       a GELU MLP: two of SwiGLU's four f-vectors, and under autocast one bf16 cast of its input fewer;
       LayerNorm: a norm keeps its input and mean and 1/std (fp32, autocast: 4d + 8; bf16: 2d + 8)
             where RMSNorm keeps two vectors and 1/rms; post and reordered placements keep the same
@@ -241,8 +244,9 @@ def activation_bytes_per_layer(cfg: ModelConfig, micro_batch: int, seq_len: int,
         mlp_outputs = f if gelu else 2 * f
         return tokens * (r * d + c * (-(-(2 * d + 2 * kv + mlp_outputs) // tp) + 2 * d + (2 * d if tp > 1 else 0))
                          + -(-STAT_BYTES * h // tp))
-    # without RoPE (or a per-head QK-norm making q anew) attention keeps the projection's q itself
-    rotated = cfg.position == "rope" or (cfg.qk_norm and cfg.qk_norm_scope == "head")
+    # attention keeps the projection's q itself unless a per-head QK-norm makes q anew (RoPE's
+    # rotation keeps no copy of its input: it saves only its tables)
+    rotated = cfg.qk_norm and cfg.qk_norm_scope == "head"
     split = (3 if rotated else 2) * d + 2 * kv + (2 if gelu else 4) * f
     stats = STAT_BYTES * 2 + -(-STAT_BYTES * h // tp)
     per_token = {"fp32": 4 * (6 * d) + -(-4 * split // tp) + stats,
@@ -251,7 +255,9 @@ def activation_bytes_per_layer(cfg: ModelConfig, micro_batch: int, seq_len: int,
                                   - (d if gelu else 0)) + 16 * d + stats}[compute]
     per_token += 2 * _norm_delta(cfg, compute) + _qk_norm_bytes(cfg, tp, compute)
     gathered_kv = -(-c * 2 * kv * (micro_batch * seq_len - tokens) // tp) if cp > 1 else 0
-    return tokens * per_token + gathered_kv + _mask_bytes(cfg, layer, seq_len, tp, cp, compute)
+    # fp32 in every precision: FSDP2's mixed precision casts parameters, not buffers
+    rope_tables = 4 * (seq_len // cp) * cfg.head_dim * 4 if cfg.position == "rope" else 0
+    return tokens * per_token + gathered_kv + _mask_bytes(cfg, layer, seq_len, tp, cp, compute) + rope_tables
 
 
 def _norm_delta(cfg: ModelConfig, compute: Compute) -> int:

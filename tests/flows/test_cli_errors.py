@@ -20,7 +20,7 @@ def _prefect_console_to_this_tests_stderr(monkeypatch):
 
 
 def test_an_unexpected_error_prints_one_traceback(prefect_api, in_repo, tmp_path, capfd, monkeypatch):
-    def broken(cfg, out_dir):
+    def broken(cfg, out_dir, executor):
         raise TypeError("AbstractBufferedFile.readline() takes 1 positional argument but 2 were given")
 
     monkeypatch.setattr(kiln.tasks.stages.collect, "collect_documents", broken)

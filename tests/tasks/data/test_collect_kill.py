@@ -1,8 +1,9 @@
 """A collect stage killed mid-write and rerun gives the same bytes as a clean run: nothing lost, nothing twice.
 
 The stage runs in a subprocess through the plain-Python runner (`run_stage`, no-op tracker) and is
-sent SIGKILL once it has written two shards and begun a third; the rerun (here, in-process) must
-discard the partial folder, and its committed files must hash as a clean run's do.
+sent SIGKILL once it has written two shards and begun a third; the rerun (here, in-process) resumes
+the partial folder (the tasks the run ledger holds finished are skipped, the others' files removed), and
+its committed files must hash as a clean run's do.
 """
 
 from __future__ import annotations

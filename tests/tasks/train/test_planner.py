@@ -95,8 +95,10 @@ def _alive_after_forward(cfg: ModelConfig, batch: int, seq: int, checkpointing: 
     heads alone (their input, the trunk's output, and what they keep)."""
     model = build_model(cfg, V, seed=0)
     apply_activation_checkpointing(model, checkpointing)
-    if compute == "bf16":  # what FSDP2's bf16 all-gathered weights compute with
+    if compute == "bf16":  # what FSDP2's bf16 all-gathered weights compute with (buffers stay fp32)
         model = model.to(torch.bfloat16)
+        if model.rope_cos is not None:
+            model.rope_cos, model.rope_sin = model.rope_cos.float(), model.rope_sin.float()
     idx = torch.randint(0, V, (batch, seq))
     autocast = torch.autocast("cpu", dtype=torch.bfloat16) if compute == "autocast" else contextlib.nullcontext()
     rope = (model.rope_cos[:seq], model.rope_sin[:seq]) if model.rope_cos is not None else (None, None)
@@ -175,8 +177,9 @@ def test_activation_formulas_match_what_a_real_forward_keeps(cfg: ModelConfig, c
 
 def test_activation_exact_numbers_and_sharding() -> None:
     cfg = SMALL[0]  # d 64, f 192, 4 heads
-    # none, fp32: 64 tokens x (4 x (9 x 64 + 2 x 64 + 4 x 192) + 4 x (2 + 4)) = 64 x 5912
-    assert activation_bytes_per_layer(cfg, 2, 32, compute="fp32") == 64 * 5912
+    # none, fp32: 64 tokens x (4 x (8 x 64 + 2 x 64 + 4 x 192) + 4 x (2 + 4)) = 64 x 5656, and
+    # RoPE's 4 fp32 tables of 32 positions x head_dim 16
+    assert activation_bytes_per_layer(cfg, 2, 32, compute="fp32") == 64 * 5656 + 4 * 32 * 16 * 4
     assert activation_bytes_per_layer(cfg, 2, 32, checkpointing="full", compute="bf16") == 64 * 2 * 64
     # TP splits what is split by heads and leaves the replicated stream (and its norms) whole
     whole, half = activation_bytes_per_layer(cfg, 2, 32), activation_bytes_per_layer(cfg, 2, 32, tp=2)
