@@ -318,8 +318,9 @@ class RankLedger:
 
     def mark_completed(self, logging_dir: Path) -> set[int]:
         """Set datatrove's completion markers in `logging_dir` from the ledger, stale records removed: a
-        marker for each rank complete under its key and whose datatrove stats are saved (a rank killed
-        between its record and its stats runs again), none for the others; returns the complete ranks."""
+        marker for each rank complete under its key and whose datatrove stats are saved whole (a rank killed
+        between its record and its stats, or while datatrove wrote them, runs again), none for the others;
+        returns the complete ranks."""
         records = self.records
         for rank in self.stale():
             records.discard(rank)
@@ -328,7 +329,7 @@ class RankLedger:
         done = set()
         for rank in range(len(self.keys)):
             marker = markers / f"{rank:05d}"
-            if self.done(rank) is not None and (stats / f"{rank:05d}.json").is_file():
+            if self.done(rank) is not None and _stats_saved(stats / f"{rank:05d}.json"):
                 marker.touch()
                 done.add(rank)
             else:
@@ -638,6 +639,16 @@ def _slurm_logs(executor: SlurmPipelineExecutor, logging_dir: Path) -> dict[int,
 
 def _lines(path: Path) -> list[str]:
     return path.read_text(errors="replace").splitlines() if path.is_file() else []
+
+
+def _stats_saved(path: Path) -> bool:
+    """Whether datatrove saved a rank's stats whole: it writes them in place, so a rank killed meanwhile
+    leaves an empty or cut file."""
+    try:
+        json.loads(path.read_text())
+    except (OSError, ValueError):
+        return False
+    return True
 
 
 def _merge_stats(logging_dir: Path, tasks: int) -> PipelineStats:

@@ -67,14 +67,17 @@ def test_a_rank_that_died_is_the_only_one_run_again(tmp_path):
 
 def test_datatrove_skips_exactly_the_ranks_the_ledger_holds_complete(tmp_path):
     """The ledger, not datatrove's markers, decides: a marker without a record for the rank's key runs the
-    rank again; a record whose rank's datatrove stats are missing (killed in between) too; the outputs of
-    ranks no longer in the job are removed."""
+    rank again; a record whose rank's datatrove stats are missing (killed in between) or cut short (killed
+    while datatrove wrote them) too; the outputs of ranks no longer in the job are removed."""
     inputs = _inputs(tmp_path / "in", [b"a", b"b", b"c", b"d"])
     assert _job(tmp_path, inputs, {})[0] == [0, 1, 2, 3]
     logs = tmp_path / "work" / "logs"
     RankRecords(tmp_path / "work" / RANKS_DIR).discard(0)  # its marker stays: datatrove alone would skip it
     (logs / "stats" / "00001.json").unlink()
-    assert _job(tmp_path, inputs, {})[0] == [0, 1]
+    (logs / "stats" / "00002.json").write_text("")
+    (logs / "stats" / "00003.json").write_text((logs / "stats" / "00003.json").read_text()[:10])
+    assert _job(tmp_path, inputs, {})[0] == [0, 1, 2, 3]
+    assert _job(tmp_path, inputs, {})[0] == []
     assert sorted(p.name for p in (logs / "completions").iterdir()) == ["00000", "00001", "00002", "00003"]
 
     ran, totals = _job(tmp_path, inputs[:2], {})  # a job of two ranks where there were four
