@@ -25,11 +25,11 @@ import json
 import math
 import shutil
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO, NamedTuple
+from typing import Any, BinaryIO
 
 import numpy as np
 from fsspec.core import url_to_fs
@@ -39,6 +39,7 @@ from kiln.tasks.accounting import DocCounts
 from kiln.tasks.configbase import Section, runtime_field
 from kiln.tasks.data.code_tree import read_code_tree
 from kiln.tasks.data.collect_ids import find_earlier_kept, read_ids, write_checked
+from kiln.tasks.data.collect_plan import CountNewlines, LineRange, TaskPart, plan_identity, plan_tasks
 from kiln.tasks.data.compliance import SourceReport, compliance_markdown, compliance_report
 from kiln.tasks.data.documents import Document, ShardWriter
 from kiln.tasks.data.executors import LOCAL, RANKS_DIR, ExecutorSettings, ShardRun, map_shards, rank_ledger
@@ -46,7 +47,7 @@ from kiln.tasks.data.inspection import RemovalTally, text_bytes, write_removal_r
 from kiln.tasks.data.licences import LicencePolicy, LicenceVerdict, normalise
 from kiln.tasks.data.readers import READERS, Candidate, read_dataset, read_jsonl_range
 from kiln.tasks.data.shards import DOCUMENTS, QUARANTINE, REMOVED, RotatingShards, shard_name, write_listing
-from kiln.tasks.data.source_files import SourceFile, compression_of, is_remote, list_files, local_path, resolved
+from kiln.tasks.data.source_files import SourceFile, is_remote, list_files, local_path, resolved
 from kiln.tasks.data.sources import NEEDS_SOURCE_LICENCE, Source, remote_identity, source_patterns
 from kiln.tasks.errors import ConfigError, InputError
 from kiln.tasks.store import file_sha256
@@ -172,122 +173,6 @@ _BLOCK_BYTES = 1 << 20  # what `_Pack` copies at once
 _MAX_REASON_LICENCE_CHARS = 100  # a licence as written, in a reason (a stats key); in full in the removed records
 
 
-class _File(NamedTuple):
-    """A source file as a task names it (plain values: every rank gets the whole plan), or the part of
-    an uncompressed jsonl file whose lines start in bytes [start, end) (`read_jsonl_range`)."""
-
-    path: str  # on the source's filesystem
-    rel: str  # relative to the source
-    size: int
-    start: int | None = None
-    end: int | None = None
-    newlines_before: int = 0  # in bytes [0, start): what numbers the range's lines
-
-
-@dataclass(frozen=True)
-class _Part:
-    """Files of one source that a task reads in order (`files` None: a hub dataset, read whole)."""
-
-    source: Source  # its path resolved (`resolved`)
-    files: tuple[_File, ...] | None
-    whole: bool  # the source's every file: the task reports how many it has
-
-
-def _units(cfg: CollectConfig, source: Source) -> Iterator[tuple[_Part, int]]:
-    """A source's parts that may go to different tasks, with their bytes: a file each, or the whole
-    source as one where it must be read in one process: a hub dataset, a code tree (its LICENSE files
-    speak for the files beside them), and a source capped by `max_docs_per_source` (its first N
-    documents in file order)."""
-    source = source.model_copy(update={"path": resolved(source.path)})
-    if source.format == "hf":
-        yield _Part(source, None, True), 0
-        return
-    try:
-        files = list_files(source.path, source_patterns(source), source.storage_options)
-    except InputError as err:
-        raise InputError(f"source {source.name!r}: {err}") from None
-    if source.format == "code" or cfg.max_docs_per_source is not None:
-        yield _Part(source, tuple(_File(f.path, f.rel, f.size) for f in files), True), sum(f.size for f in files)
-        return
-    for file in files:
-        if source.format == "jsonl" and file.size > cfg.task_bytes and compression_of(file.rel, source.compression) is None:
-            for start in range(0, file.size, cfg.task_bytes):  # a big file: a range of lines each
-                end = min(start + cfg.task_bytes, file.size)
-                yield _Part(source, (_File(file.path, file.rel, file.size, start, end),), False), end - start
-        else:
-            yield _Part(source, (_File(file.path, file.rel, file.size),), False), file.size
-
-
-def plan_tasks(cfg: CollectConfig, count: Callable[[list[_Range]], list[int]] | None = None) -> list[list[_Part]]:
-    """The sources' files in order, cut into tasks of about `task_bytes` of input each (a file, or a
-    source read whole, is never cut; but for an uncompressed jsonl file larger than that, which is cut
-    into ranges of lines): in task order, the tasks' records are the sources' in order. `count`: the
-    newlines in each range (`_CountNewlines` over them), which number each range's lines; default: counted here."""
-    units = [unit for source in cfg.sources for unit in _units(cfg, source)]
-    ranges = [_Range(part.source, file) for part, _ in units for file in part.files or () if file.start is not None]
-    if ranges:
-        counts = (count or (lambda ranges: [_CountNewlines(ranges)(r)["newlines"] for r in range(len(ranges))]))(ranges)
-        before: dict[str, int] = {}
-        numbered = iter(counts)
-        for i, (part, size) in enumerate(units):
-            if part.files and part.files[0].start is not None:
-                file = part.files[0]
-                key = f"{part.source.name}\0{file.path}"
-                units[i] = (_Part(part.source, (file._replace(newlines_before=before.get(key, 0)),), False), size)
-                before[key] = before.get(key, 0) + next(numbered)
-    tasks: list[list[_Part]] = []
-    current: list[tuple[_Part, list[_File]]] = []  # a task's parts; a split source's files gathered in a list
-    size = 0
-
-    def close() -> None:
-        tasks.append([part if part.whole else _Part(part.source, tuple(files), False) for part, files in current])
-
-    for part, num_bytes in units:
-        last = current[-1][0] if current else None
-        if last is not None and not last.whole and not part.whole and last.source.name == part.source.name:
-            current[-1][1].extend(part.files or ())
-        else:
-            current.append((part, list(part.files or ())))
-        size += num_bytes
-        if size >= cfg.task_bytes:
-            close()
-            current, size = [], 0
-    if current:
-        close()
-    return tasks
-
-
-class _Range(NamedTuple):
-    source: Source
-    file: _File
-
-
-@dataclass(frozen=True)
-class _CountNewlines:
-    """Rank r: the newlines in range r's bytes."""
-
-    ranges: list[_Range]
-
-    def __call__(self, rank: int) -> dict[str, Any]:
-        source, file = self.ranges[rank]
-        assert file.start is not None and file.end is not None
-        fs = url_to_fs(source.path, **(source.storage_options or {}))[0]
-        newlines, left = 0, file.end - file.start
-        with fs.open(file.path, "rb") as handle:
-            handle.seek(file.start)
-            while left and (block := handle.read(min(left, 1 << 22))):
-                newlines += block.count(b"\n")
-                left -= len(block)
-        return {"newlines": newlines}
-
-
-def _plan_identity(tasks: list[list[_Part]]) -> list[list[Any]]:
-    """What each task reads, for its rank key: sources by name, files by path and size (their content
-    is in the stage's key)."""
-    return [[[part.source.name, None if part.files is None else [list(f[1:]) for f in part.files]]
-             for part in task] for task in tasks]
-
-
 def _report_of(report: SourceReport) -> dict[str, Any]:
     """A task's share of a source's report, JSON-able (its rank's summary)."""
     return {"num_files": report.num_files, "num_kept": report.num_kept, "num_chars": report.num_chars,
@@ -320,7 +205,7 @@ class _ReadTask:
     kept) as already seen. Returns the task's counts, tally, reports by source and shard listing."""
 
     cfg: CollectConfig
-    tasks: list[list[_Part]]
+    tasks: list[list[TaskPart]]
     out_dir: Path
     run_dir: Path
     ranks: tuple[int, ...] | None = None  # None: rank r is task r
@@ -335,7 +220,7 @@ class _ReadTask:
         return _read_task(self.cfg, self.tasks[task], task, self.out_dir, self.run_dir, seen)
 
 
-def _read_task(cfg: CollectConfig, parts: list[_Part], task: int, out_dir: Path, run_dir: Path,
+def _read_task(cfg: CollectConfig, parts: list[TaskPart], task: int, out_dir: Path, run_dir: Path,
                seen_ids: set[str]) -> dict[str, Any]:
     policy = LicencePolicy(cfg.allowed_licences)
     counts = DocCounts()
@@ -409,7 +294,7 @@ def _read_task(cfg: CollectConfig, parts: list[_Part], task: int, out_dir: Path,
             "reports": {name: _report_of(report) for name, report in reports.items()}}
 
 
-def _part_candidates(part: _Part, max_bytes: int, report: SourceReport) -> Iterator[Candidate]:
+def _part_candidates(part: TaskPart, max_bytes: int, report: SourceReport) -> Iterator[Candidate]:
     """Every candidate of a part's files, in order."""
     source = part.source
     if part.files is None:
@@ -445,16 +330,16 @@ def collect_documents(cfg: CollectConfig, out_dir: Path, executor: ExecutorSetti
     out_dir = out_dir.resolve()  # Slurm and Ray workers do not share this process's working directory
     work = out_dir / WORK_DIR
 
-    def count(ranges: list[_Range]) -> list[int]:  # a job of its own: the big files' bytes are read once more
+    def count(ranges: list[LineRange]) -> list[int]:  # a job of its own: the big files' bytes are read once more
         lines = work / "lines"
         ledger = rank_ledger(lines / RANKS_DIR, "kiln_collect_lines", [[r.source.name, *r.file[1:5]] for r in ranges],
                              [{}] * len(ranges))
-        counted = map_shards(_CountNewlines(ranges), lines, ledger, settings=executor, jobs=cfg.num_workers,
+        counted = map_shards(CountNewlines(ranges), lines, ledger, settings=executor, jobs=cfg.num_workers,
                              job_name="kiln_collect_lines")
         return [result["newlines"] for result in counted.results]
 
-    tasks = plan_tasks(cfg, count)
-    identity = {"config": cfg.identity(), "tasks": _plan_identity(tasks)}
+    tasks = plan_tasks(cfg.sources, cfg.task_bytes, cfg.max_docs_per_source is not None, count)
+    identity = {"config": cfg.identity(), "tasks": plan_identity(tasks)}
     read = work / "read"
     ledger = rank_ledger(read / RANKS_DIR, "kiln_collect", identity, [{}] * len(tasks))
     run = map_shards(_ReadTask(cfg, tasks, out_dir, read), read, ledger, settings=executor, jobs=cfg.num_workers,

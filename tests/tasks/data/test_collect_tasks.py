@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from kiln.tasks.data.collect import CollectConfig, collect_documents, plan_tasks
+from kiln.tasks.data.collect import CollectConfig, collect_documents
+from kiln.tasks.data.collect_plan import plan_tasks
 from kiln.tasks.data.collect_ids import find_earlier_kept, read_ids, write_checked
 from kiln.tasks.data.executors import ExecutorSettings
 from kiln.tasks.data.shards import KINDS
@@ -97,7 +98,7 @@ def test_a_capped_source_is_one_task_and_keeps_its_first_documents_in_file_order
     sources = [SourceConfig(name="x", path=str(tmp_path / "x"), format="jsonl", domain="code", licence="MIT"),
                SourceConfig(name="x/y", path=str(tmp_path / "xy"), format="jsonl", domain="code", licence="MIT")]
     cfg = CollectConfig(sources=sources, max_docs_per_source=2, task_bytes=1)
-    assert [[len(part.files) for part in task] for task in plan_tasks(cfg)] == [[1], [2]]
+    assert [[len(part.files) for part in task] for task in plan_tasks(cfg.sources, cfg.task_bytes, read_whole=True)] == [[1], [2]]
     stats = _collect(sources, tmp_path / "out", max_docs_per_source=2, task_bytes=1)
     assert [d["id"] for d in shards.records(tmp_path / "out")] == ["x/y/1", "x/y/2", "x/y/3"]
     assert stats["quarantined"] == {"duplicate_id": 1} and stats["by_source"] == {"x": 1, "x/y": 2}
@@ -108,7 +109,7 @@ def test_files_are_grouped_into_tasks_by_bytes(tmp_path):
     _files(tmp_path / "s", {f"{i}.jsonl": [{"id": i, "text": TEXTS[0]}] for i in range(6)})
     source = SourceConfig(name="s", path=str(tmp_path / "s"), format="jsonl", domain="code", licence="MIT")
     size = (tmp_path / "s" / "0.jsonl").stat().st_size
-    tasks = plan_tasks(CollectConfig(sources=[source], task_bytes=2 * size))
+    tasks = plan_tasks(CollectConfig(sources=[source]).sources, task_bytes=2 * size)
     assert [[file.rel for part in task for file in part.files] for task in tasks] == [
         ["0.jsonl", "1.jsonl"], ["2.jsonl", "3.jsonl"], ["4.jsonl", "5.jsonl"]]
 
@@ -152,7 +153,7 @@ def test_a_big_jsonl_file_is_cut_into_ranges_of_lines_read_as_one_process_reads_
     sources = [SourceConfig(name="s", path=str(tmp_path / "big"), format="jsonl", domain="code", licence="MIT")]
     ranged = CollectConfig(sources=sources, task_bytes=shard_bytes, max_doc_bytes=200)
     num_ranges = -(-(tmp_path / "big" / "a.jsonl").stat().st_size // shard_bytes)
-    assert sum(len(part.files) for task in plan_tasks(ranged) for part in task) == (num_ranges if shard_bytes < 1000 else 1)
+    assert sum(len(part.files) for task in plan_tasks(ranged.sources, ranged.task_bytes) for part in task) == (num_ranges if shard_bytes < 1000 else 1)
     whole = _collect(sources, tmp_path / "whole", shard_bytes=shard_bytes, max_doc_bytes=200, max_docs_per_source=100)
     split = _collect(sources, tmp_path / "split", shard_bytes=shard_bytes, task_bytes=shard_bytes, max_doc_bytes=200)
     assert _outputs(tmp_path / "split") == _outputs(tmp_path / "whole")
