@@ -45,14 +45,13 @@ from kiln.tasks.accounting import DocCounts
 from kiln.tasks.configbase import Section, runtime_field
 from kiln.tasks.data import minhash
 from kiln.tasks.data.dedup_index import DIGEST_BYTES, SNIPPET_CHARS, DedupIndex, digest_array
+from kiln.tasks.data.dedup_partition import sample_clusters
 from kiln.tasks.data.documents import Document, read_lines
 from kiln.tasks.data.inspection import RemovalTally, text_bytes
 from kiln.tasks.data.shards import RankShards
 
 _BATCH = 1000  # documents per signature batch: amortises numpy calls, bounds memory per worker
 _BATCH_CHARS = 8_000_000  # ...or fewer, once a batch holds this much text (enormous documents)
-_NUM_SAMPLE_CLUSTERS = 5
-_SAMPLE_MEMBERS = 10
 PLOT_FILE = "cluster_sizes.png"
 
 
@@ -471,9 +470,11 @@ def cluster(cfg: DedupConfig, index: DedupIndex, shards: list[SignedShard]) -> C
         "lsh": {"bands": bands, "rows": rows, "verify_threshold": verify_threshold(cfg)},
         "cluster_sizes": {str(size): num for size, num in sorted(sizes.items())},
         "sample_clusters": [
-            {"survivor": str(ids[c[0]]), "size": size,
-             "members": [{"id": str(ids[i]), "snippet": str(snippets[i])} for i in c[:_SAMPLE_MEMBERS]]}
-            for size, c in _sample_clusters(labels, clustered, survivor_of)
+            {"survivor": str(ids[clustered[c[0]]]), "size": size,
+             "members": [{"id": str(ids[i]), "snippet": str(snippets[i])} for i in clustered[c]]}
+            # `clustered` ascends and holds every survivor: a survivor's node as its position there
+            for size, c in sample_clusters(labels[clustered], clustered,
+                                           np.searchsorted(clustered, survivor_of[clustered]))
         ],
     }
     return Clustering(removed, extended, sizes, stats)
@@ -530,22 +531,6 @@ def _components(num_nodes: int, edges: np.ndarray) -> tuple[np.ndarray, np.ndarr
     graph = coo_matrix((np.ones(len(edges)), (edges[:, 0], edges[:, 1])), shape=(num_nodes, num_nodes))
     _, labels = connected_components(graph, directed=False)
     return labels, np.flatnonzero(np.bincount(labels)[labels] > 1)  # singletons, nearly all nodes, skipped
-
-
-def _sample_clusters(labels: np.ndarray, clustered: np.ndarray, survivor_of: np.ndarray
-                     ) -> list[tuple[int, list[int]]]:
-    """The largest clusters (ties: smallest first member) as (size, members), survivor first, then the
-    others ascending."""
-    if not clustered.size:
-        return []
-    cluster_labels, first_member, size = np.unique(labels[clustered], return_index=True, return_counts=True)
-    largest = np.lexsort((clustered[first_member], -size))[:_NUM_SAMPLE_CLUSTERS]
-    samples = []
-    for label, num in zip(cluster_labels[largest].tolist(), size[largest].tolist()):
-        members = clustered[labels[clustered] == label]
-        survivor = int(survivor_of[members[0]])
-        samples.append((num, [survivor] + [i for i in members.tolist() if i != survivor]))
-    return samples
 
 
 def plot_cluster_sizes(sizes: Counter[int], path: Path) -> None:

@@ -4,7 +4,8 @@ in this process.
 
 `dedup_documents` runs the fast engine (`tasks.data.dedup`, `tasks.data.dedup_partition`): a shard
 job signs every input shard (digests, MinHash signatures, ids, lengths, scores, snippets: no text)
-and splits its digests and band keys into partition files, one partition per input shard; an
+and splits its digests and band keys into partition files (one partition per 64 MB of input,
+`num_partitions`); an
 earlier batch's index is unpacked and split the same way (a one-rank job); a partition job finds
 each partition's exact copies and verified candidate pairs; this process reads only those pairs,
 finds the clusters over the documents in them and decides their fate; a second shard job writes

@@ -309,7 +309,7 @@ def decide(rows: Rows, found: list[dict[str, np.ndarray]], exact: bool, stats: d
 
     sizes_by_label = np.bincount(labels) if k else np.zeros(0, dtype=np.int64)
     sizes = Counter({int(size): int(num) for size, num in zip(*np.unique(sizes_by_label, return_counts=True))})
-    samples = _sample_clusters(labels, clustered, survivor)
+    samples = sample_clusters(labels, clustered, survivor)
     shown = np.unique(np.array([i for _, c in samples for i in c], dtype=np.int64))  # only their snippets are read
     snippets = dict(zip(shown.tolist(), rows.gather("snippets", clustered[shown]).tolist()))
     report = {
@@ -328,7 +328,7 @@ def decide(rows: Rows, found: list[dict[str, np.ndarray]], exact: bool, stats: d
     return Decisions(removed, sizes, report)
 
 
-def _sample_clusters(labels: np.ndarray, clustered: np.ndarray, survivor: np.ndarray) -> list[tuple[int, list[int]]]:
+def sample_clusters(labels: np.ndarray, clustered: np.ndarray, survivor: np.ndarray) -> list[tuple[int, list[int]]]:
     """The largest clusters (ties: smallest first member) as (size, positions in `clustered`), survivor
     first, then the others ascending; at most `_SAMPLE_MEMBERS` members each."""
     if not clustered.size:
