@@ -41,6 +41,7 @@ from torch import nn
 
 from kiln.tasks.train.config import ModelConfig, RopeScaling, revalidated
 from kiln.tasks.train.loss import linear_cross_entropy, objective
+from kiln.tasks.train.rms_norm import RMSNorm
 
 Device = torch.device | str | None
 INIT_STD = 0.02
@@ -164,10 +165,13 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pattern:
 AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, AttentionPattern], torch.Tensor]
 
 
-def make_norm(cfg: ModelConfig, dim: int, device: Device = None) -> nn.Module:
-    """`cfg.norm` over the last `dim` features: RMSNorm, or LayerNorm without a bias."""
+def make_norm(cfg: ModelConfig, dim: int, device: Device = None, own_backward: bool = True) -> nn.Module:
+    """`cfg.norm` over the last `dim` features: RMSNorm, or LayerNorm without a bias. `own_backward`
+    False keeps torch's RMSNorm backward, for norms tensor parallelism makes DTensors of (the
+    QK-norms): one process then computes them exactly as a TP rank does."""
     if cfg.norm == "rmsnorm":
-        return nn.RMSNorm(dim, eps=cfg.norm_eps, device=device)
+        norm = RMSNorm if own_backward else nn.RMSNorm
+        return norm(dim, eps=cfg.norm_eps, device=device)
     return nn.LayerNorm(dim, eps=cfg.norm_eps, bias=False, device=device)
 
 
@@ -188,8 +192,8 @@ class Attention(nn.Module):
         # per head: one gain over head_dim shared by the heads; over the projection: d (and kv) gains
         self.qk_norm_per_head = cfg.qk_norm_scope == "head"
         q_dim, k_dim = (cfg.head_dim, cfg.head_dim) if self.qk_norm_per_head else (cfg.d_model, cfg.kv_dim)
-        self.q_norm = make_norm(cfg, q_dim, device) if cfg.qk_norm else None
-        self.k_norm = make_norm(cfg, k_dim, device) if cfg.qk_norm else None
+        self.q_norm = make_norm(cfg, q_dim, device, own_backward=False) if cfg.qk_norm else None
+        self.k_norm = make_norm(cfg, k_dim, device, own_backward=False) if cfg.qk_norm else None
         # swappable so parallelism can change how attention runs (context parallel gathers
         # keys and values across ranks) without the model knowing
         self.attention: AttentionFn = causal_attention

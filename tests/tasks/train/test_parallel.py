@@ -53,6 +53,11 @@ RUN = TrainRunConfig(steps=20, batch_size=4, grad_accum=2, seq_len=16, eval_batc
 LOSS_RTOL = 1e-5
 BF16_LOSS_RTOL = 2e-2
 GRAD_NORM_RTOL = 1e-4
+# OPTIONS_B's loss jumps to 7 at step 2 (lr 1e-2, QK-norm over the projection) and its dynamics
+# amplify summation order: TP's gradient norms differ from one process's by up to 1.9e-4 by step
+# 13 with Kiln's RMSNorm backward on both sides (torch's gave 0.9e-4), while the losses agree to
+# 1e-5 and the weights to 1e-4
+OPTIONS_B_GRAD_NORM_RTOL = 5e-4
 WEIGHT_ATOL = 1e-4
 # pipeline stages cannot share a weight; TP runs it too, covering a plain head and per-head QK-norm
 VARIANT = MODEL.model_copy(update={"tie_embeddings": False, "qk_norm": True})
@@ -199,7 +204,8 @@ def four_proc(data, tmp_path_factory) -> dict[str, dict]:
     return torchrun(4, FOUR_PROC_MODES, FOUR_PROC_INITS, data, tmp_path_factory.mktemp("four_proc"), timeout=300)
 
 
-def assert_matches(result: dict, reference: dict, loss_rtol: float = LOSS_RTOL) -> None:
+def assert_matches(result: dict, reference: dict, loss_rtol: float = LOSS_RTOL,
+                   grad_norm_rtol: float = GRAD_NORM_RTOL) -> None:
     assert [step for step, _ in result["loss_curve"]] == list(range(1, RUN.steps + 1))
     np.testing.assert_allclose([v for _, v in result["loss_curve"]], reference["loss"], rtol=loss_rtol, atol=0)
     # it learned: the pattern is easy, so 20 steps cut the loss well below ln(64) = 4.16
@@ -207,7 +213,7 @@ def assert_matches(result: dict, reference: dict, loss_rtol: float = LOSS_RTOL) 
     if loss_rtol > LOSS_RTOL:
         return  # bf16 rounding: the curve is the check
     np.testing.assert_allclose(
-        [v for _, v in result["grad_norm_curve"]], reference["grad_norm"], rtol=GRAD_NORM_RTOL, atol=0
+        [v for _, v in result["grad_norm_curve"]], reference["grad_norm"], rtol=grad_norm_rtol, atol=0
     )
     # the gathered final model is the single-process one: AdamW turns summation-order differences
     # of 1e-7 into weight differences of a few 1e-5 over 20 steps (lr 1e-2)
@@ -227,7 +233,8 @@ TP_SPLIT = MODEL.n_layers * (4 * MODEL.d_model**2 + 3 * MODEL.d_model * MODEL.ff
 @pytest.mark.parametrize("mode", sorted(TWO_PROC_MODES))
 def test_two_process_modes_match_single_process(two_proc, references, mode) -> None:
     _, model, run = TWO_PROC_MODES[mode]
-    assert_matches(two_proc[mode], references[model], BF16_LOSS_RTOL if run.get("precision") else LOSS_RTOL)
+    assert_matches(two_proc[mode], references[model], BF16_LOSS_RTOL if run.get("precision") else LOSS_RTOL,
+                   OPTIONS_B_GRAD_NORM_RTOL if model == OPTIONS_B else GRAD_NORM_RTOL)
 
 
 @pytest.mark.distributed
