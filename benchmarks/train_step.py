@@ -30,9 +30,17 @@ comparison its users would make, and compiled Kiln against eager nanoGPT is prin
 model's first step runs alone before the interleaved rounds; a compiled model's compile time is
 that step's time less its median step.
 
+Where the time goes: after the timed rounds each model runs a few steps under torch's profiler,
+and the share of their wall time spent in matmuls (MKL's GEMMs) and in attention (the flash
+kernel) is printed. Both models run those kernels alike, at the same FLOPs; the rest (norms,
+activations, the loss's softmax, the optimizer, Python) is where one step can beat another. So
+compiled Kiln's ratio divided by its matmul-and-attention share is its ceiling against eager
+nanoGPT: the ratio it would reach were everything else free.
+
 Results: `RESULT train_tokens_per_s_ratio <Kiln / reference>`, eager against eager, and with
 `--compile` then `RESULT train_compiled_vs_nanogpt_eager_ratio` (compiled Kiln against eager
-nanoGPT, the goal of issue 34) and `RESULT train_compiled_ratio` (compiled against compiled, last).
+nanoGPT, the goal of issue 34), `RESULT train_compiled_ceiling_vs_nanogpt_eager` (that ceiling)
+and `RESULT train_compiled_ratio` (compiled against compiled, last).
 """
 
 from __future__ import annotations
@@ -51,12 +59,14 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
+from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 from kiln.tasks.train.config import ModelConfig, OptimConfig, ParallelDims, TrainRunConfig  # noqa: E402
 from kiln.tasks.train.distributed import Layout, clip_grad_norm, make_optimizer  # noqa: E402
 from kiln.tasks.train.model import count_parameters, seeded_weights  # noqa: E402
 
 GRAD_CLIP = 1.0  # nanoGPT's train.py default, and Kiln's optim.grad_clip default
+PROFILED_STEPS = 3
 
 
 # --- the reference: nanoGPT's model.py (dropout kept at its default 0.0, no generate/from_pretrained)
@@ -258,6 +268,27 @@ def interleaved_times(steps: dict[str, Step], batches: list[tuple[torch.Tensor, 
     return wall, cpu
 
 
+MATMUL_OPS = {"aten::mm", "aten::addmm", "aten::addmm_", "aten::bmm", "aten::baddbmm"}
+
+
+def time_split(step: Step, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[float, float]:
+    """(matmuls' share, attention's share) of the wall time of `batches`' steps under torch's
+    profiler: the kernels every model here runs alike (MKL's GEMMs, the flash attention kernel),
+    which no rewrite of the rest of the step makes faster."""
+    with profile(activities=[ProfilerActivity.CPU]) as profiled:
+        started = time.perf_counter()
+        for x, y in batches:
+            step(x, y)
+        wall = time.perf_counter() - started
+    matmul = attention = 0.0
+    for event in profiled.key_averages():
+        if event.key in MATMUL_OPS:
+            matmul += event.self_cpu_time_total / 1e6
+        elif "scaled_dot_product" in event.key:
+            attention += event.self_cpu_time_total / 1e6
+    return matmul / wall, attention / wall
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog="Expected duration: under a minute eager with the defaults on 2 cores; "
@@ -324,9 +355,20 @@ def main() -> None:
         by_cpu = statistics.median(cpu_times[ref]) / statistics.median(cpu_times[kiln])
         print(f"{kiln} / {ref}: {rate[kiln] / rate[ref]:.3f} "
               f"(median of per-round ratios {paired:.3f}, by CPU time {by_cpu:.3f})")
+    print(f"where the time goes ({PROFILED_STEPS} profiled steps each, after the timed ones): "
+          "matmuls, attention, everything else")
+    shares = {}
+    for name, step in steps.items():
+        matmul, attention = shares[name] = time_split(step, batches[:PROFILED_STEPS])
+        print(f"{name:<17} {matmul:6.1%} {attention:6.1%} {1 - matmul - attention:6.1%}")
     print(f"RESULT train_tokens_per_s_ratio {rate['kiln eager'] / rate['nanoGPT eager']:.3f}")
     if args.compile:
-        print(f"RESULT train_compiled_vs_nanogpt_eager_ratio {rate['kiln compiled'] / rate['nanoGPT eager']:.3f}")
+        compiled_vs_eager = rate["kiln compiled"] / rate["nanoGPT eager"]
+        # were all but its matmuls and attention free, kiln compiled would run 1 / (their share) faster
+        ceiling = compiled_vs_eager / sum(shares["kiln compiled"])
+        print(f"kiln compiled / nanoGPT eager were everything but its matmuls and attention free: {ceiling:.3f}")
+        print(f"RESULT train_compiled_vs_nanogpt_eager_ratio {compiled_vs_eager:.3f}")
+        print(f"RESULT train_compiled_ceiling_vs_nanogpt_eager {ceiling:.3f}")
         print(f"RESULT train_compiled_ratio {rate['kiln compiled'] / rate['nanoGPT compiled']:.3f}")
 
 
