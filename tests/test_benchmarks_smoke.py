@@ -37,6 +37,9 @@ def test_tiny_eager_run_reports_the_ratio() -> None:
     lines = done.stdout.strip().splitlines()
     assert lines[0].startswith("parameters: kiln 139,584 (SwiGLU width 192), nanoGPT ")
     assert any(line.startswith("kiln eager / nanoGPT eager: ") for line in lines)
+    # the time split: matmuls, attention and the rest, in percent, adding up to 100
+    shares = next(line for line in lines if line.startswith("kiln eager ") and line.endswith("%")).split()[2:]
+    assert len(shares) == 3 and abs(sum(float(share.rstrip("%")) for share in shares) - 100) < 0.2
     assert lines[-1].startswith("RESULT train_tokens_per_s_ratio ")
     assert float(lines[-1].split()[-1]) > 0
 
