@@ -39,7 +39,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 z_loss: float) -> tuple[torch.Tensor, torch.Tensor]:
         n, rows = hidden.shape[0], chunk_rows(weight.shape[0])
         grad_hidden = torch.empty_like(hidden)
-        grad_weight = torch.zeros_like(weight, dtype=torch.float32)
+        grad_weight = torch.empty_like(weight, dtype=torch.float32)
         ce = torch.zeros((), dtype=torch.float32, device=hidden.device)
         z = torch.zeros((), dtype=torch.float32, device=hidden.device)
         index = torch.arange(min(rows, n), device=hidden.device)
@@ -57,13 +57,10 @@ class _LinearCrossEntropy(torch.autograd.Function):
             if z_loss > 0:
                 probs.mul_((1 + 2 * z_loss * lse)[:, None])
             probs[r, t] -= 1
-            probs.div_(n)
-            if weight.dtype == torch.float32:
-                torch.mm(probs, weight, out=grad_hidden[start:start + rows])
-                grad_weight.addmm_(probs.T, h)
-            else:
-                torch.mm(probs.to(weight.dtype), weight, out=grad_hidden[start:start + rows])
-                grad_weight.addmm_(probs.T, h.float())
+            # the mean's 1 / n scales the two products' outputs (the first chunk's overwrites
+            # grad_weight: beta 0), not the chunk: one pass over its logits fewer
+            torch.mm(probs.to(weight.dtype), weight, out=grad_hidden[start:start + rows]).div_(n)
+            grad_weight.addmm_(probs.T, h.float(), beta=1 if start else 0, alpha=1 / n)
             del log_probs, probs  # the next chunk's logits take their place, not their side
         ctx.grads = (grad_hidden, grad_weight.to(weight.dtype))
         ce /= n
