@@ -47,7 +47,9 @@ def file_sha256(path: Path) -> str:
 
 class HashingFile:
     """A binary file being written, hashed (sha256) as its bytes go by: `close` notes the digest
-    (`note_sha256`), so the commit that lists the file need not read it back."""
+    (`note_sha256`), so the commit that lists the file need not read it back. Writes only, in order:
+    it cannot seek, so a zip archive written into it streams (`zipfile` then writes each member's
+    sizes after its data)."""
 
     def __init__(self, path: Path):
         self.path = Path(path)
@@ -69,6 +71,12 @@ class HashingFile:
         if not self._handle.closed:
             self._handle.close()
             note_sha256(self.path, self._digest.hexdigest())
+
+    def __enter__(self) -> HashingFile:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 # Files whose writer hashed them while writing: absolute path -> (size, mtime_ns, ctime_ns, inode, sha256),

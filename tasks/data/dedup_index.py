@@ -25,6 +25,7 @@ import numpy as np
 
 from kiln.tasks.data import minhash
 from kiln.tasks.errors import ConfigError
+from kiln.tasks.store import HashingFile
 
 INDEX_DIR = "lsh_index"
 INDEX_ARRAYS = "index.npz"
@@ -91,7 +92,12 @@ class DedupIndex:
     def save(self, index_dir: Path) -> None:
         index_dir.mkdir(parents=True, exist_ok=True)
         (index_dir / _SETTINGS).write_text(json.dumps(self.settings, indent=2, sort_keys=True))
-        np.savez(index_dir / INDEX_ARRAYS, **{name: getattr(self, name) for name in _ARRAY_FIELDS})
+        # np.savez's archive, written into a file hashed as it goes: the commit does not read it again
+        with (HashingFile(index_dir / INDEX_ARRAYS) as hashed,
+              zipfile.ZipFile(hashed, "w", zipfile.ZIP_STORED, allowZip64=True) as archive):
+            for name in _ARRAY_FIELDS:
+                with archive.open(f"{name}.npy", "w", force_zip64=True) as out:
+                    np.lib.format.write_array(out, np.asanyarray(getattr(self, name)), allow_pickle=False)
 
     @classmethod
     def load(cls, index_dir: Path, settings: dict[str, Any]) -> DedupIndex:
@@ -235,7 +241,8 @@ def save_merged(index_dir: Path, settings: dict[str, Any], parts: list[tuple[Pat
         bands = settings["bands"]
         width = sum(reader.shape[1] for reader in readers["table_keys"])
         docs_file = index_dir / ".table_docs"  # table_docs, sorted as table_keys is being written
-        with zipfile.ZipFile(index_dir / INDEX_ARRAYS, "w", zipfile.ZIP_STORED, allowZip64=True) as archive:
+        with (HashingFile(index_dir / INDEX_ARRAYS) as hashed,  # the commit does not read the index again
+              zipfile.ZipFile(hashed, "w", zipfile.ZIP_STORED, allowZip64=True) as archive):
             for field in _ARRAY_FIELDS:
                 columns = readers[field]
                 if field in TABLE_FIELDS:

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from kiln.tasks.data import dedup, minhash
 from kiln.tasks.data.dedup import DedupConfig
-from kiln.tasks.data.dedup_index import INDEX_DIR, DedupIndex
+from kiln.tasks.data.dedup_index import INDEX_ARRAYS, INDEX_DIR, DedupIndex
 from kiln.tasks.data.dedup_job import dedup_documents
 from kiln.tasks.data.documents import Document, write_documents
 from kiln.tasks.data.inspection import accounting
@@ -471,7 +471,7 @@ def test_a_batch_folds_every_character_casefold_changes_as_casefold_does():
 
 
 
-def test_shards_written_by_worker_processes_are_committed_without_being_read_again(tmp_path, monkeypatch):
+def test_shards_and_index_are_committed_without_being_read_again(tmp_path, monkeypatch):
     # issue 34: each rank hashes its shards as it writes them, in its own worker process; its ledger record
     # carries the digests to this process, whose commit lists them without reading the shards again
     from kiln.tasks import store as store_module
@@ -489,6 +489,8 @@ def test_shards_written_by_worker_processes_are_committed_without_being_read_aga
     final = store.commit("dedup", "k", {"stats": {}})
     shards = [p.relative_to(final).as_posix() for kind in KINDS for p in sorted((final / kind).glob("*"))]
     assert len(shards) == 4  # kept and removed, two shards each
-    assert not {p.relative_to(out).as_posix() for p in read} & set(shards)
+    index = f"{INDEX_DIR}/{INDEX_ARRAYS}"  # streamed into a hashed file too, by the stage's own process
+    assert (final / index).is_file()
+    assert not {p.relative_to(out).as_posix() for p in read} & {*shards, index}
     monkeypatch.undo()
     assert store.problems("dedup", "k", checksums=True) == []  # the digests listed are the files' own
