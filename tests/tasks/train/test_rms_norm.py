@@ -90,6 +90,7 @@ def test_takes_torchs_path_where_its_own_does_not_apply(monkeypatch) -> None:
     assert len(calls) == 1
 
 
+@pytest.mark.slow  # compiling: seconds with inductor's cache warm, ~20 s cold
 def test_compiled_model_keeps_torchs_norm_and_matches_eager() -> None:
     cfg = ModelConfig(d_model=32, n_layers=1, n_heads=2, max_seq_len=16)
     model = build_model(cfg, 64, seed=0)
@@ -97,7 +98,12 @@ def test_compiled_model_keeps_torchs_norm_and_matches_eager() -> None:
     grads = []
     for run in (model, torch.compile(model)):
         model.zero_grad(set_to_none=True)
-        _, loss = run(tokens, targets=tokens)
+        try:
+            _, loss = run(tokens, targets=tokens)
+        except Exception as e:  # noqa: BLE001 - inductor needs a working C++ toolchain
+            if "compiler" in str(e).lower() or "InductorError" in type(e).__name__:
+                pytest.skip(f"torch.compile cannot build kernels here: {e}")
+            raise
         loss.backward()
         grads.append((loss.detach(), [p.grad for p in model.parameters()]))
     torch.testing.assert_close(grads[1], grads[0], rtol=1e-5, atol=1e-6)
