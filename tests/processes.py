@@ -126,10 +126,21 @@ def ray_actors(class_name: str, *, forked: bool = False) -> Candidates:
     return pids
 
 
+def _slurm_conf(pid: int) -> str | None:
+    """The SLURM_CONF in the process's environment (None without one, or once it has exited)."""
+    try:
+        return psutil.Process(pid).environ().get("SLURM_CONF")
+    except (psutil.NoSuchProcess, psutil.ZombieProcess, psutil.AccessDenied):
+        return None
+
+
 def slurm_job_steps(env: Mapping[str, str], *, argument: str) -> Candidates:
     """The pids of the Python processes running in job steps of the one-node Slurm cluster that
     `env` (its SLURM_CONF) reaches, as its slurmd lists them (`scontrol listpids`), with `argument`
-    among their arguments: a job's own program, not the slurmstepd, shell or srun around it."""
+    among their arguments: a job's own program, not the slurmstepd, shell or srun around it.
+    `scontrol listpids` once named another cluster's step on the same node (CI, December 2026:
+    proctrack/linuxproc walks /proc), so a process whose environment names another SLURM_CONF
+    is left out."""
     def pids() -> list[int]:
         listed = subprocess.run(["scontrol", "listpids"], capture_output=True, text=True, timeout=30,
                                 env={**os.environ, **env})
@@ -141,6 +152,7 @@ def slurm_job_steps(env: Mapping[str, str], *, argument: str) -> Candidates:
         # PID JOBID STEPID LOCALID GLOBALID; a step that is starting may be listed with pid -1
         steps = [int(line.split()[0]) for line in listed.stdout.splitlines()[1:] if line.split()]
         return [pid for pid in steps if pid > 0
-                if argument in (command := argv(pid)) and "python" in os.path.basename(command[0])]
+                if argument in (command := argv(pid)) and "python" in os.path.basename(command[0])
+                and _slurm_conf(pid) in (None, env.get("SLURM_CONF"))]
 
     return pids
