@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING
 
@@ -27,13 +28,16 @@ class FaultInjection(TrainCallback):
     a rollback's new indices miss it, as with bad data on disk. `lr_multiplier`: {step: factor}
     applied every time that step runs, a fault no rollback cures. `kill_rank_at_step`: [rank, step]
     SIGKILLs that rank once after the step (a marker in out_dir makes the relaunched job run
-    clean), as a crashed node would."""
+    clean), as a crashed node would. `pause_after_step`: {step: seconds} the step's end waits, a
+    slow node (what watches a job from outside gets time to look while it still runs)."""
 
     def __init__(self, poison_data_index: Iterable[int] = (), lr_multiplier: Mapping[int | str, float] | None = None,
-                 kill_rank_at_step: tuple[int, int] | list[int] | None = None) -> None:
+                 kill_rank_at_step: tuple[int, int] | list[int] | None = None,
+                 pause_after_step: Mapping[int | str, float] | None = None) -> None:
         self.poison = frozenset(poison_data_index)
         self.lr_multiplier = {int(k): v for k, v in (lr_multiplier or {}).items()}  # JSON keys are strings
         self.kill_rank_at_step = tuple(kill_rank_at_step) if kill_rank_at_step is not None else None
+        self.pause_after_step = {int(k): v for k, v in (pause_after_step or {}).items()}
 
     def pre_step(self, trainer: Trainer, batch: Batch) -> None:
         if batch.index in self.poison:
@@ -42,6 +46,7 @@ class FaultInjection(TrainCallback):
         batch.lr_scale = self.lr_multiplier.get(batch.step, 1.0)
 
     def post_step(self, trainer: Trainer, out: StepOutput) -> None:
+        time.sleep(self.pause_after_step.get(out.step, 0.0))
         if self.kill_rank_at_step is None:
             return
         rank, at_step = self.kill_rank_at_step

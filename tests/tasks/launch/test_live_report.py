@@ -23,6 +23,9 @@ from tests.tasks.train.test_train_loop import write_mixture
 RUN = WATCHED.model_copy(update={"log_every": 1, "checkpoint_every": 5,
                                  "health": WATCHED.health.model_copy(update={"spike_zscore": 40.0})})
 BAD_STEP = 14  # poisoned early, so that the job runs on for 16 steps and 3 checkpoints after the alert
+# and pauses after the rollback: the driver's tail, which writes each earlier step's metrics to MLflow
+# first, once saw the alert only after a fast job's end (CI, December 2026)
+PAUSE_S = 5.0
 
 
 @pytest.mark.cluster
@@ -48,7 +51,8 @@ def test_metrics_and_a_loss_alert_arrive_while_the_job_runs(slurm_cluster, tmp_p
 
     result = train_with_launcher(MODEL, OPTIM, RUN, ParallelDims(), ClusterSpec(), data / "manifest.json", data, out,
                                  launcher="slurm", timeout_s=300, on_metrics=on_metrics, on_event=on_event,
-                                 callbacks=[CallbackSpec.of(FaultInjection, poison_data_index=[BAD_STEP - 1])])
+                                 callbacks=[CallbackSpec.of(FaultInjection, poison_data_index=[BAD_STEP - 1],
+                                                                pause_after_step={BAD_STEP + 1: PAUSE_S})])
     assert result.health_events[0]["step"] == BAD_STEP and result.model_dir is not None
     assert seen_live == {"metrics": True, "alert": True}
     # every log step reached MLflow, the last one too (the tail's final look as the job ended)
