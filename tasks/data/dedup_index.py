@@ -17,6 +17,8 @@ from __future__ import annotations
 import json
 import shutil
 import zipfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -92,9 +94,7 @@ class DedupIndex:
     def save(self, index_dir: Path) -> None:
         index_dir.mkdir(parents=True, exist_ok=True)
         (index_dir / _SETTINGS).write_text(json.dumps(self.settings, indent=2, sort_keys=True))
-        # np.savez's archive, written into a file hashed as it goes: the commit does not read it again
-        with (HashingFile(index_dir / INDEX_ARRAYS) as hashed,
-              zipfile.ZipFile(hashed, "w", zipfile.ZIP_STORED, allowZip64=True) as archive):
+        with _hashed_archive(index_dir / INDEX_ARRAYS) as archive:  # np.savez's archive
             for name in _ARRAY_FIELDS:
                 with archive.open(f"{name}.npy", "w", force_zip64=True) as out:
                     np.lib.format.write_array(out, np.asanyarray(getattr(self, name)), allow_pickle=False)
@@ -241,8 +241,7 @@ def save_merged(index_dir: Path, settings: dict[str, Any], parts: list[tuple[Pat
         bands = settings["bands"]
         width = sum(reader.shape[1] for reader in readers["table_keys"])
         docs_file = index_dir / ".table_docs"  # table_docs, sorted as table_keys is being written
-        with (HashingFile(index_dir / INDEX_ARRAYS) as hashed,  # the commit does not read the index again
-              zipfile.ZipFile(hashed, "w", zipfile.ZIP_STORED, allowZip64=True) as archive):
+        with _hashed_archive(index_dir / INDEX_ARRAYS) as archive:
             for field in _ARRAY_FIELDS:
                 columns = readers[field]
                 if field in TABLE_FIELDS:
@@ -277,6 +276,14 @@ def save_merged(index_dir: Path, settings: dict[str, Any], parts: list[tuple[Pat
             for reader in columns:
                 reader.close()
     return sum(sizes)
+
+
+@contextmanager
+def _hashed_archive(path: Path) -> Iterator[zipfile.ZipFile]:
+    """An uncompressed zip archive (np.savez's form) written into a file hashed as it goes, so the
+    store's commit does not read the index again."""
+    with HashingFile(path) as hashed, zipfile.ZipFile(hashed, "w", zipfile.ZIP_STORED, allowZip64=True) as archive:
+        yield archive
 
 
 def _fitted(strings: np.ndarray) -> np.ndarray:

@@ -55,7 +55,7 @@ class RMSNorm(nn.RMSNorm):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = self.weight
         if (weight is None or self.eps is None or len(self.normalized_shape) != 1 or torch.compiler.is_compiling()
-                or type(x) not in _PLAIN_INPUTS or type(weight) is not nn.Parameter and type(weight) is not torch.Tensor
+                or type(x) not in _PLAIN_INPUTS or type(weight) not in (nn.Parameter, torch.Tensor)
                 or x.dtype != torch.float32 or weight.dtype != torch.float32):
             return super().forward(x)
         return _RMSNormFunction.apply(x, weight, self.eps)
